@@ -1,0 +1,81 @@
+"""Per-row token sampling: temperature, top-k and top-p applied to one batch of logits.
+
+Every row of a continuous batch may carry its own sampling parameters, so the filters are
+vectorised over rows instead of taking one setting for the whole batch the way
+`model.generate` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The subset of vLLM/SGLang sampling parameters that verl's agent loops send."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    logprobs: bool = False
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    @classmethod
+    def from_request(cls, params: dict[str, Any]) -> "SamplingParams":
+        max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
+        temperature = float(params.get("temperature", 1.0))
+        top_p = float(params.get("top_p", 1.0))
+        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            logprobs=bool(params.get("logprobs", False)),
+            max_tokens=None if max_tokens is None else int(max_tokens),
+            seed=params.get("seed"),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Pick one token per row of `logits` [batch, vocab] under that row's parameters."""
+    batch, vocab = logits.shape
+    chosen = torch.empty(batch, dtype=torch.long)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        chosen[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled_rows:
+        return chosen
+
+    rows = logits[sampled_rows].float()
+    temperature = torch.tensor([params[i].temperature for i in sampled_rows]).unsqueeze(1)
+    rows = rows / temperature
+    sorted_logits, sorted_ids = rows.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled_rows]).unsqueeze(1)
+    remove = rank >= top_k
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p: the top token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = torch.tensor([params[i].top_p for i in sampled_rows]).unsqueeze(1)
+    remove |= mass_before >= top_p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    filtered_probs = sorted_logits.softmax(dim=-1)
+    for out_row, (row, i) in enumerate(zip(filtered_probs, sampled_rows)):
+        pick = torch.multinomial(row, 1, generator=generators[i])
+        chosen[i] = sorted_ids[out_row, pick]
+    return chosen
