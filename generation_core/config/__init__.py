@@ -1,0 +1,214 @@
+"""Load, override, validate and fingerprint the run configuration.
+
+The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
+meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file
+sets generation defaults and adds the `generation.*` and `storage.*` sections. Overrides use
+Hydra's syntax; an unknown key is an error naming the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import verl
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from generation_core import bundled
+from generation_core.errors import GenrunError
+
+VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
+
+# Keys that change how a run is executed but not what it produces: they stay out of the
+# fingerprint so that, for example, a resumed run may use more in-flight requests.
+OPERATIONAL_KEYS = (
+    "trainer.default_local_dir",
+    "trainer.experiment_name",
+    "trainer.project_name",
+    "trainer.logger",
+    "generation.save_batch_size",
+    "generation.pull_timeout",
+    "generation.max_inflight",
+    "generation.final_merge",
+    "generation.show_progress",
+    "generation.upload_artifact",
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.engine_kwargs",
+    "actor_rollout_ref.rollout.agent.num_workers",
+    "storage",
+    "ray_kwargs",
+)
+
+_BUNDLED = {
+    "bundled_prompts": lambda: str(bundled.BUNDLED_PROMPTS),
+    "bundled_model": lambda: str(bundled.bundled_model_dir()),
+}
+
+
+def _genrun_resolver(name: str) -> str:
+    if name not in _BUNDLED:
+        raise GenrunError(f"unknown ${{genrun:{name}}}; known: {', '.join(sorted(_BUNDLED))}")
+    return _BUNDLED[name]()
+
+
+OmegaConf.register_new_resolver("genrun", _genrun_resolver, replace=True)
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Defaults + Hydra-style overrides -> a resolved, validated config (no fingerprint yet)."""
+    cfg = OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
+    known_keys = _flat_keys(cfg)
+    for override in _parse_overrides(list(overrides)):
+        _apply_override(cfg, override, known_keys)
+    try:
+        # Resolve once: per-sample interpolation in verl's agent loop costs a third of its time.
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
+    validate_values(cfg)
+    return cfg
+
+
+def _parse_overrides(overrides: list[str]):
+    for text in overrides:
+        if "=" not in text and not text.startswith("~"):
+            raise GenrunError(f"cannot read override {text!r}: write key=value, e.g. generation.num_shards=4")
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise GenrunError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from None
+
+
+def _apply_override(cfg: DictConfig, override, known_keys: list[str]) -> None:
+    key = override.key_or_group
+    if override.is_delete():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or leaf not in node:
+            raise GenrunError(f"cannot delete {key!r}: no such key{_suggest(key, known_keys)}")
+        del node[leaf]
+        return
+    if not (override.is_add() or override.is_force_add()) and key not in known_keys and not _in_open_dict(cfg, key):
+        raise GenrunError(f"unknown config key {key!r}{_suggest(key, known_keys)} (prefix with + to add a new key)")
+    value = override.value()
+    try:
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    except OmegaConfBaseException as exc:
+        raise GenrunError(f"cannot set {key}={value!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _in_open_dict(cfg: DictConfig, key: str) -> bool:
+    """True for a new key under a mapping that is free-form by design (`storage.options`,
+    `engine_kwargs`, ...): such mappings are empty in the defaults."""
+    parts = key.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
+        if isinstance(node, DictConfig):
+            return len(node) == 0 or ".".join(parts[:depth]) in ("storage.options",)
+    return False
+
+
+def _suggest(key: str, known_keys: list[str]) -> str:
+    close = difflib.get_close_matches(key, known_keys, n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known_keys}
+        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+        close = [by_leaf[leaf_match[0]]] if leaf_match else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            path = f"{prefix}{k}"
+            keys.append(path)
+            child = node._get_node(k)
+            if isinstance(child, DictConfig):
+                keys.extend(_flat_keys(child, path + "."))
+    return keys
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise GenrunError(f"invalid {key}={value!r}: {rule}")
+
+
+def validate_values(cfg: DictConfig) -> None:
+    """Reject values that would fail later, after models were loaded and time was spent."""
+    rollout = cfg.actor_rollout_ref.rollout
+    gen = cfg.generation
+    for key, value in (
+        ("actor_rollout_ref.rollout.n", rollout.n),
+        ("actor_rollout_ref.rollout.prompt_length", rollout.prompt_length),
+        ("actor_rollout_ref.rollout.response_length", rollout.response_length),
+        ("generation.num_shards", gen.num_shards),
+        ("generation.max_inflight", gen.max_inflight),
+        ("generation.save_batch_size", gen.save_batch_size),
+        ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
+    ):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key, value, "must be an integer >= 1")
+    _require(_is_number(rollout.temperature) and rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature", rollout.temperature, "must be a number >= 0 (0 is greedy)")
+    _require(_is_number(rollout.top_p) and 0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", rollout.top_p, "must be in (0, 1]")
+    _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
+    _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
+    _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
+    _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
+    threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")
+    _require(threads is None or (isinstance(threads, int) and threads >= 1), "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads", threads, "must be null or an integer >= 1")
+    files = cfg.data.train_files
+    _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
+    _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
+    _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def train_files(cfg: DictConfig) -> list[str]:
+    files = cfg.data.train_files
+    return [files] if isinstance(files, str) else list(files)
+
+
+def versions() -> dict[str, str]:
+    names = ("genrun", "verl", "transformers", "torch")
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return found
+
+
+def fingerprint(cfg: DictConfig, dataset_hash: str) -> str:
+    """Hash of everything that determines the output: config (minus operational keys),
+    dataset content and the versions of the code that produce it."""
+    semantic = OmegaConf.to_container(cfg, resolve=True)
+    for key in OPERATIONAL_KEYS:
+        parent, _, leaf = key.rpartition(".")
+        node = semantic
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    payload = json.dumps({"config": semantic, "dataset": dataset_hash, "versions": versions()}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def finalize_run_location(cfg: DictConfig, run_fingerprint: str) -> None:
+    """Fill the experiment name and output folder the user left to us (derived from the
+    fingerprint, so running the same command again resumes)."""
+    if cfg.trainer.experiment_name in (None, ""):
+        cfg.trainer.experiment_name = f"gen-{run_fingerprint[:12]}"
+    if cfg.trainer.default_local_dir in (None, ""):
+        cfg.trainer.default_local_dir = str(Path("outputs") / cfg.trainer.project_name / cfg.trainer.experiment_name)

@@ -1,0 +1,86 @@
+"""The inference replica pool: boot once per run, attach by name from any process, tear down.
+
+Booting goes through verl's LLMServerManager, so `rollout.name=hf` (CPU), `sglang` and `vllm`
+take one path. The only change: the load balancer actor gets a name, so shard tasks running in
+other Ray workers can attach to the pool booted by the driver instead of loading the model again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import ray
+from omegaconf import DictConfig
+from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
+
+import generation_core.engines.hf_replica  # noqa: F401 - registers rollout.name=hf with verl
+from generation_core.errors import GenrunError
+
+logger = logging.getLogger(__name__)
+
+LOAD_BALANCER_NAME = "genrun_load_balancer"
+
+
+class _NamedLoadBalancerManager(LLMServerManager):
+    async def _init_global_load_balancer(self) -> None:
+        servers = dict(zip(self.server_addresses, self.server_handles, strict=True))
+        self.global_load_balancer = (
+            ray.remote(GlobalRequestLoadBalancer)
+            .options(name=LOAD_BALANCER_NAME, num_cpus=0)
+            .remote(servers=servers, max_cache_size=DEFAULT_ROUTING_CACHE_SIZE)
+        )
+
+
+def check_rollout_name(cfg: DictConfig) -> None:
+    name = cfg.actor_rollout_ref.rollout.name
+    if name not in RolloutReplicaRegistry._registry:
+        known = ", ".join(sorted(RolloutReplicaRegistry._registry))
+        raise GenrunError(f"unknown actor_rollout_ref.rollout.name={name!r}; known engines: {known}")
+
+
+@dataclass
+class ReplicaPool:
+    """The booted replicas of one run (owned by the process that booted them)."""
+
+    manager: LLMServerManager
+    config: DictConfig
+
+    @classmethod
+    async def boot(cls, cfg: DictConfig) -> "ReplicaPool":
+        check_rollout_name(cfg)
+        manager = await _NamedLoadBalancerManager.create(cfg)
+        pool = cls(manager, cfg)
+        await pool.check_health()
+        return pool
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.manager.server_handles)
+
+    def client(self) -> LLMServerClient:
+        return self.manager.get_client()
+
+    async def check_health(self) -> list[dict]:
+        if self.config.actor_rollout_ref.rollout.name != "hf":
+            return []
+        return await asyncio.gather(*[handle.health.remote() for handle in self.manager.server_handles])
+
+    def shutdown(self) -> None:
+        for handle in [*self.manager.server_handles, self.manager.global_load_balancer]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - teardown goes on for the other actors
+                logger.warning("could not stop actor %s: %s", handle, exc)
+
+
+def attach_client(cfg: DictConfig) -> LLMServerClient:
+    """A client for the pool that another process of this Ray job booted."""
+    try:
+        balancer = ray.get_actor(LOAD_BALANCER_NAME)
+    except ValueError:
+        raise GenrunError("no inference pool is running in this Ray namespace; boot it before running shards") from None
+    return LLMServerClient(config=cfg, load_balancer_handle=balancer)

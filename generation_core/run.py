@@ -1,0 +1,189 @@
+"""One generation run end to end, without Prefect: preflight, replicas, shards, merge.
+
+`prepare_run` does every check that needs no model (config, model files, dataset, output
+folder) so a wrong input is refused in seconds. `execute_run` boots the replicas once, runs the
+shards, merges, and always tears the replicas down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from generation_core import bundled
+from generation_core.config import finalize_run_location, fingerprint, load_config, versions
+from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
+from generation_core.errors import GenrunError
+from generation_core.storage import RunFolder
+
+logger = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class RunPlan:
+    cfg: DictConfig
+    fingerprint: str
+    folder: RunFolder
+    prompts: PromptSet
+    shards: list[ShardSpec]
+    pad_token_id: int
+
+
+def check_model_dir(cfg: DictConfig) -> Path:
+    path = Path(os.path.expanduser(cfg.actor_rollout_ref.model.path))
+    if path == bundled.bundled_model_dir() and not bundled.is_prepared(path):
+        logger.info("preparing the bundled model into %s (once)", path)
+        bundled.prepare_bundled_model(path)
+    if not path.is_dir():
+        raise GenrunError(f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory")
+    if not (path / "config.json").exists():
+        raise GenrunError(f"model path {path} has no config.json; it must be a Hugging Face model directory")
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise GenrunError(f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return path
+
+
+def _check_context(cfg: DictConfig, model_dir: Path) -> None:
+    model_config = json.loads((model_dir / "config.json").read_text())
+    context = model_config.get("max_position_embeddings")
+    rollout = cfg.actor_rollout_ref.rollout
+    if context and rollout.prompt_length + rollout.response_length > context:
+        raise GenrunError(
+            f"prompt_length {rollout.prompt_length} + response_length {rollout.response_length} exceed the model's "
+            f"context of {context} tokens; lower data.max_prompt_length or data.max_response_length"
+        )
+
+
+def open_run_folder(folder: RunFolder, cfg: DictConfig, run_fingerprint: str, pad_token_id: int, shards: list[ShardSpec]) -> None:
+    """Claim the folder for this run, or confirm it already belongs to it (resume)."""
+    if folder.exists(RUN_FILE):
+        existing = folder.read_json(RUN_FILE)
+        if existing.get("fingerprint") != run_fingerprint:
+            raise GenrunError(
+                f"output folder {folder.display()} holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, "
+                f"this one is {run_fingerprint[:12]}): the config, dataset or versions changed. To start fresh, "
+                "set another trainer.default_local_dir (or trainer.experiment_name) or delete that folder"
+            )
+        return
+    folder.put_json(
+        RUN_FILE,
+        {
+            "fingerprint": run_fingerprint,
+            "versions": versions(),
+            "pad_token_id": pad_token_id,
+            "shards": [{"name": s.name, "range": [s.start, s.end]} for s in shards],
+            "rollout_n": cfg.actor_rollout_ref.rollout.n,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # storage.options can hold credentials: never written.
+            "config": _config_without_secrets(cfg),
+        },
+    )
+
+
+def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container["storage"]["options"] = {key: "<redacted>" for key in container["storage"]["options"]}
+    return container
+
+
+def prepare_run(overrides: list[str]) -> RunPlan:
+    from transformers import AutoTokenizer
+
+    cfg = load_config(overrides)
+    from generation_core.pool import check_rollout_name
+
+    check_rollout_name(cfg)
+    dataset_hash = check_prompt_files(cfg)
+    model_dir = check_model_dir(cfg)
+    _check_context(cfg, model_dir)
+    run_fingerprint = fingerprint(cfg, dataset_hash)
+    finalize_run_location(cfg, run_fingerprint)
+    folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
+    folder.check_writable()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    prompts = PromptSet(cfg, tokenizer)
+    shards = plan_shards(len(prompts), cfg.generation.num_shards)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    open_run_folder(folder, cfg, run_fingerprint, pad_token_id, shards)
+    return RunPlan(cfg, run_fingerprint, folder, prompts, shards, pad_token_id)
+
+
+def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Single-host runs need no token auth; a cluster passes its own settings via ray_init.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    init_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.ray_kwargs.ray_init).items() if v is not None}
+    if "address" not in init_kwargs:
+        init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
+        init_kwargs.setdefault("include_dashboard", False)
+        # The object store takes 30% of RAM unless capped; we only pass small manifests through it.
+        init_kwargs.setdefault("object_store_memory", 256 * 1024 * 1024)
+    init_kwargs.setdefault("namespace", f"genrun-{run_fingerprint[:12]}")
+    init_kwargs.setdefault("log_to_driver", os.environ.get("GENRUN_DEBUG") == "1")
+    ray.init(**init_kwargs)
+
+
+async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
+    from generation_core.pool import ReplicaPool
+    from generation_core.shard import run_shard
+    from generation_core.streaming import StreamingWorker
+
+    pool = await ReplicaPool.boot(plan.cfg)
+    try:
+        worker = StreamingWorker(plan.cfg, pool.client())
+        worker.check_agent_names(plan.prompts.agent_names())
+        return [await run_shard(plan.cfg, shard, plan.folder, plan.prompts, worker) for shard in plan.shards]
+    finally:
+        pool.shutdown()
+
+
+def execute_run(plan: RunPlan) -> dict[str, Any]:
+    """Generate every missing trajectory, merge, and return the run summary."""
+    from generation_core.merge import MERGED_FILE, merge_run
+
+    started = time.perf_counter()
+    start_ray(plan.cfg, plan.fingerprint)
+    manifests = asyncio.run(_generate(plan))
+    elapsed = time.perf_counter() - started
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    summary = summarize(plan, manifests, elapsed)
+    if plan.cfg.generation.final_merge:
+        data = merge_run(plan.folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=plan.pad_token_id)
+        summary["artifact"] = plan.folder.display(MERGED_FILE)
+        summary["merged_rows"] = len(data)
+    plan.folder.put_json(MANIFEST_FILE, summary)
+    return summary
+
+
+def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    generated_now = sum(m["last_attempt"]["trajectories"] for m in manifests)
+    shard_seconds = sum(m["last_attempt"]["seconds"] for m in manifests)
+    tokens_now = sum(m.get("last_attempt", {}).get("generated_tokens", 0) for m in manifests)
+    return {
+        "fingerprint": plan.fingerprint,
+        "output": plan.folder.display(),
+        "num_trajectories": sum(m["num_trajectories"] for m in manifests),
+        "generated_tokens": sum(m["generated_tokens"] for m in manifests),
+        "this_invocation": {
+            "trajectories": generated_now,
+            "generated_tokens": tokens_now,
+            "generation_seconds": round(shard_seconds, 3),
+            "tokens_per_second": round(tokens_now / shard_seconds, 2) if shard_seconds else 0.0,
+            "wall_seconds": round(elapsed, 3),
+        },
+        "shards": [{k: m[k] for k in ("shard", "num_trajectories", "generated_tokens", "attempts")} for m in manifests],
+    }

@@ -1,0 +1,56 @@
+"""Read a run folder without running anything: per-shard status, and merge on demand."""
+
+from __future__ import annotations
+
+from generation_core.errors import GenrunError
+from generation_core.run import RUN_FILE
+from generation_core.shard import CHECKPOINT, SUCCESS
+from generation_core.storage import RunFolder
+
+
+def _open(url: str) -> tuple[RunFolder, dict]:
+    folder = RunFolder(url)
+    if not folder.exists(RUN_FILE):
+        raise GenrunError(f"{folder.display()} is not a genrun run folder (no {RUN_FILE})")
+    return folder, folder.read_json(RUN_FILE)
+
+
+def shard_states(folder: RunFolder, run: dict) -> list[dict]:
+    states = []
+    for shard in run["shards"]:
+        expected = (shard["range"][1] - shard["range"][0]) * run["rollout_n"]
+        base = f"shards/{shard['name']}"
+        if folder.exists(f"{base}/{SUCCESS}"):
+            done = folder.read_json(f"{base}/{SUCCESS}")["num_trajectories"]
+            state = "done"
+        elif folder.exists(f"{base}/{CHECKPOINT}"):
+            done = len(folder.read_json(f"{base}/{CHECKPOINT}")["completed"])
+            state = "partial"
+        else:
+            done, state = 0, "pending"
+        states.append({"shard": shard["name"], "state": state, "committed": done, "expected": expected})
+    return states
+
+
+def print_status(url: str) -> int:
+    folder, run = _open(url)
+    states = shard_states(folder, run)
+    print(f"run {run['fingerprint'][:12]} at {folder.display()}")
+    for s in states:
+        print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}")
+    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "pending")}
+    total = sum(s["committed"] for s in states)
+    expected = sum(s["expected"] for s in states)
+    print(f"shards: {counts['done']} done, {counts['partial']} partial (running or interrupted), {counts['pending']} pending; trajectories {total}/{expected}")
+    merged = "yes" if folder.exists("trajectories.pkl") else "no"
+    print(f"merged: {merged}")
+    return 0
+
+
+def merge_folder(url: str) -> None:
+    from generation_core.merge import merge_run
+
+    folder, run = _open(url)
+    rollout = run["config"]["actor_rollout_ref"]["rollout"]
+    data = merge_run(folder, prompt_length=rollout["prompt_length"], response_length=rollout["response_length"], pad_token_id=run["pad_token_id"])
+    print(f"merged {len(data)} trajectories into {folder.display('trajectories.pkl')}")
