@@ -15,8 +15,13 @@ from pathlib import Path
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "data" / "prompts.parquet"
-# Written last, so a conversion killed halfway is redone instead of half-loaded.
+# Written last, so a conversion killed halfway is redone instead of half-loaded. Bump the
+# format when the conversion changes, so existing caches are redone.
 _READY_MARKER = "genrun_ready.json"
+_FORMAT = 3
+# SmolLM2's own tokenizer ends turns and pads with <|im_end|> (id 2); the GGUF conversion names
+# <|im_start|> as eos, which would stop nothing and pad with the wrong id.
+_END_OF_TURN = "<|im_end|>"
 
 
 def cache_root() -> Path:
@@ -43,7 +48,11 @@ def _gguf_path() -> Path:
 
 
 def is_prepared(model_dir: Path | None = None) -> bool:
-    return ((model_dir or bundled_model_dir()) / _READY_MARKER).exists()
+    marker = (model_dir or bundled_model_dir()) / _READY_MARKER
+    try:
+        return json.loads(marker.read_text()).get("format") == _FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def prepare_bundled_model(model_dir: Path | None = None) -> Path:
@@ -54,7 +63,10 @@ def prepare_bundled_model(model_dir: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, clean_up_tokenization_spaces=False)
+    tokenizer.eos_token = _END_OF_TURN
+    tokenizer.pad_token = _END_OF_TURN
+    tokenizer.clean_up_tokenization_spaces = False
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The GGUF quantizer config would make save_pretrained write a model that refuses to reload.
     if getattr(model, "hf_quantizer", None) is not None:
@@ -62,5 +74,9 @@ def prepare_bundled_model(model_dir: Path | None = None) -> Path:
     model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
-    (model_dir / _READY_MARKER).write_text(json.dumps({"source": gguf.name}))
+    (model_dir / _READY_MARKER).write_text(json.dumps({"source": gguf.name, "format": _FORMAT}))
     return model_dir
+
+
+if __name__ == "__main__":
+    print(f"bundled model ready at {prepare_bundled_model()}")

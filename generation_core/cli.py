@@ -24,8 +24,10 @@ def _setup_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     level = os.environ.get("GENRUN_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "datasets", "filelock", "urllib3"):
+    for noisy in ("httpx", "datasets", "filelock", "urllib3", "fsspec", "s3fs", "botocore", "asyncio", "ray"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # verl builds a tokenizer wiring per sample and logs its choice (and a fallback warning) each time.
+    logging.getLogger("verl.utils.tokenizer.continuous_token_wiring").setLevel(logging.ERROR)
 
 
 def _print_summary(summary: dict, plan) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -22,15 +23,17 @@ from generation_core.errors import GenrunError
 
 logger = logging.getLogger(__name__)
 
-LOAD_BALANCER_NAME = "genrun_load_balancer"
+LOAD_BALANCER_PREFIX = "genrun_load_balancer"
 
 
 class _NamedLoadBalancerManager(LLMServerManager):
+    balancer_name: str = ""
+
     async def _init_global_load_balancer(self) -> None:
         servers = dict(zip(self.server_addresses, self.server_handles, strict=True))
         self.global_load_balancer = (
             ray.remote(GlobalRequestLoadBalancer)
-            .options(name=LOAD_BALANCER_NAME, num_cpus=0)
+            .options(name=self.balancer_name, num_cpus=0)
             .remote(servers=servers, max_cache_size=DEFAULT_ROUTING_CACHE_SIZE)
         )
 
@@ -48,12 +51,16 @@ class ReplicaPool:
 
     manager: LLMServerManager
     config: DictConfig
+    balancer_name: str
 
     @classmethod
     async def boot(cls, cfg: DictConfig) -> "ReplicaPool":
         check_rollout_name(cfg)
-        manager = await _NamedLoadBalancerManager.create(cfg)
-        pool = cls(manager, cfg)
+        # A fresh name per boot: a pool torn down a moment ago may still hold its old name.
+        balancer_name = f"{LOAD_BALANCER_PREFIX}_{uuid.uuid4().hex[:8]}"
+        manager_cls = type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name})
+        manager = await manager_cls.create(cfg)
+        pool = cls(manager, cfg, balancer_name)
         await pool.check_health()
         return pool
 
@@ -77,10 +84,10 @@ class ReplicaPool:
                 logger.warning("could not stop actor %s: %s", handle, exc)
 
 
-def attach_client(cfg: DictConfig) -> LLMServerClient:
+def attach_client(cfg: DictConfig, balancer_name: str) -> LLMServerClient:
     """A client for the pool that another process of this Ray job booted."""
     try:
-        balancer = ray.get_actor(LOAD_BALANCER_NAME)
+        balancer = ray.get_actor(balancer_name)
     except ValueError:
-        raise GenrunError("no inference pool is running in this Ray namespace; boot it before running shards") from None
+        raise GenrunError(f"no inference pool {balancer_name!r} is running in this Ray namespace; was the run's pool torn down?") from None
     return LLMServerClient(config=cfg, load_balancer_handle=balancer)

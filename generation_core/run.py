@@ -98,7 +98,8 @@ def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
 
 
 def prepare_run(overrides: list[str]) -> RunPlan:
-    from transformers import AutoTokenizer
+    # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so merge pads like verl.
+    from verl.utils import hf_tokenizer
 
     cfg = load_config(overrides)
     from generation_core.pool import check_rollout_name
@@ -111,10 +112,10 @@ def prepare_run(overrides: list[str]) -> RunPlan:
     finalize_run_location(cfg, run_fingerprint)
     folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
     folder.check_writable()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shards = plan_shards(len(prompts), cfg.generation.num_shards)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_token_id = tokenizer.pad_token_id
     open_run_folder(folder, cfg, run_fingerprint, pad_token_id, shards)
     return RunPlan(cfg, run_fingerprint, folder, prompts, shards, pad_token_id)
 

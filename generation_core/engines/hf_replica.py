@@ -8,6 +8,7 @@ exercise the same pool and client code as production GPU runs.
 from __future__ import annotations
 
 import os
+import uuid
 
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
@@ -57,7 +58,7 @@ class HFReplica(RolloutReplica):
             num_threads=hf_kwargs.get("num_threads") or os.cpu_count(),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )
-        name = f"{SERVER_NAME_PREFIX}_{self.replica_rank}{self.name_suffix}"
+        name = f"{SERVER_NAME_PREFIX}_{self.replica_rank}{self.name_suffix}_{uuid.uuid4().hex[:8]}"
         # num_cpus=0: the engine's threads are sized by num_threads, and holding a Ray CPU
         # would starve shard tasks on a small machine.
         server = (

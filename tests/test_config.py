@@ -1,0 +1,70 @@
+import pytest
+
+from generation_core.config import OPERATIONAL_KEYS, fingerprint, finalize_run_location, load_config
+from generation_core.errors import GenrunError
+
+
+def test_defaults_are_the_bundled_cpu_run():
+    cfg = load_config([])
+    assert cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.model.path.endswith("SmolLM2-135M-Instruct")
+    assert cfg.data.train_files.endswith("examples/data/prompts.parquet")
+    # verl's interpolation: rollout lengths follow data lengths.
+    assert cfg.actor_rollout_ref.rollout.prompt_length == cfg.data.max_prompt_length
+    assert cfg.actor_rollout_ref.rollout.response_length == cfg.data.max_response_length
+
+
+def test_overrides_use_hydra_syntax():
+    cfg = load_config(["generation.num_shards=3", "trainer.logger=[console,wandb]", "storage.options.endpoint_url=http://127.0.0.1:9000", "+generation.note=hello"])
+    assert cfg.generation.num_shards == 3
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert cfg.storage.options.endpoint_url == "http://127.0.0.1:9000"
+    assert cfg.generation.note == "hello"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("generation.max_inflght=3", "did you mean 'generation.max_inflight'"),
+        ("actor_rollout_ref.rollout.temprature=0", "did you mean 'actor_rollout_ref.rollout.temperature'"),
+        ("data.promt_key=x", "did you mean 'data.prompt_key'"),
+    ],
+)
+def test_unknown_key_names_the_closest_valid_key(override, expected):
+    with pytest.raises(GenrunError, match=expected):
+        load_config([override])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("actor_rollout_ref.rollout.n=0", "rollout.n=0: must be an integer >= 1"),
+        ("data.max_response_length=-5", "response_length=-5"),
+        ("actor_rollout_ref.rollout.temperature=-1", "temperature=-1"),
+        ("actor_rollout_ref.rollout.top_p=0", "top_p=0"),
+        ("generation.num_shards=abc", "num_shards='abc'"),
+        ("generation.pull_timeout=0", "pull_timeout=0"),
+        ("novalue", "write key=value"),
+    ],
+)
+def test_invalid_values_are_refused(override, expected):
+    with pytest.raises(GenrunError, match=expected.replace("[", r"\[")):
+        load_config([override])
+
+
+def test_fingerprint_ignores_operational_keys_only():
+    base = fingerprint(load_config([]), "data")
+    assert fingerprint(load_config(["generation.max_inflight=7", "generation.save_batch_size=3", "generation.show_progress=false"]), "data") == base
+    assert fingerprint(load_config(["actor_rollout_ref.rollout.temperature=0.5"]), "data") != base
+    assert fingerprint(load_config([]), "other data") != base
+    assert "trainer.default_local_dir" in OPERATIONAL_KEYS
+
+
+def test_default_output_folder_derives_from_the_fingerprint():
+    cfg = load_config([])
+    finalize_run_location(cfg, "abcdef0123456789")
+    assert cfg.trainer.experiment_name == "gen-abcdef012345"
+    assert cfg.trainer.default_local_dir == "outputs/genrun/gen-abcdef012345"
+    explicit = load_config(["trainer.default_local_dir=/tmp/x", "trainer.experiment_name=mine"])
+    finalize_run_location(explicit, "abcdef0123456789")
+    assert explicit.trainer.default_local_dir == "/tmp/x"

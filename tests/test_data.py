@@ -1,0 +1,83 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from generation_core.config import load_config
+from generation_core.data import check_prompt_files, plan_shards
+from generation_core.errors import GenrunError
+from tests.conftest import chat_rows, write_parquet
+
+
+def _check(path, *extra):
+    return check_prompt_files(load_config([f"data.train_files={path}", *extra]))
+
+
+def test_valid_file_hashes_its_content(tmp_path):
+    a = write_parquet(tmp_path / "a.parquet", chat_rows(4))
+    b = write_parquet(tmp_path / "b.parquet", chat_rows(5))
+    assert _check(a) == _check(a)
+    assert _check(a) != _check(b)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(GenrunError, match="does not exist"):
+        _check(tmp_path / "nope.parquet")
+
+
+def test_unsupported_format(tmp_path):
+    path = tmp_path / "prompts.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(GenrunError, match="unsupported format"):
+        _check(path)
+
+
+def test_not_parquet(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"this is not parquet")
+    with pytest.raises(GenrunError, match="cannot be read as parquet"):
+        _check(path)
+
+
+def test_missing_prompt_column(tmp_path):
+    path = write_parquet(tmp_path / "p.parquet", [{"question": "hi", "extra_info": {"index": 0}}])
+    with pytest.raises(GenrunError, match="no column 'prompt'.*data.prompt_key"):
+        _check(path)
+
+
+def test_prompt_not_chat_messages(tmp_path):
+    path = write_parquet(tmp_path / "p.parquet", [{"prompt": "plain text", "extra_info": {"index": 0}}])
+    with pytest.raises(GenrunError, match="not a list of chat messages"):
+        _check(path)
+
+
+def test_empty_dataset(tmp_path):
+    rows = chat_rows(1)
+    table = pa.Table.from_pylist(rows).slice(0, 0)
+    path = tmp_path / "empty.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(GenrunError, match="empty"):
+        _check(path)
+
+
+def test_missing_index(tmp_path):
+    rows = chat_rows(3)
+    rows[1]["extra_info"] = {"split": "test", "index": None}
+    path = write_parquet(tmp_path / "p.parquet", rows)
+    with pytest.raises(GenrunError, match="row 1: extra_info.index is missing"):
+        _check(path)
+
+
+def test_duplicate_index(tmp_path):
+    rows = chat_rows(3)
+    rows[2]["extra_info"]["index"] = 0
+    path = write_parquet(tmp_path / "p.parquet", rows)
+    with pytest.raises(GenrunError, match="index 0 repeats"):
+        _check(path)
+
+
+def test_shards_cover_every_row_once():
+    shards = plan_shards(10, 3)
+    assert [(s.start, s.end) for s in shards] == [(0, 4), (4, 7), (7, 10)]
+    assert [s.name for s in shards] == ["shard-00000", "shard-00001", "shard-00002"]
+    with pytest.raises(GenrunError, match="num_shards=11 is more than the 10 prompts"):
+        plan_shards(10, 11)
