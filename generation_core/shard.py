@@ -64,7 +64,8 @@ async def run_shard(
 ) -> dict[str, Any]:
     """Generate every missing trajectory of `shard` and return its (small) manifest."""
     if folder.exists(f"shards/{shard.name}/{SUCCESS}"):
-        return folder.read_json(f"shards/{shard.name}/{SUCCESS}")
+        finished = folder.read_json(f"shards/{shard.name}/{SUCCESS}")
+        return dict(finished, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
     gen = cfg.generation
     checkpoint = ShardCheckpoint.load(folder, shard)
     checkpoint.attempts += 1
