@@ -110,12 +110,12 @@ def prepare_run(overrides: list[str]) -> RunPlan:
     _check_context(cfg, model_dir)
     run_fingerprint = fingerprint(cfg, dataset_hash)
     finalize_run_location(cfg, run_fingerprint)
-    folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
-    folder.check_writable()
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shards = plan_shards(len(prompts), cfg.generation.num_shards)
     pad_token_id = tokenizer.pad_token_id
+    folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
+    folder.check_writable()
     open_run_folder(folder, cfg, run_fingerprint, pad_token_id, shards)
     return RunPlan(cfg, run_fingerprint, folder, prompts, shards, pad_token_id)
 

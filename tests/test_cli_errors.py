@@ -1,0 +1,48 @@
+"""Bad input gets one clear line on stderr and exit code 2, before any model loads or any
+output is written."""
+
+import pytest
+
+from tests.conftest import chat_rows, run_genrun, write_parquet
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _bad_inputs(tmp_path):
+    no_column = write_parquet(tmp_path / "no_column.parquet", [{"question": "hi", "extra_info": {"index": 0}}])
+    not_chat = write_parquet(tmp_path / "not_chat.parquet", [{"prompt": "hi", "extra_info": {"index": 0}}])
+    rows = chat_rows(2)
+    rows[0]["extra_info"] = {"split": "x"}
+    no_index = write_parquet(tmp_path / "no_index.parquet", rows)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(chat_rows(1)).slice(0, 0), empty)
+    good = write_parquet(tmp_path / "good.parquet", chat_rows(3))
+    return [
+        ([f"data.train_files={tmp_path / 'missing.parquet'}"], "does not exist"),
+        ([f"data.train_files={no_column}"], "has no column 'prompt'"),
+        ([f"data.train_files={not_chat}"], "not a list of chat messages"),
+        ([f"data.train_files={empty}"], "dataset is empty"),
+        ([f"data.train_files={no_index}"], "extra_info.index is missing"),
+        ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "model path .* does not exist"),
+        ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
+        ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
+    ]
+
+
+def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir):
+    import re
+
+    for args, message in _bad_inputs(tmp_path):
+        out = tmp_path / "out"
+        result = run_genrun([*args, f"trainer.default_local_dir={out}"], timeout=120)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("genrun: error:")]
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert len(errors) == 1 and re.search(message, errors[0]), (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr
+        assert "Loading weights" not in result.stderr, "no model may load before the input is checked"
+        assert not out.exists(), "a refused run writes nothing"
