@@ -18,7 +18,7 @@ from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
-import generation_core.engines.hf_replica  # noqa: F401 - registers rollout.name=hf with verl
+from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class ReplicaPool:
         return self.manager.get_client()
 
     async def check_health(self) -> list[dict]:
-        if self.config.actor_rollout_ref.rollout.name != "hf":
+        if self.config.actor_rollout_ref.rollout.name not in GENRUN_ENGINES:
             return []
         return await asyncio.gather(*[handle.health.remote() for handle in self.manager.server_handles])
 

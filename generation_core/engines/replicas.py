@@ -1,0 +1,112 @@
+"""Our engines as verl RolloutReplicas (`hf`, `instant`), each served by one Ray actor.
+
+Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them and
+verl's LLMServerClient route to them, exactly as it does for `sglang` and `vllm`: the CPU tests
+exercise the same pool and client code as production GPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
+
+
+class EngineServer:
+    """Ray actor body: one engine, many concurrent `generate` calls (an async actor)."""
+
+    def __init__(self, build_engine: Callable[[], Any]):
+        self.engine = build_engine()
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+    def health(self) -> dict:
+        return dict(self.engine.stats)
+
+    # verl's replica API: weights never change during generation, so these are no-ops.
+    async def wake_up(self):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class _EngineReplica(RolloutReplica):
+    """A verl replica whose server is one EngineServer actor; standalone mode only."""
+
+    engine_name = ""
+
+    def build_engine(self) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    async def init_standalone(self):
+        self.rollout_mode = RolloutMode.STANDALONE
+        name = f"genrun_{self.engine_name}_server_{self.replica_rank}{self.name_suffix}_{uuid.uuid4().hex[:8]}"
+        # num_cpus=0: the engine sizes its own threads, and holding a Ray CPU would starve the
+        # shard tasks on a small machine.
+        server = (
+            ray.remote(EngineServer)
+            .options(name=name, num_cpus=0, max_concurrency=self.max_concurrency, max_restarts=0)
+            .remote(self.build_engine())
+        )
+        await server.health.remote()
+        self._server_handle = server
+        self._server_address = name
+        self.servers = [server]
+
+    async def launch_servers(self):
+        raise NotImplementedError(f"the {self.engine_name} engine runs standalone only (a generation run)")
+
+
+class HFReplica(_EngineReplica):
+    engine_name = "hf"
+
+    def build_engine(self):
+        from generation_core.engines.hf import EngineSettings, HFEngine
+
+        hf_kwargs = dict(self.config.engine_kwargs.get("hf", {}) or {})
+        settings = EngineSettings(
+            model_path=os.path.expanduser(self.model_config.path),
+            prompt_length=self.config.prompt_length,
+            response_length=self.config.response_length,
+            max_batch_size=self.config.max_num_seqs,
+            num_threads=hf_kwargs.get("num_threads") or os.cpu_count(),
+            trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
+        )
+        return lambda: HFEngine(settings)
+
+
+class InstantReplica(_EngineReplica):
+    engine_name = "instant"
+
+    def build_engine(self):
+        from generation_core.engines.instant import InstantEngine, InstantSettings
+
+        instant_kwargs = dict(self.config.engine_kwargs.get("instant", {}) or {})
+        model_config = json.loads((Path(os.path.expanduser(self.model_config.path)) / "config.json").read_text())
+        eos = model_config.get("eos_token_id", 2)
+        settings = InstantSettings(
+            prompt_length=self.config.prompt_length,
+            response_length=self.config.response_length,
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            response_tokens=int(instant_kwargs.get("response_tokens", 8)),
+            vocab_size=int(model_config.get("vocab_size", 1000)),
+        )
+        return lambda: InstantEngine(settings)
+
+
+GENRUN_ENGINES = {"hf": HFReplica, "instant": InstantReplica}
+for _name, _replica in GENRUN_ENGINES.items():
+    RolloutReplicaRegistry.register(_name, lambda replica=_replica: replica)
