@@ -76,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise GenrunError("usage: genrun merge DIR")
             merge_folder(argv[1])
             return 0
-        from generation_core.run import execute_run, prepare_run
+        from generation_core.run import prepare_run
 
+        # Every input check first, so a bad input is one line here, not a failed flow run.
         plan = prepare_run(argv)
-        summary = execute_run(plan)
+        from flows.generate import generate
+        from infra.prefect_local import prefect_api
+
+        with prefect_api():
+            summary = generate(argv)
         _print_summary(summary, plan)
         return 0
     except GenrunError as exc:

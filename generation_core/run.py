@@ -120,11 +120,8 @@ def prepare_run(overrides: list[str]) -> RunPlan:
     return RunPlan(cfg, run_fingerprint, folder, prompts, shards, pad_token_id)
 
 
-def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
+def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...] = ()) -> dict[str, Any]:
+    """ray.init arguments from `ray_kwargs.ray_init`, with safe single-host defaults."""
     # Single-host runs need no token auth; a cluster passes its own settings via ray_init.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     init_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.ray_kwargs.ray_init).items() if v is not None}
@@ -135,7 +132,53 @@ def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
         init_kwargs.setdefault("object_store_memory", 256 * 1024 * 1024)
     init_kwargs.setdefault("namespace", f"genrun-{run_fingerprint[:12]}")
     init_kwargs.setdefault("log_to_driver", os.environ.get("GENRUN_DEBUG") == "1")
-    ray.init(**init_kwargs)
+    # Workers of an existing cluster were started without our environment: carry what they need.
+    env_vars = {name: os.environ[name] for name in forward_env if name in os.environ}
+    if env_vars:
+        runtime_env = dict(init_kwargs.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
+        init_kwargs["runtime_env"] = runtime_env
+    return init_kwargs
+
+
+def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(**ray_init_kwargs(cfg, run_fingerprint))
+
+
+def boot_pool(cfg: DictConfig):
+    """Boot the run's replicas (once per run) and return the pool; its owner tears it down."""
+    from generation_core.pool import ReplicaPool
+
+    return asyncio.run(ReplicaPool.boot(cfg))
+
+
+def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> dict[str, Any]:
+    """Run one shard in any process of the run's Ray job (a Prefect task on a Ray worker):
+    attach to the booted pool by name, load the prompts, stream, commit, return the manifest."""
+    from verl.utils import hf_tokenizer
+
+    from generation_core.pool import attach_client
+    from generation_core.shard import run_shard
+    from generation_core.streaming import StreamingWorker
+
+    cfg = OmegaConf.create(config)
+    folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
+    tokenizer = hf_tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    prompts = PromptSet(cfg, tokenizer)
+    shard = plan_shards(len(prompts), cfg.generation.num_shards)[shard_id]
+    worker = StreamingWorker(cfg, attach_client(cfg, balancer_name))
+    worker.check_agent_names(prompts.agent_names())
+    return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
+
+
+def merge_plan(plan: RunPlan):
+    from generation_core.merge import merge_run
+
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    return merge_run(plan.folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=plan.pad_token_id)
 
 
 async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
@@ -154,16 +197,19 @@ async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
 
 def execute_run(plan: RunPlan) -> dict[str, Any]:
     """Generate every missing trajectory, merge, and return the run summary."""
-    from generation_core.merge import MERGED_FILE, merge_run
-
     started = time.perf_counter()
     start_ray(plan.cfg, plan.fingerprint)
     manifests = asyncio.run(_generate(plan))
-    elapsed = time.perf_counter() - started
-    rollout = plan.cfg.actor_rollout_ref.rollout
+    return finish_run(plan, manifests, time.perf_counter() - started)
+
+
+def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    """Merge (when configured) and write the run's manifest.json; returns the summary."""
+    from generation_core.merge import MERGED_FILE
+
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
-        data = merge_run(plan.folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=plan.pad_token_id)
+        data = merge_plan(plan)
         summary["artifact"] = plan.folder.display(MERGED_FILE)
         summary["merged_rows"] = len(data)
     plan.folder.put_json(MANIFEST_FILE, summary)
@@ -186,5 +232,20 @@ def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) ->
             "tokens_per_second": round(tokens_now / shard_seconds, 2) if shard_seconds else 0.0,
             "wall_seconds": round(elapsed, 3),
         },
-        "shards": [{k: m[k] for k in ("shard", "num_trajectories", "generated_tokens", "attempts")} for m in manifests],
+        "shards": [shard_stats(m) for m in manifests],
+    }
+
+
+def shard_stats(manifest: dict[str, Any]) -> dict[str, Any]:
+    """One row of the per-shard table (Prefect artifact, manifest.json)."""
+    last = manifest.get("last_attempt", {})
+    seconds = last.get("seconds", 0.0)
+    return {
+        "shard": manifest["shard"],
+        "samples": manifest["num_trajectories"],
+        "tokens": manifest["generated_tokens"],
+        "tokens_per_s": round(last.get("generated_tokens", 0) / seconds, 2) if seconds else 0.0,
+        "failures": manifest.get("failures", 0),
+        "attempts": manifest.get("attempts", 1),
+        "retries": max(manifest.get("attempts", 1) - 1, 0),
     }

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -22,6 +24,10 @@ from generation_core.errors import GenrunError
 from generation_core.records import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
+
+# A local file that gets one line per finished trajectory, flushed at once (debugging aid: it
+# shows what a killed run had finished but not yet committed).
+SAMPLE_TRACE_ENV = "GENRUN_SAMPLE_TRACE"
 
 SampleKey = tuple[int, int]
 
@@ -72,6 +78,8 @@ class StreamingWorker:
                 inflight.add(asyncio.ensure_future(self.run_one(key, kwargs)))
 
         refill()
+        trace_path = os.environ.get(SAMPLE_TRACE_ENV)
+        trace = open(trace_path, "a", buffering=1) if trace_path else None
         try:
             while inflight:
                 done, _ = await asyncio.wait(inflight, timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -81,10 +89,13 @@ class StreamingWorker:
                 for task in done:
                     inflight.discard(task)
                     record = task.result()
-                    logger.debug("finished sample %d:%d", record.index, record.rollout_n)
+                    if trace is not None:
+                        trace.write(f"{time.time():.3f} finished {record.index}:{record.rollout_n}\n")
                     yield record
                 refill()
         finally:
+            if trace is not None:
+                trace.close()
             for task in inflight:
                 task.cancel()
             if inflight:

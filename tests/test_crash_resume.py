@@ -36,7 +36,7 @@ def _args(prompts, out):
 def _kill_after_first_commit(args, out, log_path):
     checkpoint = out / "shards" / "shard-00000" / "checkpoint.json"
     with open(log_path, "w") as log:
-        env = dict(os.environ, GENRUN_LOG_LEVEL="DEBUG")
+        env = dict(os.environ, GENRUN_SAMPLE_TRACE=str(log_path.with_suffix(".trace")))
         process = subprocess.Popen(GENRUN + args, cwd=REPO, env=env, stdout=log, stderr=log, text=True, start_new_session=True)
         try:
             deadline = time.monotonic() + 400
@@ -60,7 +60,7 @@ def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_
 
     at_kill = _kill_after_first_commit(_args(prompts, crashed_dir), crashed_dir, tmp_path / "killed.log")
     assert not (crashed_dir / "trajectories.pkl").exists()
-    finished_before_kill = set(re.findall(r"finished sample (\d+:\d+)", (tmp_path / "killed.log").read_text()))
+    finished_before_kill = set(re.findall(r"finished (\d+:\d+)", (tmp_path / "killed.trace").read_text()))
     committed_at_kill = set(at_kill["completed"])
     regenerated = finished_before_kill - committed_at_kill
     print(f"finished before kill: {len(finished_before_kill)}, committed: {len(committed_at_kill)}, regenerated on resume: {len(regenerated)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ OPERATIONAL_KEYS = (
     "generation.pull_timeout",
     "generation.max_inflight",
     "generation.final_merge",
+    "generation.retries",
+    "generation.retry_delay_seconds",
     "generation.show_progress",
     "generation.upload_artifact",
     "actor_rollout_ref.rollout.max_num_seqs",
@@ -47,9 +50,25 @@ OPERATIONAL_KEYS = (
     "ray_kwargs",
 )
 
+def _scheduled_date() -> str:
+    """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
+    a nightly deployment names its output folder after the night it stands for, even when it
+    starts late or is retried the next day."""
+    try:
+        from prefect.runtime import flow_run
+
+        scheduled = flow_run.scheduled_start_time
+    except ImportError:
+        scheduled = None
+    if scheduled is None:
+        return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    return scheduled.astimezone(timezone.utc).strftime("%Y-%m-%d")
+
+
 _BUNDLED = {
     "bundled_prompts": lambda: str(bundled.BUNDLED_PROMPTS),
     "bundled_model": lambda: str(bundled.bundled_model_dir()),
+    "scheduled_date": _scheduled_date,
 }
 
 
@@ -160,6 +179,8 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(rollout.temperature) and rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature", rollout.temperature, "must be a number >= 0 (0 is greedy)")
     _require(_is_number(rollout.top_p) and 0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", rollout.top_p, "must be in (0, 1]")
     _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
+    _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
+    _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")

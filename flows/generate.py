@@ -1,0 +1,85 @@
+"""The generation flow: plan shards -> one run_shard task per shard on Ray -> merge -> publish.
+
+Parameters are Hydra-style overrides (a list of strings), the same input the `genrun` CLI, a
+deployment and the Prefect UI take. Replicas are booted once per flow run and shared by every
+shard task; they are torn down when the flow ends, also when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from omegaconf import OmegaConf
+from prefect import flow
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import as_completed
+from prefect_ray import RayTaskRunner
+
+from generation_core.errors import GenrunError
+from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
+from generation_core.shard import SUCCESS
+from tasks.merge import merge
+from tasks.publish import publish
+from tasks.run_shard import run_shard
+
+
+class ShardsFailed(RuntimeError):
+    """Raised after every shard has finished, when some shard exhausted its retries."""
+
+
+@flow(name="generate")
+def generate(overrides: list[str] | None = None) -> dict[str, Any]:
+    started = time.perf_counter()
+    plan = prepare_run(list(overrides or []))
+    artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
+    progress = create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Shards finished (%)")
+    with RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH"))) as runner:
+        pool = boot_pool(plan.cfg)
+        try:
+            futures = [runner.submit(_shard_task(plan, shard.name), _shard_parameters(plan, shard.shard_id, pool.balancer_name)) for shard in plan.shards]
+            manifests, failures = [], []
+            for finished, future in enumerate(as_completed(futures), start=1):
+                future.wait()
+                state = future.state
+                if state.is_completed():
+                    manifests.append(future.result())
+                else:
+                    failures.append(f"{state.name}: {state.message}")
+                update_progress_artifact(progress, progress=100.0 * finished / len(futures))
+        finally:
+            pool.shutdown()
+    if failures:
+        raise ShardsFailed(f"{len(failures)} of {len(futures)} shards failed after their retries: {'; '.join(failures)}")
+    manifests.sort(key=lambda m: m["shard_id"])
+    summary = merge(plan, manifests, time.perf_counter() - started)
+    publish(summary, manifests, artifact_key)
+    return summary
+
+
+def _shard_task(plan: RunPlan, shard_name: str):
+    gen = plan.cfg.generation
+    # Storage markers are the source of truth: a cached result for a shard whose marker is gone
+    # (folder deleted, run started over) must not stand in for the data.
+    marker_missing = not plan.folder.exists(f"shards/{shard_name}/{SUCCESS}")
+    return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=marker_missing)
+
+
+def _shard_parameters(plan: RunPlan, shard_id: int, balancer_name: str) -> dict[str, Any]:
+    return {
+        "config": OmegaConf.to_container(plan.cfg, resolve=True),
+        "fingerprint": plan.fingerprint,
+        "shard_id": shard_id,
+        "balancer_name": balancer_name,
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        print(generate(sys.argv[1:]))
+    except GenrunError as exc:
+        print(f"genrun: error: {exc}", file=os.sys.stderr)
+        raise SystemExit(2) from None
