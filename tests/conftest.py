@@ -76,9 +76,80 @@ def run_genrun(args: list[str], *, timeout: float = 300, env: dict | None = None
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def kill_group(process: subprocess.Popen, grace: float = 10) -> None:
+    """Stop a process and everything it started (its session): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=grace)
+            if sig == signal.SIGTERM:
+                # The leader is gone; make sure no child of the group lingers.
+                os.killpg(process.pid, signal.SIGKILL)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+        break
     process.wait(timeout=30)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PrefectServer:
+    def __init__(self, url: str, env: dict):
+        self.url, self.env = url, env
+
+    def api(self, method: str, path: str, **kwargs):
+        import httpx
+
+        response = httpx.request(method, f"{self.url}{path}", timeout=30, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def wait_for_flow_run(self, flow_run_id: str, final_types: set[str], timeout: float = 420) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.api("GET", f"/flow_runs/{flow_run_id}")
+            if run["state"]["type"] in final_types:
+                return run
+            time.sleep(1)
+        raise AssertionError(f"flow run {flow_run_id} did not reach {final_types}: {run['state']}")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """A real Prefect server on 127.0.0.1 with its own database, stopped by PID at the end."""
+    import time
+
+    import httpx
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false", PYTHONPATH=str(REPO))
+    log = open(home / "server.log", "w")
+    process = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield PrefectServer(url, dict(env, PREFECT_API_URL=url))
+    finally:
+        kill_group(process)
+        log.close()
