@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.json"
 SUCCESS = "_SUCCESS.json"
+# The last attempt's error; `genrun status` reports a shard without a marker but with this file
+# as failed. A later successful attempt writes the marker, which takes precedence.
+LAST_ERROR = "last_error.json"
 
 
 @dataclass
@@ -90,6 +93,12 @@ async def run_shard(
             if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.buffer) or writer.age() >= gen.pull_timeout:
                 writer.commit()
         writer.commit()
+    except Exception as exc:
+        folder.put_json(
+            f"shards/{shard.name}/{LAST_ERROR}",
+            {"attempt": checkpoint.attempts, "error": f"{type(exc).__name__}: {exc}", "committed": len(checkpoint.completed), "time": time.time()},
+        )
+        raise
     finally:
         progress.close()
     elapsed = time.perf_counter() - started

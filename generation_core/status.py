@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from generation_core.errors import GenrunError
 from generation_core.run import RUN_FILE
-from generation_core.shard import CHECKPOINT, SUCCESS
+from generation_core.shard import CHECKPOINT, LAST_ERROR, SUCCESS
 from generation_core.storage import RunFolder
 
 
@@ -23,12 +23,13 @@ def shard_states(folder: RunFolder, run: dict) -> list[dict]:
         if folder.exists(f"{base}/{SUCCESS}"):
             done = folder.read_json(f"{base}/{SUCCESS}")["num_trajectories"]
             state = "done"
-        elif folder.exists(f"{base}/{CHECKPOINT}"):
-            done = len(folder.read_json(f"{base}/{CHECKPOINT}")["completed"])
-            state = "partial"
         else:
-            done, state = 0, "pending"
-        states.append({"shard": shard["name"], "state": state, "committed": done, "expected": expected})
+            done = len(folder.read_json(f"{base}/{CHECKPOINT}")["completed"]) if folder.exists(f"{base}/{CHECKPOINT}") else 0
+            state = "partial" if done else "pending"
+        error = None
+        if state != "done" and folder.exists(f"{base}/{LAST_ERROR}"):
+            state, error = "failed", folder.read_json(f"{base}/{LAST_ERROR}")["error"]
+        states.append({"shard": shard["name"], "state": state, "committed": done, "expected": expected, "error": error})
     return states
 
 
@@ -37,11 +38,15 @@ def print_status(url: str) -> int:
     states = shard_states(folder, run)
     print(f"run {run['fingerprint'][:12]} at {folder.display()}")
     for s in states:
-        print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}")
-    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "pending")}
+        detail = f"  last error: {s['error']}" if s["error"] else ""
+        print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
+    counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}
     total = sum(s["committed"] for s in states)
     expected = sum(s["expected"] for s in states)
-    print(f"shards: {counts['done']} done, {counts['partial']} partial (running or interrupted), {counts['pending']} pending; trajectories {total}/{expected}")
+    print(
+        f"shards: {counts['done']} done, {counts['partial']} running or interrupted, {counts['failed']} failed, "
+        f"{counts['pending']} pending; trajectories {total}/{expected}"
+    )
     merged = "yes" if folder.exists("trajectories.pkl") else "no"
     print(f"merged: {merged}")
     return 0

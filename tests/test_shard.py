@@ -91,3 +91,21 @@ def test_failed_shard_resumes_from_its_checkpoint(tmp_path):
     done = ScriptedWorker()
     again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), done))
     assert done.started == [] and again["last_attempt"]["skipped"]
+
+
+def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
+    from generation_core.status import print_status
+
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    folder = RunFolder(str(tmp_path))
+    shards = [ShardSpec(0, 0, 4), ShardSpec(1, 4, 8), ShardSpec(2, 8, 12)]
+    folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "shards": [{"name": s.name, "range": [s.start, s.end]} for s in shards]})
+    asyncio.run(run_shard(cfg, shards[0], folder, FakePrompts(), ScriptedWorker()))
+    with pytest.raises(RuntimeError):
+        asyncio.run(run_shard(cfg, shards[1], folder, FakePrompts(), ScriptedWorker(fail_on=(107, 0))))
+    assert print_status(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "shard-00000  done     4/4" in out
+    assert "shard-00001  failed   2/4  last error: RuntimeError: scripted failure for (107, 0)" in out
+    assert "shard-00002  pending  0/4" in out
+    assert "shards: 1 done, 0 running or interrupted, 1 failed, 1 pending; trajectories 6/12" in out
