@@ -54,8 +54,7 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
         raise ShardsFailed(f"{len(failures)} of {len(futures)} shards failed after their retries: {'; '.join(failures)}")
     manifests.sort(key=lambda m: m["shard_id"])
     summary = merge(plan, manifests, time.perf_counter() - started)
-    publish(summary, manifests, artifact_key)
-    return summary
+    return publish(plan, summary, manifests, artifact_key)
 
 
 def _shard_task(plan: RunPlan, shard_name: str):

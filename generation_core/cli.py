@@ -56,12 +56,33 @@ def _first_example(plan) -> str | None:
     return f"  [{record.index}:{record.rollout_n}] prompt:   {prompt!r}\n  [{record.index}:{record.rollout_n}] response: {response!r}"
 
 
+# s3fs reads these from the environment; credentials given as overrides move there, so they
+# never reach Prefect flow-run parameters, logs or run.json.
+CREDENTIAL_OVERRIDES = {
+    "storage.options.key": "AWS_ACCESS_KEY_ID",
+    "storage.options.secret": "AWS_SECRET_ACCESS_KEY",
+    "storage.options.token": "AWS_SESSION_TOKEN",
+}
+
+
+def move_credentials_to_environment(argv: list[str]) -> list[str]:
+    kept = []
+    for override in argv:
+        key, _, value = override.lstrip("+").partition("=")
+        if key in CREDENTIAL_OVERRIDES and value:
+            os.environ[CREDENTIAL_OVERRIDES[key]] = value
+        else:
+            kept.append(override)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     _setup_environment()
+    argv = move_credentials_to_environment(argv)
     try:
         if argv and argv[0] == "status":
             from generation_core.status import print_status

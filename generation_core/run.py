@@ -22,7 +22,7 @@ from generation_core import bundled
 from generation_core.config import finalize_run_location, fingerprint, load_config, versions
 from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder
+from generation_core.storage import RunFolder, redacted_options
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def open_run_folder(folder: RunFolder, cfg: DictConfig, run_fingerprint: str, pa
 
 def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
-    container["storage"]["options"] = {key: "<redacted>" for key in container["storage"]["options"]}
+    container["storage"]["options"] = redacted_options(container["storage"]["options"])
     return container
 
 
@@ -197,21 +197,28 @@ async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
 
 def execute_run(plan: RunPlan) -> dict[str, Any]:
     """Generate every missing trajectory, merge, and return the run summary."""
+    from generation_core.publish import publish_run
+
     started = time.perf_counter()
     start_ray(plan.cfg, plan.fingerprint)
     manifests = asyncio.run(_generate(plan))
-    return finish_run(plan, manifests, time.perf_counter() - started)
+    summary = finish_run(plan, manifests, time.perf_counter() - started)
+    summary["published"] = publish_run(plan.cfg, plan.folder, summary)
+    return summary
 
 
 def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """Merge (when configured) and write the run's manifest.json; returns the summary."""
     from generation_core.merge import MERGED_FILE
 
+    from generation_core.publish import latency_percentiles
+
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
         data = merge_plan(plan)
         summary["artifact"] = plan.folder.display(MERGED_FILE)
         summary["merged_rows"] = len(data)
+        summary["request_latency_s"] = latency_percentiles(data.meta_info["metrics"])
     plan.folder.put_json(MANIFEST_FILE, summary)
     return summary
 

@@ -8,14 +8,36 @@ atomic rename; on S3 a single PUT of the whole object is already atomic.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from generation_core.errors import GenrunError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Object stores fail transiently (throttling, 5xx, dropped connections); these are retried with
+# backoff. Missing objects, refused permissions and programming errors are not.
+_PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    name = type(exc).__name__
+    text = str(exc)
+    markers = ("SlowDown", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500", "502", "504", "Connection reset", "EndpointConnectionError")
+    return name in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError") or (isinstance(exc, OSError) and any(m in text for m in markers))
 
 
 class RunFolder:
@@ -24,8 +46,23 @@ class RunFolder:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
+        if "://" in self.url and not self.url.startswith("file://"):
+            # Other processes write into the same folder: a cached listing would hide their files.
+            self.storage_options.setdefault("use_listings_cache", False)
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.is_local = "file" in _protocols(self.fs)
+        self.retry_delays: tuple[float, ...] = () if self.is_local else RETRY_DELAYS
+
+    def _with_retries(self, what: str, operation: Callable[[], T]) -> T:
+        for attempt, delay in enumerate((*self.retry_delays, None), start=1):
+            try:
+                return operation()
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if delay is None or not _is_transient(exc):
+                    raise
+                logger.warning("%s failed (%s: %s); retry %d in %.1f s", what, type(exc).__name__, exc, attempt, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def __repr__(self) -> str:
         return f"RunFolder({self.url!r})"
@@ -38,11 +75,10 @@ class RunFolder:
         return f"{self.url}/{relative}" if relative else self.url
 
     def exists(self, relative: str) -> bool:
-        return self.fs.exists(self.path(relative))
+        return self._with_retries(f"checking {self.display(relative)}", lambda: self.fs.exists(self.path(relative)))
 
     def read_bytes(self, relative: str) -> bytes:
-        with self.fs.open(self.path(relative), "rb") as handle:
-            return handle.read()
+        return self._with_retries(f"reading {self.display(relative)}", lambda: self.fs.cat_file(self.path(relative)))
 
     def read_json(self, relative: str) -> Any:
         return json.loads(self.read_bytes(relative))
@@ -60,7 +96,8 @@ class RunFolder:
                 os.fsync(handle.fileno())
             os.replace(temporary, target)
         else:
-            self.fs.pipe_file(target, data)
+            # One PUT of the whole object: readers see all of it or nothing.
+            self._with_retries(f"writing {self.display(relative)}", lambda: self.fs.pipe_file(target, data))
 
     def put_json(self, relative: str, payload: Any) -> None:
         self.put_atomic(relative, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
@@ -77,14 +114,14 @@ class RunFolder:
     def list(self, relative: str) -> list[str]:
         """Names (not paths) directly under `relative`; empty when it does not exist."""
         try:
-            entries = self.fs.ls(self.path(relative), detail=False)
+            entries = self._with_retries(f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=False))
         except FileNotFoundError:
             return []
         return sorted(os.path.basename(entry.rstrip("/")) for entry in entries)
 
     def remove(self, relative: str) -> None:
         try:
-            self.fs.rm(self.path(relative))
+            self._with_retries(f"removing {self.display(relative)}", lambda: self.fs.rm(self.path(relative)))
         except FileNotFoundError:
             pass
 
@@ -94,11 +131,27 @@ class RunFolder:
         try:
             self.put_atomic(probe, b"ok")
             self.remove(probe)
-        except (OSError, PermissionError) as exc:
-            raise GenrunError(
-                f"cannot write to output folder {self.display()}: {exc.__class__.__name__}: {exc}; "
-                "choose a writable trainer.default_local_dir"
-            ) from None
+        except Exception as exc:  # noqa: BLE001 - every cause becomes one line naming the folder
+            raise GenrunError(self._explain_write_failure(exc)) from None
+
+    def _explain_write_failure(self, exc: Exception) -> str:
+        name, text = type(exc).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self.is_local:
+            return f"cannot write to output folder {self.display()}: {name}: {text}; choose a writable trainer.default_local_dir"
+        bucket = self.root.split("/", 1)[0]
+        if name == "NoCredentialsError":
+            return (
+                f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                "or storage.options.key/secret"
+            )
+        if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
+            return f"bucket {bucket!r} does not exist (output {self.url}); create it or fix trainer.default_local_dir"
+        if isinstance(exc, PermissionError):
+            return (
+                f"bucket {bucket!r} refused the write to {self.url} ({text}): check the credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and that they may write to that prefix"
+            )
+        return f"cannot write to {self.url}: {name}: {text}; check storage.options (endpoint_url, region) and the network"
 
 
 class _LocalAtomicWriter:
@@ -109,6 +162,10 @@ class _LocalAtomicWriter:
 
     def write(self, data: bytes) -> int:
         return self.handle.write(data)
+
+    def __getattr__(self, name: str):
+        # tell/seek/flush/seekable... of the underlying file, for writers such as zipfile.
+        return getattr(self.handle, name)
 
     def __enter__(self):
         return self
@@ -127,3 +184,11 @@ class _LocalAtomicWriter:
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     protocol = fs.protocol
     return tuple(protocol) if isinstance(protocol, tuple | list) else (protocol,)
+
+
+SECRET_OPTION_MARKERS = ("key", "secret", "token", "password", "credential")
+
+
+def redacted_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Storage options safe to log or store: anything that looks like a credential is masked."""
+    return {name: "<redacted>" if any(m in name.lower() for m in SECRET_OPTION_MARKERS) else value for name, value in options.items()}

@@ -1,4 +1,5 @@
-"""Prefect task: show the run in the Prefect UI (shard table and output location)."""
+"""Prefect task: publish the run (generation_core.publish.publish_run: zip, metrics, W&B
+artifact) and show it in the Prefect UI (shard table and output location)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from generation_core.run import shard_stats
+from generation_core.publish import publish_run
+from generation_core.run import RunPlan, shard_stats
 
 
 @task(name="publish", cache_policy=NO_CACHE)
-def publish(summary: dict[str, Any], manifests: list[dict[str, Any]], artifact_key: str) -> None:
+def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[dict[str, Any]], artifact_key: str) -> dict[str, Any]:
+    published = publish_run(plan.cfg, plan.folder, summary)
     create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
     lines = [
         f"# Trajectories: {summary['num_trajectories']}",
         f"- output folder: `{summary['output']}`",
         f"- merged DataProto: `{summary.get('artifact', 'not merged (generation.final_merge=false)')}`",
+        f"- zip: `{published.get('zip', 'none')}`; W&B artifact: `{published.get('wandb_artifact', 'none')}`",
         f"- generated tokens: {summary['generated_tokens']}",
         f"- fingerprint: `{summary['fingerprint']}`",
     ]
     create_markdown_artifact(key=f"{artifact_key}-output", markdown="\n".join(lines), description="Where the run's output is")
+    return dict(summary, published=published)

@@ -43,6 +43,7 @@ OPERATIONAL_KEYS = (
     "generation.retry_delay_seconds",
     "generation.show_progress",
     "generation.upload_artifact",
+    "generation.artifact_mode",
     "actor_rollout_ref.rollout.max_num_seqs",
     "actor_rollout_ref.rollout.engine_kwargs",
     "actor_rollout_ref.rollout.agent.num_workers",
@@ -186,10 +187,16 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
     threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")
     _require(threads is None or (isinstance(threads, int) and threads >= 1), "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads", threads, "must be null or an integer >= 1")
+    _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
+    unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
+    _require(not unknown_loggers, "trainer.logger", list(cfg.trainer.logger), f"unknown backend {unknown_loggers[:1]}; known: {', '.join(_TRACKING_BACKENDS)}")
     files = cfg.data.train_files
     _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
     _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
+
+
+_TRACKING_BACKENDS = ("console", "wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "clearml", "trackio", "file")
 
 
 def _is_number(value: Any) -> bool:

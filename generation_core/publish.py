@@ -1,0 +1,138 @@
+"""Publish a finished run: trajectories.zip, throughput metrics through verl's Tracking, and the
+W&B artifact (uploaded, or as references to the S3 objects)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from generation_core.errors import GenrunError
+from generation_core.storage import RunFolder
+
+logger = logging.getLogger(__name__)
+
+ZIP_FILE = "trajectories.zip"
+ZIP_MEMBERS = ("trajectories.pkl", "run.json", "manifest.json")
+ARTIFACT_MODES = ("upload", "reference")
+_CHUNK = 1 << 20
+
+
+def write_zip(folder: RunFolder) -> str:
+    """Stream the merged DataProto, run.json and manifest.json into trajectories.zip, a chunk at a
+    time (memory stays flat however large the pickle is); works to local disk and S3 alike."""
+    missing = [name for name in ZIP_MEMBERS if not folder.exists(name)]
+    if missing:
+        raise GenrunError(f"cannot build {ZIP_FILE} in {folder.display()}: {', '.join(missing)} missing (was the run merged?)")
+    with folder.open_write(ZIP_FILE) as raw, zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        for name in ZIP_MEMBERS:
+            with folder.fs.open(folder.path(name), "rb") as source, archive.open(name, "w", force_zip64=True) as target:
+                shutil.copyfileobj(source, target, _CHUNK)
+    return folder.display(ZIP_FILE)
+
+
+def throughput_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    now = summary["this_invocation"]
+    seconds = now["generation_seconds"] or 0.0
+    metrics = {
+        "generation/trajectories": float(summary["num_trajectories"]),
+        "generation/generated_tokens": float(summary["generated_tokens"]),
+        "generation/samples_per_s": now["trajectories"] / seconds if seconds else 0.0,
+        "generation/tokens_per_s": now["generated_tokens"] / seconds if seconds else 0.0,
+        "generation/failures": float(sum(s.get("failures", 0) for s in summary["shards"])),
+        "generation/retries": float(sum(s.get("retries", 0) for s in summary["shards"])),
+    }
+    for name, value in summary.get("request_latency_s", {}).items():
+        metrics[f"generation/request_latency_{name}_s"] = float(value)
+    return metrics
+
+
+def latency_percentiles(per_trajectory_metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """p50/p95 of the time each trajectory spent waiting on the engine (verl's generate_sequences)."""
+    latencies = [m.get("generate_sequences", 0.0) for m in per_trajectory_metrics]
+    if not latencies:
+        return {}
+    return {"p50": round(float(np.percentile(latencies, 50)), 4), "p95": round(float(np.percentile(latencies, 95)), 4)}
+
+
+def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> dict[str, Any]:
+    """Zip (when merged), log metrics on every configured backend, upload the W&B artifact."""
+    from verl.utils.tracking import Tracking
+
+    gen = cfg.generation
+    backends = list(cfg.trainer.logger)
+    published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
+    if "artifact" in summary:
+        published["zip"] = write_zip(folder)
+    tracking = Tracking(
+        project_name=cfg.trainer.project_name,
+        experiment_name=cfg.trainer.experiment_name,
+        default_backend=backends,
+        config=_config_for_tracking(cfg),
+    )
+    try:
+        tracking.log(data=published["metrics"], step=0)
+        if gen.upload_artifact and "wandb" in backends:
+            if "zip" not in published:
+                raise GenrunError("generation.upload_artifact needs the merged output: set generation.final_merge=true")
+            published["wandb_artifact"] = _log_wandb_artifact(cfg, folder, summary)
+    finally:
+        tracking.finish()
+    return published
+
+
+def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
+    from generation_core.storage import redacted_options
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container["storage"]["options"] = redacted_options(container["storage"]["options"])
+    return container
+
+
+def _log_wandb_artifact(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> str:
+    import wandb
+
+    mode = cfg.generation.artifact_mode
+    name = f"trajectories-{cfg.trainer.experiment_name}"
+    metadata = {
+        "fingerprint": summary["fingerprint"],
+        "trajectories": summary["num_trajectories"],
+        "generated_tokens": summary["generated_tokens"],
+        "model": cfg.actor_rollout_ref.model.path,
+        "dataset": list(cfg.data.train_files) if not isinstance(cfg.data.train_files, str) else [cfg.data.train_files],
+        "output": folder.display(),
+        "rollout_n": cfg.actor_rollout_ref.rollout.n,
+    }
+    artifact = wandb.Artifact(name=name, type="trajectories", metadata=metadata)
+    if mode == "reference":
+        if folder.is_local:
+            raise GenrunError("generation.artifact_mode=reference needs an s3:// output folder; use artifact_mode=upload for local runs")
+        # checksum=False: W&B records the URIs without reading the objects (no second copy, no
+        # S3 access from W&B); our own checksums are in the run folder.
+        for member in (ZIP_FILE, *ZIP_MEMBERS):
+            artifact.add_reference(folder.display(member), name=member, checksum=False)
+        _log(wandb, artifact)
+        return f"{name} (references)"
+    if folder.is_local:
+        artifact.add_file(folder.path(ZIP_FILE), name=ZIP_FILE)
+        _log(wandb, artifact)
+        return name
+    with tempfile.TemporaryDirectory() as scratch:
+        local = os.path.join(scratch, ZIP_FILE)
+        folder.fs.get_file(folder.path(ZIP_FILE), local)
+        artifact.add_file(local, name=ZIP_FILE)
+        _log(wandb, artifact)
+    return name
+
+
+def _log(wandb, artifact) -> None:
+    logged = wandb.log_artifact(artifact)
+    # Offline runs sync later (`wandb sync`); waiting for a server there would raise.
+    if not getattr(wandb.run, "offline", False):
+        logged.wait()
