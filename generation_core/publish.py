@@ -88,11 +88,22 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> 
 
 
 def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
+    """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
     from generation_core.storage import redacted_options
 
-    container = OmegaConf.to_container(cfg, resolve=True)
-    container["storage"]["options"] = redacted_options(container["storage"]["options"])
-    return container
+    rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
+    keep = ("name", "temperature", "top_p", "top_k", "n", "prompt_length", "response_length", "calculate_log_probs", "max_num_seqs")
+    return {
+        "model": cfg.actor_rollout_ref.model.path,
+        "rollout": {key: rollout[key] for key in keep},
+        "agent_loop": rollout["agent"]["default_agent_loop"],
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "generation": OmegaConf.to_container(cfg.generation, resolve=True),
+        "storage_options": redacted_options(OmegaConf.to_container(cfg.storage.options, resolve=True)),
+        "output": cfg.trainer.default_local_dir,
+        # verl's Tracking reads trainer.wandb_proxy from here.
+        "trainer": {key: cfg.trainer.get(key) for key in ("project_name", "experiment_name", "wandb_proxy") if key in cfg.trainer},
+    }
 
 
 def _log_wandb_artifact(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> str:

@@ -153,3 +153,49 @@ def prefect_server(tmp_path_factory):
     finally:
         kill_group(process)
         log.close()
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "genrun-test-key",
+    "AWS_SECRET_ACCESS_KEY": "genrun-test-secret-value",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # No instance-metadata lookups: this machine has no route there and they would hang.
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def start_moto(log_path: Path, extra_env: dict | None = None):
+    """A real S3 API (moto's server mode, as s3fs's own tests use) on 127.0.0.1."""
+    import time
+
+    import httpx
+
+    port = free_port()
+    env = dict(os.environ, **(extra_env or {}))
+    log = open(log_path, "w")
+    process = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(endpoint, timeout=2)
+            break
+        except httpx.HTTPError:
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.3)
+    return process, endpoint, log
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """Endpoint of a local S3 server holding the bucket `genrun-test`; stopped by PID at the end."""
+    import s3fs
+
+    process, endpoint, log = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        env = dict(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+        s3fs.S3FileSystem(endpoint_url=endpoint, key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"]).mkdir("genrun-test")
+        yield env
+    finally:
+        kill_group(process)
+        log.close()

@@ -1,0 +1,221 @@
+"""Runs against a real local S3 server (moto, 127.0.0.1): the whole run, kill -9 and resume,
+merge and status on s3://, storage faults, preflight errors, and W&B publishing (offline)."""
+
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import time
+
+import fsspec
+import pytest
+import torch
+from verl.protocol import DataProto
+
+from generation_core.data import ShardSpec
+from generation_core.merge import read_committed_records
+from generation_core.run import execute_run, prepare_run
+from generation_core.shard import run_shard
+from generation_core.storage import RunFolder
+from tests.conftest import GENRUN, REPO, S3_ENV, chat_rows, kill_group, run_genrun, start_moto, write_parquet
+from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
+from tests.wandb_offline import artifacts, history_keys, offline_run_files
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+def _s3():
+    return fsspec.filesystem("s3", use_listings_cache=False)
+
+
+def _load_s3_dataproto(url: str) -> DataProto:
+    with _s3().open(url, "rb") as handle:
+        return pickle.load(handle)
+
+
+def _assert_same(actual: DataProto, expected: DataProto, logprob_tolerance: float = 0.0):
+    assert sorted(actual.batch.keys()) == sorted(expected.batch.keys())
+    for key in expected.batch.keys():
+        if key == "rollout_log_probs" and logprob_tolerance:
+            assert (actual.batch[key] - expected.batch[key]).abs().max().item() < logprob_tolerance
+        else:
+            assert torch.equal(actual.batch[key], expected.batch[key]), key
+    for key in expected.non_tensor_batch:
+        assert actual.non_tensor_batch[key].tolist() == expected.non_tensor_batch[key].tolist(), key
+
+
+def _instant(prompts, out, *extra):
+    return [f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
+            "actor_rollout_ref.rollout.calculate_log_probs=true", "generation.show_progress=false", "generation.save_batch_size=3", *extra]
+
+
+def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_server, ray_local, tmp_path):
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(10))
+    url = "s3://genrun-test/runs/full"
+    # Credentials given as overrides go to the environment, never to Prefect parameters or run.json.
+    env = {k: v for k, v in dict(prefect_server.env, **s3_env).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    secret = s3_env["AWS_SECRET_ACCESS_KEY"]
+    result = run_genrun([*_instant(prompts, url, "generation.num_shards=3"), f"storage.options.key={s3_env['AWS_ACCESS_KEY_ID']}", f"storage.options.secret={secret}"], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert secret not in result.stdout + result.stderr
+    fs = _s3()
+    assert secret not in fs.cat_file(f"{url}/run.json").decode()
+    for flow_run in prefect_server.api("POST", "/flow_runs/filter", json={}):
+        assert secret not in json.dumps(flow_run["parameters"])
+    assert fs.exists(f"{url}/trajectories.zip") and fs.exists(f"{url}/manifest.json")
+
+    execute_run(prepare_run(_instant(prompts, tmp_path / "local", "generation.num_shards=3")))
+    on_s3 = _load_s3_dataproto(f"{url}/trajectories.pkl")
+    _assert_same(on_s3, DataProto.load_from_disk(str(tmp_path / "local" / "trajectories.pkl")))
+
+    status = run_genrun(["status", url], env=dict(os.environ, **s3_env), timeout=120)
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert "shards: 3 done, 0 running or interrupted, 0 failed, 0 pending; trajectories 10/10" in status.stdout
+    before = fs.cat_file(f"{url}/trajectories.pkl")
+    merged = run_genrun(["merge", url], env=dict(os.environ, **s3_env), timeout=120)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert fs.cat_file(f"{url}/trajectories.pkl") == before, "merging the same parts again is byte-identical"
+
+
+def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, tmp_path):
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
+    url = "s3://genrun-test/runs/crash"
+    args = [f"data.train_files={prompts}", f"trainer.default_local_dir={url}", "actor_rollout_ref.rollout.temperature=0",
+            "data.max_prompt_length=64", "data.max_response_length=16", "generation.save_batch_size=4", "generation.max_inflight=4", "generation.show_progress=false"]
+    fs = _s3()
+    checkpoint = f"{url}/shards/shard-00000/checkpoint.json"
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(GENRUN + args, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while not fs.exists(checkpoint):
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+                time.sleep(0.1)
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        finally:
+            kill_group(process)
+    committed = len(json.loads(fs.cat_file(checkpoint))["completed"])
+    assert 4 <= committed < 12 and not fs.exists(f"{url}/trajectories.pkl")
+
+    resumed = run_genrun(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    generated = int(re.search(r"\((\d+) generated by this invocation\)", resumed.stdout).group(1))
+    assert generated == 12 - committed
+    execute_run(prepare_run([*args[:1], f"trainer.default_local_dir={tmp_path / 'reference'}", *args[2:]]))
+    actual = _load_s3_dataproto(f"{url}/trajectories.pkl")
+    assert actual.non_tensor_batch["index"].tolist() == list(range(12))
+    _assert_same(actual, DataProto.load_from_disk(str(tmp_path / "reference" / "trajectories.pkl")))
+
+
+class _FailOnce:
+    """Wraps fs.pipe_file: the first PUT whose path contains `marker` raises `error`."""
+
+    def __init__(self, folder: RunFolder, marker: str, error: Exception):
+        self.original, self.marker, self.error, self.fired = folder.fs.pipe_file, marker, error, 0
+        folder.fs.pipe_file = self
+
+    def __call__(self, path, data, **kwargs):
+        if self.marker in path and not self.fired:
+            self.fired += 1
+            raise self.error
+        return self.original(path, data, **kwargs)
+
+
+@pytest.mark.parametrize("marker", ["batch-", "checkpoint.json"])
+def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
+    folder = RunFolder(f"s3://genrun-test/faults/transient-{marker.strip('.-')}")
+    folder.retry_delays = (0.05, 0.1)
+    fault = _FailOnce(folder, marker, OSError("503 SlowDown: please reduce your request rate"))
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
+    try:
+        manifest = asyncio_run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), ScriptedWorker()))
+    finally:
+        folder.fs.pipe_file = fault.original
+    assert fault.fired == 1 and manifest["num_trajectories"] == 6
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
+
+
+@pytest.mark.parametrize("marker", ["batch-", "checkpoint.json"])
+def test_a_failed_put_fails_the_shard_and_resume_loses_nothing(s3_env, tmp_path, marker):
+    folder = RunFolder(f"s3://genrun-test/faults/permanent-{marker.strip('.-')}")
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
+    asyncio_run(run_shard(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(), ScriptedWorker()))  # a first committed part
+    folder.remove("shards/shard-00000/_SUCCESS.json")
+    shard = ShardSpec(0, 0, 6)
+    fault = _FailOnce(folder, marker, PermissionError("Access Denied"))
+    try:
+        with pytest.raises(PermissionError):
+            asyncio_run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker()))
+    finally:
+        folder.fs.pipe_file = fault.original
+    manifest = asyncio_run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker()))
+    keys = [r.key for r in read_committed_records(folder)]
+    assert manifest["num_trajectories"] == 6 and keys == [(100 + p, 0) for p in range(6)], "nothing lost, nothing twice"
+
+
+def asyncio_run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def test_preflight_names_the_bucket_and_what_to_fix(s3_server, tmp_path, model_dir):
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(3))
+    base = [f"data.train_files={prompts}"]
+
+    missing = run_genrun([*base, "trainer.default_local_dir=s3://no-such-bucket/run"], env=s3_server, timeout=120)
+    assert missing.returncode == 2
+    assert "genrun: error: bucket 'no-such-bucket' does not exist" in missing.stderr
+
+    no_credentials = {k: v for k, v in s3_server.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(no_credentials, AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    result = subprocess.run(GENRUN + [*base, "trainer.default_local_dir=s3://genrun-test/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "genrun: error: no credentials for s3://genrun-test/run" in result.stderr, result.stderr[-2000:]
+
+    process, endpoint, log = start_moto(tmp_path / "moto-auth.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        rejected = run_genrun([*base, "trainer.default_local_dir=s3://genrun-test/run"], env=dict(s3_server, AWS_ENDPOINT_URL=endpoint), timeout=120)
+    finally:
+        kill_group(process)
+        log.close()
+    assert rejected.returncode == 2
+    assert re.search(r"genrun: error: bucket 'genrun-test' refused the write to s3://genrun-test/run .*check the credentials", rejected.stderr), rejected.stderr[-2000:]
+    for result in (missing, rejected):
+        assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
+
+
+def test_wandb_offline_artifact_and_metrics(s3_env, ray_local, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    summary = execute_run(prepare_run(_instant(prompts, tmp_path / "run", "trainer.logger=[console,wandb]", "generation.upload_artifact=true")))
+    (run_file,) = offline_run_files(wandb_dir)
+    (artifact,) = artifacts(run_file)
+    assert artifact.type == "trajectories"
+    assert [e.path for e in artifact.manifest.contents] == ["trajectories.zip"]
+    metadata = json.loads(artifact.metadata)
+    assert metadata["fingerprint"] == summary["fingerprint"] and metadata["trajectories"] == 5
+    assert "generation/tokens_per_s" in history_keys(run_file)
+    assert "generation/request_latency_p95_s" in history_keys(run_file)
+
+    url = "s3://genrun-test/runs/reference"
+    execute_run(prepare_run(_instant(prompts, url, "trainer.logger=[console,wandb]", "generation.upload_artifact=true", "generation.artifact_mode=reference")))
+    first, second = offline_run_files(wandb_dir)
+    assert first == run_file
+    (reference,) = artifacts(second)
+    assert sorted((e.path, e.ref) for e in reference.manifest.contents) == sorted(
+        (name, f"{url}/{name}") for name in ("trajectories.zip", "trajectories.pkl", "run.json", "manifest.json")
+    )
