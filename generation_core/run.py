@@ -1,8 +1,9 @@
-"""One generation run end to end, without Prefect: preflight, replicas, shards, merge.
+"""A generation run's steps, usable with or without Prefect.
 
 `prepare_run` does every check that needs no model (config, model files, dataset, output
-folder) so a wrong input is refused in seconds. `execute_run` boots the replicas once, runs the
-shards, merges, and always tears the replicas down.
+folder) so a wrong input is refused in seconds. `boot_pool`, `run_shard_job` and `finish_run`
+are the pieces the Prefect flow wires together (shards on Ray workers); `execute_run` chains the
+same pieces in one process (tests, notebooks), always tearing the replicas down.
 """
 
 from __future__ import annotations

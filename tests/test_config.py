@@ -68,3 +68,15 @@ def test_default_output_folder_derives_from_the_fingerprint():
     explicit = load_config(["trainer.default_local_dir=/tmp/x", "trainer.experiment_name=mine"])
     finalize_run_location(explicit, "abcdef0123456789")
     assert explicit.trainer.default_local_dir == "/tmp/x"
+
+
+def test_pass_through_mappings_accept_their_libraries_keys():
+    cfg = load_config(["ray_kwargs.ray_init.address=127.0.0.1:6379", "ray_kwargs.ray_init.include_dashboard=true", "storage.options.anon=false"])
+    assert cfg.ray_kwargs.ray_init.address == "127.0.0.1:6379"
+    assert cfg.ray_kwargs.ray_init.include_dashboard is True
+    assert cfg.storage.options.anon is False
+
+
+def test_unknown_tracking_backend_is_refused():
+    with pytest.raises(GenrunError, match="trainer.logger"):
+        load_config(["trainer.logger=[console,wandbb]"])

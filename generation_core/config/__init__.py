@@ -66,6 +66,9 @@ def _scheduled_date() -> str:
     return scheduled.astimezone(timezone.utc).strftime("%Y-%m-%d")
 
 
+# Mappings that pass through to another library, which owns their keys.
+OPEN_MAPPINGS = ("storage.options", "ray_kwargs.ray_init")
+
 _BUNDLED = {
     "bundled_prompts": lambda: str(bundled.BUNDLED_PROMPTS),
     "bundled_model": lambda: str(bundled.bundled_model_dir()),
@@ -132,7 +135,7 @@ def _in_open_dict(cfg: DictConfig, key: str) -> bool:
     for depth in range(len(parts) - 1, 0, -1):
         node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
         if isinstance(node, DictConfig):
-            return len(node) == 0 or ".".join(parts[:depth]) in ("storage.options",)
+            return len(node) == 0 or ".".join(parts[:depth]) in OPEN_MAPPINGS
     return False
 
 
