@@ -15,6 +15,7 @@ import torch
 from verl.protocol import DataProto
 
 from generation_core.data import ShardSpec
+from generation_core.errors import GenrunError
 from generation_core.merge import read_committed_records
 from generation_core.run import execute_run, prepare_run
 from generation_core.shard import run_shard
@@ -81,9 +82,15 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
     assert status.returncode == 0, status.stderr[-2000:]
     assert "shards: 3 done, 0 running or interrupted, 0 failed, 0 pending; trajectories 10/10" in status.stdout
     before = fs.cat_file(f"{url}/trajectories.pkl")
+    # An orphan part (a PUT no checkpoint lists, as a crash leaves it) is ignored on S3 too.
+    from generation_core.records import TrajectoryRecord, records_to_parquet
+
+    fs.pipe_file(f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet", records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]))
     merged = run_genrun(["merge", url], env=dict(os.environ, **s3_env), timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert fs.cat_file(f"{url}/trajectories.pkl") == before, "merging the same parts again is byte-identical"
+    with pytest.raises(GenrunError, match="holds a different run"):
+        prepare_run([*_instant(prompts, url, "generation.num_shards=3"), "actor_rollout_ref.rollout.temperature=0.3"])
 
 
 def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, tmp_path):
