@@ -1,10 +1,15 @@
 """Streaming agent-loop worker: verl's AgentLoopWorker, one trajectory handed on as it finishes.
 
 verl's `generate_sequences` gathers a whole batch before returning; a generation pipeline must
-not wait for its slowest sample. This worker runs verl's own per-sample path
-(`_run_agent_loop`, which includes verl's single-item postprocessing) with at most
-`max_inflight` samples outstanding, and yields each result the moment it completes. The padded
-output is stripped back to an unpadded record: padding is re-applied once, at merge.
+not wait for its slowest sample. This worker keeps verl's AgentLoopWorker for everything it
+sets up (tokenizer, tools, the agent-loop registry including `agent_loop_config_path` loops),
+runs each sample's agent loop (`AgentLoopBase.run`) with at most `max_inflight` outstanding, and
+yields each result the moment it completes, as an unpadded record: verl's per-sample padding is
+skipped because the merge pads once, exactly as verl's postprocessing does (tested).
+
+Agent loops are built the way verl's `_run_agent_loop` builds them, with one shortcut: a
+registry entry that is only a class (what `@register` writes) is constructed directly instead of
+through `hydra.utils.instantiate`, which cost ~7 ms per sample (most of the orchestration time).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from omegaconf import DictConfig
+import hydra
 from verl.experimental.agent_loop import AgentLoopWorker
-from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
 from generation_core.errors import GenrunError
 from generation_core.records import TrajectoryRecord
@@ -45,6 +51,8 @@ class StreamingWorker:
             logprobs=rollout.calculate_log_probs,
         )
         self.prompt_length = rollout.prompt_length
+        # agent name -> (class, plain arguments), or None where hydra must build it.
+        self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
 
     @property
     def tokenizer(self):
@@ -55,11 +63,33 @@ class StreamingWorker:
         if unknown:
             raise GenrunError(f"unknown agent loop {unknown[0]!r}; registered agent loops: {', '.join(sorted(_agent_loop_registry))}")
 
+    def build_agent_loop(self, agent_name: str):
+        """A fresh agent loop for one sample, with the arguments verl's AgentLoopWorker passes."""
+        worker = self.worker
+        arguments = dict(
+            trainer_config=DictConfigWrap(config=worker.config),
+            server_manager=worker.llm_client,
+            tokenizer=worker.tokenizer,
+            processor=worker.processor,
+            hf_model_type=worker.hf_model_type,
+            dataset_cls=worker.dataset_cls,
+            data_config=DictConfigWrap(worker.config.data),
+            tools=ToolListWrap(worker.tools),
+        )
+        config = _agent_loop_registry[agent_name]
+        if agent_name not in self._direct_construction:
+            self._direct_construction[agent_name] = _plain_class_entry(config)
+        direct = self._direct_construction[agent_name]
+        if direct is None:
+            return hydra.utils.instantiate(config=config, **arguments)
+        agent_class, plain_arguments = direct
+        return agent_class(**plain_arguments, **arguments)
+
     async def run_one(self, key: SampleKey, kwargs: dict[str, Any]) -> TrajectoryRecord:
-        index, rollout_n = key
-        trajectory = {"step": -1, "sample_index": index, "rollout_n": rollout_n, "validate": False}
-        output = await self.worker._run_agent_loop(dict(self.sampling_params), trajectory, trace=False, **kwargs)
-        return self._to_record(key, output, kwargs)
+        sample_kwargs = dict(kwargs)
+        agent_loop = self.build_agent_loop(sample_kwargs.pop("agent_name"))
+        output = await agent_loop.run(dict(self.sampling_params), **sample_kwargs)
+        return self.record_from_output(key, output, kwargs)
 
     async def stream(
         self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float
@@ -101,23 +131,34 @@ class StreamingWorker:
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
 
-    def _to_record(self, key: SampleKey, output, kwargs: dict[str, Any]) -> TrajectoryRecord:
-        prompt_width = output.prompt_ids.shape[1]
-        prompt_real = output.attention_mask[0, :prompt_width].bool()
-        response_len = int(output.attention_mask[0, prompt_width:].sum())
-        logprobs = None
-        if output.response_logprobs is not None:
-            logprobs = output.response_logprobs[0, :response_len].tolist()
+    @staticmethod
+    def record_from_output(key: SampleKey, output, kwargs: dict[str, Any]) -> TrajectoryRecord:
+        """The unpadded record of one AgentLoopOutput; `kwargs` are the sample's dataset fields."""
+        extra_fields = dict(output.extra_fields)
+        # verl's per-sample postprocessing adds the chat messages to extra_fields.
+        extra_fields["raw_prompt"] = kwargs["raw_prompt"]
         return TrajectoryRecord(
             index=key[0],
             rollout_n=key[1],
-            prompt_ids=output.prompt_ids[0][prompt_real].tolist(),
-            response_ids=output.response_ids[0, :response_len].tolist(),
-            response_mask=output.response_mask[0, :response_len].tolist(),
-            response_logprobs=logprobs,
+            prompt_ids=[int(t) for t in output.prompt_ids],
+            response_ids=[int(t) for t in output.response_ids],
+            response_mask=[int(m) for m in output.response_mask],
+            response_logprobs=None if output.response_logprobs is None else [float(v) for v in output.response_logprobs],
             reward_score=None if output.reward_score is None else float(output.reward_score),
             num_turns=int(output.num_turns),
             input_fields=dict(kwargs),
-            extra_fields=dict(output.extra_fields),
+            extra_fields=extra_fields,
             metrics=output.metrics.model_dump(),
         )
+
+
+def _plain_class_entry(config) -> tuple[type, dict[str, Any]] | None:
+    """(class, arguments) for a registry entry hydra would only call with plain values; None for
+    anything else (nested configs, _partial_, ...), which stays with hydra.instantiate."""
+    entry = dict(config)
+    target = entry.pop("_target_", None)
+    if not isinstance(target, str) or any(name.startswith("_") for name in entry):
+        return None
+    if not all(isinstance(value, str | int | float | bool) or value is None for value in entry.values()):
+        return None
+    return hydra.utils.get_class(target), entry

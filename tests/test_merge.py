@@ -70,8 +70,8 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
     non_tensor_input = {key: np.fromiter([kw[key] for kw in kwargs], dtype=object, count=4) for key in kwargs[0]}
     expected = verl_worker._postprocess(padded, input_non_tensor_batch=non_tensor_input)
 
-    # Our path: the same padded outputs stripped to records (as streamed to disk), then merged.
-    records = [worker._to_record((kw["index"], 0), out, kw) for out, kw in zip(padded, kwargs)]
+    # Our path: the same agent-loop outputs as unpadded records (as streamed to disk), merged.
+    records = [worker.record_from_output((kw["index"], 0), out, kw) for out, kw in zip(_outputs(with_logprobs, with_rewards), kwargs)]
     merged = build_dataproto(records, prompt_length=16, response_length=12, pad_token_id=verl_worker.tokenizer.pad_token_id)
 
     assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
