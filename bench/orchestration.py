@@ -1,0 +1,55 @@
+"""Orchestration cost: trajectories/s of one shard with the instant engine (no model work).
+
+    .venv/bin/python bench/orchestration.py [--samples 2000]
+
+The instant engine (actor_rollout_ref.rollout.name=instant) answers every request at once, so the
+figure is what the pipeline itself costs per trajectory: verl agent loop, engine round trip
+through Ray, record building, Parquet parts and checkpoints. Runs in one process without Prefect;
+the rate is printed last, next to the issue's target of 500/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TARGET = 500.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=2000)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="genrun-bench-"))
+    os.environ.setdefault("HF_DATASETS_CACHE", str(scratch / "hf"))
+    rows = [
+        {"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}}
+        for i in range(args.samples)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
+    from generation_core.run import execute_run, prepare_run
+
+    try:
+        plan = prepare_run([
+            f"data.train_files={scratch / 'prompts.parquet'}", f"trainer.default_local_dir={scratch / 'run'}",
+            "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",
+            "generation.save_batch_size=500", "generation.max_inflight=256",
+        ])
+        summary = execute_run(plan)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    now = summary["this_invocation"]
+    rate = now["trajectories"] / now["generation_seconds"]
+    print(f"trajectories: {now['trajectories']} in {now['generation_seconds']:.2f} s of shard time")
+    print(f"orchestration rate: {rate:.0f} trajectories/s (target {TARGET:.0f}/s: {rate / TARGET:.2f} of target)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
