@@ -96,3 +96,22 @@ def test_bad_sampling_params_fail_the_request_not_the_engine(engine, prompts):
     with pytest.raises(ValueError, match="temperature"):
         _generate_all(engine, [prompts[0]], {"temperature": -1})
     assert _generate_all(engine, [prompts[0]], {"temperature": 0})[0].token_ids
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_recovers(engine, prompts):
+    original = engine.model.forward
+    calls = {"n": 0}
+
+    def broken_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected forward failure")
+        return original(*args, **kwargs)
+
+    engine.model.forward = broken_once
+    try:
+        with pytest.raises(RuntimeError, match="injected forward failure"):
+            _generate_all(engine, [prompts[0]], {"temperature": 0})
+    finally:
+        engine.model.forward = original
+    assert _generate_all(engine, [prompts[0]], {"temperature": 0})[0].token_ids

@@ -156,13 +156,18 @@ class HFEngine:
         ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in joining])
         mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in joining])
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids.to(self.settings.device),
-            attention_mask=mask.to(self.settings.device),
-            position_ids=_positions(mask).to(self.settings.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        try:
+            out = self.model(
+                input_ids=ids.to(self.settings.device),
+                attention_mask=mask.to(self.settings.device),
+                position_ids=_positions(mask).to(self.settings.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - not yet in the batch: their callers must hear of it here
+            for seq in joining:
+                _resolve(seq, exc)
+            raise
         self.stats["forward_steps"] += 1
         new_kv = [(layer.keys, layer.values) for layer in cache.layers]
         batch.join(joining, new_kv, mask)
