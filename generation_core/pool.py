@@ -64,10 +64,6 @@ class ReplicaPool:
         await pool.check_health()
         return pool
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self.manager.server_handles)
-
     def client(self) -> LLMServerClient:
         return self.manager.get_client()
 

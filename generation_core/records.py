@@ -70,11 +70,6 @@ def sample_key_text(key: tuple[int, int]) -> str:
     return f"{key[0]}:{key[1]}"
 
 
-def parse_sample_key(text: str) -> tuple[int, int]:
-    index, rollout_n = text.split(":")
-    return int(index), int(rollout_n)
-
-
 def to_json(value: Any) -> str:
     return json.dumps(value, default=_json_default, sort_keys=True)
 

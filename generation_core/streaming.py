@@ -50,13 +50,8 @@ class StreamingWorker:
             repetition_penalty=1.0,
             logprobs=rollout.calculate_log_probs,
         )
-        self.prompt_length = rollout.prompt_length
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
-
-    @property
-    def tokenizer(self):
-        return self.worker.tokenizer
 
     def check_agent_names(self, names: Iterable[str]) -> None:
         unknown = sorted(set(names) - set(_agent_loop_registry))
