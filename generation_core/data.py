@@ -131,6 +131,7 @@ class PromptSet:
         if self.filtered_overlong:
             logger.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens", self.filtered_overlong, cfg.data.max_prompt_length)
         self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+        self._indices: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -141,6 +142,12 @@ class PromptSet:
         if "agent_name" not in dataframe.column_names:
             return {self.default_agent_loop}
         return {name or self.default_agent_loop for name in dataframe.unique("agent_name")}
+
+    def sample_index(self, position: int) -> int:
+        """The row's `extra_info.index` (its sample id), without building the whole row."""
+        if self._indices is None:
+            self._indices = [int(info["index"]) for info in self.dataset.dataframe["extra_info"]]
+        return self._indices[position]
 
     def agent_kwargs(self, position: int) -> dict[str, Any]:
         """The row's non-tensor fields, as verl's generate_sequences passes them to an agent loop."""

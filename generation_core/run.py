@@ -211,7 +211,6 @@ def execute_run(plan: RunPlan) -> dict[str, Any]:
 def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """Merge (when configured) and write the run's manifest.json; returns the summary."""
     from generation_core.merge import MERGED_FILE
-
     from generation_core.publish import latency_percentiles
 
     summary = summarize(plan, manifests, elapsed)
@@ -227,7 +226,7 @@ def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -
 def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     generated_now = sum(m["last_attempt"]["trajectories"] for m in manifests)
     shard_seconds = sum(m["last_attempt"]["seconds"] for m in manifests)
-    tokens_now = sum(m.get("last_attempt", {}).get("generated_tokens", 0) for m in manifests)
+    tokens_now = sum(m["last_attempt"]["generated_tokens"] for m in manifests)
     return {
         "fingerprint": plan.fingerprint,
         "output": plan.folder.display(),

@@ -57,8 +57,7 @@ def shard_sample_keys(prompts: PromptSet, shard: ShardSpec, n: int) -> list[tupl
     """(sample key, dataset position) for every trajectory the shard owes, in dataset order."""
     keys = []
     for position in range(shard.start, shard.end):
-        index = int(prompts.agent_kwargs(position)["index"])
-        keys.extend(((index, rollout_n), position) for rollout_n in range(n))
+        keys.extend(((prompts.sample_index(position), rollout_n), position) for rollout_n in range(n))
     return keys
 
 

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(120)
 class FakePrompts:
     """Dataset position p has sample id 100 + p."""
 
+    def sample_index(self, position):
+        return 100 + position
+
     def agent_kwargs(self, position):
         return {"index": 100 + position, "agent_name": "single_turn_agent", "raw_prompt": [{"role": "user", "content": str(position)}]}
 
