@@ -65,6 +65,29 @@ class TrajectoryRecord:
         return (self.index, self.rollout_n)
 
 
+@dataclass
+class SampleFailure:
+    """A sample whose agent loop raised after the engine-request retries (a failures.jsonl line)."""
+
+    index: int
+    """The sample id (`extra_info.index`)."""
+    rollout_n: int
+    """Which of the `rollout.n` samples of this prompt."""
+    error: str
+    """`ExceptionType: message` of what failed (engine, agent loop, tool or reward function)."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.index, self.rollout_n)
+
+    @classmethod
+    def from_exception(cls, key: tuple[int, int], exc: BaseException) -> "SampleFailure":
+        # Ray wraps an actor's exception; its own text starts with the actor's name, not the error.
+        exc = getattr(exc, "cause", None) or exc
+        message = str(exc).strip().splitlines()
+        return cls(key[0], key[1], f"{type(exc).__name__}: {message[0] if message else ''}"[:2000])
+
+
 def sample_key_text(key: tuple[int, int]) -> str:
     """The JSON-safe form of a sample id used in checkpoints and failure logs."""
     return f"{key[0]}:{key[1]}"

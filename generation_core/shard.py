@@ -4,6 +4,12 @@ Exactly-once on local disk and S3 alike: a part is written whole under a fresh n
 checkpoint that lists it replaces the old one in one atomic put. A part no checkpoint lists is
 an orphan from a crash and is never read. `_SUCCESS.json` is written last and says what the
 shard holds, so a finished shard is skipped without reading its parts.
+
+A sample whose agent loop still fails after the engine-request retries is never committed: it
+is written to `failures.jsonl` (with its error) and the shard carries on. Once the stream ends,
+the shard fails if more than `generation.max_failed_fraction` of its trajectories failed;
+otherwise its marker counts the failures. Failed samples are pending for every later attempt
+or run, which regenerates exactly them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generation_core.data import PromptSet, ShardSpec
-from generation_core.records import TrajectoryRecord, records_to_parquet, sample_key_text
+from generation_core.records import SampleFailure, TrajectoryRecord, records_to_parquet, sample_key_text, to_json
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 
@@ -30,6 +36,11 @@ SUCCESS = "_SUCCESS.json"
 # The last attempt's error; `genrun status` reports a shard without a marker but with this file
 # as failed. A later successful attempt writes the marker, which takes precedence.
 LAST_ERROR = "last_error.json"
+FAILURES = "failures.jsonl"
+
+
+class TooManyFailedSamples(RuntimeError):
+    """More samples of a shard failed than generation.max_failed_fraction allows."""
 
 
 @dataclass
@@ -38,6 +49,8 @@ class ShardCheckpoint:
 
     parts: list[dict[str, Any]] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    """Samples that failed in the latest attempt (never committed; pending for the next one)."""
     response_tokens: int = 0
     generated_tokens: int = 0
     attempts: int = 0
@@ -48,6 +61,9 @@ class ShardCheckpoint:
         if not folder.exists(path):
             return cls()
         return cls(**folder.read_json(path))
+
+    def failed_fraction_exceeded(self, owed: int, max_failed_fraction: float) -> bool:
+        return len(self.failed) > allowed_failures(owed, max_failed_fraction)
 
     def save(self, folder: RunFolder, shard: ShardSpec) -> None:
         folder.put_json(f"shards/{shard.name}/{CHECKPOINT}", asdict(self))
@@ -61,16 +77,32 @@ def shard_sample_keys(prompts: PromptSet, shard: ShardSpec, n: int) -> list[tupl
     return keys
 
 
+def allowed_failures(owed: int, max_failed_fraction: float) -> int:
+    return int(owed * max_failed_fraction + 1e-9)
+
+
+def finished_marker(folder: RunFolder, shard: ShardSpec) -> dict[str, Any] | None:
+    """The shard's success marker when there is nothing left to do for it: none of its samples
+    failed. A marker that records failures means a later run regenerates those samples."""
+    path = f"shards/{shard.name}/{SUCCESS}"
+    if not folder.exists(path):
+        return None
+    marker = folder.read_json(path)
+    return None if marker.get("failures", 0) else marker
+
+
 async def run_shard(
     cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts: PromptSet, worker: StreamingWorker
 ) -> dict[str, Any]:
     """Generate every missing trajectory of `shard` and return its (small) manifest."""
-    if folder.exists(f"shards/{shard.name}/{SUCCESS}"):
-        finished = folder.read_json(f"shards/{shard.name}/{SUCCESS}")
+    finished = finished_marker(folder, shard)
+    if finished is not None:
         return dict(finished, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
     gen = cfg.generation
     checkpoint = ShardCheckpoint.load(folder, shard)
     checkpoint.attempts += 1
+    # Failed samples of earlier attempts are pending again.
+    checkpoint.failed = []
     done = set(checkpoint.completed)
     owed = shard_sample_keys(prompts, shard, cfg.actor_rollout_ref.rollout.n)
     pending = [(key, position) for key, position in owed if sample_key_text(key) not in done]
@@ -80,18 +112,33 @@ async def run_shard(
     generated_now = 0
     tokens_now = 0
     writer = _PartWriter(folder, shard, checkpoint)
+    # Many failures past the allowance mean something systematic (engine down, broken loop):
+    # stop after committing what succeeded rather than fail every remaining sample slowly.
+    give_up_after = allowed_failures(len(owed), gen.max_failed_fraction) + 2 * gen.max_inflight
     progress = tqdm(total=len(owed), initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
     samples = ((key, prompts.agent_kwargs(position)) for key, position in pending)
+    stream = worker.stream(samples, gen.max_inflight, idle_timeout=gen.pull_timeout)
     try:
-        async for record in worker.stream(samples, gen.max_inflight, idle_timeout=gen.pull_timeout):
-            if record is not None:
+        async for record in stream:
+            if isinstance(record, SampleFailure):
+                writer.add_failure(record)
+                if len(writer.failures_seen) >= give_up_after:
+                    break
+            elif record is not None:
                 writer.add(record)
                 generated_now += 1
                 tokens_now += sum(record.response_mask)
                 progress.update(1)
-            if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.buffer) or writer.age() >= gen.pull_timeout:
+            if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.has_uncommitted()) or writer.age() >= gen.pull_timeout:
                 writer.commit()
         writer.commit()
+        if checkpoint.failed_fraction_exceeded(len(owed), gen.max_failed_fraction):
+            raise TooManyFailedSamples(
+                f"{shard.name}: {len(checkpoint.failed)} of {len(owed)} trajectories failed, more than "
+                f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
+                f"({allowed_failures(len(owed), gen.max_failed_fraction)}); errors in {folder.display(f'shards/{shard.name}/{FAILURES}')}. "
+                "The next attempt regenerates only the failed and missing samples"
+            )
     except Exception as exc:
         folder.put_json(
             f"shards/{shard.name}/{LAST_ERROR}",
@@ -99,6 +146,8 @@ async def run_shard(
         )
         raise
     finally:
+        # Cancels what is still in flight (after a give-up or an error) before we return.
+        await stream.aclose()
         progress.close()
     elapsed = time.perf_counter() - started
     manifest = {
@@ -107,14 +156,17 @@ async def run_shard(
         "range": [shard.start, shard.end],
         "num_trajectories": len(checkpoint.completed),
         "expected_trajectories": len(owed),
+        "failures": len(checkpoint.failed),
+        "failed_samples": list(checkpoint.failed),
         "response_tokens": checkpoint.response_tokens,
         "generated_tokens": checkpoint.generated_tokens,
         "parts": checkpoint.parts,
         "attempts": checkpoint.attempts,
         "last_attempt": {"trajectories": generated_now, "generated_tokens": tokens_now, "seconds": round(elapsed, 3)},
     }
-    if len(set(checkpoint.completed)) != len(owed):
-        raise RuntimeError(f"{shard.name}: {len(owed) - len(set(checkpoint.completed))} trajectories missing after the stream ended")
+    missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
+    if missing:
+        raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
     folder.put_json(f"shards/{shard.name}/{SUCCESS}", manifest)
     return manifest
 
@@ -125,19 +177,56 @@ class _PartWriter:
     def __init__(self, folder: RunFolder, shard: ShardSpec, checkpoint: ShardCheckpoint):
         self.folder, self.shard, self.checkpoint = folder, shard, checkpoint
         self.buffer: list[TrajectoryRecord] = []
+        self.new_failures: list[SampleFailure] = []
+        self.failures_seen: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
+        failures_path = f"shards/{shard.name}/{FAILURES}"
+        # Every failure of every attempt, kept whole: S3 cannot append, so the file is rewritten.
+        self.failure_log = folder.read_bytes(failures_path).decode() if folder.exists(failures_path) else ""
 
     def add(self, record: TrajectoryRecord) -> None:
-        if not self.buffer:
+        if not self.has_uncommitted():
             self.first_buffered_at = time.monotonic()
         self.buffer.append(record)
+
+    def add_failure(self, failure: SampleFailure) -> None:
+        if not self.has_uncommitted():
+            self.first_buffered_at = time.monotonic()
+        self.new_failures.append(failure)
+        self.failures_seen.append(failure)
+
+    def has_uncommitted(self) -> bool:
+        return bool(self.buffer or self.new_failures)
 
     def age(self) -> float:
         return 0.0 if self.first_buffered_at is None else time.monotonic() - self.first_buffered_at
 
     def commit(self) -> None:
-        if not self.buffer:
+        if not self.has_uncommitted():
             return
+        if self.new_failures:
+            # Before the checkpoint that counts them: a crash in between only leaves log lines
+            # for samples that are pending anyway.
+            self._write_failures()
+        if self.buffer:
+            self._write_part()
+        self.checkpoint.save(self.folder, self.shard)
+        self.buffer = []
+        self.new_failures = []
+        self.first_buffered_at = None
+
+    def _write_failures(self) -> None:
+        now = time.time()
+        lines = [
+            to_json({"sample": sample_key_text(f.key), "index": f.index, "rollout_n": f.rollout_n, "error": f.error, "attempt": self.checkpoint.attempts, "time": round(now, 3)})
+            for f in self.new_failures
+        ]
+        self.failure_log += "".join(line + "\n" for line in lines)
+        self.folder.put_atomic(f"shards/{self.shard.name}/{FAILURES}", self.failure_log.encode())
+        self.checkpoint.failed.extend(sample_key_text(f.key) for f in self.new_failures)
+        logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard.name, len(self.new_failures), FAILURES)
+
+    def _write_part(self) -> None:
         data = records_to_parquet(self.buffer)
         # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
         name = f"batch-{len(self.checkpoint.parts):05d}-{uuid.uuid4().hex[:8]}.parquet"
@@ -148,7 +237,4 @@ class _PartWriter:
         self.checkpoint.completed.extend(sample_key_text(r.key) for r in self.buffer)
         self.checkpoint.response_tokens += sum(len(r.response_ids) for r in self.buffer)
         self.checkpoint.generated_tokens += sum(sum(r.response_mask) for r in self.buffer)
-        self.checkpoint.save(self.folder, self.shard)
         logger.info("%s: committed %s (%d trajectories, %d in shard)", self.shard.name, name, len(self.buffer), len(self.checkpoint.completed))
-        self.buffer = []
-        self.first_buffered_at = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from generation_core.errors import GenrunError
 from generation_core.run import RUN_FILE
-from generation_core.shard import CHECKPOINT, LAST_ERROR, SUCCESS
+from generation_core.shard import CHECKPOINT, FAILURES, LAST_ERROR, SUCCESS
 from generation_core.storage import RunFolder
 
 
@@ -21,15 +21,17 @@ def shard_states(folder: RunFolder, run: dict) -> list[dict]:
         expected = (shard["range"][1] - shard["range"][0]) * run["rollout_n"]
         base = f"shards/{shard['name']}"
         if folder.exists(f"{base}/{SUCCESS}"):
-            done = folder.read_json(f"{base}/{SUCCESS}")["num_trajectories"]
+            marker = folder.read_json(f"{base}/{SUCCESS}")
+            done, failed = marker["num_trajectories"], marker.get("failures", 0)
             state = "done"
         else:
-            done = len(folder.read_json(f"{base}/{CHECKPOINT}")["completed"]) if folder.exists(f"{base}/{CHECKPOINT}") else 0
-            state = "partial" if done else "pending"
+            checkpoint = folder.read_json(f"{base}/{CHECKPOINT}") if folder.exists(f"{base}/{CHECKPOINT}") else {}
+            done, failed = len(checkpoint.get("completed", [])), len(checkpoint.get("failed", []))
+            state = "partial" if done or failed else "pending"
         error = None
         if state != "done" and folder.exists(f"{base}/{LAST_ERROR}"):
             state, error = "failed", folder.read_json(f"{base}/{LAST_ERROR}")["error"]
-        states.append({"shard": shard["name"], "state": state, "committed": done, "expected": expected, "error": error})
+        states.append({"shard": shard["name"], "state": state, "committed": done, "failed_samples": failed, "expected": expected, "error": error})
     return states
 
 
@@ -38,14 +40,16 @@ def print_status(url: str) -> int:
     states = shard_states(folder, run)
     print(f"run {run['fingerprint'][:12]} at {folder.display()}")
     for s in states:
-        detail = f"  last error: {s['error']}" if s["error"] else ""
+        detail = f"  {s['failed_samples']} failed sample(s), see shards/{s['shard']}/{FAILURES}" if s["failed_samples"] else ""
+        detail += f"  last error: {s['error']}" if s["error"] else ""
         print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}
     total = sum(s["committed"] for s in states)
     expected = sum(s["expected"] for s in states)
+    failed_samples = sum(s["failed_samples"] for s in states)
     print(
         f"shards: {counts['done']} done, {counts['partial']} running or interrupted, {counts['failed']} failed, "
-        f"{counts['pending']} pending; trajectories {total}/{expected}"
+        f"{counts['pending']} pending; trajectories {total}/{expected}; failed samples {failed_samples}"
     )
     merged = "yes" if folder.exists("trajectories.pkl") else "no"
     print(f"merged: {merged}")

@@ -27,7 +27,9 @@ from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
 from generation_core.errors import GenrunError
-from generation_core.records import TrajectoryRecord
+from generation_core.records import SampleFailure, TrajectoryRecord
+from generation_core.request_retry import RetryingClient
+from generation_core.rewards import RewardScorer
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,12 @@ SampleKey = tuple[int, int]
 
 
 class StreamingWorker:
-    def __init__(self, cfg: DictConfig, llm_client):
-        self.worker = AgentLoopWorker(cfg, llm_client)
+    def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
+        gen = cfg.generation
+        # Agent loops reach the engine only through this client: every model turn gets retries.
+        self.client = RetryingClient(llm_client, retries=gen.request_retries, backoff_seconds=gen.request_backoff_seconds, timeout=gen.request_timeout)
+        self.worker = AgentLoopWorker(cfg, self.client)
+        self.reward_scorer = reward_scorer
         rollout = cfg.actor_rollout_ref.rollout
         # The same sampling parameters verl's generate_sequences sends for a training step.
         self.sampling_params = dict(
@@ -84,15 +90,22 @@ class StreamingWorker:
         sample_kwargs = dict(kwargs)
         agent_loop = self.build_agent_loop(sample_kwargs.pop("agent_name"))
         output = await agent_loop.run(dict(self.sampling_params), **sample_kwargs)
-        return self.record_from_output(key, output, kwargs)
+        record = self.record_from_output(key, output, kwargs)
+        # A score the agent loop set itself (e.g. from its tools) is kept, as verl keeps it.
+        if self.reward_scorer is not None and record.reward_score is None:
+            reward = await self.reward_scorer.score(record.response_ids, kwargs, record.num_turns, record.extra_fields)
+            record.reward_score = reward.score
+            record.extra_fields["reward_extra_info"] = reward.extra_info
+        return record
 
     async def stream(
         self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float
-    ) -> AsyncIterator[TrajectoryRecord | None]:
-        """Yield each finished record as it completes; yield None after `idle_timeout` seconds
-        without a completion so the caller can flush what it holds."""
+    ) -> AsyncIterator[TrajectoryRecord | SampleFailure | None]:
+        """Yield each finished record as it completes, or a SampleFailure for a sample whose
+        agent loop raised (after the engine-request retries); yield None after `idle_timeout`
+        seconds without a completion so the caller can flush what it holds."""
         pending_samples = iter(samples)
-        inflight: set[asyncio.Task] = set()
+        inflight: dict[asyncio.Task, SampleKey] = {}
 
         def refill() -> None:
             while len(inflight) < max_inflight:
@@ -100,7 +113,7 @@ class StreamingWorker:
                     key, kwargs = next(pending_samples)
                 except StopIteration:
                     return
-                inflight.add(asyncio.ensure_future(self.run_one(key, kwargs)))
+                inflight[asyncio.ensure_future(self.run_one(key, kwargs))] = key
 
         refill()
         trace_path = os.environ.get(SAMPLE_TRACE_ENV)
@@ -112,8 +125,13 @@ class StreamingWorker:
                     yield None
                     continue
                 for task in done:
-                    inflight.discard(task)
-                    record = task.result()
+                    key = inflight.pop(task)
+                    try:
+                        record = task.result()
+                    except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's
+                        logger.warning("sample %d:%d failed: %s: %s", key[0], key[1], type(exc).__name__, exc)
+                        yield SampleFailure.from_exception(key, exc)
+                        continue
                     if trace is not None:
                         trace.write(f"{time.time():.3f} finished {record.index}:{record.rollout_n}\n")
                     yield record

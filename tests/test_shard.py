@@ -11,7 +11,7 @@ from generation_core.config import load_config
 from generation_core.data import ShardSpec
 from generation_core.merge import read_committed_records
 from generation_core.records import TrajectoryRecord
-from generation_core.shard import run_shard
+from generation_core.shard import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 
@@ -76,24 +76,113 @@ def test_pull_timeout_commits_a_partial_part(tmp_path):
     assert [p["count"] for p in manifest["parts"]] == [3, 1], "the three fast samples were committed while the slow one ran"
 
 
-def test_failed_shard_resumes_from_its_checkpoint(tmp_path):
+def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_only_it(tmp_path):
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
     folder = RunFolder(str(tmp_path))
-    with pytest.raises(RuntimeError, match="scripted failure"):
+    shard_dir = tmp_path / "shards" / "shard-00000"
+    with pytest.raises(TooManyFailedSamples, match=r"1 of 6 trajectories failed.*max_failed_fraction=0.0"):
         asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), ScriptedWorker(fail_on=(104, 0))))
-    checkpoint = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())
-    assert checkpoint["completed"] == ["100:0", "101:0", "102:0", "103:0"]
-    assert not (tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").exists()
+    checkpoint = json.loads((shard_dir / "checkpoint.json").read_text())
+    assert checkpoint["completed"] == ["100:0", "101:0", "102:0", "103:0", "105:0"], "the shard carried on past the failure"
+    assert checkpoint["failed"] == ["104:0"]
+    [failure] = [json.loads(line) for line in (shard_dir / "failures.jsonl").read_text().splitlines()]
+    assert failure["sample"] == "104:0" and failure["error"] == "RuntimeError: scripted failure for (104, 0)" and failure["attempt"] == 1
+    assert not (shard_dir / "_SUCCESS.json").exists()
+    assert "TooManyFailedSamples" in json.loads((shard_dir / "last_error.json").read_text())["error"]
 
     retry = ScriptedWorker()
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), retry))
-    assert retry.started == [(104, 0), (105, 0)], "only uncommitted samples run again"
-    assert manifest["attempts"] == 2 and manifest["num_trajectories"] == 6
+    assert retry.started == [(104, 0)], "only the failed sample runs again"
+    assert manifest["attempts"] == 2 and manifest["num_trajectories"] == 6 and manifest["failures"] == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
 
     done = ScriptedWorker()
     again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), done))
     assert done.started == [] and again["last_attempt"]["skipped"]
+
+
+def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_retries_them(tmp_path):
+    cfg = _cfg("generation.save_batch_size=3", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2", "generation.max_failed_fraction=0.1")
+    folder = RunFolder(str(tmp_path))
+    shard = ShardSpec(0, 0, 10)
+    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker(fail_on=(107, 1))))
+    assert manifest["num_trajectories"] == 19 and manifest["expected_trajectories"] == 20
+    assert manifest["failures"] == 1 and manifest["failed_samples"] == ["107:1"]
+    marker = json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
+    assert marker["failures"] == 1
+    assert (107, 1) not in {r.key for r in read_committed_records(folder)}
+
+    # The same run again: the finished shard is re-opened for its failed sample only.
+    rerun = ScriptedWorker()
+    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), rerun))
+    assert rerun.started == [(107, 1)]
+    assert manifest["failures"] == 0 and manifest["num_trajectories"] == 20
+    keys = [r.key for r in read_committed_records(folder)]
+    assert keys == [(100 + p, n) for p in range(10) for n in range(2)]
+    log = (tmp_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
+    assert len(log) == 1, "the history of failures is kept"
+
+
+def test_more_failures_than_allowed_fail_the_shard(tmp_path):
+    cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=2", "generation.max_failed_fraction=0.25")
+    folder = RunFolder(str(tmp_path))
+
+    class FailingTwo(ScriptedWorker):
+        async def run_one(self, key, kwargs):
+            if key[0] in (101, 106):
+                raise ConnectionError(f"engine unreachable for {key}")
+            return await super().run_one(key, kwargs)
+
+    # 8 trajectories, 0.25 allows 2: two failures pass.
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(), FailingTwo()))
+    assert manifest["failures"] == 2 and manifest["num_trajectories"] == 6
+
+    class FailingThree(ScriptedWorker):
+        async def run_one(self, key, kwargs):
+            if key[0] in (101, 104, 106):
+                raise ConnectionError(f"engine unreachable for {key}")
+            return await super().run_one(key, kwargs)
+
+    other = RunFolder(str(tmp_path / "other"))
+    with pytest.raises(TooManyFailedSamples, match="3 of 8 trajectories failed"):
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), other, FakePrompts(), FailingThree()))
+    checkpoint = json.loads((tmp_path / "other" / "shards" / "shard-00000" / "checkpoint.json").read_text())
+    assert len(checkpoint["completed"]) == 5 and sorted(checkpoint["failed"]) == ["101:0", "104:0", "106:0"]
+
+
+def test_systematic_failures_stop_the_shard_early(tmp_path):
+    cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=2")
+
+    class EngineDown(ScriptedWorker):
+        async def run_one(self, key, kwargs):
+            self.started.append(key)
+            raise ConnectionError("engine down")
+
+    worker = EngineDown()
+    with pytest.raises(TooManyFailedSamples):
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 50), RunFolder(str(tmp_path)), FakePrompts(), worker))
+    assert len(worker.started) < 10, "gave up after 2 x max_inflight failures instead of failing all 50"
+
+
+def test_n_samples_resume_regenerates_only_the_missing_rollouts(tmp_path):
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1", "actor_rollout_ref.rollout.n=4")
+    folder = RunFolder(str(tmp_path))
+
+    class StopAfter(ScriptedWorker):
+        async def run_one(self, key, kwargs):
+            if key == (100, 2):
+                raise KeyboardInterrupt  # a crash: not a sample failure, the attempt dies
+            return await super().run_one(key, kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(), StopAfter()))
+    assert json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())["completed"] == ["100:0", "100:1"]
+    resumed = ScriptedWorker()
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(), resumed))
+    assert resumed.started[:2] == [(100, 2), (100, 3)], "the prompt with 2 of 4 done regenerates only 2"
+    assert len(resumed.started) == 10 and manifest["num_trajectories"] == 12
+    keys = [r.key for r in read_committed_records(folder)]
+    assert keys == [(100 + p, n) for p in range(3) for n in range(4)] and len(set(keys)) == 12
 
 
 def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
@@ -104,11 +193,11 @@ def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
     shards = [ShardSpec(0, 0, 4), ShardSpec(1, 4, 8), ShardSpec(2, 8, 12)]
     folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "shards": [{"name": s.name, "range": [s.start, s.end]} for s in shards]})
     asyncio.run(run_shard(cfg, shards[0], folder, FakePrompts(), ScriptedWorker()))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TooManyFailedSamples):
         asyncio.run(run_shard(cfg, shards[1], folder, FakePrompts(), ScriptedWorker(fail_on=(107, 0))))
     assert print_status(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "shard-00000  done     4/4" in out
-    assert "shard-00001  failed   2/4  last error: RuntimeError: scripted failure for (107, 0)" in out
+    assert "shard-00001  failed   3/4  1 failed sample(s), see shards/shard-00001/failures.jsonl  last error: TooManyFailedSamples: shard-00001: 1 of 4 trajectories failed" in out
     assert "shard-00002  pending  0/4" in out
-    assert "shards: 1 done, 0 running or interrupted, 1 failed, 1 pending; trajectories 6/12" in out
+    assert "shards: 1 done, 0 running or interrupted, 1 failed, 1 pending; trajectories 7/12; failed samples 1" in out

@@ -41,6 +41,11 @@ OPERATIONAL_KEYS = (
     "generation.final_merge",
     "generation.retries",
     "generation.retry_delay_seconds",
+    "generation.request_retries",
+    "generation.request_backoff_seconds",
+    "generation.request_timeout",
+    "generation.max_failed_fraction",
+    "generation.reward_workers",
     "generation.show_progress",
     "generation.upload_artifact",
     "generation.artifact_mode",
@@ -96,8 +101,33 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
+    _route_legacy_keys(cfg)
     validate_values(cfg)
     return cfg
+
+
+def _route_legacy_keys(cfg: DictConfig) -> None:
+    """Keys verl users know from older configs, moved to where verl 0.9.1's agent loop reads them."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    data_tools = cfg.data.get("tool_config_path")
+    if data_tools and multi_turn.tool_config_path and data_tools != multi_turn.tool_config_path:
+        raise GenrunError(
+            f"data.tool_config_path={data_tools!r} and actor_rollout_ref.rollout.multi_turn.tool_config_path="
+            f"{multi_turn.tool_config_path!r} disagree; set only one of them"
+        )
+    if data_tools and not multi_turn.tool_config_path:
+        multi_turn.tool_config_path = data_tools
+    # The top-level custom_reward_function of older verl configs; verl 0.9.1 reads reward.*.
+    legacy_reward = cfg.get("custom_reward_function") or {}
+    if legacy_reward.get("path") and not cfg.reward.custom_reward_function.path:
+        cfg.reward.custom_reward_function.path = legacy_reward.path
+        if legacy_reward.get("name"):
+            cfg.reward.custom_reward_function.name = legacy_reward.name
+    # verl's trainers run tool_agent when multi_turn is enabled; keep that meaning here, unless
+    # the user chose another agent loop.
+    agent = cfg.actor_rollout_ref.rollout.agent
+    if multi_turn.enable and agent.default_agent_loop == "single_turn_agent":
+        agent.default_agent_loop = "tool_agent"
 
 
 def _parse_overrides(overrides: list[str]):
@@ -185,6 +215,11 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
+    _require(isinstance(gen.request_retries, int) and not isinstance(gen.request_retries, bool) and gen.request_retries >= 0, "generation.request_retries", gen.request_retries, "must be an integer >= 0")
+    _require(_is_number(gen.request_backoff_seconds) and gen.request_backoff_seconds >= 0, "generation.request_backoff_seconds", gen.request_backoff_seconds, "must be a number of seconds >= 0")
+    _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (no timeout) or a number of seconds > 0")
+    _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
+    _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
