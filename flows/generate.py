@@ -17,9 +17,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
 from prefect_ray import RayTaskRunner
 
+from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
-from generation_core.shard import SUCCESS
+from generation_core.shard import finished_marker
 from tasks.merge import merge
 from tasks.publish import publish
 from tasks.run_shard import run_shard
@@ -38,7 +39,7 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
     with RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH"))) as runner:
         pool = boot_pool(plan.cfg)
         try:
-            futures = [runner.submit(_shard_task(plan, shard.name), _shard_parameters(plan, shard.shard_id, pool.balancer_name)) for shard in plan.shards]
+            futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, pool.balancer_name)) for shard in plan.shards]
             manifests, failures = [], []
             for finished, future in enumerate(as_completed(futures), start=1):
                 future.wait()
@@ -57,12 +58,13 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
     return publish(plan, summary, manifests, artifact_key)
 
 
-def _shard_task(plan: RunPlan, shard_name: str):
+def _shard_task(plan: RunPlan, shard: ShardSpec):
     gen = plan.cfg.generation
     # Storage markers are the source of truth: a cached result for a shard whose marker is gone
-    # (folder deleted, run started over) must not stand in for the data.
-    marker_missing = not plan.folder.exists(f"shards/{shard_name}/{SUCCESS}")
-    return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=marker_missing)
+    # (folder deleted, run started over) or records failed samples (a rerun retries them) must
+    # not stand in for the data.
+    needs_work = finished_marker(plan.folder, shard) is None
+    return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
 
 
 def _shard_parameters(plan: RunPlan, shard_id: int, balancer_name: str) -> dict[str, Any]:

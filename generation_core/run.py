@@ -98,6 +98,30 @@ def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
     return container
 
 
+def check_run_code(cfg: DictConfig, prompts: PromptSet) -> None:
+    """The user code a run calls, loaded once here so a broken piece stops the run before any
+    model loads: agent loops (names, YAML, plugins), tools, reward function."""
+    from generation_core.agent_loops import check_agent_loops, check_tools
+    from generation_core.rewards import load_reward_function
+
+    agent_names = prompts.agent_names()
+    check_agent_loops(cfg, agent_names)
+    check_tools(cfg, agent_names)
+    load_reward_function(cfg)
+
+
+def _code_hash(cfg: DictConfig) -> str:
+    """Content of the user files that decide the output besides the dataset (reward function):
+    editing them makes a different run, which must not resume into the old folder."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    reward_path = cfg.reward.custom_reward_function.path
+    if reward_path and os.path.isfile(os.path.expanduser(reward_path)):
+        digest.update(Path(os.path.expanduser(reward_path)).read_bytes())
+    return digest.hexdigest()
+
+
 def prepare_run(overrides: list[str]) -> RunPlan:
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so merge pads like verl.
     from verl.utils import hf_tokenizer
@@ -109,11 +133,12 @@ def prepare_run(overrides: list[str]) -> RunPlan:
     dataset_hash = check_prompt_files(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
-    run_fingerprint = fingerprint(cfg, dataset_hash)
+    run_fingerprint = fingerprint(cfg, f"{dataset_hash}:{_code_hash(cfg)}")
     finalize_run_location(cfg, run_fingerprint)
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shards = plan_shards(len(prompts), cfg.generation.num_shards)
+    check_run_code(cfg, prompts)
     pad_token_id = tokenizer.pad_token_id
     folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
     folder.check_writable()
@@ -163,16 +188,29 @@ def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> 
 
     from generation_core.pool import attach_client
     from generation_core.shard import run_shard
-    from generation_core.streaming import StreamingWorker
 
     cfg = OmegaConf.create(config)
     folder = RunFolder(cfg.trainer.default_local_dir, OmegaConf.to_container(cfg.storage.options))
     tokenizer = hf_tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shard = plan_shards(len(prompts), cfg.generation.num_shards)[shard_id]
-    worker = StreamingWorker(cfg, attach_client(cfg, balancer_name))
+    worker = build_streaming_worker(cfg, attach_client(cfg, balancer_name), tokenizer, prompts)
+    try:
+        return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
+    finally:
+        worker.shutdown()
+
+
+def build_streaming_worker(cfg: DictConfig, llm_client, tokenizer, prompts: PromptSet):
+    """A streaming worker for this process, with the run's reward function."""
+    from generation_core.agent_loops import load_plugin_entry_points
+    from generation_core.rewards import RewardScorer
+    from generation_core.streaming import StreamingWorker
+
+    load_plugin_entry_points()
+    worker = StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, tokenizer))
     worker.check_agent_names(prompts.agent_names())
-    return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
+    return worker
 
 
 def merge_plan(plan: RunPlan):
@@ -185,14 +223,15 @@ def merge_plan(plan: RunPlan):
 async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
     from generation_core.pool import ReplicaPool
     from generation_core.shard import run_shard
-    from generation_core.streaming import StreamingWorker
 
     pool = await ReplicaPool.boot(plan.cfg)
+    worker = None
     try:
-        worker = StreamingWorker(plan.cfg, pool.client())
-        worker.check_agent_names(plan.prompts.agent_names())
+        worker = build_streaming_worker(plan.cfg, pool.client(), plan.prompts.dataset.tokenizer, plan.prompts)
         return [await run_shard(plan.cfg, shard, plan.folder, plan.prompts, worker) for shard in plan.shards]
     finally:
+        if worker is not None:
+            worker.shutdown()
         pool.shutdown()
 
 
@@ -232,6 +271,7 @@ def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) ->
         "output": plan.folder.display(),
         "num_trajectories": sum(m["num_trajectories"] for m in manifests),
         "generated_tokens": sum(m["generated_tokens"] for m in manifests),
+        "failed_samples": sum(m.get("failures", 0) for m in manifests),
         "this_invocation": {
             "trajectories": generated_now,
             "generated_tokens": tokens_now,

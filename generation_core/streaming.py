@@ -59,6 +59,10 @@ class StreamingWorker:
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
 
+    def shutdown(self) -> None:
+        if self.reward_scorer is not None:
+            self.reward_scorer.shutdown()
+
     def check_agent_names(self, names: Iterable[str]) -> None:
         unknown = sorted(set(names) - set(_agent_loop_registry))
         if unknown:

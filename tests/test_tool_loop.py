@@ -1,0 +1,199 @@
+"""verl's ToolAgentLoop through configuration, with a deterministic scripted engine: exact
+response tokens, mask, logprobs and turn count, then the same through a shard and the merge;
+rewards present / absent / raising; engine failures retried, then recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from generation_core.config import load_config
+from generation_core.data import PromptSet, ShardSpec
+from generation_core.merge import merge_run
+from generation_core.rewards import RewardScorer
+from generation_core.shard import TooManyFailedSamples, run_shard
+from generation_core.storage import RunFolder
+from generation_core.streaming import StreamingWorker
+from tests.conftest import REPO, write_parquet
+from tests.scripted_engine import ScriptedEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+TOOLS = REPO / "examples" / "tool_calling" / "tools.yaml"
+EXPRESSIONS = {"seven": "3+4", "twelve": "3*4", "nine": "(2+1)**2"}
+# The tool turn exactly as the bundled tokenizer's ChatML template renders it after the call.
+TOOL_TURN = "<|im_start|>tool\nRESULT<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from verl.utils import hf_tokenizer
+
+    return hf_tokenizer(str(model_dir))
+
+
+def tool_rows(words=("seven", "twelve", "nine")):
+    return [
+        {
+            "data_source": "test/arithmetic",
+            "prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(eval(EXPRESSIONS[word]))},
+            "extra_info": {"split": "test", "index": index},
+        }
+        for index, word in enumerate(words)
+    ]
+
+
+def tool_config(model_dir, *extra):
+    cfg = load_config([
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"data.tool_config_path={TOOLS}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "generation.show_progress=false",
+        "generation.request_backoff_seconds=0",
+        *extra,
+    ])
+    cfg.actor_rollout_ref.model.path = str(model_dir)
+    return cfg
+
+
+def expected_trajectory(tokenizer, engine, expression):
+    call = tokenizer.encode(engine.turn_text("").replace("2+3", expression), add_special_tokens=False) + [tokenizer.eos_token_id]
+    tool = tokenizer.encode(TOOL_TURN.replace("RESULT", str(eval(expression))), add_special_tokens=False)
+    answer = tokenizer.encode(f"The answer is {eval(expression)}.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    return (
+        call + tool + answer,
+        [1] * len(call) + [0] * len(tool) + [1] * len(answer),
+        engine.logprobs(len(call)) + [0.0] * len(tool) + engine.logprobs(len(answer)),
+    )
+
+
+def test_tool_loop_interleaves_model_and_tool_tokens(model_dir, tokenizer):
+    cfg = tool_config(model_dir)
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent", "multi_turn.enable selects verl's tool loop"
+    engine = ScriptedEngine(tokenizer, EXPRESSIONS)
+    worker = StreamingWorker(cfg, engine)
+    sample = {"raw_prompt": [{"role": "user", "content": "Compute seven with the calculator."}], "agent_name": "tool_agent", "index": 0, "extra_info": {"index": 0}}
+    record = asyncio.run(worker.run_one((0, 0), sample))
+
+    ids, mask, logprobs = expected_trajectory(tokenizer, engine, "3+4")
+    assert record.response_ids == ids
+    assert record.response_mask == mask
+    assert record.response_logprobs == pytest.approx(logprobs)
+    assert record.num_turns == 4, "user + assistant(call) + tool + assistant(answer)"
+    assert record.extra_fields["tool_rewards"] == [1.0], "the calculator's reward for a valid expression"
+    assert len(engine.calls) == 2
+    # The second request is the first prompt + the model's own tokens + the tool turn: no re-encoding.
+    assert engine.calls[1] == record.prompt_ids + ids[: mask.index(1, mask.index(0))]
+
+
+def _run_shard(cfg, tokenizer, data_file, folder, engine, reward=True):
+    cfg.data.train_files = str(data_file)
+    prompts = PromptSet(cfg, tokenizer)
+    scorer = RewardScorer.from_config(cfg, tokenizer) if reward else None
+    worker = StreamingWorker(cfg, engine, scorer)
+    try:
+        return asyncio.run(run_shard(cfg, ShardSpec(0, 0, len(prompts)), folder, prompts, worker))
+    finally:
+        worker.shutdown()
+
+
+def _merge(cfg, folder):
+    rollout = cfg.actor_rollout_ref.rollout
+    return merge_run(folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=2)
+
+
+def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, tmp_path):
+    cfg = tool_config(model_dir, "actor_rollout_ref.rollout.n=2", "generation.save_batch_size=4")
+    data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
+    engine = ScriptedEngine(tokenizer, EXPRESSIONS)
+    folder = RunFolder(str(tmp_path / "run"))
+    manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
+    assert manifest["num_trajectories"] == 6 and manifest["failures"] == 0
+
+    data = _merge(cfg, folder)
+    assert data.non_tensor_batch["index"].tolist() == [0, 0, 1, 1, 2, 2], "interleaved like verl's repeat(interleave=True)"
+    assert "rm_scores" not in data.batch.keys(), "no reward function, no rm_scores"
+    for row, expression in enumerate(["3+4", "3+4", "3*4", "3*4", "(2+1)**2", "(2+1)**2"]):
+        ids, mask, logprobs = expected_trajectory(tokenizer, engine, expression)
+        width = len(ids)
+        assert data.batch["responses"][row, :width].tolist() == ids
+        assert data.batch["responses"][row, width:].eq(2).all(), "right-padded with pad id"
+        assert data.batch["response_mask"][row, :width].tolist() == mask
+        assert data.batch["response_mask"][row, width:].eq(0).all()
+        assert torch.allclose(data.batch["rollout_log_probs"][row, :width], torch.tensor(logprobs))
+        assert data.batch["rollout_log_probs"][row][data.batch["response_mask"][row] == 0].eq(0).all(), "logprob 0 on tool tokens"
+    assert data.non_tensor_batch["__num_turns__"].tolist() == [4] * 6
+    assert [list(v) for v in data.non_tensor_batch["tool_rewards"]] == [[1.0]] * 6
+
+
+def test_reward_function_fills_rm_scores_at_the_last_response_token(model_dir, tokenizer, tmp_path):
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    right = solution_str.strip().endswith(f'{ground_truth}.')\n"
+        "    return {'score': 1.0 if right else 0.25, 'turns': extra_info['num_turns']}\n"
+    )
+    cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}")
+    # The scripted answers are right; make the ground truth of sample 1 wrong.
+    rows = tool_rows()
+    rows[1]["reward_model"]["ground_truth"] = "13"
+    data_file = write_parquet(tmp_path / "tools.parquet", rows)
+    folder = RunFolder(str(tmp_path / "run"))
+    _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
+    data = _merge(cfg, folder)
+    rm_scores = data.batch["rm_scores"]
+    last = data.batch["attention_mask"][:, cfg.actor_rollout_ref.rollout.prompt_length :].sum(dim=1) - 1
+    assert rm_scores[torch.arange(3), last].tolist() == [1.0, 0.25, 1.0]
+    assert rm_scores.sum().item() == pytest.approx(2.25), "nothing but the last token carries the score"
+    assert data.non_tensor_batch["turns"].tolist() == [4, 4, 4], "the reward dict's other keys become columns"
+    assert data.meta_info["reward_extra_keys"] == ["score", "turns"]
+
+
+def test_a_raising_reward_function_is_a_recorded_sample_failure(model_dir, tokenizer, tmp_path):
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    if ground_truth == '12':\n"
+        "        raise ZeroDivisionError('scorer bug')\n"
+        "    return 1.0\n"
+    )
+    cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", "generation.max_failed_fraction=0.5")
+    data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
+    folder = RunFolder(str(tmp_path / "run"))
+    manifest = _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
+    assert manifest["num_trajectories"] == 2 and manifest["failed_samples"] == ["1:0"]
+    [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
+    assert "RewardFunctionError: reward function raised ZeroDivisionError: scorer bug" in json.loads(line)["error"]
+    data = _merge(cfg, folder)
+    assert data.non_tensor_batch["index"].tolist() == [0, 2]
+    assert np.allclose(data.batch["rm_scores"].sum(dim=1).numpy(), [1.0, 1.0])
+
+
+def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_path):
+    cfg = tool_config(model_dir, "generation.request_retries=2", "generation.max_failed_fraction=0.5")
+    data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
+    # "seven" fails twice (recovered by 2 retries); "twelve" always fails (recorded).
+    engine = ScriptedEngine(tokenizer, EXPRESSIONS, failures={"seven": 2, "twelve": None})
+    folder = RunFolder(str(tmp_path / "run"))
+    manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
+    assert manifest["num_trajectories"] == 2 and manifest["failed_samples"] == ["1:0"]
+    assert engine.failed_calls == 2 + 3, "seven: 2 failures then success; twelve: 1 try + 2 retries"
+    [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
+    assert json.loads(line)["error"] == "EngineCrashed: injected engine failure for a prompt with 'twelve'"
+
+    # max_failed_fraction=0: the same failure fails the shard; a later attempt with a healthy
+    # engine regenerates only the failed sample.
+    strict = tool_config(model_dir, "generation.request_retries=1")
+    other = RunFolder(str(tmp_path / "strict"))
+    with pytest.raises(TooManyFailedSamples, match="1 of 3 trajectories failed"):
+        _run_shard(strict, tokenizer, data_file, other, ScriptedEngine(tokenizer, EXPRESSIONS, failures={"twelve": None}), reward=False)
+    healthy = ScriptedEngine(tokenizer, EXPRESSIONS)
+    manifest = _run_shard(strict, tokenizer, data_file, other, healthy, reward=False)
+    assert manifest["num_trajectories"] == 3 and manifest["failures"] == 0
+    assert len(healthy.calls) == 2 and all("twelve" in tokenizer.decode(call) for call in healthy.calls)
