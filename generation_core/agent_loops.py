@@ -46,18 +46,27 @@ def load_plugin_entry_points() -> None:
             ) from None
 
 
+def existing_config_file(key: str, path: str) -> str:
+    """verl's resolution of a config path (absolute, working directory, verl's root), checked."""
+    from verl.utils.import_utils import resolve_config_path
+
+    try:
+        resolved = resolve_config_path(path)
+    except FileNotFoundError:
+        resolved = None
+    if not resolved or not os.path.isfile(resolved):
+        raise GenrunError(f"{key}={path!r} does not exist")
+    return resolved
+
+
 def load_agent_loop_config(path: str) -> list[str]:
     """Register the agent loops of an `agent_loop_config_path` YAML, as verl's AgentLoopWorker
     does, after checking that each entry names an importable class. Returns their names."""
     import hydra
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-    from verl.utils.import_utils import resolve_config_path
 
     key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
-    try:
-        resolved = resolve_config_path(path)
-    except FileNotFoundError:
-        raise GenrunError(f"{key}={path!r} does not exist") from None
+    resolved = existing_config_file(key, path)
     try:
         entries = OmegaConf.load(resolved)
     except (OmegaConfBaseException, ValueError, OSError) as exc:
@@ -71,7 +80,7 @@ def load_agent_loop_config(path: str) -> list[str]:
         try:
             hydra.utils.get_class(entry._target_)
         except Exception as exc:  # noqa: BLE001 - hydra wraps import errors of user code in several types
-            raise GenrunError(f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {str(exc).splitlines()[0]}") from None
+            raise GenrunError(f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {' '.join(str(exc).split())[:300]}") from None
         _agent_loop_registry[entry.name] = entry
         names.append(entry.name)
     return names
@@ -104,19 +113,12 @@ def check_agent_loops(cfg: DictConfig, wanted: Iterable[str]) -> None:
 def check_tools(cfg: DictConfig, agent_names: Iterable[str]) -> int:
     """Load the run's tools once, as every shard worker will; returns how many there are."""
     from verl.tools.tool_registry import load_all_tools
-    from verl.utils.import_utils import resolve_config_path
 
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     paths = {"tool_config_path": multi_turn.tool_config_path, "function_tool_path": multi_turn.function_tool_path}
     resolved = {}
     for name, path in paths.items():
-        if not path:
-            resolved[name] = None
-            continue
-        try:
-            resolved[name] = resolve_config_path(path)
-        except FileNotFoundError:
-            raise GenrunError(f"actor_rollout_ref.rollout.multi_turn.{name}={path!r} does not exist") from None
+        resolved[name] = existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None
     if not any(resolved.values()):
         if "tool_agent" in set(agent_names):
             logger.warning("tool_agent runs without tools: set actor_rollout_ref.rollout.multi_turn.tool_config_path")

@@ -20,6 +20,15 @@ def _bad_inputs(tmp_path):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.Table.from_pylist(chat_rows(1)).slice(0, 0), empty)
     good = write_parquet(tmp_path / "good.parquet", chat_rows(3))
+    rows = chat_rows(2)
+    rows[0]["agent_name"] = "my_loop"
+    with_agent = write_parquet(tmp_path / "with_agent.parquet", rows)
+    bad_loops = tmp_path / "loops.yaml"
+    bad_loops.write_text("- name: broken\n  _target_: nowhere.Loop\n")
+    bad_tools = tmp_path / "tools.yaml"
+    bad_tools.write_text("tools:\n  - class_name: [not, a, class\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(**kwargs):\n    return 0.0\n")
     return [
         ([f"data.train_files={tmp_path / 'missing.parquet'}"], "does not exist"),
         ([f"data.train_files={no_column}"], "has no column 'prompt'"),
@@ -31,6 +40,14 @@ def _bad_inputs(tmp_path):
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
         ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: self_refine, single_turn_agent, tool_agent"),
+        ([f"data.train_files={with_agent}"], "unknown agent loop 'my_loop' .*registered agent loops:"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"], "agent loop 'broken' names 'nowhere.Loop', which cannot be imported"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"], "tool config .*tool_config_path=.* does not load"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'none.yaml'}"], "tool_config_path=.* does not exist"),
+        ([f"data.train_files={good}", f"reward.custom_reward_function.path={tmp_path / 'none.py'}"], "reward.custom_reward_function.path=.* does not exist"),
+        ([f"data.train_files={good}", f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=score"], "has no function 'score'"),
+        ([f"data.train_files={good}", "generation.max_failed_fraction=2"], "invalid generation.max_failed_fraction=2"),
     ]
 
 

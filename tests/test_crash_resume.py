@@ -1,5 +1,6 @@
 """kill -9 a real `genrun` after its first committed part, run the same command again: the
-result equals an uninterrupted run's, with no sample missing or duplicated."""
+result equals an uninterrupted run's, with no sample missing or duplicated. Four rollouts per
+prompt (rollout.n=4), so resume works per (index, rollout n), not per prompt."""
 
 import json
 import os
@@ -17,6 +18,8 @@ from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, writ
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_INFLIGHT = 4
+N = 4
+PROMPTS = 4
 
 
 def _args(prompts, out):
@@ -25,6 +28,7 @@ def _args(prompts, out):
         f"trainer.default_local_dir={out}",
         "actor_rollout_ref.rollout.temperature=0",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
+        f"actor_rollout_ref.rollout.n={N}",
         "data.max_prompt_length=64",
         "data.max_response_length=24",
         "generation.save_batch_size=4",
@@ -52,7 +56,7 @@ def _kill_after_first_commit(args, out, log_path):
 
 
 def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_dir):
-    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(16))
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
 
     reference = run_genrun(_args(prompts, reference_dir))
@@ -66,6 +70,7 @@ def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_
     print(f"finished before kill: {len(finished_before_kill)}, committed: {len(committed_at_kill)}, regenerated on resume: {len(regenerated)}")
     assert committed_at_kill <= finished_before_kill
     assert len(regenerated) <= MAX_INFLIGHT
+    assert len(at_kill["completed"]) == len(committed_at_kill), "no sample committed twice"
 
     resumed = run_genrun(_args(prompts, crashed_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -74,7 +79,9 @@ def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_
 
     expected = DataProto.load_from_disk(str(reference_dir / "trajectories.pkl"))
     actual = DataProto.load_from_disk(str(crashed_dir / "trajectories.pkl"))
-    assert actual.non_tensor_batch["index"].tolist() == list(range(16)), "no index missing or duplicated"
+    assert actual.non_tensor_batch["index"].tolist() == [i for i in range(PROMPTS) for _ in range(N)], "4 per prompt, none missing or duplicated"
+    completed = [key for shard in (crashed_dir / "shards").iterdir() for key in json.loads((shard / "checkpoint.json").read_text())["completed"]]
+    assert sorted(completed) == sorted(f"{i}:{n}" for i in range(PROMPTS) for n in range(N))
     assert sorted(actual.batch.keys()) == sorted(expected.batch.keys())
     for key in expected.batch.keys():
         if key == "rollout_log_probs":

@@ -1,0 +1,131 @@
+"""Custom agent loops: the example self-refine loop's mechanics with a scripted engine, unknown
+names refused before generation, and one real-model run where tool_agent, the self-refine loop
+(verl.plugins entry point and YAML) and a user's own plugin package all run in Ray workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import textwrap
+
+import pytest
+from verl.protocol import DataProto
+from verl.workers.rollout.replica import TokenOutput
+
+from generation_core.config import load_config
+from generation_core.streaming import StreamingWorker
+from tests.conftest import REPO, chat_rows, run_genrun, write_parquet
+
+pytestmark = pytest.mark.timeout(600)
+
+REPLIES = ["First answer.", "It is too short.", "A better, longer answer."]
+
+
+class ReplyInTurn:
+    """Answers the k-th request of a conversation with REPLIES[k]."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.turn = 0
+
+    def tokens(self, turn):
+        return self.tokenizer.encode(REPLIES[turn], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **_unused):
+        tokens = self.tokens(self.turn)
+        self.turn += 1
+        return TokenOutput(token_ids=tokens, log_probs=[-1.0] * len(tokens), stop_reason="completed")
+
+
+def test_self_refine_masks_the_user_turns(model_dir):
+    from verl.utils import hf_tokenizer
+
+    from examples.self_refine.self_refine_loop import CRITIQUE_REQUEST, REVISE_REQUEST
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    cfg = load_config(["actor_rollout_ref.rollout.agent.default_agent_loop=self_refine", "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    cfg.actor_rollout_ref.model.path = str(model_dir)
+    engine = ReplyInTurn(tokenizer)
+    worker = StreamingWorker(cfg, engine)
+    sample = {"raw_prompt": [{"role": "user", "content": "Say something."}], "agent_name": "self_refine", "index": 0}
+    record = asyncio.run(worker.run_one((0, 0), sample))
+
+    def user_turn(text):
+        return tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+    turns = [(engine.tokens(0), 1), (user_turn(CRITIQUE_REQUEST), 0), (engine.tokens(1), 1), (user_turn(REVISE_REQUEST), 0), (engine.tokens(2), 1)]
+    assert record.response_ids == [t for ids, _ in turns for t in ids]
+    assert record.response_mask == [m for ids, m in turns for _ in ids]
+    assert record.response_logprobs == [-1.0 if m else 0.0 for ids, m in turns for _ in ids]
+    assert record.num_turns == 6 and record.extra_fields["self_refine_turns"] == [len(ids) for ids, _ in turns]
+
+
+def _user_plugin(site):
+    """A user's own package, installed only as a dist-info with a verl.plugins entry point."""
+    (site / "my_loops.py").write_text(textwrap.dedent('''
+        from verl.experimental.agent_loop.agent_loop import register
+        from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+        @register("user_plugin_loop")
+        class UserPluginLoop(SingleTurnAgentLoop):
+            async def run(self, sampling_params, **kwargs):
+                output = await super().run(sampling_params, **kwargs)
+                import ray
+                output.extra_fields["in_ray_worker"] = ray._private.worker.global_worker.mode == ray.WORKER_MODE
+                return output
+    '''))
+    dist = site / "my_loops-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-loops\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\nmy_loops = my_loops\n")
+
+
+@pytest.mark.slow
+def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(tmp_path, model_dir):
+    site = tmp_path / "site"
+    site.mkdir()
+    _user_plugin(site)
+    agents = ["tool_agent", "self_refine", "self_refine_yaml", "user_plugin_loop"]
+    rows = chat_rows(8)
+    for position, row in enumerate(rows):
+        row["agent_name"] = agents[position % 4]
+    prompts = write_parquet(tmp_path / "mixed.parquet", rows)
+    out = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    args = [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'examples/tool_calling/tools.yaml'}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={REPO / 'examples/self_refine/agent_loop.yaml'}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=128",
+        "data.max_response_length=128",
+        "generation.num_shards=2",
+        "generation.show_progress=false",
+    ]
+    result = run_genrun(args, env=env, timeout=540)
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
+    assert len(data) == 16 and data.non_tensor_batch["index"].tolist() == [i for i in range(8) for _ in range(2)]
+    names = data.non_tensor_batch["agent_name"].tolist()
+    mask, logprobs = data.batch["response_mask"], data.batch["rollout_log_probs"]
+    assert data.batch["responses"].shape == (16, 128) and data.batch["prompts"].shape == (16, 128)
+    assert logprobs[mask == 0].eq(0).all(), "logprob 0 wherever the model did not write the token"
+    assert (logprobs[mask == 1] < 0).all(), "a real logprob on every model token"
+    turns = data.non_tensor_batch["__num_turns__"].tolist()
+    for row, name in enumerate(names):
+        if name.startswith("self_refine"):
+            lengths = data.non_tensor_batch["self_refine_turns"][row]
+            # Each turn's tokens: model (1), user (0), model, user, model, cut at response_length.
+            expected = [m for turn, length in enumerate(lengths) for m in [1 - turn % 2] * length][:128]
+            assert mask[row, : len(expected)].tolist() == expected
+            assert turns[row] == 1 + len(lengths) and len(lengths) >= 3, "answer, critique request, critique at least"
+        elif name == "user_plugin_loop":
+            assert turns[row] == 2 and mask[row].sum() > 0
+            assert data.non_tensor_batch["in_ray_worker"][row] is True, "the shard ran in a Ray worker"
+        else:
+            assert name == "tool_agent" and turns[row] >= 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_trajectories"] == 16 and manifest["failed_samples"] == 0
