@@ -6,7 +6,9 @@ reward.py), and names its agent loop in `agent_name` (verl's per-row selection),
 runs tool_agent without changing the run's default agent loop.
 
 The system prompt describes the calculator and hermes' `<tool_call>` format in words because
-the bundled model's chat template does not render a `tools` list.
+the bundled model's chat template does not render a `tools` list, and one worked exchange
+(question, tool call, tool result, answer) precedes the question: a 135M model copies a
+demonstrated format far more often than it follows a description.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ SYSTEM = (
     "and wait for the result. Then give the final answer as a number."
 )
 
+DEMONSTRATION = [
+    {"role": "user", "content": "What is (15 + 27) * 2?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(15 + 27) * 2"}}\n</tool_call>'},
+    {"role": "tool", "content": "84"},
+    {"role": "assistant", "content": "The answer is 84."},
+]
+
 
 def make_rows(count: int = 24, seed: int = 7) -> list[dict]:
     rng = random.Random(seed)
@@ -38,7 +47,7 @@ def make_rows(count: int = 24, seed: int = 7) -> list[dict]:
             {
                 "data_source": "genrun/arithmetic",
                 "agent_name": "tool_agent",
-                "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expression}?"}],
+                "prompt": [{"role": "system", "content": SYSTEM}, *DEMONSTRATION, {"role": "user", "content": f"What is {expression}?"}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {"split": "example", "index": index, "expression": expression},
