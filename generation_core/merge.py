@@ -91,10 +91,14 @@ def build_dataproto(
     input_keys = list(records[0].input_fields)
     for key in input_keys:
         non_tensor[key] = _object_array([r.input_fields.get(key) for r in records])
-    reward_infos = [r.extra_fields.get("reward_extra_info", {}) for r in records]
-    reward_extra_keys = list(reward_infos[0].keys())
+    reward_infos = [r.extra_fields.get("reward_extra_info") or {} for r in records]
+    # verl takes the first sample's keys; a reward function whose dict keys vary per sample
+    # (or a run where some samples have none) would lose or fail on the others, so take the
+    # union in first-seen order and leave None where a sample lacks a key.
+    reward_extra_keys = list(dict.fromkeys(key for info in reward_infos for key in info))
     for key in reward_extra_keys:
-        non_tensor[key] = np.array([info[key] for info in reward_infos])
+        values = [info.get(key) for info in reward_infos]
+        non_tensor[key] = np.array(values) if all(key in info for info in reward_infos) else _object_array(values)
     # Text models: verl records an empty multi-modal input dict per sample.
     non_tensor["multi_modal_inputs"] = _object_array([{} for _ in records])
     # Sorted, not set order: the same records must pickle to the same bytes in every process.

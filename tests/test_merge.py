@@ -88,3 +88,17 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
         assert ours.dtype == theirs.dtype, key
         assert ours.tolist() == theirs.tolist(), key
     assert merged.meta_info == expected.meta_info
+
+
+def test_reward_extra_keys_that_vary_per_sample_become_columns_with_gaps():
+    from generation_core.records import TrajectoryRecord
+
+    records = [
+        TrajectoryRecord(0, 0, [1, 2], [3, 2], [1, 1], None, 1.0, 2, {"index": 0}, {"reward_extra_info": {"score": 1.0, "acc": True}}, {}),
+        TrajectoryRecord(1, 0, [1, 2], [4, 2], [1, 1], None, 0.0, 2, {"index": 1}, {"reward_extra_info": {"score": 0.0, "format_error": "no answer"}}, {}),
+    ]
+    data = build_dataproto(records, prompt_length=4, response_length=4, pad_token_id=2)
+    assert data.meta_info["reward_extra_keys"] == ["score", "acc", "format_error"]
+    assert data.non_tensor_batch["score"].tolist() == [1.0, 0.0]
+    assert data.non_tensor_batch["acc"].tolist() == [True, None]
+    assert data.non_tensor_batch["format_error"].tolist() == [None, "no answer"]
