@@ -40,7 +40,7 @@ def _bad_inputs(tmp_path):
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
         ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: self_refine, single_turn_agent, tool_agent"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?self_refine, single_turn_agent, tool_agent"),
         ([f"data.train_files={with_agent}"], "unknown agent loop 'my_loop' .*registered agent loops:"),
         ([f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"], "agent loop 'broken' names 'nowhere.Loop', which cannot be imported"),
         ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"], "tool config .*tool_config_path=.* does not load"),
@@ -51,15 +51,37 @@ def _bad_inputs(tmp_path):
     ]
 
 
-def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir):
+def _refused_in_one_line(result_code, stderr, args, message):
     import re
+
+    errors = [line for line in stderr.splitlines() if line.startswith("genrun: error:")]
+    assert result_code == 2, (args, stderr[-2000:])
+    assert len(errors) == 1 and re.search(message, errors[0]), (args, stderr[-2000:])
+    assert "Traceback" not in stderr
+    assert "Loading weights" not in stderr, "no model may load before the input is checked"
+
+
+def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys):
+    """Every bad input through the CLI's own entry function, in this process (a subprocess per
+    input would spend most of the test importing torch and verl again)."""
+    import ray
+
+    from generation_core.cli import main
 
     for args, message in _bad_inputs(tmp_path):
         out = tmp_path / "out"
+        code = main([*args, f"trainer.default_local_dir={out}"])
+        _refused_in_one_line(code, capsys.readouterr().err, args, message)
+        assert not out.exists(), "a refused run writes nothing"
+        assert not ray.is_initialized(), "refused before Ray (and any replica) started"
+
+
+def test_the_console_script_refuses_bad_input_in_one_line(tmp_path, model_dir):
+    """The same contract seen by a user at the shell: the installed command, its exit code."""
+    cases = [case for case in _bad_inputs(tmp_path) if any(word in case[1] for word in ("does not exist", "did you mean", "unknown agent loop 'tool_agnet'"))]
+    assert len(cases) >= 3
+    for args, message in cases[:3]:
+        out = tmp_path / "out"
         result = run_genrun([*args, f"trainer.default_local_dir={out}"], timeout=120)
-        errors = [line for line in result.stderr.splitlines() if line.startswith("genrun: error:")]
-        assert result.returncode == 2, (args, result.stderr[-2000:])
-        assert len(errors) == 1 and re.search(message, errors[0]), (args, result.stderr[-2000:])
-        assert "Traceback" not in result.stderr
-        assert "Loading weights" not in result.stderr, "no model may load before the input is checked"
+        _refused_in_one_line(result.returncode, result.stderr, args, message)
         assert not out.exists(), "a refused run writes nothing"

@@ -99,7 +99,6 @@ def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(t
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'examples/tool_calling/tools.yaml'}",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={REPO / 'examples/self_refine/agent_loop.yaml'}",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "actor_rollout_ref.rollout.n=2",
         "data.max_prompt_length=128",
         "data.max_response_length=128",
         "generation.num_shards=2",
@@ -108,10 +107,10 @@ def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(t
     result = run_genrun(args, env=env, timeout=540)
     assert result.returncode == 0, result.stderr[-4000:]
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
-    assert len(data) == 16 and data.non_tensor_batch["index"].tolist() == [i for i in range(8) for _ in range(2)]
+    assert len(data) == 8 and data.non_tensor_batch["index"].tolist() == list(range(8))
     names = data.non_tensor_batch["agent_name"].tolist()
     mask, logprobs = data.batch["response_mask"], data.batch["rollout_log_probs"]
-    assert data.batch["responses"].shape == (16, 128) and data.batch["prompts"].shape == (16, 128)
+    assert data.batch["responses"].shape == (8, 128) and data.batch["prompts"].shape == (8, 128)
     assert logprobs[mask == 0].eq(0).all(), "logprob 0 wherever the model did not write the token"
     assert (logprobs[mask == 1] < 0).all(), "a real logprob on every model token"
     turns = data.non_tensor_batch["__num_turns__"].tolist()
@@ -128,4 +127,4 @@ def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(t
         else:
             assert name == "tool_agent" and turns[row] >= 2
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["num_trajectories"] == 16 and manifest["failed_samples"] == 0
+    assert manifest["num_trajectories"] == 8 and manifest["failed_samples"] == 0
