@@ -62,9 +62,6 @@ class ShardCheckpoint:
             return cls()
         return cls(**folder.read_json(path))
 
-    def failed_fraction_exceeded(self, owed: int, max_failed_fraction: float) -> bool:
-        return len(self.failed) > allowed_failures(owed, max_failed_fraction)
-
     def save(self, folder: RunFolder, shard: ShardSpec) -> None:
         folder.put_json(f"shards/{shard.name}/{CHECKPOINT}", asdict(self))
 
@@ -112,9 +109,10 @@ async def run_shard(
     generated_now = 0
     tokens_now = 0
     writer = _PartWriter(folder, shard, checkpoint)
+    allowed = allowed_failures(len(owed), gen.max_failed_fraction)
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
-    give_up_after = allowed_failures(len(owed), gen.max_failed_fraction) + 2 * gen.max_inflight
+    give_up_after = allowed + 2 * gen.max_inflight
     progress = tqdm(total=len(owed), initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
     samples = ((key, prompts.agent_kwargs(position)) for key, position in pending)
     stream = worker.stream(samples, gen.max_inflight, idle_timeout=gen.pull_timeout)
@@ -122,7 +120,7 @@ async def run_shard(
         async for record in stream:
             if isinstance(record, SampleFailure):
                 writer.add_failure(record)
-                if len(writer.failures_seen) >= give_up_after:
+                if writer.failures_this_attempt() >= give_up_after:
                     break
             elif record is not None:
                 writer.add(record)
@@ -132,11 +130,11 @@ async def run_shard(
             if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.has_uncommitted()) or writer.age() >= gen.pull_timeout:
                 writer.commit()
         writer.commit()
-        if checkpoint.failed_fraction_exceeded(len(owed), gen.max_failed_fraction):
+        if len(checkpoint.failed) > allowed:
             raise TooManyFailedSamples(
                 f"{shard.name}: {len(checkpoint.failed)} of {len(owed)} trajectories failed, more than "
                 f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
-                f"({allowed_failures(len(owed), gen.max_failed_fraction)}); errors in {folder.display(f'shards/{shard.name}/{FAILURES}')}. "
+                f"({allowed}); errors in {folder.display(f'shards/{shard.name}/{FAILURES}')}. "
                 "The next attempt regenerates only the failed and missing samples"
             )
     except Exception as exc:
@@ -178,7 +176,6 @@ class _PartWriter:
         self.folder, self.shard, self.checkpoint = folder, shard, checkpoint
         self.buffer: list[TrajectoryRecord] = []
         self.new_failures: list[SampleFailure] = []
-        self.failures_seen: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
         failures_path = f"shards/{shard.name}/{FAILURES}"
         # Every failure of every attempt, kept whole: S3 cannot append, so the file is rewritten.
@@ -193,7 +190,10 @@ class _PartWriter:
         if not self.has_uncommitted():
             self.first_buffered_at = time.monotonic()
         self.new_failures.append(failure)
-        self.failures_seen.append(failure)
+
+    def failures_this_attempt(self) -> int:
+        # The checkpoint's failed list starts empty each attempt and grows at every commit.
+        return len(self.checkpoint.failed) + len(self.new_failures)
 
     def has_uncommitted(self) -> bool:
         return bool(self.buffer or self.new_failures)
