@@ -202,15 +202,14 @@ def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> 
 
 
 def build_streaming_worker(cfg: DictConfig, llm_client, tokenizer, prompts: PromptSet):
-    """A streaming worker for this process, with the run's reward function."""
-    from generation_core.agent_loops import load_plugin_entry_points
+    """A streaming worker for this process, with the run's reward function. The agent-loop check
+    is the driver's preflight again: this process (a Ray worker) loads plugins and YAML itself."""
+    from generation_core.agent_loops import check_agent_loops
     from generation_core.rewards import RewardScorer
     from generation_core.streaming import StreamingWorker
 
-    load_plugin_entry_points()
-    worker = StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, tokenizer))
-    worker.check_agent_names(prompts.agent_names())
-    return worker
+    check_agent_loops(cfg, prompts.agent_names())
+    return StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, tokenizer))
 
 
 def merge_plan(plan: RunPlan):

@@ -26,7 +26,6 @@ import hydra
 from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
-from generation_core.errors import GenrunError
 from generation_core.records import SampleFailure, TrajectoryRecord
 from generation_core.request_retry import RetryingClient
 from generation_core.rewards import RewardScorer
@@ -62,11 +61,6 @@ class StreamingWorker:
     def shutdown(self) -> None:
         if self.reward_scorer is not None:
             self.reward_scorer.shutdown()
-
-    def check_agent_names(self, names: Iterable[str]) -> None:
-        unknown = sorted(set(names) - set(_agent_loop_registry))
-        if unknown:
-            raise GenrunError(f"unknown agent loop {unknown[0]!r}; registered agent loops: {', '.join(sorted(_agent_loop_registry))}")
 
     def build_agent_loop(self, agent_name: str):
         """A fresh agent loop for one sample, with the arguments verl's AgentLoopWorker passes."""
