@@ -209,7 +209,8 @@ class HFEngine:
             seq.token_ids.append(token)
             if want_logprobs:
                 seq.log_probs.append(float(picked[n]))
-            if token in self.eos_token_ids or len(seq.token_ids) >= seq.max_tokens or seq.future.cancelled():
+            stop_at_eos = token in self.eos_token_ids and not seq.params.ignore_eos
+            if stop_at_eos or len(seq.token_ids) >= seq.max_tokens or seq.future.cancelled():
                 finished.append(row)
         self.stats["generated_tokens"] += len(rows)
         if finished:

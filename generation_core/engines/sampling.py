@@ -23,6 +23,8 @@ class SamplingParams:
     logprobs: bool = False
     max_tokens: int | None = None
     seed: int | None = None
+    ignore_eos: bool = False
+    """Generate max_tokens whatever the model samples (vLLM/SGLang's name; benchmarks use it for fixed lengths)."""
 
     @classmethod
     def from_request(cls, params: dict[str, Any]) -> "SamplingParams":
@@ -41,6 +43,7 @@ class SamplingParams:
             logprobs=bool(params.get("logprobs", False)),
             max_tokens=None if max_tokens is None else int(max_tokens),
             seed=params.get("seed"),
+            ignore_eos=bool(params.get("ignore_eos", False)),
         )
 
     @property
