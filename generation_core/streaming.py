@@ -7,9 +7,10 @@ runs each sample's agent loop (`AgentLoopBase.run`) with at most `max_inflight` 
 yields each result the moment it completes, as an unpadded record: verl's per-sample padding is
 skipped because the merge pads once, exactly as verl's postprocessing does (tested).
 
-Agent loops are built the way verl's `_run_agent_loop` builds them, with one shortcut: a
+Agent loops are built the way verl's `_run_agent_loop` builds them, with two shortcuts: a
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
-through `hydra.utils.instantiate`, which cost ~7 ms per sample (most of the orchestration time).
+through `hydra.utils.instantiate`, which cost ~7 ms per sample (most of the orchestration time);
+and every agent loop of a worker shares one Continuous Token builder (see `_shared_token_builder`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 import hydra
+import verl.experimental.agent_loop.agent_loop as verl_agent_loop
 from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
@@ -40,6 +42,9 @@ SampleKey = tuple[int, int]
 
 
 class StreamingWorker:
+    postprocess_seconds: float = 0.0
+    """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
+
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         gen = cfg.generation
         # Agent loops reach the engine only through this client: every model turn gets retries.
@@ -88,7 +93,9 @@ class StreamingWorker:
         sample_kwargs = dict(kwargs)
         agent_loop = self.build_agent_loop(sample_kwargs.pop("agent_name"))
         output = await agent_loop.run(dict(self.sampling_params), **sample_kwargs)
+        started = time.perf_counter()
         record = self.record_from_output(key, output, kwargs)
+        self.postprocess_seconds += time.perf_counter() - started
         # A score the agent loop set itself (e.g. from its tools) is kept, as verl keeps it.
         if self.reward_scorer is not None and record.reward_score is None:
             reward = await self.reward_scorer.score(record.response_ids, kwargs, record.num_turns, record.extra_fields)
@@ -161,6 +168,29 @@ class StreamingWorker:
             extra_fields=extra_fields,
             metrics=output.metrics.model_dump(),
         )
+
+
+_create_token_builder = verl_agent_loop.create_continuous_token_builder
+_token_builders: dict[tuple, Any] = {}
+
+
+def _shared_token_builder(tokenizer, **kwargs):
+    """verl's `create_continuous_token_builder`, once per tokenizer and settings.
+
+    verl's AgentLoopBase builds a builder in every agent loop's constructor: ~1 ms per sample,
+    plus a warning per sample for a model family without its own builder. A builder only reads
+    the tokenizer and the settings it was made with (its state is set in `__init__`), so every
+    agent loop with the same ones can share it."""
+    try:
+        key = (id(tokenizer), id(kwargs.get("processor")), repr(sorted((k, v) for k, v in kwargs.items() if k != "processor")))
+    except Exception:  # noqa: BLE001 - settings without a stable repr: build one as verl would
+        return _create_token_builder(tokenizer, **kwargs)
+    if key not in _token_builders:
+        _token_builders[key] = (tokenizer, _create_token_builder(tokenizer, **kwargs))
+    return _token_builders[key][1]
+
+
+verl_agent_loop.create_continuous_token_builder = _shared_token_builder
 
 
 def _plain_class_entry(config) -> tuple[type, dict[str, Any]] | None:
