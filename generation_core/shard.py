@@ -14,6 +14,7 @@ or run, which regenerates exactly them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -106,6 +107,7 @@ async def run_shard(
     logger.info("%s: %d of %d trajectories committed, %d to generate", shard.name, len(done), len(owed), len(pending))
 
     started = time.perf_counter()
+    postprocess_before = worker.postprocess_seconds
     generated_now = 0
     tokens_now = 0
     writer = _PartWriter(folder, shard, checkpoint)
@@ -128,8 +130,10 @@ async def run_shard(
                 tokens_now += sum(record.response_mask)
                 progress.update(1)
             if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.has_uncommitted()) or writer.age() >= gen.pull_timeout:
-                writer.commit()
-        writer.commit()
+                # In a thread: samples in flight keep talking to the engine while a part is
+                # written (an S3 put takes tens of milliseconds).
+                await asyncio.to_thread(writer.commit)
+        await asyncio.to_thread(writer.commit)
         if len(checkpoint.failed) > allowed:
             raise TooManyFailedSamples(
                 f"{shard.name}: {len(checkpoint.failed)} of {len(owed)} trajectories failed, more than "
@@ -160,7 +164,14 @@ async def run_shard(
         "generated_tokens": checkpoint.generated_tokens,
         "parts": checkpoint.parts,
         "attempts": checkpoint.attempts,
-        "last_attempt": {"trajectories": generated_now, "generated_tokens": tokens_now, "seconds": round(elapsed, 3)},
+        "last_attempt": {
+            "trajectories": generated_now,
+            "generated_tokens": tokens_now,
+            "seconds": round(elapsed, 3),
+            # Where the shard's time went, for the orchestration benchmark and for users asking
+            # why a shard is slow: seconds inside each stage (storage runs beside generation).
+            "stage_seconds": {stage: round(seconds, 3) for stage, seconds in writer.stage_seconds.items()} | {"postprocess": round(worker.postprocess_seconds - postprocess_before, 3)},
+        },
     }
     missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
     if missing:
@@ -177,6 +188,7 @@ class _PartWriter:
         self.buffer: list[TrajectoryRecord] = []
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
+        self.stage_seconds = {"serialization": 0.0, "storage": 0.0}
         failures_path = f"shards/{shard.name}/{FAILURES}"
         # Every failure of every attempt, kept whole: S3 cannot append, so the file is rewritten.
         self.failure_log = folder.read_bytes(failures_path).decode() if folder.exists(failures_path) else ""
@@ -210,7 +222,9 @@ class _PartWriter:
             self._write_failures()
         if self.buffer:
             self._write_part()
+        started = time.perf_counter()
         self.checkpoint.save(self.folder, self.shard)
+        self.stage_seconds["storage"] += time.perf_counter() - started
         self.buffer = []
         self.new_failures = []
         self.first_buffered_at = None
@@ -227,10 +241,14 @@ class _PartWriter:
         logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard.name, len(self.new_failures), FAILURES)
 
     def _write_part(self) -> None:
+        started = time.perf_counter()
         data = records_to_parquet(self.buffer)
+        serialized = time.perf_counter()
+        self.stage_seconds["serialization"] += serialized - started
         # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
         name = f"batch-{len(self.checkpoint.parts):05d}-{uuid.uuid4().hex[:8]}.parquet"
         self.folder.put_atomic(f"shards/{self.shard.name}/{name}", data)
+        self.stage_seconds["storage"] += time.perf_counter() - serialized
         self.checkpoint.parts.append(
             {"name": name, "count": len(self.buffer), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         )
