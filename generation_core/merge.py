@@ -1,35 +1,96 @@
 """Parts -> the verl DataProto training consumes, padded exactly as verl's agent loop pads it.
 
-`build_dataproto` is one pure function: it reproduces `AgentLoopWorker._agent_loop_postprocess`
-(per-sample padding) followed by `AgentLoopWorker._postprocess` (batching) for text models, and
-tests compare it with verl's own code on the same outputs. `merge_run` reads every shard's
-committed parts (checksums verified), orders them by (index, rollout_n) and writes
-`trajectories.pkl`, which `DataProto.load_from_disk` reads.
+`build_dataproto` reproduces `AgentLoopWorker._agent_loop_postprocess` (per-sample padding)
+followed by `AgentLoopWorker._postprocess` (batching) for text models, and tests compare it with
+verl's own code on the same outputs. `merge_run` reads every shard's committed parts (checksums
+verified), orders them by (index, rollout_n) and writes `trajectories.pkl`, which
+`DataProto.load_from_disk` reads; `merge_run_chunked` writes the same rows as
+`trajectories-00000.pkl, ...` of at most `chunk_size` rows plus `trajectories.json` listing them,
+for datasets whose DataProto does not fit in memory.
+
+Memory: a merge holds the padded tensors of one output file plus one part. Token lists go from
+Arrow straight into the padded tensors (no Python list per token), and the pickle is written
+by `dump_dataproto` without the copies verl's `DataProto.__getstate__` makes.
 """
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
+import io
+import json
 import logging
 import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from tensordict import TensorDict
 from verl.protocol import DataProto
-from verl.utils.model import compute_position_id_with_mask
 
 from generation_core.errors import GenrunError
-from generation_core.records import TrajectoryRecord, records_from_parquet
+from generation_core.records import (
+    PART_SCHEMA,
+    SHARED_RAW_PROMPT,
+    TrajectoryRecord,
+    decode_fields,
+    read_part_table,
+    records_from_parquet,
+)
 from generation_core.shard import CHECKPOINT
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
 MERGED_FILE = "trajectories.pkl"
+CHUNK_INDEX_FILE = "trajectories.json"
+CHUNK_FILE_PREFIX = "trajectories-"
 # Keys verl's _postprocess always emits among the non-tensor fields, present or not.
 _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"}
+_TOKEN_COLUMNS = ["index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns"]
+_STREAM_CHUNK = 1 << 20
+
+
+def chunk_file_name(chunk: int) -> str:
+    return f"{CHUNK_FILE_PREFIX}{chunk:05d}.pkl"
+
+
+@dataclass
+class BatchLayout:
+    """What every output file of one merge shares, decided over all its rows, so that chunks
+    pad and key identically and `DataProto.concat` of them equals the unchunked DataProto."""
+
+    with_logprobs: bool
+    """verl batches rollout_log_probs when its first sample has them."""
+    with_rm_scores: bool
+    """rm_scores exist only when every trajectory has a reward."""
+    input_keys: list[str]
+    """The first trajectory's dataset fields (verl takes the first sample's keys)."""
+    reward_extra_keys: list[str]
+    """Union of the reward functions' extra-info keys in first-seen order."""
+    complete_reward_keys: set[str]
+    """Those every trajectory has: a plain numpy array like verl's; the others are object arrays with None gaps."""
+    extra_keys: list[str]
+    """Sorted union of the agent loops' extra_fields keys and the ones verl always emits."""
+
+    @classmethod
+    def of_records(cls, records: list[TrajectoryRecord]) -> "BatchLayout":
+        reward_infos = [r.extra_fields.get("reward_extra_info") or {} for r in records]
+        return cls(
+            with_logprobs=records[0].response_logprobs is not None,
+            with_rm_scores=all(r.reward_score is not None for r in records),
+            input_keys=list(records[0].input_fields),
+            # verl takes the first sample's keys; a reward function whose dict keys vary per sample
+            # (or a run where some samples have none) would lose or fail on the others, so take the
+            # union in first-seen order and leave None where a sample lacks a key.
+            reward_extra_keys=list(dict.fromkeys(key for info in reward_infos for key in info)),
+            complete_reward_keys=set.intersection(*(set(info) for info in reward_infos)),
+            # Sorted, not set order: the same records must pickle to the same bytes in every process.
+            extra_keys=sorted({key for r in records for key in r.extra_fields} | _DEFAULT_EXTRA_KEYS),
+        )
 
 
 def build_dataproto(
@@ -38,78 +99,136 @@ def build_dataproto(
     """Pad and batch `records` (in the given order) the way verl's agent loop does."""
     if not records:
         raise GenrunError("nothing to merge: no trajectory was committed")
-    batch_size = len(records)
-    prompts = torch.full((batch_size, prompt_length), pad_token_id, dtype=torch.int64)
-    responses = torch.full((batch_size, response_length), pad_token_id, dtype=torch.int64)
-    prompt_attention = torch.zeros((batch_size, prompt_length), dtype=torch.int64)
-    response_attention = torch.zeros((batch_size, response_length), dtype=torch.int64)
-    response_mask = torch.zeros((batch_size, response_length), dtype=torch.int64)
-    with_logprobs = records[0].response_logprobs is not None
-    logprobs = torch.zeros((batch_size, response_length), dtype=torch.float32) if with_logprobs else None
+    builder = PaddedBatchBuilder(len(records), BatchLayout.of_records(records), prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    tokens = pa.table(
+        {name: [getattr(r, name) for r in records] for name in _TOKEN_COLUMNS},
+        schema=pa.schema([PART_SCHEMA.field(name) for name in _TOKEN_COLUMNS]),
+    )
+    builder.add(tokens, np.arange(len(records)), [r.input_fields for r in records], [r.extra_fields for r in records], [r.metrics for r in records])
+    return builder.finish()
 
-    for row, record in enumerate(records):
-        p, r = len(record.prompt_ids), len(record.response_ids)
-        if p > prompt_length or r > response_length:
+
+class PaddedBatchBuilder:
+    """Fills one DataProto's padded tensors from Arrow token columns, a part at a time, with
+    vectorized scatters: prompts left-padded, responses right-padded, as verl pads them."""
+
+    def __init__(self, rows: int, layout: BatchLayout, *, prompt_length: int, response_length: int, pad_token_id: int):
+        self.rows, self.layout = rows, layout
+        self.prompt_length, self.response_length = prompt_length, response_length
+        width = prompt_length + response_length
+        # prompts and responses are cut from input_ids at the end: one fill instead of three.
+        self.input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64)
+        self.attention_mask = torch.zeros((rows, width), dtype=torch.int64)
+        self.response_mask = torch.zeros((rows, response_length), dtype=torch.int64)
+        self.logprobs = torch.zeros((rows, response_length), dtype=torch.float32) if layout.with_logprobs else None
+        self.rm_scores = torch.zeros((rows, response_length), dtype=torch.float32) if layout.with_rm_scores else None
+        self.num_turns = np.zeros(rows, dtype=np.int32)
+        keys = [*layout.input_keys, *layout.extra_keys]
+        self.objects = {key: np.empty(rows, dtype=object) for key in dict.fromkeys(keys)}
+        self.reward_objects = {key: np.empty(rows, dtype=object) for key in layout.reward_extra_keys}
+        self.metrics: list[Any] = [None] * rows
+        self.filled = 0
+
+    def add(self, tokens: pa.Table, positions: np.ndarray, inputs: list[dict], extras: list[dict], metrics: list[dict]) -> None:
+        """Place the rows of `tokens` (columns as in a part) at `positions` of the batch."""
+        prompt_values, prompt_lengths = _flat_lists(tokens.column("prompt_ids"))
+        response_values, response_lengths = _flat_lists(tokens.column("response_ids"))
+        mask_values, mask_lengths = _flat_lists(tokens.column("response_mask"))
+        self._check_lengths(tokens, prompt_lengths, response_lengths)
+        P, R = self.prompt_length, self.response_length
+        input_ids = self.input_ids.numpy()
+        _scatter(input_ids, positions, P - prompt_lengths, prompt_lengths, prompt_values)
+        _scatter(input_ids, positions, np.full_like(response_lengths, P), response_lengths, response_values)
+        columns = np.arange(P + R)
+        self.attention_mask.numpy()[positions] = (columns >= P - prompt_lengths[:, None]) & (columns < P + response_lengths[:, None])
+        _scatter(self.response_mask.numpy(), positions, np.zeros_like(mask_lengths), mask_lengths, mask_values)
+        if self.logprobs is not None:
+            logprob_values, logprob_lengths = _flat_lists(tokens.column("response_logprobs"))
+            _scatter(self.logprobs.numpy(), positions, np.zeros_like(logprob_lengths), logprob_lengths, logprob_values)
+        if self.rm_scores is not None:
+            # verl puts the score on the last response token (index -1 for an empty response).
+            last = np.where(response_lengths > 0, response_lengths - 1, R - 1)
+            scores = tokens.column("reward_score").to_numpy(zero_copy_only=False).astype(np.float32)
+            self.rm_scores.numpy()[positions, last] = scores
+        self.num_turns[positions] = tokens.column("num_turns").to_numpy(zero_copy_only=False)
+
+        layout = self.layout
+        for key in layout.input_keys:
+            self.objects[key][positions] = _object_array([fields.get(key) for fields in inputs])
+        reward_infos = [extra.get("reward_extra_info") or {} for extra in extras]
+        for key in layout.reward_extra_keys:
+            self.reward_objects[key][positions] = _object_array([info.get(key) for info in reward_infos])
+        for key in layout.extra_keys:
+            self.objects[key][positions] = _object_array([extra.get(key) for extra in extras])
+        for position, row_metrics in zip(positions.tolist(), metrics):
+            self.metrics[position] = row_metrics
+        self.filled += len(positions)
+
+    def _check_lengths(self, tokens: pa.Table, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> None:
+        too_long = np.flatnonzero((prompt_lengths > self.prompt_length) | (response_lengths > self.response_length))
+        if len(too_long):
+            row = int(too_long[0])
             raise GenrunError(
-                f"sample {record.index}:{record.rollout_n} has {p} prompt / {r} response tokens, beyond "
-                f"prompt_length={prompt_length} / response_length={response_length} of this run"
+                f"sample {tokens.column('index')[row].as_py()}:{tokens.column('rollout_n')[row].as_py()} has {int(prompt_lengths[row])} prompt / "
+                f"{int(response_lengths[row])} response tokens, beyond prompt_length={self.prompt_length} / "
+                f"response_length={self.response_length} of this run"
             )
-        if p:
-            prompts[row, prompt_length - p :] = torch.tensor(record.prompt_ids, dtype=torch.int64)
-            prompt_attention[row, prompt_length - p :] = 1
-        if r:
-            responses[row, :r] = torch.tensor(record.response_ids, dtype=torch.int64)
-            response_attention[row, :r] = 1
-            response_mask[row, :r] = torch.tensor(record.response_mask, dtype=torch.int64)
-        if with_logprobs:
-            values = record.response_logprobs or []
-            if values:
-                logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
 
-    attention_mask = torch.cat([prompt_attention, response_attention], dim=1)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": compute_position_id_with_mask(attention_mask),
-    }
-    if with_logprobs:
-        tensors["rollout_log_probs"] = logprobs
-    batch = TensorDict(tensors, batch_size=batch_size)
+    def finish(self) -> DataProto:
+        if self.filled != self.rows:
+            raise AssertionError(f"batch of {self.rows} rows got {self.filled}")
+        P = self.prompt_length
+        # verl's compute_position_id_with_mask (clip(cumsum(mask) - 1, 0)) without its temporaries.
+        position_ids = torch.empty_like(self.attention_mask)
+        torch.cumsum(self.attention_mask, dim=1, out=position_ids)
+        position_ids.sub_(1).clamp_(min=0)
+        tensors = {
+            "prompts": self.input_ids[:, :P].clone(),
+            "responses": self.input_ids[:, P:].clone(),
+            "response_mask": self.response_mask,
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": position_ids,
+        }
+        if self.logprobs is not None:
+            tensors["rollout_log_probs"] = self.logprobs
+        if self.rm_scores is not None:
+            tensors["rm_scores"] = self.rm_scores
+        batch = TensorDict(tensors, batch_size=self.rows)
 
-    scores = [record.reward_score for record in records]
-    if all(score is not None for score in scores):
-        # verl puts the score on the last response token (index -1 for an empty response).
-        last = response_attention.sum(dim=1) - 1
-        rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
-        rm_scores[torch.arange(batch_size), last] = torch.tensor(scores, dtype=torch.float32)
-        batch["rm_scores"] = rm_scores
+        layout = self.layout
+        non_tensor: dict[str, np.ndarray] = {"__num_turns__": self.num_turns}
+        for key in layout.input_keys:
+            non_tensor[key] = self.objects[key]
+        for key in layout.reward_extra_keys:
+            values = self.reward_objects[key]
+            non_tensor[key] = np.array(values.tolist()) if key in layout.complete_reward_keys else values
+        # Text models: verl records an empty multi-modal input dict per sample.
+        non_tensor["multi_modal_inputs"] = _object_array([{} for _ in range(self.rows)])
+        for key in layout.extra_keys:
+            non_tensor[key] = self.objects[key]
 
-    non_tensor: dict[str, np.ndarray] = {"__num_turns__": np.array([r.num_turns for r in records], dtype=np.int32)}
-    input_keys = list(records[0].input_fields)
-    for key in input_keys:
-        non_tensor[key] = _object_array([r.input_fields.get(key) for r in records])
-    reward_infos = [r.extra_fields.get("reward_extra_info") or {} for r in records]
-    # verl takes the first sample's keys; a reward function whose dict keys vary per sample
-    # (or a run where some samples have none) would lose or fail on the others, so take the
-    # union in first-seen order and leave None where a sample lacks a key.
-    reward_extra_keys = list(dict.fromkeys(key for info in reward_infos for key in info))
-    for key in reward_extra_keys:
-        values = [info.get(key) for info in reward_infos]
-        non_tensor[key] = np.array(values) if all(key in info for info in reward_infos) else _object_array(values)
-    # Text models: verl records an empty multi-modal input dict per sample.
-    non_tensor["multi_modal_inputs"] = _object_array([{} for _ in records])
-    # Sorted, not set order: the same records must pickle to the same bytes in every process.
-    extra_keys = sorted({key for r in records for key in r.extra_fields} | _DEFAULT_EXTRA_KEYS)
-    for key in extra_keys:
-        non_tensor[key] = _object_array([r.extra_fields.get(key) for r in records])
+        meta_info: dict[str, Any] = {"metrics": self.metrics}
+        if self.rm_scores is not None:
+            meta_info["reward_extra_keys"] = list(layout.reward_extra_keys)
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
-    meta_info: dict[str, Any] = {"metrics": [r.metrics for r in records]}
-    if "rm_scores" in batch.keys():
-        meta_info["reward_extra_keys"] = reward_extra_keys
-    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+def _flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(all values, length of each row) of a list column; a null list counts as empty."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return array.flatten().to_numpy(zero_copy_only=False), lengths
+
+
+def _scatter(target: np.ndarray, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> None:
+    """target[rows[i], starts[i] : starts[i] + lengths[i]] = the i-th run of `values`, for all i at once."""
+    total = int(lengths.sum())
+    if not total:
+        return
+    run_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    columns = np.repeat(starts, lengths) + (np.arange(total) - run_starts)
+    target[np.repeat(rows, lengths), columns] = values
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -118,19 +237,48 @@ def _object_array(values: list[Any]) -> np.ndarray:
     return array
 
 
+# --- reading a run folder -------------------------------------------------------------------
+
+
+@dataclass
+class CommittedPart:
+    path: str
+    sha256: str
+    positions: np.ndarray = field(repr=False)
+    """Where each of the part's rows goes in the (index, rollout_n) order of the whole run."""
+
+
+@dataclass
+class MergeInput:
+    """The committed parts of a run, where each of their rows goes, and the run-wide layout."""
+
+    parts: list[CommittedPart]
+    rows: int
+    layout: BatchLayout
+
+
+def committed_parts(folder: RunFolder) -> list[dict[str, str]]:
+    """Path and checksum of every part a shard checkpoint lists (orphans of crashed writes are not)."""
+    parts = []
+    for shard_name in folder.list("shards"):
+        checkpoint_path = f"shards/{shard_name}/{CHECKPOINT}"
+        if folder.exists(checkpoint_path):
+            parts.extend({"path": f"shards/{shard_name}/{p['name']}", "sha256": p["sha256"]} for p in folder.read_json(checkpoint_path)["parts"])
+    return parts
+
+
+def read_verified_part(folder: RunFolder, path: str, sha256: str) -> bytes:
+    data = folder.read_bytes(path)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise GenrunError(f"part {folder.display(path)} does not match the checksum its checkpoint recorded")
+    return data
+
+
 def read_committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
     """Every committed trajectory of every shard, checksums verified, sorted by (index, rollout_n)."""
     records: list[TrajectoryRecord] = []
-    for shard_name in folder.list("shards"):
-        checkpoint_path = f"shards/{shard_name}/{CHECKPOINT}"
-        if not folder.exists(checkpoint_path):
-            continue
-        for part in folder.read_json(checkpoint_path)["parts"]:
-            part_path = f"shards/{shard_name}/{part['name']}"
-            data = folder.read_bytes(part_path)
-            if hashlib.sha256(data).hexdigest() != part["sha256"]:
-                raise GenrunError(f"part {folder.display(part_path)} does not match the checksum its checkpoint recorded")
-            records.extend(records_from_parquet(data))
+    for part in committed_parts(folder):
+        records.extend(records_from_parquet(read_verified_part(folder, part["path"], part["sha256"])))
     records.sort(key=lambda r: r.key)
     keys = [r.key for r in records]
     if len(set(keys)) != len(keys):
@@ -138,10 +286,210 @@ def read_committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
     return records
 
 
+def scan_run(folder: RunFolder) -> MergeInput:
+    """First pass over the parts, reading only small columns: the global order of every row and
+    the layout all output files share. The token columns are read in the second pass."""
+    parts = committed_parts(folder)
+    keys_index, keys_n = [], []
+    scores_missing = 0
+    extra_keys: set[str] = set()
+    reward_key_sets: dict[tuple[str, ...], int] = {}
+    reward_codes = []
+    for part in parts:
+        table = read_part_table(read_verified_part(folder, part["path"], part["sha256"]), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
+        keys_index.append(table.column("index").to_numpy())
+        keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
+        scores_missing += table.column("reward_score").null_count
+        for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist()):
+            extra = json.loads(text)
+            extra_keys.update(extra)
+            if shared:
+                extra_keys.add(SHARED_RAW_PROMPT)
+            info_keys = tuple(extra.get("reward_extra_info") or {})
+            reward_codes.append(reward_key_sets.setdefault(info_keys, len(reward_key_sets)))
+    if not parts or not sum(len(k) for k in keys_index):
+        raise GenrunError("nothing to merge: no trajectory was committed")
+    index, rollout_n = np.concatenate(keys_index), np.concatenate(keys_n)
+    order = np.lexsort((rollout_n, index))
+    sorted_index, sorted_n = index[order], rollout_n[order]
+    if ((sorted_index[1:] == sorted_index[:-1]) & (sorted_n[1:] == sorted_n[:-1])).any():
+        raise GenrunError(f"{folder.display()} holds duplicate trajectories; run `genrun status` on it")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    starts = np.cumsum([0, *(len(k) for k in keys_index)])
+    committed = [CommittedPart(p["path"], p["sha256"], rank[starts[i] : starts[i + 1]]) for i, p in enumerate(parts)]
+
+    # The first trajectory decides the dataset keys and whether logprobs are batched (as in verl).
+    first_part = int(np.searchsorted(starts, order[0], side="right") - 1)
+    first = read_part_table(read_verified_part(folder, parts[first_part]["path"], parts[first_part]["sha256"]), ["input_fields", "response_logprobs"])
+    first = first.slice(int(order[0] - starts[first_part]), 1)
+    # Reward-info key sets in the order the sorted rows first show them: verl's first-seen order.
+    sorted_codes = np.asarray(reward_codes, dtype=np.int64)[order]
+    codes, first_seen = np.unique(sorted_codes, return_index=True)
+    key_sets = {code: keys for keys, code in reward_key_sets.items()}
+    seen_sets = [key_sets[int(code)] for code in codes[np.argsort(first_seen)]]
+    layout = BatchLayout(
+        with_logprobs=first.column("response_logprobs").null_count == 0,
+        with_rm_scores=scores_missing == 0,
+        input_keys=list(json.loads(first.column("input_fields")[0].as_py())),
+        reward_extra_keys=list(dict.fromkeys(key for keys in seen_sets for key in keys)),
+        complete_reward_keys=set.intersection(*(set(keys) for keys in seen_sets)),
+        extra_keys=sorted(extra_keys | _DEFAULT_EXTRA_KEYS),
+    )
+    return MergeInput(committed, len(order), layout)
+
+
+def build_rows(folder: RunFolder, merge_input: MergeInput, start: int, stop: int, *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
+    """The DataProto of rows [start, stop) of the run's (index, rollout_n) order, reading only
+    the parts that hold them, one part at a time."""
+    builder = PaddedBatchBuilder(stop - start, merge_input.layout, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    for part in merge_input.parts:
+        wanted = (part.positions >= start) & (part.positions < stop)
+        if not wanted.any():
+            continue
+        table = read_part_table(read_verified_part(folder, part.path, part.sha256), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared"])
+        if not wanted.all():
+            table = table.filter(pa.array(wanted))
+        builder.add(table, part.positions[wanted] - start, *decode_fields(table))
+    return builder.finish()
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+class _Sink:
+    """A write-only file for torch.save that passes bytes on (or only counts them) and hashes them."""
+
+    def __init__(self, target=None):
+        self.target, self.size, self.digest = target, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        self.digest.update(view)
+        if self.target is not None:
+            self.target.write(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+# Stands for the tensor blob while pickling the rest: larger than pickle's frame target (64 KiB),
+# so the pickler writes it outside any frame, as opcode + length + payload, which can be replaced.
+_BLOB_PLACEHOLDER = hashlib.sha256(b"genrun tensor blob").digest() * 4096
+
+
+def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
+    """Write what `pickle.dump(data, handle, protocol=5)` writes in substance, streaming the
+    tensors to `handle` instead of through the copies verl's `DataProto.__getstate__` makes
+    (contiguous, consolidate, a BytesIO and its getvalue). The file is a plain pickle of a
+    DataProto whose state is (torch.save bytes of the TensorDict, non_tensor_batch, meta_info),
+    the state verl's `__setstate__` reads: `pickle.load` and `DataProto.load_from_disk` load it
+    wherever verl is installed. Returns the file's (size, sha256)."""
+
+    class _StatePickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if obj is data:
+                return copyreg.__newobj__, (DataProto,), (_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    _StatePickler(buffer, protocol=5).dump(data)
+    rest = buffer.getvalue()
+    at = rest.index(_BLOB_PLACEHOLDER)
+    if rest[at - 5 : at] != b"B" + len(_BLOB_PLACEHOLDER).to_bytes(4, "little"):
+        raise AssertionError("unexpected pickle layout around the tensor blob")
+    # torch.save twice: once to learn the blob's length (the opcode comes before the payload), once to write it.
+    counted = _Sink()
+    torch.save(data.batch, counted)
+    out = _Sink(handle)
+    out.write(rest[: at - 5])
+    out.write(b"B" + counted.size.to_bytes(4, "little") if counted.size < 1 << 32 else b"\x8e" + counted.size.to_bytes(8, "little"))
+    blob_start = out.size
+    torch.save(data.batch, out)
+    if out.size - blob_start != counted.size:
+        raise AssertionError("torch.save wrote a different blob the second time")
+    out.write(rest[at + len(_BLOB_PLACEHOLDER) :])
+    return out.size, out.digest.hexdigest()
+
+
+@dataclass
+class MergedOutput:
+    """What a merge wrote, for the run summary."""
+
+    entry_file: str
+    """`trajectories.pkl`, or `trajectories.json` listing the chunk files."""
+    rows: int
+    generate_seconds: np.ndarray
+    """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
+
+
+def merged_files(folder: RunFolder) -> list[str]:
+    """The files of the current merge output: the chunk index and its chunks, or trajectories.pkl."""
+    if folder.exists(CHUNK_INDEX_FILE):
+        return [CHUNK_INDEX_FILE, *(chunk["name"] for chunk in folder.read_json(CHUNK_INDEX_FILE)["chunks"])]
+    return [MERGED_FILE] if folder.exists(MERGED_FILE) else []
+
+
+def _remove_stale(folder: RunFolder, keep: set[str]) -> None:
+    """Remove the other layout's files and chunks beyond the current count, after the new output
+    is complete: a consumer never sees a set without its index."""
+    for name in folder.list(""):
+        stale_chunk = name.startswith(CHUNK_FILE_PREFIX) and name.endswith(".pkl")
+        if (stale_chunk or name in (MERGED_FILE, CHUNK_INDEX_FILE)) and name not in keep:
+            folder.remove(name)
+
+
 def merge_run(folder: RunFolder, *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
-    records = read_committed_records(folder)
-    data = build_dataproto(records, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    """Merge every committed trajectory into one `trajectories.pkl`; returns its DataProto."""
+    merge_input = scan_run(folder)
+    data = build_rows(folder, merge_input, 0, merge_input.rows, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
     with folder.open_write(MERGED_FILE) as handle:
-        pickle.dump(data, handle, protocol=pickle.HIGHEST_PROTOCOL)
-    logger.info("merged %d trajectories into %s", len(records), folder.display(MERGED_FILE))
+        dump_dataproto(data, handle)
+    _remove_stale(folder, keep={MERGED_FILE})
+    logger.info("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
     return data
+
+
+def merge_run_chunked(folder: RunFolder, *, chunk_size: int, prompt_length: int, response_length: int, pad_token_id: int) -> MergedOutput:
+    """Merge into `trajectories-NNNNN.pkl` files of at most `chunk_size` rows in (index,
+    rollout_n) order, padded identically, then `trajectories.json` listing them (written last:
+    it is what makes a set of chunk files current). Holds one chunk in memory at a time."""
+    merge_input = scan_run(folder)
+    chunks, generate_seconds = [], []
+    for number, start in enumerate(range(0, merge_input.rows, chunk_size)):
+        stop = min(start + chunk_size, merge_input.rows)
+        data = build_rows(folder, merge_input, start, stop, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+        name = chunk_file_name(number)
+        with folder.open_write(name) as handle:
+            size, sha256 = dump_dataproto(data, handle)
+        chunks.append({"name": name, "rows": stop - start, "first_row": start, "bytes": size, "sha256": sha256})
+        generate_seconds.append(np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]], dtype=np.float64))
+        del data  # before the next chunk is built: one chunk in memory
+    folder.put_json(
+        CHUNK_INDEX_FILE,
+        {
+            "rows": merge_input.rows,
+            "chunk_size": chunk_size,
+            "prompt_length": prompt_length,
+            "response_length": response_length,
+            "order": "index, rollout_n",
+            "chunks": chunks,
+        },
+    )
+    _remove_stale(folder, keep={CHUNK_INDEX_FILE, *(chunk["name"] for chunk in chunks)})
+    logger.info("merged %d trajectories into %d chunk(s) listed in %s", merge_input.rows, len(chunks), folder.display(CHUNK_INDEX_FILE))
+    return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
+
+
+def load_chunks(folder: RunFolder) -> DataProto:
+    """The chunked output read back as one DataProto (tests and small runs; checksums verified)."""
+    index = folder.read_json(CHUNK_INDEX_FILE)
+    parts = []
+    for chunk in index["chunks"]:
+        data = folder.read_bytes(chunk["name"])
+        if hashlib.sha256(data).hexdigest() != chunk["sha256"]:
+            raise GenrunError(f"{folder.display(chunk['name'])} does not match the checksum in {CHUNK_INDEX_FILE}")
+        parts.append(pickle.loads(data))
+    return DataProto.concat(parts)

@@ -19,19 +19,30 @@ from generation_core.storage import RunFolder
 logger = logging.getLogger(__name__)
 
 ZIP_FILE = "trajectories.zip"
-ZIP_MEMBERS = ("trajectories.pkl", "run.json", "manifest.json")
+RUN_MEMBERS = ("run.json", "manifest.json")
 ARTIFACT_MODES = ("upload", "reference")
 _CHUNK = 1 << 20
 
 
-def write_zip(folder: RunFolder) -> str:
-    """Stream the merged DataProto, run.json and manifest.json into trajectories.zip, a chunk at a
-    time (memory stays flat however large the pickle is); works to local disk and S3 alike."""
-    missing = [name for name in ZIP_MEMBERS if not folder.exists(name)]
+def zip_members(folder: RunFolder) -> list[str]:
+    """The merged output (trajectories.pkl, or trajectories.json and its chunk files), run.json
+    and manifest.json."""
+    from generation_core.merge import MERGED_FILE, merged_files
+
+    merged = merged_files(folder)
+    members = [*(merged or [MERGED_FILE]), *RUN_MEMBERS]
+    missing = [name for name in members if not folder.exists(name)]
     if missing:
         raise GenrunError(f"cannot build {ZIP_FILE} in {folder.display()}: {', '.join(missing)} missing (was the run merged?)")
+    return members
+
+
+def write_zip(folder: RunFolder) -> str:
+    """Stream the merged output, run.json and manifest.json into trajectories.zip, a chunk at a
+    time (memory stays flat however large the pickles are); works to local disk and S3 alike."""
+    members = zip_members(folder)
     with folder.open_write(ZIP_FILE) as raw, zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
-        for name in ZIP_MEMBERS:
+        for name in members:
             with folder.fs.open(folder.path(name), "rb") as source, archive.open(name, "w", force_zip64=True) as target:
                 shutil.copyfileobj(source, target, _CHUNK)
     return folder.display(ZIP_FILE)
@@ -53,10 +64,9 @@ def throughput_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def latency_percentiles(per_trajectory_metrics: list[dict[str, Any]]) -> dict[str, float]:
+def latency_percentiles(latencies: np.ndarray) -> dict[str, float]:
     """p50/p95 of the time each trajectory spent waiting on the engine (verl's generate_sequences)."""
-    latencies = [m.get("generate_sequences", 0.0) for m in per_trajectory_metrics]
-    if not latencies:
+    if len(latencies) == 0:
         return {}
     return {"p50": round(float(np.percentile(latencies, 50)), 4), "p95": round(float(np.percentile(latencies, 95)), 4)}
 
@@ -126,7 +136,7 @@ def _log_wandb_artifact(cfg: DictConfig, folder: RunFolder, summary: dict[str, A
             raise GenrunError("generation.artifact_mode=reference needs an s3:// output folder; use artifact_mode=upload for local runs")
         # checksum=False: W&B records the URIs without reading the objects (no second copy, no
         # S3 access from W&B); our own checksums are in the run folder.
-        for member in (ZIP_FILE, *ZIP_MEMBERS):
+        for member in (ZIP_FILE, *zip_members(folder)):
             artifact.add_reference(folder.display(member), name=member, checksum=False)
         _log(wandb, artifact)
         return f"{name} (references)"

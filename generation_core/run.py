@@ -213,10 +213,19 @@ def build_streaming_worker(cfg: DictConfig, llm_client, tokenizer, prompts: Prom
 
 
 def merge_plan(plan: RunPlan):
-    from generation_core.merge import merge_run
+    """Merge the run's committed parts as configured: one trajectories.pkl, or chunk files of at
+    most generation.merge_chunk_size rows listed in trajectories.json. Returns a MergedOutput."""
+    import numpy as np
+
+    from generation_core.merge import MERGED_FILE, MergedOutput, merge_run, merge_run_chunked
 
     rollout = plan.cfg.actor_rollout_ref.rollout
-    return merge_run(plan.folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=plan.pad_token_id)
+    lengths = dict(prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=plan.pad_token_id)
+    chunk_size = plan.cfg.generation.merge_chunk_size
+    if chunk_size is not None:
+        return merge_run_chunked(plan.folder, chunk_size=chunk_size, **lengths)
+    data = merge_run(plan.folder, **lengths)
+    return MergedOutput(MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]]))
 
 
 async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
@@ -248,15 +257,14 @@ def execute_run(plan: RunPlan) -> dict[str, Any]:
 
 def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """Merge (when configured) and write the run's manifest.json; returns the summary."""
-    from generation_core.merge import MERGED_FILE
     from generation_core.publish import latency_percentiles
 
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
-        data = merge_plan(plan)
-        summary["artifact"] = plan.folder.display(MERGED_FILE)
-        summary["merged_rows"] = len(data)
-        summary["request_latency_s"] = latency_percentiles(data.meta_info["metrics"])
+        merged = merge_plan(plan)
+        summary["artifact"] = plan.folder.display(merged.entry_file)
+        summary["merged_rows"] = merged.rows
+        summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
     plan.folder.put_json(MANIFEST_FILE, summary)
     return summary
 

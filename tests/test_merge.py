@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from verl.protocol import DataProto
 
 from generation_core.config import load_config
 from generation_core.merge import build_dataproto
@@ -102,3 +103,205 @@ def test_reward_extra_keys_that_vary_per_sample_become_columns_with_gaps():
     assert data.non_tensor_batch["score"].tolist() == [1.0, 0.0]
     assert data.non_tensor_batch["acc"].tolist() == [True, None]
     assert data.non_tensor_batch["format_error"].tolist() == [None, "no answer"]
+
+
+# --- merging a run folder: the column-wise path, chunks, the pickle writer -------------------
+
+import hashlib  # noqa: E402
+import pickle  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from generation_core.merge import (  # noqa: E402
+    CHUNK_INDEX_FILE,
+    MERGED_FILE,
+    dump_dataproto,
+    load_chunks,
+    merge_run,
+    merge_run_chunked,
+    merged_files,
+    read_committed_records,
+)
+from generation_core.records import TrajectoryRecord, records_to_parquet  # noqa: E402
+from generation_core.storage import RunFolder  # noqa: E402
+
+PROMPT_LENGTH, RESPONSE_LENGTH, PAD = 12, 10, 2
+
+
+def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> list[TrajectoryRecord]:
+    """Varied trajectories: empty and full-length responses, tool tokens (mask 0), reward
+    extras whose keys vary per sample, the raw prompt in both field dicts as verl puts it."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(count):
+        p = int(rng.integers(1, PROMPT_LENGTH + 1))
+        r = 0 if i % 7 == 3 else (RESPONSE_LENGTH if i % 5 == 0 else int(rng.integers(1, RESPONSE_LENGTH)))
+        mask = [int(m) for m in rng.integers(0, 2, r)]
+        messages = [{"role": "user", "content": f"question {i}"}]
+        info = {"acc": float(i % 2)} if i % 3 else {"acc": 0.0, "format_error": "no answer"}
+        records.append(
+            TrajectoryRecord(
+                index=1000 + i // 2,
+                rollout_n=i % 2,
+                prompt_ids=[int(t) for t in rng.integers(3, 50000, p)],
+                response_ids=[int(t) for t in rng.integers(3, 50000, r)],
+                response_mask=mask,
+                response_logprobs=[float(v) if m else 0.0 for v, m in zip(rng.normal(-1, 2, r).astype(np.float32), mask)] if with_logprobs else None,
+                reward_score=float(rng.normal()),
+                num_turns=2 + 2 * (i % 2),
+                input_fields={"data_source": "test", "index": 1000 + i // 2, "raw_prompt": messages, "extra_info": {"index": 1000 + i // 2}},
+                extra_fields={"raw_prompt": messages, "turn_scores": [], "tool_rewards": [0.5] if i % 4 == 1 else [], "reward_extra_info": info},
+                metrics={"generate_sequences": float(rng.uniform(0, 3)), "tool_calls": 0.0, "num_preempted": -1},
+            )
+        )
+    return records
+
+
+def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
+    """A finished run folder: the records spread over shards in shuffled parts, as shards commit them."""
+    from generation_core.data import ShardSpec
+    from generation_core.shard import ShardCheckpoint
+
+    order = np.random.default_rng(1).permutation(len(records))
+    for shard in range(shards):
+        spec = ShardSpec(shard, 0, 0)
+        mine = [records[i] for i in order[shard::shards]]
+        checkpoint = ShardCheckpoint()
+        for start in range(0, len(mine), parts_of):
+            data = records_to_parquet(mine[start : start + parts_of])
+            name = f"batch-{len(checkpoint.parts):05d}-test.parquet"
+            folder.put_atomic(f"shards/{spec.name}/{name}", data)
+            checkpoint.parts.append({"name": name, "count": len(mine[start : start + parts_of]), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        checkpoint.save(folder, spec)
+
+
+def _assert_same_dataproto(actual, expected, metrics_as_lists=False):
+    assert list(actual.batch.keys()) == list(expected.batch.keys())
+    for key in expected.batch.keys():
+        assert actual.batch[key].dtype == expected.batch[key].dtype, key
+        assert torch.equal(actual.batch[key], expected.batch[key]), key
+    assert list(actual.non_tensor_batch) == list(expected.non_tensor_batch)
+    for key, theirs in expected.non_tensor_batch.items():
+        assert actual.non_tensor_batch[key].dtype == theirs.dtype, key
+        assert actual.non_tensor_batch[key].tolist() == theirs.tolist(), key
+    if metrics_as_lists:
+        # DataProto.concat turns the per-trajectory metrics into a dict of lists.
+        from verl.utils.py_functional import list_of_dict_to_dict_of_list
+
+        expected_meta = dict(expected.meta_info, metrics=list_of_dict_to_dict_of_list(expected.meta_info["metrics"]))
+        assert actual.meta_info == expected_meta
+    else:
+        assert actual.meta_info == expected.meta_info
+
+
+def _lengths():
+    return dict(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH, pad_token_id=PAD)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_merged_folder_equals_build_dataproto_of_its_records(tmp_path, with_logprobs):
+    records = _random_records(41, with_logprobs=with_logprobs)
+    folder = RunFolder(str(tmp_path / "run"))
+    _write_run(folder, records)
+    committed = read_committed_records(folder)
+    assert [r.__dict__ for r in committed] == [r.__dict__ for r in sorted(records, key=lambda r: r.key)]
+    # The record-by-record path the merge used to take is the reference for the column-wise one.
+    expected = build_dataproto(committed, **_lengths())
+
+    merged = merge_run(folder, **_lengths())
+    _assert_same_dataproto(merged, expected)
+    with open(tmp_path / "run" / MERGED_FILE, "rb") as handle:
+        _assert_same_dataproto(pickle.load(handle), expected)
+    assert merged_files(folder) == [MERGED_FILE]
+
+
+@pytest.mark.timeout(60)
+def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path):
+    data = build_dataproto(_random_records(9), **_lengths())
+    path = tmp_path / "data.pkl"
+    with open(path, "wb") as handle:
+        size, sha256 = dump_dataproto(data, handle)
+    written = path.read_bytes()
+    assert size == len(written) and sha256 == hashlib.sha256(written).hexdigest()
+    # What a consumer runs: plain pickle (no genrun involved in loading) and verl's loader.
+    _assert_same_dataproto(pickle.loads(written), data)
+    _assert_same_dataproto(DataProto.load_from_disk(str(path)), data)
+    _assert_same_dataproto(pickle.loads(written), pickle.loads(pickle.dumps(data)))
+    # Nothing in the file refers to genrun: it loads wherever verl is installed.
+    assert b"generation_core" not in written
+    loader = f"import pickle, sys; sys.modules['generation_core'] = None; print(len(pickle.load(open({str(path)!r}, 'rb'))))"
+    assert subprocess.run([sys.executable, "-c", loader], capture_output=True, text=True, check=True).stdout.split()[-1] == "9"
+
+
+@pytest.mark.timeout(60)
+def test_chunks_concatenate_to_the_unchunked_dataproto_and_remerging_leaves_no_stale_chunk(tmp_path):
+    records = _random_records(23)
+    folder = RunFolder(str(tmp_path / "run"))
+    _write_run(folder, records)
+    whole = merge_run(folder, **_lengths())
+
+    merged = merge_run_chunked(folder, chunk_size=4, **_lengths())
+    index = folder.read_json(CHUNK_INDEX_FILE)
+    assert merged.rows == index["rows"] == 23
+    assert [(c["name"], c["rows"], c["first_row"]) for c in index["chunks"]] == [(f"trajectories-{i:05d}.pkl", 4 if i < 5 else 3, 4 * i) for i in range(6)]
+    assert not folder.exists(MERGED_FILE), "the single-file output of the earlier merge is gone"
+    _assert_same_dataproto(load_chunks(folder), whole, metrics_as_lists=True)
+    # Each chunk is a plain pickle of its rows.
+    with open(tmp_path / "run" / "trajectories-00001.pkl", "rb") as handle:
+        second = pickle.load(handle)
+    assert second.non_tensor_batch["index"].tolist() == whole.non_tensor_batch["index"].tolist()[4:8]
+
+    merge_run_chunked(folder, chunk_size=10, **_lengths())
+    assert sorted(n for n in folder.list("") if n.startswith("trajectories")) == ["trajectories-00000.pkl", "trajectories-00001.pkl", "trajectories-00002.pkl", CHUNK_INDEX_FILE]
+    assert [c["rows"] for c in folder.read_json(CHUNK_INDEX_FILE)["chunks"]] == [10, 10, 3]
+    _assert_same_dataproto(load_chunks(folder), whole, metrics_as_lists=True)
+
+    merge_run(folder, **_lengths())
+    assert merged_files(folder) == [MERGED_FILE]
+    assert sorted(n for n in folder.list("") if n.startswith("trajectories")) == [MERGED_FILE]
+
+
+@pytest.mark.timeout(60)
+def test_the_zip_holds_the_chunk_files_and_their_index(tmp_path):
+    import zipfile
+
+    from generation_core.publish import write_zip
+
+    folder = RunFolder(str(tmp_path / "run"))
+    _write_run(folder, _random_records(7))
+    folder.put_json("run.json", {})
+    folder.put_json("manifest.json", {})
+    merge_run_chunked(folder, chunk_size=3, **_lengths())
+    write_zip(folder)
+    names = zipfile.ZipFile(tmp_path / "run" / "trajectories.zip").namelist()
+    assert names == [CHUNK_INDEX_FILE, "trajectories-00000.pkl", "trajectories-00001.pkl", "trajectories-00002.pkl", "run.json", "manifest.json"]
+    merge_run(folder, **_lengths())
+    write_zip(folder)
+    assert zipfile.ZipFile(tmp_path / "run" / "trajectories.zip").namelist() == [MERGED_FILE, "run.json", "manifest.json"]
+
+
+@pytest.mark.timeout(30)
+def test_a_trajectory_longer_than_the_run_allows_is_named():
+    from generation_core.errors import GenrunError
+
+    records = _random_records(3)
+    records[2].response_ids.extend([5] * RESPONSE_LENGTH)
+    with pytest.raises(GenrunError, match=r"sample 1001:0 has \d+ prompt / \d+ response tokens, beyond prompt_length=12 / response_length=10"):
+        build_dataproto(records, **_lengths())
+
+
+@pytest.mark.timeout(60)
+def test_finish_run_merges_in_chunks_when_configured(tmp_path):
+    from generation_core.config import load_config
+    from generation_core.run import RunPlan, finish_run
+
+    folder = RunFolder(str(tmp_path / "run"))
+    records = _random_records(9)
+    _write_run(folder, records)
+    for chunk_size, entry in (("4", CHUNK_INDEX_FILE), ("null", MERGED_FILE)):
+        cfg = load_config([f"generation.merge_chunk_size={chunk_size}", f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}"])
+        summary = finish_run(RunPlan(cfg, "fingerprint", folder, None, [], PAD), [], 1.0)
+        assert summary["artifact"] == folder.display(entry) and summary["merged_rows"] == 9
+        assert set(summary["request_latency_s"]) == {"p50", "p95"}
+        assert merged_files(folder)[0] == entry

@@ -39,6 +39,7 @@ OPERATIONAL_KEYS = (
     "generation.pull_timeout",
     "generation.max_inflight",
     "generation.final_merge",
+    "generation.merge_chunk_size",
     "generation.retries",
     "generation.retry_delay_seconds",
     "generation.request_retries",
@@ -220,6 +221,10 @@ def validate_values(cfg: DictConfig) -> None:
     _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (no timeout) or a number of seconds > 0")
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
+    _require(
+        gen.merge_chunk_size is None or (isinstance(gen.merge_chunk_size, int) and not isinstance(gen.merge_chunk_size, bool) and gen.merge_chunk_size >= 1),
+        "generation.merge_chunk_size", gen.merge_chunk_size, "must be null (one trajectories.pkl) or an integer >= 1 (trajectories per chunk file)",
+    )
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
