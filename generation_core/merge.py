@@ -378,6 +378,8 @@ class _Sink:
 # Stands for the tensor blob while pickling the rest: larger than pickle's frame target (64 KiB),
 # so the pickler writes it outside any frame, as opcode + length + payload, which can be replaced.
 _BLOB_PLACEHOLDER = hashlib.sha256(b"genrun tensor blob").digest() * 4096
+# Pickle's BINBYTES takes a 4-byte length; larger blobs need BINBYTES8 (protocol 4+).
+_BINBYTES_LIMIT = 1 << 32
 
 
 def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
@@ -405,7 +407,7 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
     torch.save(data.batch, counted)
     out = _Sink(handle)
     out.write(rest[: at - 5])
-    out.write(b"B" + counted.size.to_bytes(4, "little") if counted.size < 1 << 32 else b"\x8e" + counted.size.to_bytes(8, "little"))
+    out.write(b"B" + counted.size.to_bytes(4, "little") if counted.size < _BINBYTES_LIMIT else b"\x8e" + counted.size.to_bytes(8, "little"))
     blob_start = out.size
     torch.save(data.batch, out)
     if out.size - blob_start != counted.size:

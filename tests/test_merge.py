@@ -217,7 +217,12 @@ def test_merged_folder_equals_build_dataproto_of_its_records(tmp_path, with_logp
 
 
 @pytest.mark.timeout(60)
-def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path):
+@pytest.mark.parametrize("length_field", ["4 bytes", "8 bytes (blobs of 4 GiB and more)"])
+def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypatch, length_field):
+    import generation_core.merge as merge
+
+    if length_field.startswith("8"):
+        monkeypatch.setattr(merge, "_BINBYTES_LIMIT", 0)
     data = build_dataproto(_random_records(9), **_lengths())
     path = tmp_path / "data.pkl"
     with open(path, "wb") as handle:
