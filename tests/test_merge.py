@@ -235,6 +235,8 @@ def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypa
     _assert_same_dataproto(pickle.loads(written), pickle.loads(pickle.dumps(data)))
     # Nothing in the file refers to genrun: it loads wherever verl is installed.
     assert b"generation_core" not in written
+    if length_field.startswith("8"):
+        return  # the rest does not depend on the length field: once is enough (a fresh process takes 10 s)
     loader = f"import pickle, sys; sys.modules['generation_core'] = None; print(len(pickle.load(open({str(path)!r}, 'rb'))))"
     assert subprocess.run([sys.executable, "-c", loader], capture_output=True, text=True, check=True).stdout.split()[-1] == "9"
 
