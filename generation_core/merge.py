@@ -435,11 +435,15 @@ def merged_files(folder: RunFolder) -> list[str]:
 
 
 def _remove_stale(folder: RunFolder, keep: set[str]) -> None:
-    """Remove the other layout's files and chunks beyond the current count, after the new output
-    is complete: a consumer never sees a set without its index."""
-    for name in folder.list(""):
+    """Remove the other layout's files and chunks beyond the current count, once the new output
+    is complete. An index that is not current goes first: chunk files without one are not an
+    output (merged_files ignores them), an index over stale chunks would be."""
+    names = folder.list("")
+    if CHUNK_INDEX_FILE in names and CHUNK_INDEX_FILE not in keep:
+        folder.remove(CHUNK_INDEX_FILE)
+    for name in names:
         stale_chunk = name.startswith(CHUNK_FILE_PREFIX) and name.endswith(".pkl")
-        if (stale_chunk or name in (MERGED_FILE, CHUNK_INDEX_FILE)) and name not in keep:
+        if (stale_chunk or name == MERGED_FILE) and name not in keep:
             folder.remove(name)
 
 
@@ -459,6 +463,9 @@ def merge_run_chunked(folder: RunFolder, *, chunk_size: int, prompt_length: int,
     rollout_n) order, padded identically, then `trajectories.json` listing them (written last:
     it is what makes a set of chunk files current). Holds one chunk in memory at a time."""
     merge_input = scan_run(folder)
+    # The chunk files are rewritten in place: a crash from here on must not leave an index that
+    # lists them (a trajectories.pkl of an earlier merge stays valid until the new index is written).
+    folder.remove(CHUNK_INDEX_FILE)
     chunks, generate_seconds = [], []
     for number, start in enumerate(range(0, merge_input.rows, chunk_size)):
         stop = min(start + chunk_size, merge_input.rows)

@@ -312,3 +312,24 @@ def test_finish_run_merges_in_chunks_when_configured(tmp_path):
         assert summary["artifact"] == folder.display(entry) and summary["merged_rows"] == 9
         assert set(summary["request_latency_s"]) == {"p50", "p95"}
         assert merged_files(folder)[0] == entry
+
+
+@pytest.mark.timeout(60)
+def test_a_chunked_remerge_that_crashes_leaves_no_index_over_rewritten_chunks(tmp_path, monkeypatch):
+    import generation_core.merge as merge
+
+    folder = RunFolder(str(tmp_path / "run"))
+    _write_run(folder, _random_records(9))
+    merge_run_chunked(folder, chunk_size=3, **_lengths())
+    real_dump, written = merge.dump_dataproto, []
+
+    def dump_then_crash(data, handle):
+        if written:
+            raise OSError("disk full")
+        written.append(len(data))
+        return real_dump(data, handle)
+
+    monkeypatch.setattr(merge, "dump_dataproto", dump_then_crash)
+    with pytest.raises(OSError):
+        merge_run_chunked(folder, chunk_size=2, **_lengths())
+    assert written == [2] and merged_files(folder) == [], "chunk 0 was rewritten: no index may list it"
