@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers.cache_utils import Cache, DynamicLayer
 from verl.workers.rollout.replica import TokenOutput
 
 from generation_core.engines.sampling import SamplingParams, sample_next_tokens
@@ -119,9 +120,9 @@ class HFEngine:
     # ---- decode loop (background thread) ---------------------------------------------------
 
     def _run(self) -> None:
-        batch = _Batch()
+        batch = _SlotBatch(self.settings.max_batch_size)
         while not self._stopped:
-            if not batch.sequences and self._incoming.empty():
+            if not batch.live_slots() and self._incoming.empty():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -131,16 +132,17 @@ class HFEngine:
                     self._admit(batch)
                     self._decode_step(batch)
             except Exception as exc:  # noqa: BLE001 - every waiting caller must hear of it
-                logger.exception("engine step failed; failing %d requests", len(batch.sequences))
-                for seq in batch.sequences:
+                live = [batch.sequences[slot] for slot in batch.live_slots()]
+                logger.exception("engine step failed; failing %d requests", len(live))
+                for seq in live:
                     _resolve(seq, exc)
-                batch = _Batch()
+                batch = _SlotBatch(self.settings.max_batch_size)
             self.stats["busy_seconds"] += time.perf_counter() - started
 
-    def _admit(self, batch: "_Batch") -> None:
-        free = self.settings.max_batch_size - len(batch.sequences)
+    def _admit(self, batch: "_SlotBatch") -> None:
         joining: list[_Sequence] = []
-        while free > 0:
+        free = batch.free_slots()
+        while len(joining) < free:
             try:
                 seq = self._incoming.get_nowait()
             except queue.Empty:
@@ -148,9 +150,10 @@ class HFEngine:
             if seq.future.cancelled():
                 continue
             joining.append(seq)
-            free -= 1
         if not joining:
             return
+        # The joiners' prompts are prefilled together in a cache of their own; their KV then
+        # moves into free slots of the running batch (a copy of the joiners only).
         width = max(len(s.prompt_ids) for s in joining)
         pad = self.eos_token_ids[0]
         ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in joining])
@@ -169,98 +172,180 @@ class HFEngine:
                 _resolve(seq, exc)
             raise
         self.stats["forward_steps"] += 1
-        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        batch.join(joining, new_kv, mask)
-        self._emit(batch, out.logits[:, -1, :].float().cpu(), rows=range(len(batch.sequences) - len(joining), len(batch.sequences)))
+        logits = out.logits[:, -1, :].float().cpu()
+        finished = self._sample(joining, logits)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        for row, seq in enumerate(joining):
+            if row not in finished:
+                batch.join(seq, [(k[row : row + 1], v[row : row + 1]) for k, v in kv])
 
-    def _decode_step(self, batch: "_Batch") -> None:
-        # Rows that just joined already received their first token from the prefill logits;
-        # every row now feeds its last token.
-        if not batch.sequences:
+    def _decode_step(self, batch: "_SlotBatch") -> None:
+        # Every live sequence feeds its last token (joiners got their first from the prefill).
+        if not batch.live_slots():
             return
-        last = torch.tensor([[s.token_ids[-1]] for s in batch.sequences])
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch.sequences), 1, dtype=batch.mask.dtype)], dim=1)
-        cache = DynamicCache(ddp_cache_data=batch.kv)
-        out = self.model(
-            input_ids=last.to(self.settings.device),
-            attention_mask=batch.mask.to(self.settings.device),
-            position_ids=(batch.mask.sum(dim=1, keepdim=True) - 1).to(self.settings.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        slots = batch.live_slots()
+        out = self.model(**batch.step_inputs(self.settings.device), past_key_values=batch.cache, use_cache=True)
+        batch.advance()
         self.stats["forward_steps"] += 1
-        batch.kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._emit(batch, out.logits[:, -1, :].float().cpu(), rows=range(len(batch.sequences)))
+        logits = out.logits[slots, -1, :].float().cpu()
+        seqs = [batch.sequences[slot] for slot in slots]
+        finished = self._sample(seqs, logits)
+        for row in finished:
+            batch.leave(slots[row])
 
-    def _emit(self, batch: "_Batch", logits: torch.Tensor, rows: range) -> None:
-        """Sample one token for each of `rows` (logits[n] belongs to rows[n]), record it, and
-        retire every sequence that finished."""
-        rows = list(rows)
-        seqs = [batch.sequences[i] for i in rows]
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> set[int]:
+        """Sample one token for each of `seqs` (logits[n] belongs to seqs[n]), record it, resolve
+        the sequences that finished and return their positions in `seqs`."""
         chosen = sample_next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
         want_logprobs = any(s.params.logprobs for s in seqs)
         if want_logprobs:
             # Raw model log-probabilities (before temperature/top-k/top-p), like vLLM's default
             # `raw_logprobs` mode; this is what a re-score of the same tokens gives.
             picked = logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
-        finished: list[int] = []
-        for n, (row, seq) in enumerate(zip(rows, seqs)):
+        finished: set[int] = set()
+        for n, seq in enumerate(seqs):
             token = int(chosen[n])
             seq.token_ids.append(token)
             if want_logprobs:
                 seq.log_probs.append(float(picked[n]))
             stop_at_eos = token in self.eos_token_ids and not seq.params.ignore_eos
             if stop_at_eos or len(seq.token_ids) >= seq.max_tokens or seq.future.cancelled():
-                finished.append(row)
-        self.stats["generated_tokens"] += len(rows)
-        if finished:
-            for row in finished:
-                _resolve(batch.sequences[row], None)
-            self.stats["finished"] += len(finished)
-            batch.drop(finished)
+                finished.add(n)
+                _resolve(seq, None)
+        self.stats["generated_tokens"] += len(seqs)
+        self.stats["finished"] += len(finished)
+        return finished
 
 
-class _Batch:
-    """The running decode batch: sequences, their left-padded attention mask and KV cache."""
+class _SlotBatch:
+    """The running decode batch: one slot per sequence in a preallocated KV store.
 
-    def __init__(self):
-        self.sequences: list[_Sequence] = []
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    All slots share one column timeline: a decode step writes every slot's new key/value at
+    column `end`, in place. A sequence that joins at column `end` with a prompt of p tokens has
+    its prompt's KV copied to columns [end - p, end) of a free slot, and attends only to its own
+    columns (per-slot attention mask), so the rest of the batch is never copied when somebody
+    joins or leaves. The model sees the window [start, end), where `start` is the oldest live
+    sequence's first column; the store is shifted left (one copy) only when it runs out of room.
+    Free slots below the highest live slot ride along masked to their own current column.
+    """
 
-    def join(self, joining: list[_Sequence], kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
-        if not self.sequences:
-            self.sequences, self.kv, self.mask = list(joining), kv, mask
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.sequences: list[_Sequence | None] = [None] * num_slots
+        self.row_start = [0] * num_slots
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.start = 0
+        self.end = 0
+        self.cache = Cache(layers=[])
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def live_slots(self) -> list[int]:
+        return [slot for slot, seq in enumerate(self.sequences) if seq is not None]
+
+    def free_slots(self) -> int:
+        return sum(seq is None for seq in self.sequences)
+
+    def join(self, seq: _Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put `seq` in the lowest free slot; `kv` is its prefilled prompt, [1, heads, width, dim]
+        per layer with the prompt right-aligned (left padding)."""
+        p = len(seq.prompt_ids)
+        if not self.keys:
+            self._allocate(kv, columns=max(2 * p, 64))
+            self.start = self.end = p
+        elif self.end < p:
+            self._shift(p - self.end)
+        slot = self.sequences.index(None)
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][slot, :, self.end - p : self.end] = k[0, :, -p:]
+            self.values[layer][slot, :, self.end - p : self.end] = v[0, :, -p:]
+        self.sequences[slot] = seq
+        self.row_start[slot] = self.end - p
+        self.start = min(self.row_start[s] for s in self.live_slots())
+
+    def leave(self, slot: int) -> None:
+        self.sequences[slot] = None
+        live = self.live_slots()
+        if not live:
+            # Empty: the next joiner starts a fresh timeline (memory is kept for it).
+            self.start = self.end = 0
             return
-        width = max(self.mask.shape[1], mask.shape[1])
-        old_kv = [(_pad_left(k, width), _pad_left(v, width)) for k, v in self.kv]
-        new_kv = [(_pad_left(k, width), _pad_left(v, width)) for k, v in kv]
-        self.kv = [(torch.cat([ok, nk]), torch.cat([ov, nv])) for (ok, ov), (nk, nv) in zip(old_kv, new_kv)]
-        self.mask = torch.cat([_pad_left(self.mask, width, dim=1), _pad_left(mask, width, dim=1)])
-        self.sequences.extend(joining)
+        self.start = min(self.row_start[s] for s in live)
 
-    def drop(self, rows: list[int]) -> None:
-        keep = [i for i in range(len(self.sequences)) if i not in set(rows)]
-        self.sequences = [self.sequences[i] for i in keep]
-        if not keep:
-            self.mask = torch.zeros(0, 0, dtype=torch.long)
-            self.kv = []
-            return
-        index = torch.tensor(keep)
-        self.mask = self.mask[index]
-        # Columns that are padding for every remaining row cost compute on each step: cut them.
-        first_used = int((self.mask.sum(dim=0) > 0).nonzero()[0])
-        self.mask = self.mask[:, first_used:]
-        self.kv = [(k[index, :, first_used:], v[index, :, first_used:]) for k, v in self.kv]
+    # ---- one decode step -------------------------------------------------------------------
+
+    def step_inputs(self, device: str) -> dict[str, torch.Tensor]:
+        """Model inputs for one decode step over slots [0, highest live slot]."""
+        if self.end >= self.keys[0].shape[2]:
+            self._make_room()
+        rows = max(self.live_slots()) + 1
+        last, starts = [], []
+        for slot in range(rows):
+            seq = self.sequences[slot]
+            # A free slot attends only to the new column: no empty softmax, no effect on others.
+            last.append(seq.token_ids[-1] if seq is not None else 0)
+            starts.append(self.row_start[slot] if seq is not None else self.end)
+        starts_t = torch.tensor(starts).unsqueeze(1)
+        columns = torch.arange(self.start, self.end + 1).unsqueeze(0)
+        self.cache.layers = [_WindowLayer(self, layer, rows) for layer in range(len(self.keys))]
+        return {
+            "input_ids": torch.tensor(last).unsqueeze(1).to(device),
+            "attention_mask": (columns >= starts_t).long().to(device),
+            "position_ids": (self.end - starts_t).to(device),
+        }
+
+    def advance(self) -> None:
+        self.end += 1
+
+    # ---- storage ---------------------------------------------------------------------------
+
+    def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]], columns: int) -> None:
+        self.keys = [k.new_zeros((self.num_slots, k.shape[1], columns, k.shape[3])) for k, _ in kv]
+        self.values = [v.new_zeros((self.num_slots, v.shape[1], columns, v.shape[3])) for _, v in kv]
+
+    def _make_room(self) -> None:
+        """The next column is past the store: shift the window to column 0 when that frees at
+        least a quarter of the store, otherwise double it."""
+        capacity = self.keys[0].shape[2]
+        if self.start >= capacity // 4:
+            self._shift(-self.start)
+        else:
+            self._resize(2 * capacity, 0)
+
+    def _shift(self, by: int) -> None:
+        """Move every column by `by` (negative: left), growing the store if needed."""
+        capacity = self.keys[0].shape[2]
+        self._resize(max(capacity, self.end + by + 1), by)
+
+    def _resize(self, capacity: int, shift: int) -> None:
+        lo, hi = self.start, self.end
+        for store in (self.keys, self.values):
+            for layer, old in enumerate(store):
+                new = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                new[:, :, lo + shift : hi + shift] = old[:, :, lo:hi]
+                store[layer] = new
+        self.row_start = [start + shift for start in self.row_start]
+        self.start, self.end = lo + shift, hi + shift
 
 
-def _pad_left(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
+class _WindowLayer(DynamicLayer):
+    """One layer of the slot store as transformers sees it during a decode step: the new key and
+    value are written at column `end` in place, and attention gets the window [start, end]."""
+
+    def __init__(self, batch: _SlotBatch, layer: int, rows: int):
+        super().__init__()
+        self.batch, self.layer, self.rows = batch, layer, rows
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        b, layer, rows = self.batch, self.layer, self.rows
+        b.keys[layer][:rows, :, b.end : b.end + 1] = key_states
+        b.values[layer][:rows, :, b.end : b.end + 1] = value_states
+        return b.keys[layer][:rows, :, b.start : b.end + 1], b.values[layer][:rows, :, b.start : b.end + 1]
+
+    def get_seq_length(self) -> int:
+        return self.batch.end - self.batch.start
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
