@@ -13,6 +13,8 @@ the asyncio loop that accepts requests (a Ray actor's, or the caller's) stays re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import logging
 import queue
 import threading
@@ -42,6 +44,8 @@ class EngineSettings:
     dtype: str = "float32"
     device: str = "cpu"
     trust_remote_code: bool = False
+    ignore_eos: bool = False
+    """Every request runs to its length limit (benchmarks: fixed lengths for side-by-side rates)."""
 
 
 @dataclass
@@ -71,6 +75,10 @@ class HFEngine:
         self.model.eval()
         self.config = AutoConfig.from_pretrained(str(path), trust_remote_code=settings.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(path, self.config)
+        # Logits of the last position only: a prefill otherwise runs the vocabulary projection
+        # (a fifth of a small model's weights) over every prompt token.
+        accepts = inspect.signature(self.model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self.max_model_len = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self._incoming: queue.Queue[_Sequence] = queue.Queue()
         self._wakeup = threading.Event()
@@ -83,6 +91,8 @@ class HFEngine:
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **_unused) -> TokenOutput:
         params = SamplingParams.from_request(sampling_params)
+        if self.settings.ignore_eos:
+            params = dataclasses.replace(params, ignore_eos=True)
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -140,8 +150,8 @@ class HFEngine:
             self.stats["busy_seconds"] += time.perf_counter() - started
 
     def _admit(self, batch: "_SlotBatch") -> None:
-        joining: list[_Sequence] = []
         free = batch.free_slots()
+        joining: list[_Sequence] = []
         while len(joining) < free:
             try:
                 seq = self._incoming.get_nowait()
@@ -166,6 +176,7 @@ class HFEngine:
                 position_ids=_positions(mask).to(self.settings.device),
                 past_key_values=cache,
                 use_cache=True,
+                **self._last_logits_only,
             )
         except Exception as exc:  # noqa: BLE001 - not yet in the batch: their callers must hear of it here
             for seq in joining:
@@ -184,7 +195,7 @@ class HFEngine:
         if not batch.live_slots():
             return
         slots = batch.live_slots()
-        out = self.model(**batch.step_inputs(self.settings.device), past_key_values=batch.cache, use_cache=True)
+        out = self.model(**batch.step_inputs(self.settings.device), past_key_values=batch.cache, use_cache=True, **self._last_logits_only)
         batch.advance()
         self.stats["forward_steps"] += 1
         logits = out.logits[slots, -1, :].float().cpu()

@@ -83,6 +83,7 @@ class HFReplica(_EngineReplica):
             response_length=self.config.response_length,
             max_batch_size=self.config.max_num_seqs,
             num_threads=hf_kwargs.get("num_threads") or os.cpu_count(),
+            ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )
         return lambda: HFEngine(settings)
