@@ -19,11 +19,17 @@ from prefect_ray import RayTaskRunner
 
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
+from generation_core.pool import new_balancer_name
 from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
 from generation_core.shard import finished_marker
+from generation_core.timeline import mark
 from tasks.merge import merge
 from tasks.publish import publish
 from tasks.run_shard import run_shard
+
+
+# What shard tasks on Ray workers need from the driver's environment.
+RAY_WORKER_ENV = ("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH")
 
 
 class ShardsFailed(RuntimeError):
@@ -36,10 +42,21 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
     plan = prepare_run(list(overrides or []))
     artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
     progress = create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Shards finished (%)")
-    with RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH"))) as runner:
-        pool = boot_pool(plan.cfg)
+    # A Ray the caller started already (the CLI starts it beside the Prefect server) is used as is.
+    with RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=RAY_WORKER_ENV)) as runner:
+        mark("ray_ready")
+        # Shard tasks first: their workers start (imports, tokenizer, prompts) while the
+        # replicas load, and each waits for the pool by name.
+        balancer_name = new_balancer_name()
+        futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, balancer_name)) for shard in plan.shards]
         try:
-            futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, pool.balancer_name)) for shard in plan.shards]
+            pool = boot_pool(plan.cfg, balancer_name)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        mark("engine_ready")
+        try:
             manifests, failures = [], []
             for finished, future in enumerate(as_completed(futures), start=1):
                 future.wait()
@@ -55,6 +72,7 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
         raise ShardsFailed(f"{len(failures)} of {len(futures)} shards failed after their retries: {'; '.join(failures)}")
     manifests.sort(key=lambda m: m["shard_id"])
     summary = merge(plan, manifests, time.perf_counter() - started)
+    mark("merged")
     return publish(plan, summary, manifests, artifact_key)
 
 

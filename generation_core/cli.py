@@ -12,6 +12,7 @@ import os
 import sys
 
 from generation_core.errors import GenrunError
+from generation_core.timeline import mark
 
 USAGE = __doc__
 
@@ -104,11 +105,25 @@ def main(argv: list[str] | None = None) -> int:
 
         # Every input check first, so a bad input is one line here, not a failed flow run.
         plan = prepare_run(argv)
-        from flows.generate import generate
+        mark("inputs_checked")
+        from flows.generate import RAY_WORKER_ENV, generate
+        from generation_core.run import ray_init_kwargs
         from infra.prefect_local import prefect_api
 
-        with prefect_api():
-            summary = generate(argv)
+        def start_ray() -> None:
+            import ray
+
+            ray.init(**ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=RAY_WORKER_ENV))
+
+        try:
+            # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
+            with prefect_api(alongside=start_ray):
+                mark("prefect_api_ready")
+                summary = generate(argv)
+        finally:
+            import ray
+
+            ray.shutdown()
         _print_summary(summary, plan)
         return 0
     except GenrunError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -45,19 +46,40 @@ class LocalRoutingClient(LLMServerClient):
     with the fewest requests outstanding from this worker; hash routing under
     `rollout.full_determinism`. One Ray call per request (the engine's) instead of three."""
 
-    def __init__(self, config: DictConfig, load_balancer_handle):
+    def __init__(self, config: DictConfig, load_balancer_handle=None, balancer_name: str | None = None):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle)
+        self._balancer_name = balancer_name
         self._servers: dict[str, Any] | None = None
         self._inflight: dict[str, int] = {}
         self._sticky = LRUCache(maxsize=DEFAULT_ROUTING_CACHE_SIZE)
         self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
 
+    async def connect(self, wait_seconds: float = 0.0) -> None:
+        """Find the pool's replicas; with `wait_seconds`, wait that long for the pool to be
+        booted (shard workers start while the driver is still loading the model)."""
+        if self._servers is not None:
+            return
+        deadline = time.monotonic() + wait_seconds
+        while self._load_balancer is None:
+            try:
+                self._load_balancer = ray.get_actor(self._balancer_name)
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise GenrunError(
+                        f"the run's inference pool {self._balancer_name!r} is not running in this Ray namespace"
+                        + (f" after waiting {wait_seconds:.0f} s" if wait_seconds else "")
+                        + "; the flow run's log says why the replicas did not boot (or were torn down)"
+                    ) from None
+                await asyncio.sleep(0.5)
+        servers = await self._load_balancer.server_handles.remote()
+        if not servers:
+            raise GenrunError("the inference pool has no replicas")
+        self._inflight = {server_id: 0 for server_id in servers}
+        self._servers = servers
+
     async def _acquire_server(self, request_id: str, **extra) -> tuple[str, Any]:
         if self._servers is None:
-            self._servers = await self._load_balancer.server_handles.remote()
-            if not self._servers:
-                raise GenrunError("the inference pool has no replicas")
-            self._inflight = {server_id: 0 for server_id in self._servers}
+            await self.connect()
         server_id = self._sticky.get(request_id)
         if server_id is None:
             if self._full_determinism:
@@ -102,10 +124,9 @@ class ReplicaPool:
     balancer_name: str
 
     @classmethod
-    async def boot(cls, cfg: DictConfig) -> "ReplicaPool":
+    async def boot(cls, cfg: DictConfig, balancer_name: str | None = None) -> "ReplicaPool":
         check_rollout_name(cfg)
-        # A fresh name per boot: a pool torn down a moment ago may still hold its old name.
-        balancer_name = f"{LOAD_BALANCER_PREFIX}_{uuid.uuid4().hex[:8]}"
+        balancer_name = balancer_name or new_balancer_name()
         manager_cls = type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name})
         manager = await manager_cls.create(cfg)
         pool = cls(manager, cfg, balancer_name)
@@ -128,10 +149,12 @@ class ReplicaPool:
                 logger.warning("could not stop actor %s: %s", handle, exc)
 
 
-def attach_client(cfg: DictConfig, balancer_name: str) -> LLMServerClient:
-    """A client for the pool that another process of this Ray job booted."""
-    try:
-        balancer = ray.get_actor(balancer_name)
-    except ValueError:
-        raise GenrunError(f"no inference pool {balancer_name!r} is running in this Ray namespace; was the run's pool torn down?") from None
-    return LocalRoutingClient(cfg, balancer)
+def new_balancer_name() -> str:
+    # A fresh name per boot: a pool torn down a moment ago may still hold its old name.
+    return f"{LOAD_BALANCER_PREFIX}_{uuid.uuid4().hex[:8]}"
+
+
+def attach_client(cfg: DictConfig, balancer_name: str) -> LocalRoutingClient:
+    """A client for the pool that another process of this Ray job boots or has booted; it
+    finds the pool at `connect()` (or its first request)."""
+    return LocalRoutingClient(cfg, balancer_name=balancer_name)

@@ -24,6 +24,7 @@ from generation_core.config import finalize_run_location, fingerprint, load_conf
 from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
 from generation_core.errors import GenrunError
 from generation_core.storage import RunFolder, redacted_options
+from generation_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +175,16 @@ def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
         ray.init(**ray_init_kwargs(cfg, run_fingerprint))
 
 
-def boot_pool(cfg: DictConfig):
+def boot_pool(cfg: DictConfig, balancer_name: str | None = None):
     """Boot the run's replicas (once per run) and return the pool; its owner tears it down."""
     from generation_core.pool import ReplicaPool
 
-    return asyncio.run(ReplicaPool.boot(cfg))
+    return asyncio.run(ReplicaPool.boot(cfg, balancer_name))
+
+
+# How long a shard worker waits for the driver to boot the replicas (SGLang on a large model
+# takes minutes); the driver cancels its shard tasks at once when the boot fails.
+POOL_BOOT_WAIT_SECONDS = 1800.0
 
 
 def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> dict[str, Any]:
@@ -194,9 +200,19 @@ def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> 
     tokenizer = hf_tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shard = plan_shards(len(prompts), cfg.generation.num_shards)[shard_id]
-    worker = build_streaming_worker(cfg, attach_client(cfg, balancer_name), tokenizer, prompts)
+    client = attach_client(cfg, balancer_name)
+    worker = build_streaming_worker(cfg, client, tokenizer, prompts)
+    mark(f"shard_worker_ready {shard_id}")
+
+    async def when_the_pool_is_up() -> dict[str, Any]:
+        # The driver may still be loading the model: shard workers start beside it.
+        await client.connect(wait_seconds=POOL_BOOT_WAIT_SECONDS)
+        return await run_shard(cfg, shard, folder, prompts, worker)
+
     try:
-        return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
+        manifest = asyncio.run(when_the_pool_is_up())
+        mark(f"shard_done {shard_id}")
+        return manifest
     finally:
         worker.shutdown()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import resource
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from generation_core.data import PromptSet, ShardSpec
 from generation_core.records import SampleFailure, TrajectoryRecord, records_to_parquet, sample_key_text, to_json
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
+from generation_core.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,8 @@ async def run_shard(
             # Where the shard's time went, for the orchestration benchmark and for users asking
             # why a shard is slow: seconds inside each stage (storage runs beside generation).
             "stage_seconds": {stage: round(seconds, 3) for stage, seconds in writer.stage_seconds.items()} | {"postprocess": round(worker.postprocess_seconds - postprocess_before, 3)},
+            # Peak resident memory of the process that ran the shard (a Ray worker in a flow run).
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         },
     }
     missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
@@ -222,6 +226,8 @@ class _PartWriter:
             self._write_failures()
         if self.buffer:
             self._write_part()
+            if len(self.checkpoint.parts) == 1:
+                mark(f"first_part_written {self.shard.shard_id}")
         started = time.perf_counter()
         self.checkpoint.save(self.folder, self.shard)
         self.stage_seconds["storage"] += time.perf_counter() - started

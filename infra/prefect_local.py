@@ -10,15 +10,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+
+from generation_core.errors import GenrunError
 
 logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def prefect_api() -> Iterator[str]:
+def prefect_api(alongside: Callable[[], None] | None = None) -> Iterator[str]:
+    """The Prefect API URL for this invocation. `alongside` runs while a temporary server
+    starts (both take seconds of mostly separate work), with PREFECT_API_URL already set."""
     existing = os.environ.get("PREFECT_API_URL")
     if existing:
+        if alongside is not None:
+            alongside()
         yield existing
         return
     from prefect.server.api.server import SubprocessASGIServer
@@ -27,8 +34,32 @@ def prefect_api() -> Iterator[str]:
     # (SubprocessASGIServer binds 127.0.0.1).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     server = SubprocessASGIServer()
-    server.start(timeout=120)
-    os.environ["PREFECT_API_URL"] = server.api_url
+    # The port is fixed before the start, so the URL can be exported to what starts alongside.
+    server.port = server.find_available_port()
+    os.environ["PREFECT_API_URL"] = url = server.api_url
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start(timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(exc)
+
+    starter = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    starter.start()
+    try:
+        if alongside is not None:
+            alongside()
+    finally:
+        starter.join()
+    if failure:
+        os.environ.pop("PREFECT_API_URL", None)
+        raise failure[0]
+    if server.api_url != url:
+        # The port was taken between choosing and binding; what started alongside has the old URL.
+        server.stop()
+        os.environ.pop("PREFECT_API_URL", None)
+        raise GenrunError(f"the temporary Prefect server could not bind {url}; run the command again")
     logger.info("started a temporary Prefect server at %s", server.api_url)
     try:
         yield server.api_url
