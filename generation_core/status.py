@@ -51,15 +51,24 @@ def print_status(url: str) -> int:
         f"shards: {counts['done']} done, {counts['partial']} running or interrupted, {counts['failed']} failed, "
         f"{counts['pending']} pending; trajectories {total}/{expected}; failed samples {failed_samples}"
     )
-    merged = "yes" if folder.exists("trajectories.pkl") else "no"
-    print(f"merged: {merged}")
+    from generation_core.merge import merged_files
+
+    output = merged_files(folder)
+    print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
     return 0
 
 
 def merge_folder(url: str) -> None:
-    from generation_core.merge import merge_run
+    """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
+    from generation_core.merge import MERGED_FILE, merge_run, merge_run_chunked
 
     folder, run = _open(url)
     rollout = run["config"]["actor_rollout_ref"]["rollout"]
-    data = merge_run(folder, prompt_length=rollout["prompt_length"], response_length=rollout["response_length"], pad_token_id=run["pad_token_id"])
-    print(f"merged {len(data)} trajectories into {folder.display('trajectories.pkl')}")
+    lengths = dict(prompt_length=rollout["prompt_length"], response_length=rollout["response_length"], pad_token_id=run["pad_token_id"])
+    chunk_size = run["config"].get("generation", {}).get("merge_chunk_size")
+    if chunk_size:
+        output = merge_run_chunked(folder, chunk_size=chunk_size, **lengths)
+        print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")
+        return
+    data = merge_run(folder, **lengths)
+    print(f"merged {len(data)} trajectories into {folder.display(MERGED_FILE)}")
