@@ -1,0 +1,76 @@
+"""Time from command to the first committed part of `make demo`, with its breakdown (issue 6, target 7).
+
+    .venv/bin/python bench/startup.py [--runs 1]
+
+Runs the demo command (`genrun` on the bundled defaults: CPU model, bundled prompts, local
+storage; what `make demo` runs once the venv exists) into a scratch folder with
+`GENRUN_TIMELINE` set, so each process of the run records when it reached each stage
+(generation_core/timeline.py). The clock starts just before the command is launched. The time
+to the first committed part is printed last, against the target of 60 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET = 60.0
+REPO = Path(__file__).resolve().parent.parent
+STAGES = [
+    ("inputs_checked", "python start, imports, input checks (config, data, model files)"),
+    ("prefect_api_ready", "temporary Prefect server"),
+    ("ray_ready", "flow run created, Ray started"),
+    ("engine_ready", "engine replica: actor start + model load"),
+    ("shard_worker_ready", "shard task on a Ray worker: imports, tokenizer, prompts, agent loop setup"),
+    ("first_part_written", "first batch generated (save_batch_size trajectories) and committed"),
+]
+
+
+def run_once(scratch: Path) -> dict[str, float]:
+    timeline = scratch / "timeline.txt"
+    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
+    env.pop("PREFECT_API_URL", None)  # the demo starts its own temporary server
+    command = [str(REPO / ".venv" / "bin" / "genrun"), f"trainer.default_local_dir={scratch / 'run'}", "generation.show_progress=false"]
+    started = time.time()
+    finished = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    total = time.time() - started
+    if finished.returncode != 0:
+        sys.exit(f"the demo command failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
+    events: dict[str, float] = {}
+    for line in timeline.read_text().splitlines():
+        name, stamp = line.split()[0], float(line.split()[-1])
+        events.setdefault(name, stamp)  # the first shard worker / first part of any shard
+    return {name: stamp - started for name, stamp in events.items()} | {"done": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    results = []
+    for _ in range(args.runs):
+        scratch = Path(tempfile.mkdtemp(prefix="genrun-startup-"))
+        try:
+            results.append(run_once(scratch))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    for n, result in enumerate(results, start=1):
+        print(f"run {n}:")
+        previous = 0.0
+        for name, label in STAGES:
+            at = result[name]
+            print(f"  {at:6.1f} s  (+{at - previous:5.1f})  {label}")
+            previous = at
+        print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
+    first = sorted(r["first_part_written"] for r in results)[len(results) // 2]
+    print(f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {'met' if first <= TARGET else 'not met'})")
+
+
+if __name__ == "__main__":
+    main()
