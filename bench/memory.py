@@ -47,7 +47,8 @@ def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
     rows = [{"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}} for i in range(trajectories)]
     pq.write_table(pa.Table.from_pylist(rows), prompts)
     out = scratch / f"run-{trajectories}"
-    env = dict(os.environ)
+    timeline = scratch / f"timeline-{trajectories}.txt"
+    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
     env.pop("PREFECT_API_URL", None)
     command = [
         str(REPO / ".venv" / "bin" / "genrun"), f"data.train_files={prompts}", f"trainer.default_local_dir={out}",
@@ -55,15 +56,20 @@ def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
         "generation.max_inflight=256", f"generation.merge_chunk_size={chunk}",
     ]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    driver_peak = 0
+    driver_peak, peak_at = 0, time.time()
     while process.poll() is None:
-        driver_peak = max(driver_peak, vm_hwm_bytes(process.pid) or 0)
+        now = vm_hwm_bytes(process.pid) or 0
+        if now > driver_peak:
+            driver_peak, peak_at = now, time.time()
         time.sleep(0.1)
     stderr = process.stderr.read()
     if process.returncode != 0:
         sys.exit(f"genrun failed ({process.returncode}):\n{stderr[-3000:]}")
     marker = json.loads(next((out / "shards").glob("*/_SUCCESS.json")).read_text())
-    return {"driver": driver_peak, "worker": marker["last_attempt"]["peak_rss_bytes"], "trajectories": marker["num_trajectories"]}
+    # The run phase the driver's peak was reached in: the last timeline event before it.
+    events = [(float(line.split()[-1]), line.split()[0]) for line in timeline.read_text().splitlines()]
+    phase = max([event for event in events if event[0] <= peak_at], default=(0.0, "start"))[1]
+    return {"driver": driver_peak, "driver_peak_after": phase, "worker": marker["last_attempt"]["peak_rss_bytes"], "trajectories": marker["num_trajectories"]}
 
 
 def main() -> None:
@@ -80,7 +86,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     mib = 1024 * 1024
     for name, result in (("small", small), ("large", large)):
-        print(f"{name}: {result['trajectories']} trajectories: driver peak {result['driver'] / mib:.0f} MiB, shard worker peak {result['worker'] / mib:.0f} MiB")
+        print(f"{name}: {result['trajectories']} trajectories: driver peak {result['driver'] / mib:.0f} MiB (reached after `{result['driver_peak_after']}`), shard worker peak {result['worker'] / mib:.0f} MiB")
     for role in ("driver", "worker"):
         growth = large[role] / small[role] - 1
         print(f"{role} peak RSS growth {args.small} -> {args.large} trajectories: {100 * growth:+.1f}% (target <= {100 * TARGET:.0f}%)")

@@ -48,13 +48,18 @@ def _print_summary(summary: dict, plan) -> None:
 
 
 def _first_example(plan) -> str | None:
-    from generation_core.merge import read_committed_records
+    """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
+    from generation_core.merge import committed_parts, read_verified_part
+    from generation_core.records import records_from_parquet
 
-    records = read_committed_records(plan.folder)
+    parts = committed_parts(plan.folder)
+    if not parts:
+        return None
+    records = records_from_parquet(read_verified_part(plan.folder, parts[0]["path"], parts[0]["sha256"]))
     if not records:
         return None
     tokenizer = plan.prompts.dataset.tokenizer
-    record = records[0]
+    record = min(records, key=lambda r: r.key)
     prompt = tokenizer.decode(record.prompt_ids, skip_special_tokens=True).strip()
     response = tokenizer.decode(record.response_ids, skip_special_tokens=True).strip()
     return f"  [{record.index}:{record.rollout_n}] prompt:   {prompt!r}\n  [{record.index}:{record.rollout_n}] response: {response!r}"
