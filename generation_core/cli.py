@@ -112,17 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = prepare_run(argv)
         mark("inputs_checked")
         from flows.generate import RAY_WORKER_ENV, generate
-        from generation_core.run import ray_init_kwargs
+        from generation_core.run import start_ray
         from infra.prefect_local import prefect_api
-
-        def start_ray() -> None:
-            import ray
-
-            ray.init(**ray_init_kwargs(plan.cfg, plan.fingerprint, forward_env=RAY_WORKER_ENV))
 
         try:
             # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
-            with prefect_api(alongside=start_ray):
+            with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)):
                 mark("prefect_api_ready")
                 summary = generate(argv)
         finally:

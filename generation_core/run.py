@@ -168,11 +168,11 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
     return init_kwargs
 
 
-def start_ray(cfg: DictConfig, run_fingerprint: str) -> None:
+def start_ray(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...] = ()) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(**ray_init_kwargs(cfg, run_fingerprint))
+        ray.init(**ray_init_kwargs(cfg, run_fingerprint, forward_env))
 
 
 def boot_pool(cfg: DictConfig, balancer_name: str | None = None):
