@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from genrun_process import GENRUN, REPO, genrun_env, read_timeline
 
 TARGET = 0.10
-REPO = Path(__file__).resolve().parent.parent
 
 
 def vm_hwm_bytes(pid: int) -> int | None:
@@ -48,10 +47,9 @@ def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
     pq.write_table(pa.Table.from_pylist(rows), prompts)
     out = scratch / f"run-{trajectories}"
     timeline = scratch / f"timeline-{trajectories}.txt"
-    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
-    env.pop("PREFECT_API_URL", None)
+    env = genrun_env(timeline)
     command = [
-        str(REPO / ".venv" / "bin" / "genrun"), f"data.train_files={prompts}", f"trainer.default_local_dir={out}",
+        GENRUN, f"data.train_files={prompts}", f"trainer.default_local_dir={out}",
         "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false", "generation.save_batch_size=500",
         "generation.max_inflight=256", f"generation.merge_chunk_size={chunk}",
     ]
@@ -67,7 +65,7 @@ def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
         sys.exit(f"genrun failed ({process.returncode}):\n{stderr[-3000:]}")
     marker = json.loads(next((out / "shards").glob("*/_SUCCESS.json")).read_text())
     # The run phase the driver's peak was reached in: the last timeline event before it.
-    events = [(float(line.split()[-1]), line.split()[0]) for line in timeline.read_text().splitlines()]
+    events = [(stamp, name) for name, stamps in read_timeline(timeline).items() for stamp in stamps]
     phase = max([event for event in events if event[0] <= peak_at], default=(0.0, "start"))[1]
     return {"driver": driver_peak, "driver_peak_after": phase, "worker": marker["last_attempt"]["peak_rss_bytes"], "trajectories": marker["num_trajectories"]}
 

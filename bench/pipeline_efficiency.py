@@ -36,11 +36,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_streaming import bundled_prompt_ids  # noqa: E402
+from genrun_process import GENRUN, REPO, genrun_env, read_timeline  # noqa: E402
 
 from generation_core.bundled import BUNDLED_PROMPTS, prepare_bundled_model  # noqa: E402
 
 TARGET = 0.90
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_prompts(path: Path, count: int) -> None:
@@ -72,10 +72,9 @@ def best_static_rate(model, tokenizer, prompts: list[list[int]], tokens: int) ->
 def pipeline_run(scratch: Path, prompts_file: Path, tokens: int, shards: int) -> dict[str, float]:
     timeline = scratch / f"timeline-{shards}.txt"
     out = scratch / f"run-{shards}"
-    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
-    env.pop("PREFECT_API_URL", None)
+    env = genrun_env(timeline)
     command = [
-        str(REPO / ".venv" / "bin" / "genrun"), f"data.train_files={prompts_file}", f"trainer.default_local_dir={out}",
+        GENRUN, f"data.train_files={prompts_file}", f"trainer.default_local_dir={out}",
         f"data.max_response_length={tokens}", "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
         f"generation.num_shards={shards}", "generation.show_progress=false",
     ]
@@ -84,9 +83,7 @@ def pipeline_run(scratch: Path, prompts_file: Path, tokens: int, shards: int) ->
     total = time.time() - started
     if finished.returncode != 0:
         sys.exit(f"genrun failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
-    events: dict[str, list[float]] = {}
-    for line in timeline.read_text().splitlines():
-        events.setdefault(line.split()[0], []).append(float(line.split()[-1]))
+    events = read_timeline(timeline)
     manifest = json.loads((out / "manifest.json").read_text())
     generation_started = max(events["engine_ready"][0], min(events["shard_worker_ready"]))
     generation_seconds = max(events["shard_done"]) - generation_started

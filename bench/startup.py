@@ -12,7 +12,6 @@ to the first committed part is printed last, against the target of 60 s on 2 cor
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -20,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from genrun_process import GENRUN, REPO, genrun_env, read_timeline
+
 TARGET = 60.0
-REPO = Path(__file__).resolve().parent.parent
 STAGES = [
     ("inputs_checked", "python start, imports, input checks (config, data, model files)"),
     ("prefect_api_ready", "temporary Prefect server"),
@@ -34,19 +34,15 @@ STAGES = [
 
 def run_once(scratch: Path) -> dict[str, float]:
     timeline = scratch / "timeline.txt"
-    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
-    env.pop("PREFECT_API_URL", None)  # the demo starts its own temporary server
-    command = [str(REPO / ".venv" / "bin" / "genrun"), f"trainer.default_local_dir={scratch / 'run'}", "generation.show_progress=false"]
+    env = genrun_env(timeline)
+    command = [GENRUN, f"trainer.default_local_dir={scratch / 'run'}", "generation.show_progress=false"]
     started = time.time()
     finished = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     total = time.time() - started
     if finished.returncode != 0:
         sys.exit(f"the demo command failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
-    events: dict[str, float] = {}
-    for line in timeline.read_text().splitlines():
-        name, stamp = line.split()[0], float(line.split()[-1])
-        events.setdefault(name, stamp)  # the first shard worker / first part of any shard
-    return {name: stamp - started for name, stamp in events.items()} | {"done": total}
+    # The first shard worker / first part of any shard.
+    return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
 
 
 def main() -> None:

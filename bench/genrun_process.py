@@ -1,0 +1,25 @@
+"""Running `genrun` the way a user does, for the benchmarks that time or measure whole runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GENRUN = str(REPO / ".venv" / "bin" / "genrun")
+
+
+def genrun_env(timeline: Path) -> dict[str, str]:
+    """This environment with GENRUN_TIMELINE set and no Prefect API: each run starts its own
+    temporary server, as `make demo` does."""
+    env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def read_timeline(timeline: Path) -> dict[str, list[float]]:
+    """event -> unix times, in the order written (one per process that marked it)."""
+    events: dict[str, list[float]] = {}
+    for line in timeline.read_text().splitlines():
+        events.setdefault(line.split()[0], []).append(float(line.split()[-1]))
+    return events
