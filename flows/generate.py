@@ -19,6 +19,7 @@ from prefect_ray import RayTaskRunner
 
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
+from generation_core.lease import LeaseFence, RunLease
 from generation_core.pool import new_balancer_name
 from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
 from generation_core.shard import finished_marker
@@ -40,6 +41,12 @@ class ShardsFailed(RuntimeError):
 def generate(overrides: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     plan = prepare_run(list(overrides or []))
+    # One run per output folder: a second run on it is refused here, before any model loads.
+    with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
+        return _generate_holding(plan, lease.fence(), started)
+
+
+def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[str, Any]:
     artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
     progress = create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Shards finished (%)")
     # A Ray the caller started already (the CLI starts it beside the Prefect server) is used as is.
@@ -48,7 +55,7 @@ def generate(overrides: list[str] | None = None) -> dict[str, Any]:
         # Shard tasks first: their workers start (imports, tokenizer, prompts) while the
         # replicas load, and each waits for the pool by name.
         balancer_name = new_balancer_name()
-        futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, balancer_name)) for shard in plan.shards]
+        futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, balancer_name, fence)) for shard in plan.shards]
         try:
             pool = boot_pool(plan.cfg, balancer_name)
         except BaseException:
@@ -85,12 +92,13 @@ def _shard_task(plan: RunPlan, shard: ShardSpec):
     return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
 
 
-def _shard_parameters(plan: RunPlan, shard_id: int, balancer_name: str) -> dict[str, Any]:
+def _shard_parameters(plan: RunPlan, shard_id: int, balancer_name: str, fence: LeaseFence) -> dict[str, Any]:
     return {
         "config": OmegaConf.to_container(plan.cfg, resolve=True),
         "fingerprint": plan.fingerprint,
         "shard_id": shard_id,
         "balancer_name": balancer_name,
+        "lease_generation": fence.generation,
     }
 
 

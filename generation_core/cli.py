@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # Every input check first, so a bad input is one line here, not a failed flow run.
         plan = prepare_run(argv)
+        from generation_core.lease import check_lease_free
+
+        # The flow takes the lease; refusing here spares the Prefect and Ray startup.
+        check_lease_free(plan.folder)
         mark("inputs_checked")
         from flows.generate import RAY_WORKER_ENV, generate
         from generation_core.run import start_ray

@@ -187,10 +187,13 @@ def boot_pool(cfg: DictConfig, balancer_name: str | None = None):
 POOL_BOOT_WAIT_SECONDS = 1800.0
 
 
-def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> dict[str, Any]:
+def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
     """Run one shard in any process of the run's Ray job (a Prefect task on a Ray worker):
-    attach to the booted pool by name, load the prompts, stream, commit, return the manifest."""
+    attach to the booted pool by name, load the prompts, stream, commit, return the manifest.
+    `lease_generation`: the run's lease on the folder; commits stop if a later run takes it."""
     from verl.utils import hf_tokenizer
+
+    from generation_core.lease import LeaseFence
 
     from generation_core.pool import attach_client
     from generation_core.shard import run_shard
@@ -207,7 +210,8 @@ def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str) -> 
     async def when_the_pool_is_up() -> dict[str, Any]:
         # The driver may still be loading the model: shard workers start beside it.
         await client.connect(wait_seconds=POOL_BOOT_WAIT_SECONDS)
-        return await run_shard(cfg, shard, folder, prompts, worker)
+        fence = LeaseFence(lease_generation) if lease_generation is not None else None
+        return await run_shard(cfg, shard, folder, prompts, worker, fence)
 
     try:
         manifest = asyncio.run(when_the_pool_is_up())
@@ -244,7 +248,7 @@ def merge_plan(plan: RunPlan):
     return MergedOutput(MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]]))
 
 
-async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
+async def _generate(plan: RunPlan, fence) -> list[dict[str, Any]]:
     from generation_core.pool import ReplicaPool
     from generation_core.shard import run_shard
 
@@ -252,7 +256,7 @@ async def _generate(plan: RunPlan) -> list[dict[str, Any]]:
     worker = None
     try:
         worker = build_streaming_worker(plan.cfg, pool.client(), plan.prompts.dataset.tokenizer, plan.prompts)
-        return [await run_shard(plan.cfg, shard, plan.folder, plan.prompts, worker) for shard in plan.shards]
+        return [await run_shard(plan.cfg, shard, plan.folder, plan.prompts, worker, fence) for shard in plan.shards]
     finally:
         if worker is not None:
             worker.shutdown()
@@ -263,11 +267,14 @@ def execute_run(plan: RunPlan) -> dict[str, Any]:
     """Generate every missing trajectory, merge, and return the run summary."""
     from generation_core.publish import publish_run
 
+    from generation_core.lease import RunLease
+
     started = time.perf_counter()
-    start_ray(plan.cfg, plan.fingerprint)
-    manifests = asyncio.run(_generate(plan))
-    summary = finish_run(plan, manifests, time.perf_counter() - started)
-    summary["published"] = publish_run(plan.cfg, plan.folder, summary)
+    with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
+        start_ray(plan.cfg, plan.fingerprint)
+        manifests = asyncio.run(_generate(plan, lease.fence()))
+        summary = finish_run(plan, manifests, time.perf_counter() - started)
+        summary["published"] = publish_run(plan.cfg, plan.folder, summary)
     return summary
 
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generation_core.data import PromptSet, ShardSpec
+from generation_core.lease import LeaseFence
 from generation_core.records import SampleFailure, TrajectoryRecord, records_to_parquet, sample_key_text, to_json
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
@@ -92,9 +93,10 @@ def finished_marker(folder: RunFolder, shard: ShardSpec) -> dict[str, Any] | Non
 
 
 async def run_shard(
-    cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts: PromptSet, worker: StreamingWorker
+    cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts: PromptSet, worker: StreamingWorker, fence: LeaseFence | None = None
 ) -> dict[str, Any]:
-    """Generate every missing trajectory of `shard` and return its (small) manifest."""
+    """Generate every missing trajectory of `shard` and return its (small) manifest. With a
+    `fence` (the run's lease), every commit first checks that no later run took the folder."""
     finished = finished_marker(folder, shard)
     if finished is not None:
         return dict(finished, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
@@ -112,7 +114,7 @@ async def run_shard(
     postprocess_before = worker.postprocess_seconds
     generated_now = 0
     tokens_now = 0
-    writer = _PartWriter(folder, shard, checkpoint)
+    writer = _PartWriter(folder, shard, checkpoint, fence)
     allowed = allowed_failures(len(owed), gen.max_failed_fraction)
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
@@ -187,8 +189,8 @@ async def run_shard(
 class _PartWriter:
     """Buffers finished records and commits them as one part + checkpoint."""
 
-    def __init__(self, folder: RunFolder, shard: ShardSpec, checkpoint: ShardCheckpoint):
-        self.folder, self.shard, self.checkpoint = folder, shard, checkpoint
+    def __init__(self, folder: RunFolder, shard: ShardSpec, checkpoint: ShardCheckpoint, fence: LeaseFence | None = None):
+        self.folder, self.shard, self.checkpoint, self.fence = folder, shard, checkpoint, fence
         self.buffer: list[TrajectoryRecord] = []
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
@@ -220,6 +222,8 @@ class _PartWriter:
     def commit(self) -> None:
         if not self.has_uncommitted():
             return
+        if self.fence is not None:
+            self.fence.check(self.folder)
         if self.new_failures:
             # Before the checkpoint that counts them: a crash in between only leaves log lines
             # for samples that are pending anyway.

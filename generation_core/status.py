@@ -39,6 +39,11 @@ def print_status(url: str) -> int:
     folder, run = _open(url)
     states = shard_states(folder, run)
     print(f"run {run['fingerprint'][:12]} at {folder.display()}")
+    from generation_core.lease import describe_holder
+
+    holder = describe_holder(folder)
+    if holder:
+        print(f"in use by a running genrun: {holder}")
     for s in states:
         detail = f"  {s['failed_samples']} failed sample(s), see shards/{s['shard']}/{FAILURES}" if s["failed_samples"] else ""
         detail += f"  last error: {s['error']}" if s["error"] else ""
@@ -60,9 +65,17 @@ def print_status(url: str) -> int:
 
 def merge_folder(url: str) -> None:
     """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
-    from generation_core.merge import MERGED_FILE, merge_run, merge_run_chunked
+    from generation_core.lease import RunLease
 
     folder, run = _open(url)
+    # Not beside a run that is still writing parts (its own merge would follow anyway).
+    with RunLease.acquire(folder, run["config"].get("generation", {}).get("lease_seconds", 60)):
+        _merge(folder, run)
+
+
+def _merge(folder, run) -> None:
+    from generation_core.merge import MERGED_FILE, merge_run, merge_run_chunked
+
     rollout = run["config"]["actor_rollout_ref"]["rollout"]
     lengths = dict(prompt_length=rollout["prompt_length"], response_length=rollout["response_length"], pad_token_id=run["pad_token_id"])
     chunk_size = run["config"].get("generation", {}).get("merge_chunk_size")

@@ -90,14 +90,45 @@ class RunFolder:
             parent = os.path.dirname(target)
             os.makedirs(parent, exist_ok=True)
             temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, target)
+            try:
+                with open(temporary, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temporary, target)
+            except BaseException:
+                # A full disk fails the write half way: leave no temporary behind to fill it further.
+                _remove_quietly(temporary)
+                raise
         else:
             # One PUT of the whole object: readers see all of it or nothing.
             self._with_retries(f"writing {self.display(relative)}", lambda: self.fs.pipe_file(target, data))
+
+    def create_exclusive(self, relative: str, data: bytes) -> bool:
+        """Write `data` only if nothing exists under that name; False when something does.
+        Of several writers racing for one name exactly one gets True (the run lease relies on
+        it): a hard link on local disk, a conditional PUT (`If-None-Match: *`) on S3."""
+        target = self.path(relative)
+        if self.is_local:
+            parent = os.path.dirname(target)
+            os.makedirs(parent, exist_ok=True)
+            temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
+            try:
+                with open(temporary, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.link(temporary, target)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                _remove_quietly(temporary)
+        try:
+            self._with_retries(f"creating {self.display(relative)}", lambda: self.fs.pipe_file(target, data, mode="create"))
+            return True
+        except FileExistsError:
+            return False
 
     def put_json(self, relative: str, payload: Any) -> None:
         self.put_atomic(relative, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
@@ -179,6 +210,13 @@ class _LocalAtomicWriter:
         else:
             self.handle.close()
             os.remove(self.temporary)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -18,5 +18,5 @@ def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
 
 
 @task(name="run_shard", task_run_name="shard-{shard_id:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
-def run_shard(config: dict[str, Any], fingerprint: str, shard_id: int, balancer_name: str) -> dict[str, Any]:
-    return run_shard_job(config, shard_id, balancer_name)
+def run_shard(config: dict[str, Any], fingerprint: str, shard_id: int, balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
+    return run_shard_job(config, shard_id, balancer_name, lease_generation)

@@ -42,6 +42,7 @@ OPERATIONAL_KEYS = (
     "generation.merge_chunk_size",
     "generation.retries",
     "generation.retry_delay_seconds",
+    "generation.lease_seconds",
     "generation.request_retries",
     "generation.request_backoff_seconds",
     "generation.request_timeout",
@@ -216,6 +217,7 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
+    _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")
     _require(isinstance(gen.request_retries, int) and not isinstance(gen.request_retries, bool) and gen.request_retries >= 0, "generation.request_retries", gen.request_retries, "must be an integer >= 0")
     _require(_is_number(gen.request_backoff_seconds) and gen.request_backoff_seconds >= 0, "generation.request_backoff_seconds", gen.request_backoff_seconds, "must be a number of seconds >= 0")
     _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (no timeout) or a number of seconds > 0")

@@ -1,0 +1,218 @@
+"""One run at a time per output folder: a lease in the run folder, on local disk and S3 alike.
+
+Two runs writing the same folder would each rewrite the shards' checkpoints and lose the other's
+parts. The folder holds numbered lease files, `lease/00000001.json`, `lease/00000002.json`, ...;
+the newest decides. A run takes the folder by creating the next number with an exclusive create
+(an O_EXCL hard link on local disk, a PUT with `If-None-Match: *` on S3), so of two runs racing
+for the same number exactly one wins. The holder rewrites its own file every `seconds / 4` (a
+heartbeat) and marks it released at the end.
+
+The newest lease is free when it is released, when its heartbeat is older than its `seconds`
+(a killed run's lease expires), or at once when it was taken on this host by a process that no
+longer exists. Taking over a free lease creates the next number, never touches the old file: a
+run that lost its lease (its heartbeat stalled past expiry and another run took over) sees a
+newer number at its next commit (`LeaseFence.check`) and stops instead of writing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from generation_core.errors import GenrunError
+from generation_core.storage import RunFolder
+
+logger = logging.getLogger(__name__)
+
+LEASE_DIR = "lease"
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+class LeaseLost(RuntimeError):
+    """Another run took the output folder over: this one must stop writing into it."""
+
+
+@dataclass
+class LeaseRecord:
+    generation: int
+    owner: str
+    host: str
+    pid: int
+    seconds: float
+    acquired: float
+    renewed: float
+    released: bool = False
+
+    def state(self, now: float) -> str | None:
+        """Why the lease is free ("released", "expired", "owner gone"), or None when held."""
+        if self.released:
+            return "released"
+        if self.host == socket.gethostname() and not _process_alive(self.pid):
+            return "owner gone"
+        if now - self.renewed > self.seconds:
+            return "expired"
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lease_name(generation: int) -> str:
+    return f"{LEASE_DIR}/{generation:08d}.json"
+
+
+def newest_lease(folder: RunFolder) -> LeaseRecord | None:
+    names = [name for name in folder.list(LEASE_DIR) if name.endswith(".json") and name[:-5].isdigit()]
+    if not names:
+        return None
+    newest = max(names, key=lambda name: int(name[:-5]))
+    try:
+        return LeaseRecord(**folder.read_json(f"{LEASE_DIR}/{newest}"))
+    except FileNotFoundError:
+        # Removed between the listing and the read (a holder cleaning up): look again.
+        return newest_lease(folder)
+
+
+def _describe(record: LeaseRecord, now: float) -> str:
+    expires = time.strftime("%H:%M:%S UTC", time.gmtime(record.renewed + record.seconds))
+    return (
+        f"pid {record.pid} on host {record.host}, started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(record.acquired))}, "
+        f"heartbeat {now - record.renewed:.0f} s ago; if that run was killed, its lease expires at {expires}"
+    )
+
+
+def _refusal(folder: RunFolder, record: LeaseRecord, now: float) -> GenrunError:
+    return GenrunError(
+        f"output folder {folder.display()} is in use by another genrun run ({_describe(record, now)}). "
+        "Wait for it to finish or stop it, or write to another trainer.default_local_dir; "
+        f"remove {folder.display(LEASE_DIR)} only if you are sure no run is writing there"
+    )
+
+
+def check_lease_free(folder: RunFolder) -> None:
+    """Refuse at once when a live run holds the folder (a preflight; taking it is `RunLease.acquire`)."""
+    record = newest_lease(folder)
+    now = time.time()
+    if record is not None and record.state(now) is None:
+        raise _refusal(folder, record, now)
+
+
+def describe_holder(folder: RunFolder) -> str | None:
+    """Who holds the folder now (for `genrun status`), or None when it is free."""
+    record = newest_lease(folder)
+    now = time.time()
+    return _describe(record, now) if record is not None and record.state(now) is None else None
+
+
+class RunLease:
+    """The lease this process holds on a run folder, with its heartbeat thread."""
+
+    def __init__(self, folder: RunFolder, record: LeaseRecord):
+        self.folder, self.record = folder, record
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="genrun-lease-heartbeat", daemon=True)
+        self.lost: str | None = None
+
+    @classmethod
+    def acquire(cls, folder: RunFolder, seconds: float = DEFAULT_LEASE_SECONDS) -> "RunLease":
+        now = time.time()
+        newest = newest_lease(folder)
+        if newest is not None:
+            why_free = newest.state(now)
+            if why_free is None:
+                raise _refusal(folder, newest, now)
+            if why_free != "released":
+                logger.warning("taking over the lease of a run that stopped without releasing it (%s; %s)", why_free, _describe(newest, now))
+        record = LeaseRecord(
+            generation=(newest.generation if newest else 0) + 1,
+            owner=uuid.uuid4().hex,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            seconds=float(seconds),
+            acquired=now,
+            renewed=now,
+        )
+        if not folder.create_exclusive(_lease_name(record.generation), _encode(record)):
+            # Another run created the same number first: it holds the folder now.
+            winner = newest_lease(folder)
+            raise _refusal(folder, winner, time.time()) if winner else GenrunError(f"lost the race for {folder.display(LEASE_DIR)}; run again")
+        lease = cls(folder, record)
+        lease._remove_older()
+        lease._heartbeat.start()
+        return lease
+
+    def fence(self) -> "LeaseFence":
+        return LeaseFence(self.record.generation)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=30)
+        if self.lost:
+            return
+        self.record.released = True
+        try:
+            self.folder.put_atomic(_lease_name(self.record.generation), _encode(self.record))
+        except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
+            logger.warning("could not release the run lease (%s: %s); it expires in %.0f s", type(exc).__name__, exc, self.record.seconds)
+
+    def __enter__(self) -> "RunLease":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.record.seconds / 4):
+            try:
+                newest = newest_lease(self.folder)
+                if newest is not None and newest.generation > self.record.generation:
+                    self.lost = f"lease {newest.generation} was taken by pid {newest.pid} on {newest.host}"
+                    logger.error("this run lost its output folder %s: %s (our heartbeat stalled past %.0f s)", self.folder.display(), self.lost, self.record.seconds)
+                    return
+                self.record.renewed = time.time()
+                self.folder.put_atomic(_lease_name(self.record.generation), _encode(self.record))
+            except Exception as exc:  # noqa: BLE001 - storage hiccups: the next beat tries again
+                logger.warning("run lease heartbeat failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, self.record.seconds / 4)
+
+    def _remove_older(self) -> None:
+        for name in self.folder.list(LEASE_DIR):
+            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.record.generation:
+                self.folder.remove(f"{LEASE_DIR}/{name}")
+
+
+@dataclass(frozen=True)
+class LeaseFence:
+    """What shard writers (in any process of the run) check before each checkpoint: that no
+    later run has taken the folder over."""
+
+    generation: int
+
+    def check(self, folder: RunFolder) -> None:
+        newest = newest_lease(folder)
+        if newest is not None and newest.generation > self.generation:
+            raise LeaseLost(
+                f"output folder {folder.display()} was taken over by another run (lease {newest.generation}, pid {newest.pid} "
+                f"on {newest.host}) while this one (lease {self.generation}) was still writing; this run stops without committing"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _encode(record: LeaseRecord) -> bytes:
+    return json.dumps(asdict(record), indent=2, sort_keys=True).encode()
