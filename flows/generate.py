@@ -20,6 +20,7 @@ from prefect_ray import RayTaskRunner
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from generation_core.lease import LeaseFence, RunLease
+from generation_core.part_integrity import repair_shard
 from generation_core.pool import new_balancer_name
 from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
 from generation_core.shard import finished_marker
@@ -88,7 +89,10 @@ def _shard_task(plan: RunPlan, shard: ShardSpec):
     # Storage markers are the source of truth: a cached result for a shard whose marker is gone
     # (folder deleted, run started over) or records failed samples (a rerun retries them) must
     # not stand in for the data.
-    needs_work = finished_marker(plan.folder, shard) is None
+    # A finished shard whose parts went missing or were truncated (one listing, no reads) is
+    # repaired here, so this run regenerates what was lost; its task verifies every sha256.
+    damaged = finished_marker(plan.folder, shard) is not None and repair_shard(plan.folder, shard.name, size_only=True) > 0
+    needs_work = damaged or finished_marker(plan.folder, shard) is None
     return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
 
 

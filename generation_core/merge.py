@@ -268,9 +268,14 @@ def committed_parts(folder: RunFolder) -> list[dict[str, str]]:
 
 
 def read_verified_part(folder: RunFolder, path: str, sha256: str) -> bytes:
-    data = folder.read_bytes(path)
+    from generation_core.part_integrity import DamagedPart
+
+    try:
+        data = folder.read_bytes(path)
+    except FileNotFoundError:
+        raise DamagedPart(f"part {folder.display(path)}, listed by its shard's checkpoint, is missing", path) from None
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise GenrunError(f"part {folder.display(path)} does not match the checksum its checkpoint recorded")
+        raise DamagedPart(f"part {folder.display(path)} does not match the checksum its checkpoint recorded", path)
     return data
 
 

@@ -284,12 +284,24 @@ def finish_run(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -
 
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
-        merged = merge_plan(plan)
+        merged = merge_repairing(plan.folder, lambda: merge_plan(plan))
         summary["artifact"] = plan.folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
     plan.folder.put_json(MANIFEST_FILE, summary)
     return summary
+
+
+def merge_repairing(folder: RunFolder, merge):
+    """Run `merge`; a part it finds damaged is dropped from its shard's checkpoint, so that
+    running the same command again regenerates exactly its samples, and the error says so."""
+    from generation_core.part_integrity import DamagedPart, mark_for_repair
+
+    try:
+        return merge()
+    except DamagedPart as damaged:
+        mark_for_repair(folder, damaged)
+        raise GenrunError(f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge") from None
 
 
 def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
@@ -302,6 +314,8 @@ def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) ->
         "num_trajectories": sum(m["num_trajectories"] for m in manifests),
         "generated_tokens": sum(m["generated_tokens"] for m in manifests),
         "failed_samples": sum(m.get("failures", 0) for m in manifests),
+        # Damaged parts found over the run's life, dropped and regenerated (part_integrity).
+        "repaired_parts": [dict(repair, shard=m["shard"]) for m in manifests for repair in m.get("repaired_parts", [])],
         "this_invocation": {
             "trajectories": generated_now,
             "generated_tokens": tokens_now,

@@ -53,6 +53,8 @@ class ShardCheckpoint:
 
     parts: list[dict[str, Any]] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    repaired_parts: list[dict[str, Any]] = field(default_factory=list)
+    """Committed parts found damaged and dropped (their samples were generated again)."""
     failed: list[str] = field(default_factory=list)
     """Samples that failed in the latest attempt (never committed; pending for the next one)."""
     response_tokens: int = 0
@@ -97,6 +99,11 @@ async def run_shard(
 ) -> dict[str, Any]:
     """Generate every missing trajectory of `shard` and return its (small) manifest. With a
     `fence` (the run's lease), every commit first checks that no later run took the folder."""
+    from generation_core.part_integrity import repair_shard
+
+    # A damaged committed part (truncated, corrupted, gone) is dropped here and its samples
+    # are generated again below; the repair is recorded in the checkpoint and the marker.
+    repair_shard(folder, shard.name)
     finished = finished_marker(folder, shard)
     if finished is not None:
         return dict(finished, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
@@ -167,6 +174,7 @@ async def run_shard(
         "response_tokens": checkpoint.response_tokens,
         "generated_tokens": checkpoint.generated_tokens,
         "parts": checkpoint.parts,
+        "repaired_parts": checkpoint.repaired_parts,
         "attempts": checkpoint.attempts,
         "last_attempt": {
             "trajectories": generated_now,
@@ -259,10 +267,20 @@ class _PartWriter:
         name = f"batch-{len(self.checkpoint.parts):05d}-{uuid.uuid4().hex[:8]}.parquet"
         self.folder.put_atomic(f"shards/{self.shard.name}/{name}", data)
         self.stage_seconds["storage"] += time.perf_counter() - serialized
+        response_tokens = sum(len(r.response_ids) for r in self.buffer)
+        generated_tokens = sum(sum(r.response_mask) for r in self.buffer)
         self.checkpoint.parts.append(
-            {"name": name, "count": len(self.buffer), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            {
+                "name": name,
+                "count": len(self.buffer),
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                # Per part, so dropping a damaged part keeps the shard's totals right.
+                "response_tokens": response_tokens,
+                "generated_tokens": generated_tokens,
+            }
         )
         self.checkpoint.completed.extend(sample_key_text(r.key) for r in self.buffer)
-        self.checkpoint.response_tokens += sum(len(r.response_ids) for r in self.buffer)
-        self.checkpoint.generated_tokens += sum(sum(r.response_mask) for r in self.buffer)
+        self.checkpoint.response_tokens += response_tokens
+        self.checkpoint.generated_tokens += generated_tokens
         logger.info("%s: committed %s (%d trajectories, %d in shard)", self.shard.name, name, len(self.buffer), len(self.checkpoint.completed))

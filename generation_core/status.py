@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from generation_core.errors import GenrunError
-from generation_core.run import RUN_FILE
+from generation_core.run import RUN_FILE, merge_repairing
 from generation_core.shard import CHECKPOINT, FAILURES, LAST_ERROR, SUCCESS
 from generation_core.storage import RunFolder
 
@@ -70,7 +70,7 @@ def merge_folder(url: str) -> None:
     folder, run = _open(url)
     # Not beside a run that is still writing parts (its own merge would follow anyway).
     with RunLease.acquire(folder, run["config"].get("generation", {}).get("lease_seconds", 60)):
-        _merge(folder, run)
+        merge_repairing(folder, lambda: _merge(folder, run))
 
 
 def _merge(folder, run) -> None:

@@ -150,6 +150,14 @@ class RunFolder:
             return []
         return sorted(os.path.basename(entry.rstrip("/")) for entry in entries)
 
+    def list_sizes(self, relative: str) -> dict[str, int]:
+        """{name: size in bytes} of the files directly under `relative` (one listing)."""
+        try:
+            entries = self._with_retries(f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=True))
+        except FileNotFoundError:
+            return {}
+        return {os.path.basename(entry["name"].rstrip("/")): int(entry.get("size") or 0) for entry in entries if entry.get("type") != "directory"}
+
     def remove(self, relative: str) -> None:
         try:
             self._with_retries(f"removing {self.display(relative)}", lambda: self.fs.rm(self.path(relative)))

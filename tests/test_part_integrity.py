@@ -1,0 +1,88 @@
+"""Damaged committed parts (truncated, bit-flipped, deleted) are detected against their
+checkpoint, dropped, their samples regenerated exactly once, and the repair is reported. The
+whole-CLI case (a part damaged between two `genrun` runs) is one of the chaos suite's faults."""
+
+import asyncio
+import json
+
+import pytest
+
+from generation_core.data import ShardSpec
+from generation_core.errors import GenrunError
+from generation_core.merge import read_committed_records
+from generation_core.part_integrity import repair_shard
+from generation_core.run import merge_repairing
+from generation_core.shard import run_shard
+from generation_core.storage import RunFolder
+from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
+
+pytestmark = pytest.mark.timeout(120)
+
+SHARD = ShardSpec(0, 0, 6)
+OWED = sorted(f"{100 + p}:{n}" for p in range(6) for n in range(2))
+
+
+def _finished_run(tmp_path):
+    cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2")
+    folder = RunFolder(str(tmp_path))
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+    checkpoint = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())
+    assert [p["count"] for p in checkpoint["parts"]] == [4, 4, 4]
+    return cfg, folder, checkpoint
+
+
+def _damage(tmp_path, part, how):
+    path = tmp_path / "shards" / "shard-00000" / part["name"]
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "bit flip":
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how, reason", [("truncated", "size .* bytes, checkpoint recorded"), ("bit flip", "sha256 does not match"), ("deleted", "missing")])
+def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path, how, reason):
+    cfg, folder, before = _finished_run(tmp_path)
+    damaged = before["parts"][1]
+    lost = before["completed"][4:8]
+    _damage(tmp_path, damaged, how)
+
+    worker = ScriptedWorker()
+    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
+    assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(lost), "only the damaged part's samples run again"
+    assert len(marker["repaired_parts"]) == 1
+    repair = marker["repaired_parts"][0]
+    assert repair["name"] == damaged["name"] and repair["samples"] == 4
+    assert __import__("re").search(reason, repair["reason"])
+    after = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())
+    assert sorted(after["completed"]) == OWED and len(after["completed"]) == len(set(after["completed"]))
+    assert after["response_tokens"] == before["response_tokens"] and after["generated_tokens"] == before["generated_tokens"]
+    records = read_committed_records(folder)
+    assert [f"{r.index}:{r.rollout_n}" for r in records] == sorted(OWED, key=lambda k: tuple(map(int, k.split(":"))))
+
+
+def test_the_driver_size_check_finds_truncation_without_reading_parts(tmp_path):
+    _, folder, before = _finished_run(tmp_path)
+    _damage(tmp_path, before["parts"][1], "bit flip")
+    assert repair_shard(folder, "shard-00000", size_only=True) == 0, "a same-size corruption needs the sha256 check"
+    assert (tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").exists()
+    _damage(tmp_path, before["parts"][2], "truncated")
+    assert repair_shard(folder, "shard-00000", size_only=True) == 1
+    assert not (tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").exists(), "the shard has work again"
+
+
+def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_next_run_regenerates_it(tmp_path):
+    from generation_core.merge import merge_run
+
+    cfg, folder, before = _finished_run(tmp_path)
+    _damage(tmp_path, before["parts"][0], "bit flip")
+    with pytest.raises(GenrunError, match=rf"part .*{before['parts'][0]['name']} does not match the checksum .*run the same command again"):
+        merge_repairing(folder, lambda: merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0))
+    worker = ScriptedWorker()
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
+    assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(before["completed"][:4])
+    data = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0)
+    assert len(data) == 12
