@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from cachetools import LRUCache
 from omegaconf import DictConfig
+from ray.exceptions import RayActorError
 from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
@@ -40,11 +41,21 @@ class ServerRegistry(GlobalRequestLoadBalancer):
         return dict(self._servers)
 
 
+# How long a request waits for a failed replica to come back (Ray restarts a crashed engine
+# actor, which loads the model again) when no other replica is up.
+REPLICA_RECOVERY_SECONDS = 900.0
+
+
 class LocalRoutingClient(LLMServerClient):
     """verl's LLMServerClient with verl's routing policy run in this process: sticky per
     request id (multi-turn requests reuse the replica's prefix cache), otherwise the replica
     with the fewest requests outstanding from this worker; hash routing under
-    `rollout.full_determinism`. One Ray call per request (the engine's) instead of three."""
+    `rollout.full_determinism`. One Ray call per request (the engine's) instead of three.
+
+    Failover: a replica whose actor dies under a request is taken out of rotation at once (the
+    request fails with a transient error and RetryingClient sends it again, to another replica)
+    and probed in the background; it comes back when Ray has restarted it, or stays out when it
+    is gone for good. With no replica up, requests wait for one to come back."""
 
     def __init__(self, config: DictConfig, load_balancer_handle=None, balancer_name: str | None = None):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle)
@@ -53,6 +64,10 @@ class LocalRoutingClient(LLMServerClient):
         self._inflight: dict[str, int] = {}
         self._sticky = LRUCache(maxsize=DEFAULT_ROUTING_CACHE_SIZE)
         self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
+        self._down: dict[str, asyncio.Task] = {}
+        self._gone: set[str] = set()
+        self.replica_failures = 0
+        """Replica failures seen by this client (each took a replica out of rotation)."""
 
     async def connect(self, wait_seconds: float = 0.0) -> None:
         """Find the pool's replicas; with `wait_seconds`, wait that long for the pool to be
@@ -77,16 +92,57 @@ class LocalRoutingClient(LLMServerClient):
         self._inflight = {server_id: 0 for server_id in servers}
         self._servers = servers
 
+    async def generate(self, request_id, **kwargs):
+        try:
+            return await super().generate(request_id, **kwargs)
+        except RayActorError as exc:
+            # The sticky entry names the replica this request went to.
+            server_id = self._sticky.get(request_id)
+            if server_id is not None:
+                self._take_out_of_rotation(server_id, exc)
+            raise
+
+    def _take_out_of_rotation(self, server_id: str, exc: BaseException) -> None:
+        if server_id in self._down or server_id in self._gone:
+            return
+        self.replica_failures += 1
+        logger.warning(
+            "inference replica %s failed under a request (%s); its requests go to the other replicas until it is back",
+            server_id, type(exc).__name__,
+        )
+        self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
+
+    async def _wait_for_recovery(self, server_id: str) -> None:
+        try:
+            # Answers once Ray has restarted the actor; raises when it will never come back.
+            await asyncio.wait_for(self._servers[server_id].__ray_ready__.remote(), REPLICA_RECOVERY_SECONDS)
+            logger.warning("inference replica %s is back in rotation", server_id)
+        except (RayActorError, asyncio.TimeoutError) as exc:
+            self._gone.add(server_id)
+            logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, type(exc).__name__, len(self._servers) - len(self._gone), len(self._servers))
+        finally:
+            self._down.pop(server_id, None)
+
+    async def _up_servers(self) -> list[str]:
+        while True:
+            up = [sid for sid in self._servers if sid not in self._down and sid not in self._gone]
+            if up:
+                return up
+            if len(self._gone) == len(self._servers):
+                raise GenrunError(f"every inference replica of the pool died ({len(self._servers)}); the shard stops and its retry resumes from the checkpoint")
+            await asyncio.sleep(0.5)
+
     async def _acquire_server(self, request_id: str, **extra) -> tuple[str, Any]:
         if self._servers is None:
             await self.connect()
+        up = await self._up_servers()
         server_id = self._sticky.get(request_id)
-        if server_id is None:
+        if server_id is None or server_id not in up:
             if self._full_determinism:
-                server_id = list(self._servers)[hash(request_id) % len(self._servers)]
+                server_id = up[hash(request_id) % len(up)]
             else:
-                fewest = min(self._inflight.values())
-                server_id = random.choice([sid for sid, count in self._inflight.items() if count == fewest])
+                fewest = min(self._inflight[sid] for sid in up)
+                server_id = random.choice([sid for sid in up if self._inflight[sid] == fewest])
             self._sticky[request_id] = server_id
         self._inflight[server_id] += 1
         return server_id, self._servers[server_id]

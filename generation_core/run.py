@@ -50,9 +50,15 @@ def check_model_dir(cfg: DictConfig) -> Path:
     if not path.is_dir():
         raise GenrunError(f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory")
     if not (path / "config.json").exists():
-        raise GenrunError(f"model path {path} has no config.json; it must be a Hugging Face model directory")
+        raise GenrunError(
+            f"model path {path} has no config.json; set actor_rollout_ref.model.path to a Hugging Face model directory "
+            "(config.json, weights and tokenizer files, as save_pretrained or huggingface-cli download write it)"
+        )
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise GenrunError(f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        raise GenrunError(
+            f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
+            "there too (tokenizer.save_pretrained) or set actor_rollout_ref.model.path to a complete model directory"
+        )
     return path
 
 
@@ -74,8 +80,9 @@ def open_run_folder(folder: RunFolder, cfg: DictConfig, run_fingerprint: str, pa
         if existing.get("fingerprint") != run_fingerprint:
             raise GenrunError(
                 f"output folder {folder.display()} holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, "
-                f"this one is {run_fingerprint[:12]}): the config, dataset or versions changed. To start fresh, "
-                "set another trainer.default_local_dir (or trainer.experiment_name) or delete that folder"
+                f"this one is {run_fingerprint[:12]}): the config, dataset or versions changed (its config is in "
+                f"{folder.display(RUN_FILE)}). Nothing was changed there. To start fresh, set another "
+                "trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or delete that folder"
             )
         return
     folder.put_json(
@@ -154,6 +161,8 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
     init_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.ray_kwargs.ray_init).items() if v is not None}
     if "address" not in init_kwargs:
         init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
+        if init_kwargs["_node_ip_address"] == "127.0.0.1" and not os.environ.get("RAY_ADDRESS"):
+            _keep_ray_on_loopback()
         init_kwargs.setdefault("include_dashboard", False)
         # The object store takes 30% of RAM unless capped; we only pass small manifests through it.
         init_kwargs.setdefault("object_store_memory", 256 * 1024 * 1024)
@@ -166,6 +175,17 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
         runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
         init_kwargs["runtime_env"] = runtime_env
     return init_kwargs
+
+
+def _keep_ray_on_loopback() -> None:
+    """On Linux, Ray replaces _node_ip_address=127.0.0.1 with the host's routable IP and its
+    GCS, raylet and workers listen on every interface. Its single-machine mode (the default on
+    macOS/Windows) keeps every server on 127.0.0.1: the driver reads the flag from this module,
+    the processes Ray starts read it from the environment they inherit."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def start_ray(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...] = ()) -> None:
@@ -314,6 +334,9 @@ def summarize(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) ->
         "num_trajectories": sum(m["num_trajectories"] for m in manifests),
         "generated_tokens": sum(m["generated_tokens"] for m in manifests),
         "failed_samples": sum(m.get("failures", 0) for m in manifests),
+        # Prompts verl's dataset dropped as longer than data.max_prompt_length: never generated.
+        "filtered_overlong_prompts": plan.prompts.filtered_overlong,
+        "replica_failures": sum(m["last_attempt"].get("engine", {}).get("replica_failures", 0) for m in manifests),
         # Damaged parts found over the run's life, dropped and regenerated (part_integrity).
         "repaired_parts": [dict(repair, shard=m["shard"]) for m in manifests for repair in m.get("repaired_parts", [])],
         "this_invocation": {

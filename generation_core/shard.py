@@ -119,6 +119,7 @@ async def run_shard(
 
     started = time.perf_counter()
     postprocess_before = worker.postprocess_seconds
+    engine_before = engine_counters(worker)
     generated_now = 0
     tokens_now = 0
     writer = _PartWriter(folder, shard, checkpoint, fence)
@@ -183,6 +184,8 @@ async def run_shard(
             # Where the shard's time went, for the orchestration benchmark and for users asking
             # why a shard is slow: seconds inside each stage (storage runs beside generation).
             "stage_seconds": {stage: round(seconds, 3) for stage, seconds in writer.stage_seconds.items()} | {"postprocess": round(worker.postprocess_seconds - postprocess_before, 3)},
+            # Engine requests resent after a transient error, and replica failures failed over.
+            "engine": {name: count - engine_before[name] for name, count in engine_counters(worker).items()},
             # Peak resident memory of the process that ran the shard (a Ray worker in a flow run).
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         },
@@ -192,6 +195,17 @@ async def run_shard(
         raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
     folder.put_json(f"shards/{shard.name}/{SUCCESS}", manifest)
     return manifest
+
+
+def engine_counters(worker: StreamingWorker) -> dict[str, int]:
+    """Counters of the worker's engine client (RetryingClient around LocalRoutingClient)."""
+    client = getattr(worker, "client", None)
+    stats = getattr(client, "stats", None)
+    return {
+        "requests": getattr(stats, "requests", 0),
+        "request_retries": getattr(stats, "retries", 0),
+        "replica_failures": getattr(getattr(client, "client", None), "replica_failures", 0),
+    }
 
 
 class _PartWriter:

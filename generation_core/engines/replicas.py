@@ -17,6 +17,9 @@ import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 
+ENGINE_RESTARTS = 3
+
+
 class EngineServer:
     """Ray actor body: one engine, many concurrent `generate` calls (an async actor)."""
 
@@ -27,7 +30,7 @@ class EngineServer:
         return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
 
     def health(self) -> dict:
-        return dict(self.engine.stats)
+        return dict(self.engine.stats, pid=os.getpid())
 
     # verl's replica API: weights never change during generation, so these are no-ops.
     async def wake_up(self):
@@ -55,10 +58,12 @@ class _EngineReplica(RolloutReplica):
         self.rollout_mode = RolloutMode.STANDALONE
         name = f"genrun_{self.engine_name}_server_{self.replica_rank}{self.name_suffix}_{uuid.uuid4().hex[:8]}"
         # num_cpus=0: the engine sizes its own threads, and holding a Ray CPU would starve the
-        # shard tasks on a small machine.
+        # shard tasks on a small machine. max_restarts: a crashed engine process is started
+        # again (model loaded again) under the same handle; the clients fail over meanwhile.
+        # No task retries: the clients resend a failed request themselves.
         server = (
             ray.remote(EngineServer)
-            .options(name=name, num_cpus=0, max_concurrency=self.max_concurrency, max_restarts=0)
+            .options(name=name, num_cpus=0, max_concurrency=self.max_concurrency, max_restarts=ENGINE_RESTARTS, max_task_retries=0)
             .remote(self.build_engine())
         )
         await server.health.remote()

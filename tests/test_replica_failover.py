@@ -1,0 +1,70 @@
+"""An inference replica's process killed by PID mid-shard: its requests in flight are sent again
+to the other replica, no sample is lost or duplicated, the failure is logged and counted, and
+Ray restarts the killed engine (it answers again, from a new process)."""
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import pytest
+
+from tests.conftest import chat_rows, write_parquet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
+    from generation_core.pool import ReplicaPool
+    from generation_core.run import build_streaming_worker, prepare_run
+    from generation_core.shard import run_shard
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
+    plan = prepare_run([
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.temperature=0",
+        "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
+        "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads=1",
+        "data.max_response_length=32",
+        "generation.save_batch_size=2",
+        "generation.max_inflight=6",
+        "generation.request_backoff_seconds=0.2",
+        "generation.show_progress=false",
+    ])
+    checkpoint = tmp_path / "run" / "shards" / "shard-00000" / "checkpoint.json"
+
+    async def scenario():
+        pool = await ReplicaPool.boot(plan.cfg)
+        try:
+            before = await pool.check_health()
+            assert len(before) == 2
+            victim = pool.manager.server_handles[0]
+            worker = build_streaming_worker(plan.cfg, pool.client(), plan.prompts.dataset.tokenizer, plan.prompts)
+            shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, plan.prompts, worker))
+            while not checkpoint.exists():
+                assert not shard.done(), shard.exception()
+                await asyncio.sleep(0.05)
+            # Both replicas have requests in flight (least-outstanding routing, 6 in flight).
+            os.kill(before[0]["pid"], signal.SIGKILL)
+            marker = await shard
+            worker.shutdown()
+            restarted = await asyncio.wait_for(victim.health.remote(), 300)
+            return before, marker, restarted
+        finally:
+            pool.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="generation_core.pool"):
+        before, marker, restarted = asyncio.run(scenario())
+
+    completed = json.loads(checkpoint.read_text())["completed"]
+    assert sorted(completed) == sorted(f"{i}:0" for i in range(12)), "every sample exactly once"
+    assert marker["num_trajectories"] == 12 and marker["failures"] == 0
+    engine = marker["last_attempt"]["engine"]
+    print(f"requests {engine['requests']}, resent {engine['request_retries']}, replica failures {engine['replica_failures']}")
+    assert engine["replica_failures"] == 1, "counted once, however many requests it took down"
+    assert engine["request_retries"] >= 1, "the killed replica's requests in flight were sent again"
+    assert any("failed under a request" in r.getMessage() for r in caplog.records)
+    assert restarted["pid"] != before[0]["pid"], "Ray restarted the killed engine in a new process"
