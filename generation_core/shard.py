@@ -154,10 +154,13 @@ async def run_shard(
                 "The next attempt regenerates only the failed and missing samples"
             )
     except Exception as exc:
-        folder.put_json(
-            f"shards/{shard.name}/{LAST_ERROR}",
-            {"attempt": checkpoint.attempts, "error": f"{type(exc).__name__}: {exc}", "committed": len(checkpoint.completed), "time": time.time()},
-        )
+        try:
+            folder.put_json(
+                f"shards/{shard.name}/{LAST_ERROR}",
+                {"attempt": checkpoint.attempts, "error": f"{type(exc).__name__}: {exc}", "committed": len(checkpoint.completed), "time": time.time()},
+            )
+        except Exception as write_error:  # noqa: BLE001 - storage may be what failed (disk full): keep the first error
+            logger.warning("%s: could not record the error in %s (%s)", shard.name, LAST_ERROR, write_error)
         raise
     finally:
         # Cancels what is still in flight (after a give-up or an error) before we return.

@@ -7,6 +7,7 @@ atomic rename; on S3 a single PUT of the whole object is already atomic.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -96,9 +97,15 @@ class RunFolder:
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.replace(temporary, target)
-            except BaseException:
+            except BaseException as exc:
                 # A full disk fails the write half way: leave no temporary behind to fill it further.
                 _remove_quietly(temporary)
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise OSError(
+                        exc.errno,
+                        f"no space left on the device of {self.display()} (writing {relative}): free space there or choose "
+                        "another trainer.default_local_dir, then run the same command again; everything committed is kept",
+                    ) from exc
                 raise
         else:
             # One PUT of the whole object: readers see all of it or nothing.
@@ -176,6 +183,9 @@ class RunFolder:
     def _explain_write_failure(self, exc: Exception) -> str:
         name, text = type(exc).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.is_local:
+            blocker = _file_in_the_way(self.root)
+            if blocker:
+                return f"cannot create output folder {self.display()}: {blocker} is a file, not a folder; choose another trainer.default_local_dir"
             return f"cannot write to output folder {self.display()}: {name}: {text}; choose a writable trainer.default_local_dir"
         bucket = self.root.split("/", 1)[0]
         if name == "NoCredentialsError":
@@ -191,6 +201,16 @@ class RunFolder:
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and that they may write to that prefix"
             )
         return f"cannot write to {self.url}: {name}: {text}; check storage.options (endpoint_url, region) and the network"
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """The regular file at `path` or above it that keeps the folder from being created."""
+    current = path
+    while current and current != os.path.dirname(current):
+        if os.path.isfile(current):
+            return current
+        current = os.path.dirname(current)
+    return None
 
 
 class _LocalAtomicWriter:
@@ -236,5 +256,9 @@ SECRET_OPTION_MARKERS = ("key", "secret", "token", "password", "credential")
 
 
 def redacted_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Storage options safe to log or store: anything that looks like a credential is masked."""
-    return {name: "<redacted>" if any(m in name.lower() for m in SECRET_OPTION_MARKERS) else value for name, value in options.items()}
+    """Storage options safe to log or store: anything that looks like a credential is masked,
+    also in nested mappings (s3fs passes `client_kwargs` such as aws_secret_access_key to boto)."""
+    return {
+        name: "<redacted>" if any(m in name.lower() for m in SECRET_OPTION_MARKERS) else redacted_options(value) if isinstance(value, dict) else value
+        for name, value in options.items()
+    }
