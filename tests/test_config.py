@@ -80,3 +80,30 @@ def test_pass_through_mappings_accept_their_libraries_keys():
 def test_unknown_tracking_backend_is_refused():
     with pytest.raises(GenrunError, match="trainer.logger"):
         load_config(["trainer.logger=[console,wandbb]"])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # What a deployment's `parameters: {overrides: ...}` in prefect.yaml can hold by mistake.
+        ("data.train_files=x.parquet", r"overrides must be a list of 'key=value' strings, got str 'data.train_files=x.parquet'"),
+        ({"data.train_files": "x.parquet"}, r"overrides must be a list of 'key=value' strings, got dict"),
+        (["generation.num_shards=2", 4], r"overrides\[1\] must be a 'key=value' string, got int 4"),
+        (["generation.num_shards=2", {"generation.num_shards": 4}], r"overrides\[1\] must be a 'key=value' string, got dict"),
+        ([True], r"overrides\[0\] must be a 'key=value' string, got bool"),
+    ],
+)
+def test_overrides_that_are_not_a_list_of_strings_are_refused_with_the_fix(overrides, expected):
+    with pytest.raises(GenrunError, match=expected) as refused:
+        load_config(overrides)
+    assert "in prefect.yaml write parameters: {overrides: ['data.train_files=" in str(refused.value)
+
+
+def test_no_overrides_is_the_defaults():
+    assert load_config(None) == load_config([])
+    assert load_config(("generation.num_shards=3",)).generation.num_shards == 3
+
+
+def test_a_length_set_under_data_is_named_as_set():
+    with pytest.raises(GenrunError, match=r"invalid data.max_prompt_length=-1: must be an integer >= 1"):
+        load_config(["data.max_prompt_length=-1"])

@@ -92,8 +92,10 @@ def _genrun_resolver(name: str) -> str:
 OmegaConf.register_new_resolver("genrun", _genrun_resolver, replace=True)
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfig:
     """Defaults + Hydra-style overrides -> a resolved, validated config (no fingerprint yet)."""
+    overrides = () if overrides is None else overrides
+    _check_override_list(overrides)
     cfg = OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
     known_keys = _flat_keys(cfg)
     for override in _parse_overrides(list(overrides)):
@@ -130,6 +132,21 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
     agent = cfg.actor_rollout_ref.rollout.agent
     if multi_turn.enable and agent.default_agent_loop == "single_turn_agent":
         agent.default_agent_loop = "tool_agent"
+
+
+def _check_override_list(overrides: Any) -> None:
+    """Overrides come from the CLI, Python callers and Prefect deployment parameters; a YAML
+    slip there (a string, a number, a mapping) must be refused with the fix, not split into
+    characters or crash in Hydra's parser."""
+    how = "in prefect.yaml write parameters: {overrides: ['data.train_files=...', 'generation.num_shards=4']}"
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, list | tuple | ListConfig):
+        raise GenrunError(f"overrides must be a list of 'key=value' strings, got {type(overrides).__name__} {overrides!r:.80}; {how}")
+    for position, item in enumerate(overrides):
+        if not isinstance(item, str):
+            raise GenrunError(
+                f"overrides[{position}] must be a 'key=value' string, got {type(item).__name__} {item!r:.80}; "
+                f"quote it as one string, e.g. 'generation.num_shards=4'; {how}"
+            )
 
 
 def _parse_overrides(overrides: list[str]):
@@ -204,6 +221,9 @@ def validate_values(cfg: DictConfig) -> None:
     gen = cfg.generation
     for key, value in (
         ("actor_rollout_ref.rollout.n", rollout.n),
+        # The data.* lengths first: rollout lengths follow them, and the user usually sets these.
+        ("data.max_prompt_length", cfg.data.max_prompt_length),
+        ("data.max_response_length", cfg.data.max_response_length),
         ("actor_rollout_ref.rollout.prompt_length", rollout.prompt_length),
         ("actor_rollout_ref.rollout.response_length", rollout.response_length),
         ("generation.num_shards", gen.num_shards),
