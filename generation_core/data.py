@@ -43,9 +43,12 @@ class ShardSpec:
         return self.end - self.start
 
 
+_HOW_TO_WRITE = "data.train_files takes Parquet (or JSON/JSONL) files in verl's chat layout, e.g. written by pandas' DataFrame.to_parquet"
+
+
 def _read_table(path: str) -> pa.Table:
     if not path.endswith(SUPPORTED_SUFFIXES):
-        raise GenrunError(f"data file {path}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} in verl's chat layout")
+        raise GenrunError(f"data file {path}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})")
     try:
         with fsspec.open(path, "rb") as handle:
             if path.endswith(".parquet"):
@@ -53,10 +56,13 @@ def _read_table(path: str) -> pa.Table:
             return pa_json.read_json(handle)
     except FileNotFoundError:
         raise GenrunError(f"data file {path} does not exist; set data.train_files to an existing parquet file") from None
+    except IsADirectoryError:
+        raise GenrunError(f"data file {path} is a directory, not a file; list the files in it in data.train_files, e.g. data.train_files=[{path}/part-0.parquet]") from None
     except PermissionError:
-        raise GenrunError(f"data file {path} is not readable (permission denied)") from None
+        raise GenrunError(f"data file {path} is not readable (permission denied); make it readable by this user or copy it to a readable place") from None
     except (pa.ArrowInvalid, OSError) as exc:
-        raise GenrunError(f"data file {path} cannot be read as {path.rsplit('.', 1)[-1]}: {str(exc).splitlines()[0]}") from None
+        kind = path.rsplit(".", 1)[-1]
+        raise GenrunError(f"data file {path} cannot be read as {kind} ({str(exc).splitlines()[0]}); {_HOW_TO_WRITE}") from None
 
 
 def _check_chat_column(path: str, table: pa.Table, prompt_key: str) -> None:
@@ -129,7 +135,10 @@ class PromptSet:
                 f"{cfg.data.max_prompt_length} tokens; raise it or turn off data.filter_overlong_prompts"
             )
         if self.filtered_overlong:
-            logger.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens", self.filtered_overlong, cfg.data.max_prompt_length)
+            logger.warning(
+                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
+                self.filtered_overlong, before, cfg.data.max_prompt_length,
+            )
         self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self._indices: list[int] | None = None
 

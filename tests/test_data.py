@@ -81,3 +81,23 @@ def test_shards_cover_every_row_once():
     assert [s.name for s in shards] == ["shard-00000", "shard-00001", "shard-00002"]
     with pytest.raises(GenrunError, match="num_shards=11 is more than the 10 prompts"):
         plan_shards(10, 11)
+
+
+def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, capsys):
+    """Prompts verl's dataset drops as too long are never generated: the user sees how many, in
+    the run summary (manifest.json) and the CLI's output, not only in a log line."""
+    import re
+
+    from generation_core.cli import _print_summary
+    from generation_core.run import prepare_run, summarize
+
+    rows = chat_rows(4)
+    rows[1]["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
+    rows[3]["prompt"][0]["content"] = "Describe a cat in great detail. " * 60
+    path = write_parquet(tmp_path / "mixed.parquet", rows)
+    plan = prepare_run([f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    assert (len(plan.prompts), plan.prompts.filtered_overlong) == (2, 2)
+    summary = summarize(plan, [], 0.0)
+    assert summary["filtered_overlong_prompts"] == 2
+    _print_summary(summary, plan)
+    assert re.search(r"skipped: +2 prompt\(s\) longer than data.max_prompt_length=128 tokens", capsys.readouterr().out)

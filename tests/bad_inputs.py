@@ -1,0 +1,108 @@
+"""Bad inputs and the refusal each must get: `genrun: error: <line matching regex>`, exit code 2,
+before any model loads, with the output folder untouched.
+
+`bad_input_cases(tmp_path)` builds the inputs under tmp_path and returns (overrides, regex)
+pairs. A case that names its own trainer.default_local_dir points at a folder that already
+exists (a different run, a path under a file); the others get one from the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.conftest import chat_rows, write_parquet
+
+OUTPUT_KEY = "trainer.default_local_dir="
+
+
+def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    no_column = write_parquet(tmp_path / "no_column.parquet", [{"question": "hi", "extra_info": {"index": 0}}])
+    not_chat = write_parquet(tmp_path / "not_chat.parquet", [{"prompt": "hi", "extra_info": {"index": 0}}])
+    rows = chat_rows(2)
+    rows[0]["extra_info"] = {"split": "x"}
+    no_index = write_parquet(tmp_path / "no_index.parquet", rows)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(chat_rows(1)).slice(0, 0), empty)
+    good = write_parquet(tmp_path / "good.parquet", chat_rows(3))
+    rows = chat_rows(2)
+    rows[0]["agent_name"] = "my_loop"
+    with_agent = write_parquet(tmp_path / "with_agent.parquet", rows)
+    bad_loops = tmp_path / "loops.yaml"
+    bad_loops.write_text("- name: broken\n  _target_: nowhere.Loop\n")
+    bad_tools = tmp_path / "tools.yaml"
+    bad_tools.write_text("tools:\n  - class_name: [not, a, class\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(**kwargs):\n    return 0.0\n")
+    # Data in the wrong format or unreadable.
+    csv_named_parquet = tmp_path / "csv_inside.parquet"
+    csv_named_parquet.write_text("prompt,index\nhello,0\n")
+    csv_file = tmp_path / "prompts.csv"
+    csv_file.write_text("prompt,index\nhello,0\n")
+    # Root reads any file whatever its mode: a directory under a data file's name is what
+    # honestly cannot be read as one.
+    directory_named_parquet = tmp_path / "folder.parquet"
+    directory_named_parquet.mkdir()
+    # Model folders missing a piece (checked before anything loads them).
+    no_config = tmp_path / "model_without_config"
+    no_config.mkdir()
+    (no_config / "tokenizer.json").write_text("{}")
+    no_tokenizer = tmp_path / "model_without_tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+    # Output that cannot be created (as root: a folder under a regular file), or that holds another run.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    other_run = tmp_path / "other_run"
+    (other_run / "shards" / "shard-00000").mkdir(parents=True)
+    (other_run / "run.json").write_text(json.dumps({"fingerprint": "f" * 64, "shards": [{"name": "shard-00000", "range": [0, 3]}]}))
+    (other_run / "shards" / "shard-00000" / "part-00000.parquet").write_bytes(b"PAR1 an earlier run's part PAR1")
+    return [
+        ([f"data.train_files={tmp_path / 'missing.parquet'}"], "does not exist"),
+        ([f"data.train_files={no_column}"], "has no column 'prompt'"),
+        ([f"data.train_files={not_chat}"], "not a list of chat messages"),
+        ([f"data.train_files={empty}"], "dataset is empty"),
+        ([f"data.train_files={no_index}"], "extra_info.index is missing"),
+        ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "model path .* does not exist"),
+        ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
+        ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?self_refine, single_turn_agent, tool_agent"),
+        ([f"data.train_files={with_agent}"], "unknown agent loop 'my_loop' .*registered agent loops:"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"], "agent loop 'broken' names 'nowhere.Loop', which cannot be imported"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"], "tool config .*tool_config_path=.* does not load"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'none.yaml'}"], "tool_config_path=.* does not exist"),
+        ([f"data.train_files={good}", f"reward.custom_reward_function.path={tmp_path / 'none.py'}"], "reward.custom_reward_function.path=.* does not exist"),
+        ([f"data.train_files={good}", f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=score"], "has no function 'score'"),
+        ([f"data.train_files={good}", "generation.max_failed_fraction=2"], "invalid generation.max_failed_fraction=2"),
+        ([f"data.train_files={csv_named_parquet}"], r"data file .*csv_inside.parquet cannot be read as parquet .*; data.train_files takes Parquet"),
+        ([f"data.train_files={csv_file}"], r"data file .*prompts.csv: unsupported format; use .parquet, .json, .jsonl"),
+        ([f"data.train_files={directory_named_parquet}"], r"data file .*folder.parquet is a directory, not a file; list the files in it in data.train_files"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.n=0"], r"invalid actor_rollout_ref.rollout.n=0: must be an integer >= 1"),
+        ([f"data.train_files={good}", "data.max_prompt_length=-8"], r"invalid data.max_prompt_length=-8: must be an integer >= 1"),
+        ([f"data.train_files={good}", "data.max_response_length=-8"], r"invalid data.max_response_length=-8: must be an integer >= 1"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.response_length=-8"], r"invalid actor_rollout_ref.rollout.response_length=-8: must be an integer >= 1"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.temperature=-0.5"], r"invalid actor_rollout_ref.rollout.temperature=-0.5: must be a number >= 0"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_config}"], r"model_without_config has no config.json; set actor_rollout_ref.model.path"),
+        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_tokenizer}"], r"model_without_tokenizer has no tokenizer files .*; save the tokenizer there"),
+        ([f"data.train_files={good}", "data.max_prompt_length=3"], r"no prompt left after filtering: all 3 are longer than data.max_prompt_length=3 tokens; raise it"),
+        ([f"data.train_files={good}", f"{OUTPUT_KEY}{a_file / 'out'}"], r"cannot create output folder .*a_file/out: .*a_file is a file, not a folder; choose another trainer.default_local_dir"),
+        ([f"data.train_files={good}", f"{OUTPUT_KEY}{other_run}"], r"output folder .*other_run holds a different run .*To start fresh, set another trainer.default_local_dir .*or delete that folder"),
+    ]
+
+
+def output_folder(args: list[str], default: Path) -> Path:
+    """The output folder a case writes to: its own trainer.default_local_dir, else `default`."""
+    named = [arg[len(OUTPUT_KEY):] for arg in args if arg.startswith(OUTPUT_KEY)]
+    return Path(named[-1]) if named else default
+
+
+def folder_contents(folder: Path) -> dict[str, bytes] | None:
+    """Every file under `folder` with its bytes (None when the folder does not exist)."""
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
