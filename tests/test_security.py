@@ -1,0 +1,218 @@
+"""What genrun promises about security: no remote code by default, no credentials in the run
+folder, no pickle in part files, and its own Ray and Prefect server reachable from this host only."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+from generation_core.config import load_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# --- trust_remote_code -----------------------------------------------------------------------
+
+
+def test_trust_remote_code_is_off_by_default():
+    assert load_config([]).actor_rollout_ref.model.trust_remote_code is False
+
+
+def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
+    import verl.utils
+
+    from generation_core.run import prepare_run
+    from tests.conftest import chat_rows, write_parquet
+
+    calls = []
+    real = verl.utils.hf_tokenizer
+
+    def recording_hf_tokenizer(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verl.utils, "hf_tokenizer", recording_hf_tokenizer)
+    prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
+    prepare_run([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    assert calls and all(call.get("trust_remote_code") is False for call in calls), calls
+
+
+@pytest.mark.parametrize("override, expected", [(None, False), ("actor_rollout_ref.model.trust_remote_code=true", True)])
+def test_the_engine_loads_the_model_with_remote_code_only_when_asked(override, expected, monkeypatch):
+    import generation_core.engines.hf as hf
+    from generation_core.engines.replicas import HFReplica
+
+    cfg = load_config([override] if override else [])
+    built = []
+    monkeypatch.setattr(hf, "HFEngine", lambda settings: built.append(settings))
+    HFReplica(0, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, gpus_per_node=1).build_engine()()
+    assert built[0].trust_remote_code is expected
+
+
+# --- credentials -----------------------------------------------------------------------------
+
+SECRETS = {"key": "AKIAEXAMPLEKEY123", "secret": "s3cr3t-value-xyz", "token": "session-token-abc"}
+
+
+def test_credential_overrides_move_to_the_environment(monkeypatch):
+    from generation_core.cli import CREDENTIAL_OVERRIDES, move_credentials_to_environment
+
+    for variable in CREDENTIAL_OVERRIDES.values():
+        monkeypatch.delenv(variable, raising=False)
+    kept = move_credentials_to_environment([f"storage.options.{name}={value}" for name, value in SECRETS.items()] + ["generation.num_shards=2"])
+    assert kept == ["generation.num_shards=2"]
+    assert {CREDENTIAL_OVERRIDES[f"storage.options.{name}"]: value for name, value in SECRETS.items()}.items() <= dict(os.environ).items()
+
+
+def test_run_json_holds_no_credentials(tmp_path):
+    """Credentials that reach the config anyway (a deployment's parameters, a Python caller)
+    are masked in run.json, also inside nested options such as s3fs' client_kwargs."""
+    from generation_core.data import plan_shards
+    from generation_core.run import RUN_FILE, open_run_folder
+    from generation_core.storage import RunFolder
+
+    overrides = [f"storage.options.{name}={value}" for name, value in SECRETS.items()]
+    overrides += ["+storage.options.client_kwargs.aws_secret_access_key=nested-secret-789", "storage.options.endpoint_url=http://127.0.0.1:9000"]
+    cfg = load_config(overrides)
+    folder = RunFolder(str(tmp_path / "run"))
+    open_run_folder(folder, cfg, "0" * 64, 0, plan_shards(4, 1))
+    text = (tmp_path / "run" / RUN_FILE).read_text()
+    for secret in [*SECRETS.values(), "nested-secret-789"]:
+        assert secret not in text
+    options = json.loads(text)["config"]["storage"]["options"]
+    assert options["secret"] == options["client_kwargs"]["aws_secret_access_key"] == "<redacted>"
+    assert options["endpoint_url"] == "http://127.0.0.1:9000", "what is not a credential is kept"
+
+
+# --- part files ------------------------------------------------------------------------------
+
+
+def test_parts_are_parquet_and_a_pickle_in_their_place_is_never_loaded(tmp_path):
+    import pyarrow as pa
+
+    from generation_core.records import TrajectoryRecord, records_from_parquet, records_to_parquet
+
+    record = TrajectoryRecord(index=0, rollout_n=0, prompt_ids=[1, 2], response_ids=[3], response_mask=[1], response_logprobs=None, reward_score=None, num_turns=2)
+    data = records_to_parquet([record])
+    assert data[:4] == b"PAR1" and data[-4:] == b"PAR1"
+    assert records_from_parquet(data) == [record]
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with pytest.raises(pa.ArrowInvalid):
+        records_from_parquet(pickle.dumps(Payload()))
+    assert not marker.exists(), "a part file is never unpickled"
+
+
+# --- network ---------------------------------------------------------------------------------
+
+
+def test_ray_started_by_genrun_listens_on_loopback_only(monkeypatch):
+    """Without an address genrun starts its own Ray: no dashboard, and every Ray server on
+    127.0.0.1. Ray on Linux would otherwise swap 127.0.0.1 for the host's routable IP and listen
+    on every interface; genrun switches on Ray's single-machine mode for it."""
+    import ray
+    from ray._private import ray_constants, services
+
+    from generation_core.run import ray_init_kwargs
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    kwargs = ray_init_kwargs(load_config([]), "0" * 64)
+    assert kwargs["_node_ip_address"] == "127.0.0.1"
+    assert kwargs["include_dashboard"] is False
+    assert ray_constants.ENABLE_RAY_CLUSTER is False
+    if not ray.is_initialized():
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1", "Ray keeps loopback as the node's address"
+    assert os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] == "0", "the processes Ray starts inherit it"
+
+
+def test_ray_of_an_existing_cluster_is_left_as_configured(monkeypatch):
+    from ray._private import ray_constants
+
+    from generation_core.run import ray_init_kwargs
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    kwargs = ray_init_kwargs(load_config(["ray_kwargs.ray_init.address=10.0.0.5:6379"]), "0" * 64)
+    assert "_node_ip_address" not in kwargs and "include_dashboard" not in kwargs
+    assert ray_constants.ENABLE_RAY_CLUSTER is True
+
+
+def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
+    """infra/prefect_local.py's server, started for real up to the process launch: the URL it
+    exports and the uvicorn command line both say 127.0.0.1."""
+    import prefect.server.api.server as prefect_server
+
+    from infra.prefect_local import prefect_api
+
+    launched = []
+
+    class NotStarted:
+        returncode = 0
+
+        def poll(self):
+            return 0
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(self, timeout=None):
+        self.server_process = self._run_uvicorn_command()
+        self.running = True
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "_instances", {})
+    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "start", start)
+    monkeypatch.setattr(prefect_server.subprocess, "Popen", lambda args, **kwargs: launched.append(args) or NotStarted())
+    monkeypatch.setattr("infra.prefect_local._drain_prefect_clients", lambda: None)
+    with prefect_api() as url:
+        assert url.startswith("http://127.0.0.1:")
+    command = launched[0]
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+
+
+_LISTENING_SOCKETS_OF_GENRUN_RAY = """
+import json, os, sys
+import psutil, ray
+from generation_core.config import load_config
+from generation_core.run import ray_init_kwargs
+
+ray.init(**ray_init_kwargs(load_config([]), "0" * 64))
+try:
+    addresses = set()
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            addresses |= {c.laddr.ip for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass
+    print(json.dumps(sorted(addresses)))
+finally:
+    ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_ray_processes_listen_on_no_other_interface():
+    """The sockets themselves: GCS, raylet, agents and the idle workers of the Ray genrun starts
+    (a Ray start in a fresh process: about 10 s of CPU)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    result = subprocess.run([sys.executable, "-c", _LISTENING_SOCKETS_OF_GENRUN_RAY], cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    addresses = json.loads(result.stdout.strip().splitlines()[-1])
+    assert addresses and set(addresses) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, addresses
