@@ -7,10 +7,12 @@ shard task; they are torn down when the flow ends, also when it fails.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
+import httpx
 from omegaconf import OmegaConf
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -29,6 +31,7 @@ from tasks.merge import merge
 from tasks.publish import publish
 from tasks.run_shard import run_shard
 
+logger = logging.getLogger(__name__)
 
 # What shard tasks on Ray workers need from the driver's environment.
 RAY_WORKER_ENV = ("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH")
@@ -73,7 +76,13 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                     manifests.append(future.result())
                 else:
                     failures.append(f"{state.name}: {state.message}")
-                update_progress_artifact(progress, progress=100.0 * finished / len(futures))
+                try:
+                    update_progress_artifact(progress, progress=100.0 * finished / len(futures))
+                except httpx.TransportError as exc:
+                    # The progress bar is cosmetic: a Prefect API that stays away past its
+                    # client's retries (a server restart that takes long) must not fail a run
+                    # whose shards finished; what does need the API fails with a clear message.
+                    logger.warning("could not update the progress artifact (Prefect API unreachable: %s)", exc)
         finally:
             pool.shutdown()
     if failures:

@@ -147,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("genrun: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except Exception as exc:
+        import httpx
+
+        if not isinstance(exc, httpx.TransportError):
+            raise
+        # The Prefect API stayed unreachable past its client's retries (about a minute; a
+        # server down or restarting): one line instead of a traceback. Committed parts stay.
+        url = os.environ.get("PREFECT_API_URL", "")
+        print(f"genrun: error: lost the Prefect API {url} ({type(exc).__name__}: {exc}); committed trajectories are kept, run the same command again to resume", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
