@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generation_core.data import PromptSet, ShardSpec
+from generation_core.failpoints import failpoint
 from generation_core.lease import LeaseFence
 from generation_core.records import SampleFailure, TrajectoryRecord, records_to_parquet, sample_key_text, to_json
 from generation_core.storage import RunFolder
@@ -257,6 +258,9 @@ class _PartWriter:
             self._write_part()
             if len(self.checkpoint.parts) == 1:
                 mark(f"first_part_written {self.shard.shard_id}")
+            mark(f"part_written {self.shard.shard_id}")
+            # The window a crash must not lose or duplicate anything in: part written, not listed.
+            failpoint("after_part_write")
         started = time.perf_counter()
         self.checkpoint.save(self.folder, self.shard)
         self.stage_seconds["storage"] += time.perf_counter() - started
@@ -282,6 +286,7 @@ class _PartWriter:
         self.stage_seconds["serialization"] += serialized - started
         # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
         name = f"batch-{len(self.checkpoint.parts):05d}-{uuid.uuid4().hex[:8]}.parquet"
+        failpoint("before_part_write")
         self.folder.put_atomic(f"shards/{self.shard.name}/{name}", data)
         self.stage_seconds["storage"] += time.perf_counter() - serialized
         response_tokens = sum(len(r.response_ids) for r in self.buffer)

@@ -8,6 +8,7 @@ derived from the prompt, so the same prompt always gets the same answer.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from verl.workers.rollout.replica import TokenOutput
@@ -22,6 +23,8 @@ class InstantSettings:
     eos_token_id: int
     response_tokens: int = 8
     vocab_size: int = 1000
+    delay_seconds: float = 0.0
+    """Seconds each request takes (tests that need requests in flight when something dies)."""
 
 
 class InstantEngine:
@@ -31,6 +34,8 @@ class InstantEngine:
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **_unused) -> TokenOutput:
         params = SamplingParams.from_request(sampling_params)
+        if self.settings.delay_seconds:
+            await asyncio.sleep(self.settings.delay_seconds)
         s = self.settings
         limit = min(s.response_length, s.prompt_length + s.response_length - len(prompt_ids), s.response_tokens)
         if params.max_tokens is not None:

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
+from generation_core.timeline import mark
+
 
 ENGINE_RESTARTS = 3
 
@@ -24,7 +26,9 @@ class EngineServer:
     """Ray actor body: one engine, many concurrent `generate` calls (an async actor)."""
 
     def __init__(self, build_engine: Callable[[], Any]):
+        # Runs again when Ray restarts a crashed engine actor.
         self.engine = build_engine()
+        mark("replica_ready")
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
@@ -108,6 +112,7 @@ class InstantReplica(_EngineReplica):
             response_length=self.config.response_length,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             response_tokens=int(instant_kwargs.get("response_tokens", 8)),
+            delay_seconds=float(instant_kwargs.get("delay_seconds", 0.0)),
             vocab_size=int(model_config.get("vocab_size", 1000)),
         )
         return lambda: InstantEngine(settings)

@@ -1,0 +1,145 @@
+"""The chaos suite: K seeded random fault schedules over real `genrun` runs (see schedules.py),
+each ending in the same output an undisturbed run produces, every trajectory exactly once; and
+bad inputs, each refused in one line. Prints one summary line.
+
+    GENRUN_CHAOS_SCHEDULES=8 .venv/bin/python -m pytest -q -s tests/chaos/test_chaos.py   # make chaos
+
+CI runs one schedule (GENRUN_CHAOS_SCHEDULES defaults to 1; GENRUN_CHAOS_SEED picks the first
+seed). The engine is `instant` with a delay per request: its tokens are a function of the prompt,
+so the comparison with the reference is exact, and requests stay in flight long enough to be
+killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.chaos.schedules import InvocationDriver, Tally, damage_a_part, make_schedule
+from tests.conftest import chat_rows, write_parquet
+
+SCHEDULES = int(os.environ.get("GENRUN_CHAOS_SCHEDULES", "1"))
+# Seed 53 puts every kind of fault into the one schedule CI runs.
+FIRST_SEED = int(os.environ.get("GENRUN_CHAOS_SEED", "53"))
+BAD_INPUTS_PER_SCHEDULE = 3
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600 + 540 * SCHEDULES)]
+
+PROMPTS, N, SHARDS = 24, 2, 2
+EXPECTED = sorted(f"{i}:{n}" for i in range(PROMPTS) for n in range(N))
+
+
+def _args(prompts: Path, out: Path, delay: float) -> list[str]:
+    return [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds={delay}",
+        f"actor_rollout_ref.rollout.n={N}",
+        f"generation.num_shards={SHARDS}",
+        "generation.max_inflight=2",
+        "generation.save_batch_size=4",
+        "generation.retries=3",
+        "generation.retry_delay_seconds=1",
+        "generation.request_backoff_seconds=0.5",
+        "generation.show_progress=false",
+    ]
+
+
+def _reference(prompts: Path, out: Path):
+    """The undisturbed run, in this process (delay 0: the tokens do not depend on it)."""
+    from verl.protocol import DataProto
+
+    from generation_core.run import execute_run, prepare_run
+
+    execute_run(prepare_run(_args(prompts, out, 0.0)))
+    return DataProto.load_from_disk(str(out / "trajectories.pkl"))
+
+
+def _count(run_dir: Path, tally: Tally) -> list[str]:
+    completed = [key for checkpoint in run_dir.glob("shards/*/checkpoint.json") for key in json.loads(checkpoint.read_text())["completed"]]
+    counts = Counter(completed)
+    tally.expected += len(EXPECTED)
+    tally.lost += len(set(EXPECTED) - set(counts))
+    tally.duplicated += sum(c - 1 for c in counts.values() if c > 1) + len(set(counts) - set(EXPECTED))
+    return completed
+
+
+def _same_as_reference(run_dir: Path, reference) -> None:
+    from verl.protocol import DataProto
+
+    actual = DataProto.load_from_disk(str(run_dir / "trajectories.pkl"))
+    assert len(actual) == len(reference) == len(EXPECTED)
+    assert sorted(actual.batch.keys()) == sorted(reference.batch.keys())
+    for key in reference.batch.keys():
+        assert torch.equal(actual.batch[key], reference.batch[key]), key
+    for key in reference.non_tensor_batch:
+        assert actual.non_tensor_batch[key].tolist() == reference.non_tensor_batch[key].tolist(), key
+
+
+def _bad_inputs(tmp_path: Path, rng: random.Random, tally: Tally, capsys) -> None:
+    from generation_core.cli import main
+    from tests.bad_inputs import bad_input_cases
+
+    cases = bad_input_cases(tmp_path)
+    for args, message in rng.sample(cases, min(BAD_INPUTS_PER_SCHEDULE, len(cases))):
+        out = tmp_path / "bad-out"
+        code = main([*args, f"trainer.default_local_dir={out}"])
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("genrun: error:")]
+        tally.bad_inputs_tried += 1
+        if code == 2 and len(errors) == 1 and re.search(message, errors[0]) and not out.exists():
+            tally.bad_inputs_refused += 1
+        else:
+            print(f"NOT REFUSED as expected: {args}: exit {code}, {errors}")
+
+
+def test_seeded_fault_schedules_end_exactly_once(tmp_path, prefect_server, ray_local, model_dir, capsys):
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
+    reference = _reference(prompts, tmp_path / "reference")
+    tally, problems = Tally(), []
+    for seed in range(FIRST_SEED, FIRST_SEED + SCHEDULES):
+        rng = random.Random(seed)
+        workdir = tmp_path / f"seed-{seed}"
+        run_dir = workdir / "run"
+        driver = InvocationDriver(_args(prompts, run_dir, 1.0), prefect_server.env, workdir, rng)
+        schedule = make_schedule(seed)
+        print(f"seed {seed}: {schedule}")
+        outcome, number, injected = None, 0, 0
+        for invocation in schedule:
+            if invocation.damage_before and damage_a_part(run_dir, invocation.damage_before, rng):
+                tally.faults[invocation.damage_before] += 1
+                injected += 1
+            number += 1
+            outcome = driver.run(number, invocation)
+            tally.faults.update(outcome.injected)
+            injected += len(outcome.injected)
+            tally.concurrent_refused += outcome.concurrent_refused
+            if outcome.concurrent_not_refused:
+                problems.append(f"seed {seed}: a second run on the same folder was not refused (see {workdir}/concurrent-not-refused.log)")
+            print(f"seed {seed} invocation {number}: exit {outcome.returncode}, injected {outcome.injected}")
+        # The same command again until it succeeds: one more run at most when a same-size
+        # corruption of a finished shard could only be found by the merge.
+        for _ in range(2):
+            if outcome.returncode == 0:
+                break
+            number += 1
+            outcome = driver.run(number, type(schedule[-1])())
+        tally.schedules += 1
+        tally.invocations += number
+        assert outcome.returncode == 0, f"seed {seed}: the last rerun failed:\n{outcome.stderr[-3000:]}"
+        assert injected >= 1, f"seed {seed}: no fault was injected"
+        _count(run_dir, tally)
+        _same_as_reference(run_dir, reference)
+        _bad_inputs(workdir, rng, tally, capsys)
+    with capsys.disabled():
+        print("\n" + tally.line())
+    assert tally.lost == 0 and tally.duplicated == 0, tally.line()
+    assert tally.bad_inputs_refused == tally.bad_inputs_tried, tally.line()
+    assert not problems, problems
