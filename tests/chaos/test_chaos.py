@@ -86,15 +86,17 @@ def _same_as_reference(run_dir: Path, reference) -> None:
 
 def _bad_inputs(tmp_path: Path, rng: random.Random, tally: Tally, capsys) -> None:
     from generation_core.cli import main
-    from tests.bad_inputs import bad_input_cases
+    from tests.bad_inputs import bad_input_cases, folder_contents, output_folder
 
     cases = bad_input_cases(tmp_path)
     for args, message in rng.sample(cases, min(BAD_INPUTS_PER_SCHEDULE, len(cases))):
-        out = tmp_path / "bad-out"
-        code = main([*args, f"trainer.default_local_dir={out}"])
+        default = tmp_path / "bad-out"
+        out = output_folder(args, default)
+        before = folder_contents(out)
+        code = main(args if out != default else [*args, f"trainer.default_local_dir={out}"])
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("genrun: error:")]
         tally.bad_inputs_tried += 1
-        if code == 2 and len(errors) == 1 and re.search(message, errors[0]) and not out.exists():
+        if code == 2 and len(errors) == 1 and re.search(message, errors[0]) and folder_contents(out) == before:
             tally.bad_inputs_refused += 1
         else:
             print(f"NOT REFUSED as expected: {args}: exit {code}, {errors}")
