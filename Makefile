@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.genrun-installed
 ARGS ?=
 
-.PHONY: setup demo test bench clean-outputs
+.PHONY: setup demo test chaos bench clean-outputs
 
 setup: $(STAMP)
 	$(BIN)/python -m generation_core.bundled
@@ -26,6 +26,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The full chaos suite: GENRUN_CHAOS_SCHEDULES seeded fault schedules (make test runs one).
+chaos: setup
+	GENRUN_CHAOS_SCHEDULES=$${GENRUN_CHAOS_SCHEDULES:-8} GENRUN_CHAOS_SEED=$${GENRUN_CHAOS_SEED:-0} $(BIN)/python -m pytest -q -s tests/chaos/test_chaos.py
 
 clean-outputs:
 	rm -rf outputs

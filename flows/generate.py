@@ -25,7 +25,7 @@ from generation_core.lease import LeaseFence, RunLease
 from generation_core.part_integrity import repair_shard
 from generation_core.pool import new_balancer_name
 from generation_core.run import RunPlan, boot_pool, prepare_run, ray_init_kwargs
-from generation_core.shard import finished_marker
+from generation_core.shard import finished_marker, skipped_attempt
 from generation_core.timeline import mark
 from tasks.merge import merge
 from tasks.publish import publish
@@ -59,7 +59,8 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # Shard tasks first: their workers start (imports, tokenizer, prompts) while the
         # replicas load, and each waits for the pool by name.
         balancer_name = new_balancer_name()
-        futures = [runner.submit(_shard_task(plan, shard), _shard_parameters(plan, shard.shard_id, balancer_name, fence)) for shard in plan.shards]
+        tasks = {shard.shard_id: _shard_task(plan, shard) for shard in plan.shards}
+        futures = [runner.submit(tasks[shard.shard_id][0], _shard_parameters(plan, shard.shard_id, balancer_name, fence)) for shard in plan.shards]
         try:
             pool = boot_pool(plan.cfg, balancer_name)
         except BaseException:
@@ -73,7 +74,9 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                 future.wait()
                 state = future.state
                 if state.is_completed():
-                    manifests.append(future.result())
+                    manifest = future.result()
+                    # A finished shard's result comes from Prefect's cache: it did no work now.
+                    manifests.append(manifest if tasks[manifest["shard_id"]][1] else skipped_attempt(manifest))
                 else:
                     failures.append(f"{state.name}: {state.message}")
                 try:
@@ -102,7 +105,7 @@ def _shard_task(plan: RunPlan, shard: ShardSpec):
     # repaired here, so this run regenerates what was lost; its task verifies every sha256.
     damaged = finished_marker(plan.folder, shard) is not None and repair_shard(plan.folder, shard.name, size_only=True) > 0
     needs_work = damaged or finished_marker(plan.folder, shard) is None
-    return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
+    return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work), needs_work
 
 
 def _shard_parameters(plan: RunPlan, shard_id: int, balancer_name: str, fence: LeaseFence) -> dict[str, Any]:

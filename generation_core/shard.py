@@ -95,6 +95,11 @@ def finished_marker(folder: RunFolder, shard: ShardSpec) -> dict[str, Any] | Non
     return None if marker.get("failures", 0) else marker
 
 
+def skipped_attempt(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a shard that had nothing left to do: this attempt generated nothing."""
+    return dict(manifest, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
+
+
 async def run_shard(
     cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts: PromptSet, worker: StreamingWorker, fence: LeaseFence | None = None
 ) -> dict[str, Any]:
@@ -107,7 +112,7 @@ async def run_shard(
     repair_shard(folder, shard.name)
     finished = finished_marker(folder, shard)
     if finished is not None:
-        return dict(finished, last_attempt={"trajectories": 0, "generated_tokens": 0, "seconds": 0.0, "skipped": True})
+        return skipped_attempt(finished)
     gen = cfg.generation
     checkpoint = ShardCheckpoint.load(folder, shard)
     checkpoint.attempts += 1
