@@ -8,7 +8,8 @@ CLI, the flow, shard workers on Ray):
     GENRUN_FAILPOINT_DIR=/some/dir
 
 The 2nd time a process passes `failpoint("after_part_write")` it kills itself with SIGKILL, a
-real crash at that exact point; `enospc` raises the error a full disk raises. Each armed point
+real crash at that exact point; `kill_group` kills its whole process group (the run), `enospc`
+raises the error a full disk raises. Each armed point
 fires once per run, across processes and retries: firing creates `<name>.fired` in
 GENRUN_FAILPOINT_DIR exclusively, so a retried shard does not crash again. Unset (always,
 outside tests), `failpoint` costs one dict lookup.
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 FAILPOINTS_ENV = "GENRUN_FAILPOINTS"
 FAILPOINT_DIR_ENV = "GENRUN_FAILPOINT_DIR"
-ACTIONS = ("kill", "enospc")
+ACTIONS = ("kill", "kill_group", "enospc")
 
 
 def _armed() -> dict[str, tuple[int, str]]:
@@ -53,6 +54,10 @@ def failpoint(name: str) -> None:
     logger.warning("failpoint %s fired (%s)", name, action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "kill_group":
+        # The whole run at once (the CLI, Ray, every worker: one process group when the run was
+        # started in its own session), as a kill -9 of the run landing exactly here would.
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     raise OSError(errno.ENOSPC, f"No space left on device (failpoint {name})")
 
 

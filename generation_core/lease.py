@@ -8,8 +8,9 @@ for the same number exactly one wins. The holder rewrites its own file every `se
 heartbeat) and marks it released at the end.
 
 The newest lease is free when it is released, when its heartbeat is older than its `seconds`
-(a killed run's lease expires), or at once when it was taken on this host by a process that no
-longer exists. Taking over a free lease creates the next number, never touches the old file: a
+(a killed run's lease expires; a run that finds one that missed two heartbeats waits for that
+rather than refusing), or at once when it was taken on this host by a process that no longer
+exists. Taking over a free lease creates the next number, never touches the old file: a
 run that lost its lease (its heartbeat stalled past expiry and another run took over) sees a
 newer number at its next commit (`LeaseFence.check`) and stops instead of writing.
 """
@@ -111,6 +112,20 @@ def check_lease_free(folder: RunFolder) -> None:
         raise _refusal(folder, record, now)
 
 
+def _wait_if_dying(folder: RunFolder, newest: LeaseRecord | None) -> LeaseRecord | None:
+    """A held lease that missed two heartbeats most likely belongs to a killed run on another
+    host (a Prefect retry of a crashed flow run lands on any worker): wait the rest of its life
+    instead of refusing, unless a heartbeat shows up meanwhile. Returns the newest lease then."""
+    if newest is None or newest.state(time.time()) is not None or time.time() - newest.renewed <= newest.seconds / 2:
+        return newest
+    logger.warning("the run holding %s missed its heartbeats (%s); waiting for its lease to expire", folder.display(), _describe(newest, time.time()))
+    while True:
+        time.sleep(min(max(newest.renewed + newest.seconds - time.time(), 0.0) + 0.5, newest.seconds / 4))
+        latest = newest_lease(folder)
+        if latest is None or latest.generation != newest.generation or latest.renewed != newest.renewed or latest.state(time.time()) is not None:
+            return latest
+
+
 def describe_holder(folder: RunFolder) -> str | None:
     """Who holds the folder now (for `genrun status`), or None when it is free."""
     record = newest_lease(folder)
@@ -130,7 +145,8 @@ class RunLease:
     @classmethod
     def acquire(cls, folder: RunFolder, seconds: float = DEFAULT_LEASE_SECONDS) -> "RunLease":
         now = time.time()
-        newest = newest_lease(folder)
+        newest = _wait_if_dying(folder, newest_lease(folder))
+        now = time.time()
         if newest is not None:
             why_free = newest.state(now)
             if why_free is None:

@@ -101,6 +101,17 @@ def test_a_lease_from_another_host_holds_until_it_expires(folder):
         assert lease.record.generation == 2
 
 
+def test_a_lease_that_missed_its_heartbeats_is_waited_out_not_refused(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"))
+    _plant(folder, host="another-host", renewed_ago=6, seconds=8)
+    started = time.monotonic()
+    with RunLease.acquire(folder) as lease:
+        waited = time.monotonic() - started
+        assert lease.record.generation == 2
+    # Taken over only once expired (2 s after the start), not refused, not taken early.
+    assert waited >= 1.9, f"took over after {waited:.1f} s, before the lease expired"
+
+
 def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
     folder = RunFolder(str(tmp_path / "run"))
     with RunLease.acquire(folder, seconds=4) as lease:

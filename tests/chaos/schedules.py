@@ -49,11 +49,17 @@ class Invocation:
 
 def make_schedule(seed: int) -> list[Invocation]:
     rng = random.Random(seed)
+    # Whether a kill of the run is timed or lands exactly after a part write (own stream, so
+    # the other draws of a seed stay what they were).
+    exact = random.Random(f"{seed}-exact")
     schedule = []
     for _ in range(rng.choice((0, 1, 1, 2))):
         trigger = rng.choice(KILL_TRIGGERS)
         delay = rng.uniform(2.0, 30.0) if trigger == "start" else rng.uniform(0.0, 4.0)
-        schedule.append(Invocation([Fault("kill_run", trigger, delay)]))
+        if exact.random() < 0.4:
+            schedule.append(Invocation([Fault("kill_run_after_part_write", hit=exact.randint(1, 4))]))
+        else:
+            schedule.append(Invocation([Fault("kill_run", trigger, delay)]))
     survivable = rng.sample(SURVIVABLE, rng.randint(2, 5))
     faults = []
     for kind in survivable:
@@ -112,6 +118,7 @@ class InvocationDriver:
         fired_dir.mkdir(parents=True, exist_ok=True)
         points = [f"after_part_write@{f.hit}:kill" for f in invocation.faults if f.kind == "crash_after_part_write"]
         points += [f"before_part_write@{f.hit}:enospc" for f in invocation.faults if f.kind == "disk_full"]
+        points += [f"after_part_write@{f.hit}:kill_group" for f in invocation.faults if f.kind == "kill_run_after_part_write"]
         env = dict(self.env, GENRUN_TIMELINE=str(timeline), GENRUN_FAILPOINTS=",".join(points), GENRUN_FAILPOINT_DIR=str(fired_dir))
         log_out, log_err = open(self.workdir / f"run-{number}.out", "w+"), open(self.workdir / f"run-{number}.err", "w+")
         started = time.time()
@@ -137,7 +144,10 @@ class InvocationDriver:
         finally:
             kill_group(process)
         # Failpoints that fired left their marker.
-        injected += [name.split(".")[0].replace("after_part_write", "crash_after_part_write").replace("before_part_write", "disk_full") for name in os.listdir(fired_dir)]
+        armed = {"after_part_write": "crash_after_part_write", "before_part_write": "disk_full"}
+        if any(f.kind == "kill_run_after_part_write" for f in invocation.faults):
+            armed["after_part_write"] = "kill_run_after_part_write"
+        injected += [armed[name.split(".")[0]] for name in os.listdir(fired_dir)]
         log_out.seek(0), log_err.seek(0)
         outcome = Outcome(process.returncode, log_out.read(), log_err.read(), injected, **outcome_extra)
         log_out.close(), log_err.close()
