@@ -108,7 +108,8 @@ def check_lease_free(folder: RunFolder) -> None:
     """Refuse at once when a live run holds the folder (a preflight; taking it is `RunLease.acquire`)."""
     record = newest_lease(folder)
     now = time.time()
-    if record is not None and record.state(now) is None:
+    # A lease that missed its heartbeats is left to RunLease.acquire, which waits it out.
+    if record is not None and record.state(now) is None and now - record.renewed <= record.seconds / 2:
         raise _refusal(folder, record, now)
 
 
