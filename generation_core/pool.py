@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from cachetools import LRUCache
 from omegaconf import DictConfig
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
@@ -113,11 +113,20 @@ class LocalRoutingClient(LLMServerClient):
         self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
 
     async def _wait_for_recovery(self, server_id: str) -> None:
+        deadline = time.monotonic() + REPLICA_RECOVERY_SECONDS
         try:
-            # Answers once Ray has restarted the actor; raises when it will never come back.
-            await asyncio.wait_for(self._servers[server_id].__ray_ready__.remote(), REPLICA_RECOVERY_SECONDS)
+            while True:
+                try:
+                    await asyncio.wait_for(self._servers[server_id].__ray_ready__.remote(), max(deadline - time.monotonic(), 0.1))
+                    break
+                except ActorUnavailableError:
+                    # Restarting (the engine loads its model again): ask again shortly.
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(1.0)
             logger.warning("inference replica %s is back in rotation", server_id)
         except (RayActorError, asyncio.TimeoutError) as exc:
+            # ActorDiedError: out of restarts (or killed on purpose); it never comes back.
             self._gone.add(server_id)
             logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, type(exc).__name__, len(self._servers) - len(self._gone), len(self._servers))
         finally:

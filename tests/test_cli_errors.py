@@ -19,13 +19,21 @@ def _refused_in_one_line(result_code, stderr, args, message):
     assert "Loading weights" not in stderr, "no model may load before the input is checked"
 
 
-def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys):
+def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys, monkeypatch):
     """Every bad input through the CLI's own entry function, in this process (a subprocess per
     input would spend most of the test importing torch and verl again)."""
     import ray
 
     from generation_core.cli import main
 
+    # Another test of the session may have started Ray in this process already: what matters is
+    # that a refused run never gets to start it (nor the Prefect server beside it).
+    ray_was_up = ray.is_initialized()
+
+    def start_ray_called(*_args, **_kwargs):
+        raise AssertionError("a refused run reached start_ray")
+
+    monkeypatch.setattr("generation_core.run.start_ray", start_ray_called)
     for args, message in bad_input_cases(tmp_path):
         out = output_folder(args, tmp_path / "out")
         before = folder_contents(out)
@@ -33,7 +41,7 @@ def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys):
         code = main(argv)
         _refused_in_one_line(code, capsys.readouterr().err, args, message)
         assert folder_contents(out) == before, f"a refused run writes nothing: {out} changed ({args})"
-        assert not ray.is_initialized(), "refused before Ray (and any replica) started"
+        assert ray.is_initialized() == ray_was_up, "refused before Ray (and any replica) started"
 
 
 def test_the_console_script_refuses_bad_input_in_one_line(tmp_path, model_dir):

@@ -13,6 +13,8 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
+from generation_core.run import execute_run, prepare_run
+
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -55,12 +57,12 @@ def _kill_after_first_commit(args, out, log_path):
     return json.loads(checkpoint.read_text())
 
 
-def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_dir):
+def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_dir, ray_local):
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
 
-    reference = run_genrun(_args(prompts, reference_dir))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    # The uninterrupted run in this process (the CLI path is what gets killed and resumed).
+    execute_run(prepare_run(_args(prompts, reference_dir)))
 
     at_kill = _kill_after_first_commit(_args(prompts, crashed_dir), crashed_dir, tmp_path / "killed.log")
     assert not (crashed_dir / "trajectories.pkl").exists()

@@ -1,6 +1,7 @@
 """The merge pads exactly as verl's AgentLoopWorker: compared with verl's own code on the same outputs."""
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -308,7 +309,8 @@ def test_finish_run_merges_in_chunks_when_configured(tmp_path):
     _write_run(folder, records)
     for chunk_size, entry in (("4", CHUNK_INDEX_FILE), ("null", MERGED_FILE)):
         cfg = load_config([f"generation.merge_chunk_size={chunk_size}", f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}"])
-        summary = finish_run(RunPlan(cfg, "fingerprint", folder, None, [], PAD), [], 1.0)
+        # Only the merge is under test: a prompt set with nothing filtered stands in for the dataset.
+        summary = finish_run(RunPlan(cfg, "fingerprint", folder, SimpleNamespace(filtered_overlong=0), [], PAD), [], 1.0)
         assert summary["artifact"] == folder.display(entry) and summary["merged_rows"] == 9
         assert set(summary["request_latency_s"]) == {"p50", "p95"}
         assert merged_files(folder)[0] == entry

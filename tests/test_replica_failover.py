@@ -7,12 +7,26 @@ import json
 import logging
 import os
 import signal
+import time
 
 import pytest
 
 from tests.conftest import chat_rows, write_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+async def _health_once_restarted(handle, seconds: float = 300):
+    """The replica's health after Ray restarted it (calls fail while it is restarting)."""
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return await handle.health.remote()
+        except ActorUnavailableError:
+            assert time.monotonic() < deadline, "the killed replica was not restarted"
+            await asyncio.sleep(0.5)
 
 
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
@@ -42,7 +56,8 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             before = await pool.check_health()
             assert len(before) == 2
             victim = pool.manager.server_handles[0]
-            worker = build_streaming_worker(plan.cfg, pool.client(), plan.prompts.dataset.tokenizer, plan.prompts)
+            routing = pool.client()
+            worker = build_streaming_worker(plan.cfg, routing, plan.prompts.dataset.tokenizer, plan.prompts)
             shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, plan.prompts, worker))
             while not checkpoint.exists():
                 assert not shard.done(), shard.exception()
@@ -51,7 +66,13 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             os.kill(before[0]["pid"], signal.SIGKILL)
             marker = await shard
             worker.shutdown()
-            restarted = await asyncio.wait_for(victim.health.remote(), 300)
+            restarted = await _health_once_restarted(victim)
+            # The client's probe sees the restarted replica too and puts it back in rotation.
+            for _ in range(40):
+                if not routing._down:
+                    break
+                await asyncio.sleep(0.25)
+            assert not routing._down and not routing._gone, "the restarted replica is back in rotation"
             return before, marker, restarted
         finally:
             pool.shutdown()

@@ -110,7 +110,7 @@ def test_seeded_fault_schedules_end_exactly_once(tmp_path, prefect_server, ray_l
         rng = random.Random(seed)
         workdir = tmp_path / f"seed-{seed}"
         run_dir = workdir / "run"
-        driver = InvocationDriver(_args(prompts, run_dir, 1.0), prefect_server.env, workdir, rng)
+        driver = InvocationDriver(_args(prompts, run_dir, 0.6), prefect_server.env, workdir, rng)
         schedule = make_schedule(seed)
         print(f"seed {seed}: {schedule}")
         outcome, number, injected = None, 0, 0
