@@ -17,7 +17,10 @@ from generation_core.run import execute_run, prepare_run
 
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# In make test-all (CI time budget): make test's chaos schedule kills and resumes the whole run
+# (also exactly after a part write) and checks it against an undisturbed run; this one does it
+# with the real model, n=4 and logprobs.
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 MAX_INFLIGHT = 4
 N = 4

@@ -150,6 +150,8 @@ def restartable_prefect(tmp_path_factory):
         server.stop()
 
 
+# In make test-all (CI time budget); the Ray head restart below runs in make test.
+@pytest.mark.extended
 def test_prefect_server_restarted_during_a_run(restartable_prefect, tmp_path):
     server = restartable_prefect
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
