@@ -8,8 +8,8 @@ CLI, the flow, shard workers on Ray):
     GENRUN_FAILPOINT_DIR=/some/dir
 
 The 2nd time a process passes `failpoint("after_part_write")` it kills itself with SIGKILL, a
-real crash at that exact point; `kill_group` kills its whole process group (the run), `enospc`
-raises the error a full disk raises. Each armed point
+real crash at that exact point; `kill_run` kills the run's main process (the CLI) and then
+itself, `enospc` raises the error a full disk raises. Each armed point
 fires once per run, across processes and retries: firing creates `<name>.fired` in
 GENRUN_FAILPOINT_DIR exclusively, so a retried shard does not crash again. Unset (always,
 outside tests), `failpoint` costs one dict lookup.
@@ -26,7 +26,10 @@ logger = logging.getLogger(__name__)
 
 FAILPOINTS_ENV = "GENRUN_FAILPOINTS"
 FAILPOINT_DIR_ENV = "GENRUN_FAILPOINT_DIR"
-ACTIONS = ("kill", "kill_group", "enospc")
+ACTIONS = ("kill", "kill_run", "enospc")
+# The process that armed the failpoints (the CLI): Ray workers run in process groups of their
+# own, so `kill_run` names the run's main process through the environment they inherit.
+RUN_PID_ENV = "GENRUN_FAILPOINT_RUN_PID"
 
 
 def _armed() -> dict[str, tuple[int, str]]:
@@ -41,6 +44,8 @@ def _armed() -> dict[str, tuple[int, str]]:
 
 
 _ARMED = _armed()
+if _ARMED:
+    os.environ.setdefault(RUN_PID_ENV, str(os.getpid()))
 _passes: dict[str, int] = {}
 
 
@@ -54,10 +59,10 @@ def failpoint(name: str) -> None:
     logger.warning("failpoint %s fired (%s)", name, action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if action == "kill_group":
-        # The whole run at once (the CLI, Ray, every worker: one process group when the run was
-        # started in its own session), as a kill -9 of the run landing exactly here would.
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+    if action == "kill_run":
+        # The run's main process, then this one: a kill -9 of `genrun` landing exactly here.
+        os.kill(int(os.environ.get(RUN_PID_ENV, os.getpid())), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     raise OSError(errno.ENOSPC, f"No space left on device (failpoint {name})")
 
 

@@ -50,6 +50,7 @@ class LeaseRecord:
     acquired: float
     renewed: float
     released: bool = False
+    released_at: float | None = None
 
     def state(self, now: float) -> str | None:
         """Why the lease is free ("released", "expired", "owner gone"), or None when held."""
@@ -181,7 +182,7 @@ class RunLease:
             self._heartbeat.join(timeout=30)
         if self.lost:
             return
-        self.record.released = True
+        self.record.released, self.record.released_at = True, time.time()
         try:
             self.folder.put_atomic(_lease_name(self.record.generation), _encode(self.record))
         except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
@@ -207,8 +208,10 @@ class RunLease:
                 logger.warning("run lease heartbeat failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, self.record.seconds / 4)
 
     def _remove_older(self) -> None:
+        # The previous holder's file stays: when it ended and this run began, for `genrun status`
+        # readers and audits.
         for name in self.folder.list(LEASE_DIR):
-            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.record.generation:
+            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.record.generation - 1:
                 self.folder.remove(f"{LEASE_DIR}/{name}")
 
 

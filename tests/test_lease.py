@@ -14,7 +14,7 @@ import time
 import pytest
 
 from generation_core.errors import GenrunError
-from generation_core.lease import LEASE_DIR, LeaseFence, LeaseLost, RunLease, check_lease_free, newest_lease
+from generation_core.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease
 from generation_core.storage import RunFolder
 from tests.conftest import REPO, S3_ENV
 
@@ -39,8 +39,10 @@ def test_a_second_run_is_refused_until_the_first_releases(folder):
     check_lease_free(folder)
     with RunLease.acquire(folder, seconds=60) as second:
         assert second.record.generation == first.record.generation + 1
-        # Older lease files are cleaned up by the new holder.
-        assert folder.list(LEASE_DIR) == [f"{second.record.generation:08d}.json"]
+        # The new holder keeps only its predecessor's file, which says when that run ended.
+        assert folder.list(LEASE_DIR) == [f"{first.record.generation:08d}.json", f"{second.record.generation:08d}.json"]
+        previous = LeaseRecord(**folder.read_json(f"{LEASE_DIR}/{first.record.generation:08d}.json"))
+        assert previous.released and previous.released_at <= second.record.acquired
     assert newest_lease(folder).released
 
 

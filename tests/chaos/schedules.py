@@ -84,6 +84,7 @@ class Outcome:
     injected: list[str]
     concurrent_refused: int = 0
     concurrent_not_refused: int = 0
+    concurrent_after_finish: int = 0
 
 
 def timeline_events(path: Path) -> list[tuple[str, int, float]]:
@@ -118,14 +119,14 @@ class InvocationDriver:
         fired_dir.mkdir(parents=True, exist_ok=True)
         points = [f"after_part_write@{f.hit}:kill" for f in invocation.faults if f.kind == "crash_after_part_write"]
         points += [f"before_part_write@{f.hit}:enospc" for f in invocation.faults if f.kind == "disk_full"]
-        points += [f"after_part_write@{f.hit}:kill_group" for f in invocation.faults if f.kind == "kill_run_after_part_write"]
+        points += [f"after_part_write@{f.hit}:kill_run" for f in invocation.faults if f.kind == "kill_run_after_part_write"]
         env = dict(self.env, GENRUN_TIMELINE=str(timeline), GENRUN_FAILPOINTS=",".join(points), GENRUN_FAILPOINT_DIR=str(fired_dir))
         log_out, log_err = open(self.workdir / f"run-{number}.out", "w+"), open(self.workdir / f"run-{number}.err", "w+")
         started = time.time()
         process = subprocess.Popen(GENRUN + self.args, cwd=REPO, env=env, stdout=log_out, stderr=log_err, text=True, start_new_session=True)
         timed = [f for f in invocation.faults if f.kind in ("kill_run", "kill_shard_worker", "kill_replica", "concurrent_run")]
         injected: list[str] = []
-        outcome_extra = {"concurrent_refused": 0, "concurrent_not_refused": 0}
+        outcome_extra = {"concurrent_refused": 0, "concurrent_not_refused": 0, "concurrent_after_finish": 0}
         helpers: list[threading.Thread] = []
         try:
             while process.poll() is None:
@@ -179,10 +180,22 @@ class InvocationDriver:
         second = subprocess.run(GENRUN + self.args, cwd=REPO, env=dict(env, GENRUN_FAILPOINTS="", GENRUN_TIMELINE=""), capture_output=True, text=True, timeout=600)
         if second.returncode == 2 and "is in use by another genrun run" in second.stderr:
             extra["concurrent_refused"] += 1
+        elif second.returncode == 0 and self._ran_after_the_first(second):
+            # The first run had released the folder before the second checked: a plain rerun.
+            extra["concurrent_after_finish"] += 1
         else:
-            # Only acceptable when the first run had already finished (then the second is a rerun).
             extra["concurrent_not_refused"] += 1
             (self.workdir / "concurrent-not-refused.log").write_text(second.stdout + second.stderr)
+
+    def _ran_after_the_first(self, second) -> bool:
+        """Whether the second run took the lease only after the first released it (the lease
+        folder keeps the previous holder's record, with its release time)."""
+        out = Path(next(a.split("=", 1)[1] for a in self.args if a.startswith("trainer.default_local_dir=")))
+        records = sorted((json.loads(p.read_text()) for p in (out / "lease").glob("*.json")), key=lambda r: r["generation"])
+        if len(records) < 2:
+            return False
+        previous, latest = records[-2], records[-1]
+        return bool(previous.get("released_at")) and latest["acquired"] >= previous["released_at"]
 
 
 def damage_a_part(run_dir: Path, how: str, rng: random.Random) -> str | None:
@@ -215,11 +228,13 @@ class Tally:
     bad_inputs_tried: int = 0
     bad_inputs_refused: int = 0
     concurrent_refused: int = 0
+    concurrent_after_finish: int = 0
 
     def line(self) -> str:
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(self.faults.items())) or "none"
         return (
             f"chaos: {self.schedules} schedules, {self.invocations} genrun invocations; faults injected: {kinds}; "
             f"trajectories expected {self.expected}, lost {self.lost}, duplicated {self.duplicated}; "
+            f"second runs on a busy folder refused {self.concurrent_refused} (started after the first ended: {self.concurrent_after_finish}); "
             f"bad inputs tried {self.bad_inputs_tried}, refused {self.bad_inputs_refused}"
         )

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -123,9 +124,12 @@ def test_seeded_fault_schedules_end_exactly_once(tmp_path, prefect_server, ray_l
             tally.faults.update(outcome.injected)
             injected += len(outcome.injected)
             tally.concurrent_refused += outcome.concurrent_refused
+            tally.concurrent_after_finish += outcome.concurrent_after_finish
             if outcome.concurrent_not_refused:
                 problems.append(f"seed {seed}: a second run on the same folder was not refused (see {workdir}/concurrent-not-refused.log)")
             print(f"seed {seed} invocation {number}: exit {outcome.returncode}, injected {outcome.injected}")
+            if "kill_run_after_part_write" in outcome.injected:
+                assert outcome.returncode == -signal.SIGKILL, f"seed {seed}: the run was to be killed -9 after a part write, it exited {outcome.returncode}"
         # The same command again until it succeeds: one more run at most when a same-size
         # corruption of a finished shard could only be found by the merge.
         for _ in range(2):
