@@ -86,29 +86,11 @@ class RunFolder:
 
     def put_atomic(self, relative: str, data: bytes) -> None:
         """Write `data` so that readers see either nothing or all of it."""
-        target = self.path(relative)
         if self.is_local:
-            parent = os.path.dirname(target)
-            os.makedirs(parent, exist_ok=True)
-            temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
-            try:
-                with open(temporary, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(temporary, target)
-            except BaseException as exc:
-                # A full disk fails the write half way: leave no temporary behind to fill it further.
-                _remove_quietly(temporary)
-                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise OSError(
-                        exc.errno,
-                        f"no space left on the device of {self.display()} (writing {relative}): free space there or choose "
-                        "another trainer.default_local_dir, then run the same command again; everything committed is kept",
-                    ) from exc
-                raise
+            self._write_local(relative, data, os.replace)
         else:
             # One PUT of the whole object: readers see all of it or nothing.
+            target = self.path(relative)
             self._with_retries(f"writing {self.display(relative)}", lambda: self.fs.pipe_file(target, data))
 
     def create_exclusive(self, relative: str, data: bytes) -> bool:
@@ -117,25 +99,41 @@ class RunFolder:
         it): a hard link on local disk, a conditional PUT (`If-None-Match: *`) on S3."""
         target = self.path(relative)
         if self.is_local:
-            parent = os.path.dirname(target)
-            os.makedirs(parent, exist_ok=True)
-            temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
             try:
-                with open(temporary, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.link(temporary, target)
+                self._write_local(relative, data, os.link)
                 return True
             except FileExistsError:
                 return False
-            finally:
-                _remove_quietly(temporary)
         try:
             self._with_retries(f"creating {self.display(relative)}", lambda: self.fs.pipe_file(target, data, mode="create"))
             return True
         except FileExistsError:
             return False
+
+    def _write_local(self, relative: str, data: bytes, publish: Callable[[str, str], None]) -> None:
+        """Write `data` whole to a temporary file beside the target, then `publish` it under the
+        target's name (os.replace: atomic overwrite; os.link: fails if the name exists)."""
+        target = self.path(relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = _temporary_name(target)
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            publish(temporary, target)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(
+                    exc.errno,
+                    f"no space left on the device of {self.display()} (writing {relative}): free space there or choose "
+                    "another trainer.default_local_dir, then run the same command again; everything committed is kept",
+                ) from exc
+            raise
+        finally:
+            # A full disk fails the write half way: leave no temporary behind to fill it further
+            # (after os.replace it is gone already; after os.link it is a second name).
+            _remove_quietly(temporary)
 
     def put_json(self, relative: str, payload: Any) -> None:
         self.put_atomic(relative, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
@@ -216,7 +214,7 @@ def _file_in_the_way(path: str) -> str | None:
 class _LocalAtomicWriter:
     def __init__(self, target: str):
         self.target = target
-        self.temporary = f"{os.path.dirname(target)}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
+        self.temporary = _temporary_name(target)
         self.handle = open(self.temporary, "wb")
 
     def write(self, data: bytes) -> int:
@@ -238,6 +236,10 @@ class _LocalAtomicWriter:
         else:
             self.handle.close()
             os.remove(self.temporary)
+
+
+def _temporary_name(target: str) -> str:
+    return f"{os.path.dirname(target)}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
 
 
 def _remove_quietly(path: str) -> None:
