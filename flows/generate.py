@@ -103,8 +103,8 @@ def _shard_task(plan: RunPlan, shard: ShardSpec):
     # not stand in for the data.
     # A finished shard whose parts went missing or were truncated (one listing, no reads) is
     # repaired here, so this run regenerates what was lost; its task verifies every sha256.
-    damaged = finished_marker(plan.folder, shard) is not None and repair_shard(plan.folder, shard.name, size_only=True) > 0
-    needs_work = damaged or finished_marker(plan.folder, shard) is None
+    finished = finished_marker(plan.folder, shard) is not None
+    needs_work = not finished or repair_shard(plan.folder, shard.name, size_only=True) > 0
     return run_shard.with_options(retries=gen.retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work), needs_work
 
 
