@@ -18,8 +18,10 @@ from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
 from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
 
 from generation_core.data import ShardSpec
+from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.errors import GenrunError
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.part_integrity import repair_shard
@@ -60,7 +62,9 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # replicas load, and each waits for the pool by name.
         balancer_name = new_balancer_name()
         tasks = {shard.shard_id: _shard_task(plan, shard) for shard in plan.shards}
-        futures = [runner.submit(tasks[shard.shard_id][0], _shard_parameters(plan, shard.shard_id, balancer_name, fence)) for shard in plan.shards]
+        # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs.
+        with remote_options(**SHARD_TASK_RESOURCES):
+            futures = [runner.submit(tasks[shard.shard_id][0], _shard_parameters(plan, shard.shard_id, balancer_name, fence)) for shard in plan.shards]
         try:
             pool = boot_pool(plan.cfg, balancer_name)
         except BaseException:

@@ -1,7 +1,8 @@
 """The inference replica pool: boot once per run, attach by name from any process, tear down.
 
-Booting goes through verl's LLMServerManager, so `rollout.name=hf` (CPU), `sglang` and `vllm`
-take one path. Two changes: the load balancer actor gets a name, so shard tasks running in
+Booting goes through verl's LLMServerManager, so `rollout.name=hf` (CPU or GPU), `sglang` and
+`vllm` take one path; `remote` boots nothing and routes to servers that already run, through
+the same routing and failover code. Two changes: the load balancer actor gets a name, so shard tasks running in
 other Ray workers can attach to the pool booted by the driver instead of loading the model again;
 and requests are routed inside each shard worker (`LocalRoutingClient`) instead of by two calls
 to that actor per request, which were two thirds of the Ray calls a trajectory cost.
@@ -25,6 +26,8 @@ from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
+from generation_core.engines.layout import REMOTE_ENGINE, check_cluster_gpus, check_engine_installed, resolve_layout
+from generation_core.engines.remote import CompletionsServer, RemoteServerUnavailable, check_servers, open_servers, remote_settings
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
 
@@ -92,15 +95,21 @@ class LocalRoutingClient(LLMServerClient):
         self._inflight = {server_id: 0 for server_id in servers}
         self._servers = servers
 
+    # Errors that say the replica (not the request) failed: it leaves the rotation.
+    SERVER_FAILURES: tuple[type[BaseException], ...] = (RayActorError,)
+
     async def generate(self, request_id, **kwargs):
         try:
             return await super().generate(request_id, **kwargs)
-        except RayActorError as exc:
+        except self.SERVER_FAILURES as exc:
             # The sticky entry names the replica this request went to.
             server_id = self._sticky.get(request_id)
             if server_id is not None:
                 self._take_out_of_rotation(server_id, exc)
             raise
+
+    async def aclose(self) -> None:
+        """Release what the client holds in this event loop (nothing for Ray handles)."""
 
     def _take_out_of_rotation(self, server_id: str, exc: BaseException) -> None:
         if server_id in self._down or server_id in self._gone:
@@ -112,18 +121,22 @@ class LocalRoutingClient(LLMServerClient):
         )
         self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
 
+    async def _back_in_service(self, server_id: str, deadline: float) -> None:
+        """Return when the replica serves again; raise when it never will (or not by `deadline`)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._servers[server_id].__ray_ready__.remote(), max(deadline - time.monotonic(), 0.1))
+                return
+            except ActorUnavailableError:
+                # Restarting (the engine loads its model again): ask again shortly.
+                if time.monotonic() >= deadline:
+                    raise asyncio.TimeoutError() from None
+                await asyncio.sleep(1.0)
+
     async def _wait_for_recovery(self, server_id: str) -> None:
         deadline = time.monotonic() + REPLICA_RECOVERY_SECONDS
         try:
-            while True:
-                try:
-                    await asyncio.wait_for(self._servers[server_id].__ray_ready__.remote(), max(deadline - time.monotonic(), 0.1))
-                    break
-                except ActorUnavailableError:
-                    # Restarting (the engine loads its model again): ask again shortly.
-                    if time.monotonic() >= deadline:
-                        raise
-                    await asyncio.sleep(1.0)
+            await self._back_in_service(server_id, deadline)
             logger.warning("inference replica %s is back in rotation", server_id)
         except (RayActorError, asyncio.TimeoutError) as exc:
             # ActorDiedError: out of restarts (or killed on purpose); it never comes back.
@@ -161,6 +174,69 @@ class LocalRoutingClient(LLMServerClient):
             self._inflight[server_id] -= 1
 
 
+class RemoteRoutingClient(LocalRoutingClient):
+    """The same routing and failover over OpenAI-compatible servers that run outside the Ray
+    cluster (`rollout.name=remote`): least outstanding requests from this worker, sticky
+    multi-turn requests, a server that fails (no connection, 5xx) out of rotation until its
+    /health answers, the request retried on another server. A 4xx fails only its sample."""
+
+    SERVER_FAILURES = (RemoteServerUnavailable,)
+
+    def __init__(self, config: DictConfig):
+        super().__init__(config=config)
+        self._health_interval = float(remote_settings(config).get("health_interval") or 5.0)
+        self._connecting: asyncio.Future | None = None
+
+    async def connect(self, wait_seconds: float = 0.0) -> None:
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect(wait_seconds))
+        # Concurrent first requests share one connect; a failed one is tried again next time.
+        try:
+            await asyncio.shield(self._connecting)
+        except BaseException:
+            self._connecting = None
+            raise
+
+    async def _connect(self, wait_seconds: float) -> None:
+        servers = open_servers(self.config)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            answered = await asyncio.gather(*[self._learn_model(server) for server in servers.values()])
+            if any(answered):
+                break
+            if time.monotonic() >= deadline:
+                await next(iter(servers.values())).http.aclose()
+                raise GenrunError(f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})")
+            await asyncio.sleep(min(self._health_interval, max(deadline - time.monotonic(), 0.1)))
+        self._inflight = {url: 0 for url in servers}
+        self._servers = servers
+        for url, ok in zip(list(servers), answered):
+            if not ok:
+                self._take_out_of_rotation(url, RemoteServerUnavailable(f"{url} did not answer at connect"))
+
+    async def _learn_model(self, server: CompletionsServer) -> bool:
+        if server.model is not None:
+            return await server.healthy()
+        try:
+            models = await server.models()
+        except RemoteServerUnavailable:
+            return False
+        if models:
+            server.model = models[0]
+        return bool(models)
+
+    async def _back_in_service(self, server_id: str, deadline: float) -> None:
+        server = self._servers[server_id]
+        while not await self._learn_model(server):
+            if time.monotonic() >= deadline:
+                raise asyncio.TimeoutError()
+            await asyncio.sleep(self._health_interval)
+
+    async def aclose(self) -> None:
+        if self._servers:
+            await next(iter(self._servers.values())).http.aclose()
+
+
 class _NamedLoadBalancerManager(LLMServerManager):
     balancer_name: str = ""
 
@@ -174,17 +250,20 @@ class _NamedLoadBalancerManager(LLMServerManager):
 
 
 def check_rollout_name(cfg: DictConfig) -> None:
+    """The engine exists and its package is installed (before anything starts)."""
     name = cfg.actor_rollout_ref.rollout.name
-    if name not in RolloutReplicaRegistry._registry:
-        known = ", ".join(sorted(RolloutReplicaRegistry._registry))
+    if name != REMOTE_ENGINE and name not in RolloutReplicaRegistry._registry:
+        known = ", ".join(sorted([*RolloutReplicaRegistry._registry, REMOTE_ENGINE]))
         raise GenrunError(f"unknown actor_rollout_ref.rollout.name={name!r}; known engines: {known}")
+    check_engine_installed(name)
 
 
 @dataclass
 class ReplicaPool:
     """The booted replicas of one run (owned by the process that booted them)."""
 
-    manager: LLMServerManager
+    manager: LLMServerManager | None
+    """None for remote servers: nothing was booted."""
     config: DictConfig
     balancer_name: str
 
@@ -192,6 +271,14 @@ class ReplicaPool:
     async def boot(cls, cfg: DictConfig, balancer_name: str | None = None) -> "ReplicaPool":
         check_rollout_name(cfg)
         balancer_name = balancer_name or new_balancer_name()
+        layout = resolve_layout(cfg)
+        if layout.engine == REMOTE_ENGINE:
+            models = await check_servers(cfg)
+            logger.info("inference: %s, model %s", layout.describe(), next(iter(models.values())))
+            return cls(None, cfg, balancer_name)
+        # A placement group the cluster cannot satisfy waits forever: refuse first.
+        check_cluster_gpus(layout, ray.cluster_resources())
+        logger.info("inference: %s", layout.describe())
         manager_cls = type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name})
         manager = await manager_cls.create(cfg)
         pool = cls(manager, cfg, balancer_name)
@@ -199,14 +286,18 @@ class ReplicaPool:
         return pool
 
     def client(self) -> LLMServerClient:
+        if self.manager is None:
+            return RemoteRoutingClient(self.config)
         return LocalRoutingClient(self.config, self.manager.global_load_balancer)
 
     async def check_health(self) -> list[dict]:
-        if self.config.actor_rollout_ref.rollout.name not in GENRUN_ENGINES:
+        if self.manager is None or self.config.actor_rollout_ref.rollout.name not in GENRUN_ENGINES:
             return []
         return await asyncio.gather(*[handle.health.remote() for handle in self.manager.server_handles])
 
     def shutdown(self) -> None:
+        if self.manager is None:
+            return
         for handle in [*self.manager.server_handles, self.manager.global_load_balancer]:
             try:
                 ray.kill(handle, no_restart=True)
@@ -221,5 +312,7 @@ def new_balancer_name() -> str:
 
 def attach_client(cfg: DictConfig, balancer_name: str) -> LocalRoutingClient:
     """A client for the pool that another process of this Ray job boots or has booted; it
-    finds the pool at `connect()` (or its first request)."""
+    finds the pool at `connect()` (or its first request). Remote servers need no pool."""
+    if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
+        return RemoteRoutingClient(cfg)
     return LocalRoutingClient(cfg, balancer_name=balancer_name)

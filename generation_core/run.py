@@ -103,6 +103,8 @@ def open_run_folder(folder: RunFolder, cfg: DictConfig, run_fingerprint: str, pa
 def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
     container["storage"]["options"] = redacted_options(container["storage"]["options"])
+    engine_kwargs = container["actor_rollout_ref"]["rollout"]["engine_kwargs"]
+    engine_kwargs.update(redacted_options({"remote": engine_kwargs.get("remote") or {}}))
     return container
 
 
@@ -231,14 +233,26 @@ def run_shard_job(config: dict[str, Any], shard_id: int, balancer_name: str, lea
         # The driver may still be loading the model: shard workers start beside it.
         await client.connect(wait_seconds=POOL_BOOT_WAIT_SECONDS)
         fence = LeaseFence(lease_generation) if lease_generation is not None else None
-        return await run_shard(cfg, shard, folder, prompts, worker, fence)
+        try:
+            return await run_shard(cfg, shard, folder, prompts, worker, fence)
+        finally:
+            await client.aclose()
 
     try:
         manifest = asyncio.run(when_the_pool_is_up())
+        manifest["last_attempt"]["worker"] = _where_this_runs()
         mark(f"shard_done {shard_id}")
         return manifest
     finally:
         worker.shutdown()
+
+
+def _where_this_runs() -> dict[str, Any]:
+    """The Ray node and the GPUs this shard worker held (none: the replicas own the GPUs)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
 
 def build_streaming_worker(cfg: DictConfig, llm_client, tokenizer, prompts: PromptSet):
@@ -274,12 +288,14 @@ async def _generate(plan: RunPlan, fence) -> list[dict[str, Any]]:
 
     pool = await ReplicaPool.boot(plan.cfg)
     worker = None
+    client = pool.client()
     try:
-        worker = build_streaming_worker(plan.cfg, pool.client(), plan.prompts.dataset.tokenizer, plan.prompts)
+        worker = build_streaming_worker(plan.cfg, client, plan.prompts.dataset.tokenizer, plan.prompts)
         return [await run_shard(plan.cfg, shard, plan.folder, plan.prompts, worker, fence) for shard in plan.shards]
     finally:
         if worker is not None:
             worker.shutdown()
+        await client.aclose()
         pool.shutdown()
 
 

@@ -52,6 +52,7 @@ OPERATIONAL_KEYS = (
     "generation.upload_artifact",
     "generation.artifact_mode",
     "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.engine_kwargs",
     "actor_rollout_ref.rollout.agent.num_workers",
     "storage",
@@ -132,6 +133,11 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
     agent = cfg.actor_rollout_ref.rollout.agent
     if multi_turn.enable and agent.default_agent_loop == "single_turn_agent":
         agent.default_agent_loop = "tool_agent"
+    # The transformers engine runs in a replica actor that sees only the rollout config: its
+    # device is decided here, once (trainer.device is verl's key for it).
+    hf_kwargs = cfg.actor_rollout_ref.rollout.engine_kwargs.get("hf")
+    if hf_kwargs is not None and not hf_kwargs.get("device"):
+        hf_kwargs.device = cfg.trainer.get("device") or "cpu"
 
 
 def _check_override_list(overrides: Any) -> None:
@@ -259,6 +265,9 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
     _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
+    from generation_core.engines.layout import resolve_layout
+
+    resolve_layout(cfg)
 
 
 _TRACKING_BACKENDS = ("console", "wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "clearml", "trackio", "file")

@@ -58,16 +58,20 @@ class _EngineReplica(RolloutReplica):
     def build_engine(self) -> Callable[[], Any]:
         raise NotImplementedError
 
+    def gpus(self) -> int:
+        """GPUs the engine actor holds (Ray then sets its CUDA_VISIBLE_DEVICES)."""
+        return 0
+
     async def init_standalone(self):
         self.rollout_mode = RolloutMode.STANDALONE
         name = f"genrun_{self.engine_name}_server_{self.replica_rank}{self.name_suffix}_{uuid.uuid4().hex[:8]}"
         # num_cpus=0: the engine sizes its own threads, and holding a Ray CPU would starve the
-        # shard tasks on a small machine. max_restarts: a crashed engine process is started
+        # shard tasks on a small machine. A GPU engine holds its GPU, so Ray places it on a GPU node. max_restarts: a crashed engine process is started
         # again (model loaded again) under the same handle; the clients fail over meanwhile.
         # No task retries: the clients resend a failed request themselves.
         server = (
             ray.remote(EngineServer)
-            .options(name=name, num_cpus=0, max_concurrency=self.max_concurrency, max_restarts=ENGINE_RESTARTS, max_task_retries=0)
+            .options(name=name, num_cpus=0, num_gpus=self.gpus(), max_concurrency=self.max_concurrency, max_restarts=ENGINE_RESTARTS, max_task_retries=0)
             .remote(self.build_engine())
         )
         await server.health.remote()
@@ -82,16 +86,29 @@ class _EngineReplica(RolloutReplica):
 class HFReplica(_EngineReplica):
     engine_name = "hf"
 
+    def gpus(self) -> int:
+        return int(self._device().startswith("cuda"))
+
+    def _device(self) -> str:
+        hf_kwargs = self.config.engine_kwargs.get("hf", {}) or {}
+        # RolloutConfig has no trainer.device: the driver's resolution (layout.hf_device) put it here.
+        return hf_kwargs.get("device") or "cpu"
+
     def build_engine(self):
         from generation_core.engines.hf import EngineSettings, HFEngine
 
         hf_kwargs = dict(self.config.engine_kwargs.get("hf", {}) or {})
+        device = self._device()
+        # bfloat16 on a GPU (what SGLang/vLLM serve), float32 on the CPU (bf16 matmuls are slow there).
+        dtype = hf_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
         settings = EngineSettings(
             model_path=os.path.expanduser(self.model_config.path),
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             max_batch_size=self.config.max_num_seqs,
             num_threads=hf_kwargs.get("num_threads") or os.cpu_count(),
+            device=device,
+            dtype=dtype,
             ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )

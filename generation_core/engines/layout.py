@@ -1,0 +1,177 @@
+"""Where a run's inference replicas go: count, GPUs and nodes per replica, Ray resources.
+
+One place resolves the rollout config the way verl's LLMServerManager and RolloutReplica will,
+so a wrong layout is refused in the preflight (seconds, no Ray, no model) instead of after a
+placement group waited forever for GPUs that do not exist:
+
+- `sglang` / `vllm` (verl's own replicas, on GPUs): replicas = n_gpus_per_node * nnodes /
+  (tp * dp * pp); a replica spans ceil(world / n_gpus_per_node) nodes; verl places each in a
+  placement group of GPU bundles (`[gpus_per_replica_node] * nodes_per_replica`).
+- `hf` (transformers): no model parallelism; one replica per "GPU" slot, each holding one
+  GPU when `engine_kwargs.hf.device` is cuda, none on the CPU.
+- `instant`: the test/benchmark engine, like `hf` on the CPU.
+- `remote`: servers that already run elsewhere; one "replica" per base URL, nothing placed.
+
+Shard tasks (agent loops, storage) never hold a GPU: `SHARD_TASK_RESOURCES`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from generation_core.errors import GenrunError
+
+GPU_ENGINES = ("sglang", "vllm")
+"""verl's replicas, booted on the Ray cluster's GPUs."""
+
+CPU_CAPABLE_ENGINES = ("hf", "instant")
+REMOTE_ENGINE = "remote"
+
+# A shard task runs agent loops, tokenization and storage I/O: one CPU, never a GPU, so that
+# it can run on any node (a CPU-only head included) without taking a GPU from the replicas.
+SHARD_TASK_RESOURCES = {"num_cpus": 1, "num_gpus": 0}
+
+# verl's ResourcePoolManager(max_colocate_count=2) in RolloutReplica.init_standalone.
+VERL_COLOCATE_COUNT = 2
+
+# What `pip install` gives each GPU engine (pyproject's extras, which pin verl's supported versions).
+ENGINE_PACKAGES = {"sglang": ("sglang", "genrun[sglang]"), "vllm": ("vllm", "genrun[vllm]")}
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    engine: str
+    replicas: int
+    gpus_per_replica: int
+    """GPUs one replica holds (tp * dp * pp for sglang/vllm; 1 or 0 for hf)."""
+    nodes_per_replica: int
+    gpus_per_replica_node: int
+    """GPUs of one node a replica takes: a placement group bundle's size."""
+    tensor_parallel: int
+    data_parallel: int
+    pipeline_parallel: int
+    gpu_memory_utilization: float | None
+    remote_urls: tuple[str, ...] = ()
+
+    @property
+    def total_gpus(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+    @property
+    def placement_groups(self) -> list[list[dict[str, float]]]:
+        """One replica's Ray placement groups as verl's RayResourcePool asks for them: one group
+        per node the replica spans, one bundle per GPU process ({"CPU": 2, "GPU": 1}; verl
+        colocates up to 2 processes per bundle). Empty for engines verl does not place."""
+        if self.engine not in GPU_ENGINES:
+            return []
+        return [[{"CPU": VERL_COLOCATE_COUNT, "GPU": 1} for _ in range(self.gpus_per_replica_node)] for _ in range(self.nodes_per_replica)]
+
+    def describe(self) -> str:
+        if self.engine == REMOTE_ENGINE:
+            return f"{self.replicas} remote server(s): {', '.join(self.remote_urls)}"
+        if not self.gpus_per_replica:
+            return f"{self.replicas} {self.engine} replica(s) on the CPU"
+        return (
+            f"{self.replicas} {self.engine} replica(s) x {self.gpus_per_replica} GPU(s) "
+            f"(tp={self.tensor_parallel} dp={self.data_parallel} pp={self.pipeline_parallel}, "
+            f"{self.nodes_per_replica} node(s) each){self._memory()}"
+        )
+
+    def _memory(self) -> str:
+        return "" if self.gpu_memory_utilization is None else f", gpu_memory_utilization={self.gpu_memory_utilization}"
+
+
+def _positive_int(value, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GenrunError(f"invalid {key}={value!r}: must be an integer >= 1")
+    return value
+
+
+def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
+    """The replica layout `cfg` asks for, or a GenrunError naming the key to change."""
+    rollout = cfg.actor_rollout_ref.rollout
+    engine = rollout.name
+    gpus_per_node = _positive_int(cfg.trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
+    nnodes = _positive_int(cfg.trainer.nnodes, "trainer.nnodes")
+    tp = _positive_int(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    dp = _positive_int(rollout.data_parallel_size, "actor_rollout_ref.rollout.data_parallel_size")
+    pp = _positive_int(rollout.pipeline_model_parallel_size, "actor_rollout_ref.rollout.pipeline_model_parallel_size")
+    world = tp * dp * pp
+    slots = gpus_per_node * nnodes
+
+    if engine == REMOTE_ENGINE:
+        from generation_core.engines.remote import remote_urls
+
+        urls = remote_urls(cfg)
+        return ReplicaLayout(engine, len(urls), 0, 0, 0, 1, 1, 1, None, tuple(urls))
+
+    if engine in CPU_CAPABLE_ENGINES:
+        if world != 1:
+            raise GenrunError(
+                f"rollout.name={engine} has no model parallelism (tensor/data/pipeline parallel sizes "
+                f"{tp}/{dp}/{pp}); set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline 1), "
+                "or use rollout.name=sglang / vllm on GPUs"
+            )
+        on_gpu = engine == "hf" and hf_device(cfg).startswith("cuda")
+        return ReplicaLayout(engine, slots, int(on_gpu), int(on_gpu), int(on_gpu), 1, 1, 1, None)
+
+    if engine not in GPU_ENGINES:
+        return ReplicaLayout(engine, slots // world or 1, world, 1, world, tp, dp, pp, None)
+
+    memory = rollout.gpu_memory_utilization
+    if not isinstance(memory, int | float) or isinstance(memory, bool) or not 0 < memory <= 1:
+        raise GenrunError(
+            f"invalid actor_rollout_ref.rollout.gpu_memory_utilization={memory!r}: the fraction of each GPU's memory "
+            "the engine may take, in (0, 1] (0.85 is usual)"
+        )
+    if world > slots or slots % world:
+        raise GenrunError(
+            f"rollout.name={engine}: {slots} GPU(s) (trainer.n_gpus_per_node={gpus_per_node} x trainer.nnodes={nnodes}) "
+            f"cannot be split into replicas of tensor x data x pipeline parallel = {tp} x {dp} x {pp} = {world} GPUs; "
+            f"choose sizes whose product divides {slots}, or set the GPU counts to a multiple of {world}"
+        )
+    per_node = min(gpus_per_node, world)
+    if world % per_node:
+        raise GenrunError(
+            f"rollout.name={engine}: a replica of {world} GPUs cannot span nodes of {gpus_per_node} GPUs evenly; "
+            f"make tensor x data x pipeline parallel ({world}) a multiple of trainer.n_gpus_per_node or at most it"
+        )
+    return ReplicaLayout(engine, slots // world, world, world // per_node, per_node, tp, dp, pp, float(memory))
+
+
+def hf_device(cfg: DictConfig) -> str:
+    """The transformers engine's device: engine_kwargs.hf.device, else trainer.device."""
+    hf_kwargs = cfg.actor_rollout_ref.rollout.engine_kwargs.get("hf", {}) or {}
+    device = hf_kwargs.get("device") or cfg.trainer.get("device") or "cpu"
+    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+        raise GenrunError(f"invalid actor_rollout_ref.rollout.engine_kwargs.hf.device={device!r}: use cpu or cuda")
+    return device
+
+
+def check_engine_installed(engine: str) -> None:
+    """verl imports the engine's server class in the driver: refuse before anything starts."""
+    if engine not in ENGINE_PACKAGES:
+        return
+    module, extra = ENGINE_PACKAGES[engine]
+    if importlib.util.find_spec(module) is None:
+        raise GenrunError(
+            f"rollout.name={engine} needs the {module} package on the driver and on every GPU node of the Ray "
+            f"cluster; install it with pip install '{extra}' (README: GPU quick start), or use rollout.name=hf "
+            "(transformers) or rollout.name=remote (servers already running)"
+        )
+
+
+def check_cluster_gpus(layout: ReplicaLayout, cluster_resources: dict[str, float]) -> None:
+    """Refuse a layout the Ray cluster cannot place (its placement groups would wait forever)."""
+    if not layout.total_gpus:
+        return
+    have = int(cluster_resources.get("GPU", 0))
+    if have < layout.total_gpus:
+        raise GenrunError(
+            f"{layout.describe()} need {layout.total_gpus} GPU(s) but the Ray cluster has {have}; start GPU workers "
+            "(README: Running on a Ray cluster), connect with ray_kwargs.ray_init.address=HEAD:6379, or lower "
+            "trainer.n_gpus_per_node / trainer.nnodes"
+        )

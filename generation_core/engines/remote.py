@@ -1,0 +1,265 @@
+"""`rollout.name=remote`: OpenAI-compatible inference servers that already run elsewhere.
+
+SGLang and vLLM both serve `/v1/completions` with a prompt given as token ids; asked for them,
+they return the generated token ids and the sampled tokens' logprobs. Token in, token out: the
+agent loop's exact prompt ids go out and the server's exact ids come back, nothing is
+re-tokenized (a decode/encode round trip changes ids and breaks logprob alignment).
+
+A `CompletionsServer` is shaped like a Ray actor handle of verl's replicas
+(`await server.generate.remote(...)` returns a TokenOutput), so the routing client and verl's
+LLMServerClient.generate treat a URL exactly like a booted replica. How a response failed
+decides what happens next:
+- 4xx (prompt beyond the context, a parameter the server refuses): the request is wrong, not
+  the server. `RemoteRequestRejected`, a ValueError: not retried, the sample is recorded as
+  failed, the server stays in rotation.
+- no connection, a timeout, 5xx, a malformed answer: the server is in trouble.
+  `RemoteServerUnavailable`: the server leaves the rotation until its /health answers again,
+  and the request is retried on another server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from omegaconf import DictConfig
+from verl.workers.rollout.replica import TokenOutput
+
+from generation_core.errors import GenrunError
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteRequestRejected(ValueError):
+    """The server answered 4xx: this request cannot succeed as sent (never retried)."""
+
+
+class RemoteServerUnavailable(ConnectionError):
+    """The server did not answer properly (no connection, timeout, 5xx): try another one."""
+
+
+def remote_settings(cfg: DictConfig) -> dict[str, Any]:
+    return dict(cfg.actor_rollout_ref.rollout.engine_kwargs.get("remote", {}) or {})
+
+
+def remote_urls(cfg: DictConfig) -> list[str]:
+    """The configured base URLs, normalized (no trailing / or /v1), or a GenrunError."""
+    key = "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
+    urls = remote_settings(cfg).get("base_urls")
+    if isinstance(urls, str):
+        urls = [part for part in urls.split(",") if part.strip()]
+    if not urls:
+        raise GenrunError(
+            f"rollout.name=remote needs the servers' base URLs: set {key}='[http://host1:8000,http://host2:8000]' "
+            "(OpenAI-compatible servers such as vllm serve or sglang.launch_server, already running)"
+        )
+    normalized = []
+    for url in urls:
+        parts = urlsplit(str(url).strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GenrunError(f"invalid URL {url!r} in {key}: write http://host:port (the server's base URL)")
+        path = parts.path.rstrip("/")
+        if path.endswith("/v1"):
+            path = path[: -len("/v1")]
+        base = f"{parts.scheme}://{parts.netloc}{path}"
+        if base in normalized:
+            raise GenrunError(f"{key} lists {base} twice; list each server once")
+        normalized.append(base)
+    return normalized
+
+
+def completion_request(model: str, prompt_ids: list[int], sampling_params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The /v1/completions body for one agent-loop turn."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": max_tokens,
+        "temperature": float(sampling_params.get("temperature", 1.0)),
+        "top_p": float(sampling_params.get("top_p", 1.0)),
+        "n": 1,
+        # vLLM: the generated ids in the choice; SGLang and older vLLM: ids as "token_id:N"
+        # strings in the logprobs. Both asked: whichever the server has answers.
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "logprobs": 0,
+        # Special tokens stay in the text too; the ids are what we keep.
+        "skip_special_tokens": False,
+    }
+    top_k = sampling_params.get("top_k")
+    if top_k is not None and int(top_k) > 0:
+        body["top_k"] = int(top_k)
+    repetition_penalty = sampling_params.get("repetition_penalty")
+    if repetition_penalty is not None and float(repetition_penalty) != 1.0:
+        body["repetition_penalty"] = float(repetition_penalty)
+    for name in ("seed", "ignore_eos", "stop_token_ids"):
+        if sampling_params.get(name) is not None:
+            body[name] = sampling_params[name]
+    return body
+
+
+def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> TokenOutput:
+    """A /v1/completions answer -> TokenOutput (ids, and logprobs when asked)."""
+    try:
+        choice = payload["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise RemoteServerUnavailable(f"the server's answer has no choices: {str(payload)[:200]}") from None
+    logprobs = choice.get("logprobs") or {}
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        tokens = logprobs.get("tokens")
+        if tokens is None or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            raise RemoteServerUnavailable(
+                "the server returned text but no token ids (it needs return_token_ids or return_tokens_as_token_ids: "
+                "vLLM >= 0.10 or SGLang serve them)"
+            )
+        token_ids = [int(t.split(":", 1)[1]) for t in tokens]
+    log_probs = None
+    if want_logprobs:
+        values = logprobs.get("token_logprobs")
+        if values is None or len(values) != len(token_ids):
+            raise RemoteServerUnavailable(f"the server returned {len(token_ids)} tokens but {0 if values is None else len(values)} logprobs")
+        # A logprob of -inf comes back as null from some servers.
+        log_probs = [-math.inf if v is None else float(v) for v in values]
+    finish = choice.get("finish_reason")
+    return TokenOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason="completed" if finish in ("stop", "length", None) else finish)
+
+
+class _RemoteMethod:
+    """`server.generate.remote(...)`: the call shape of a Ray actor method."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+
+class CompletionsServer:
+    """One OpenAI-compatible server at `base_url`."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, model: str | None, prompt_length: int, response_length: int):
+        self.base_url = base_url
+        self.http = http
+        self.model = model
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.generate = _RemoteMethod(self._generate)
+
+    async def models(self) -> list[str]:
+        answer = await self._get("/v1/models")
+        return [entry["id"] for entry in answer.json().get("data", [])]
+
+    async def healthy(self) -> bool:
+        try:
+            await self._get("/health")
+            return True
+        except RemoteServerUnavailable:
+            return False
+
+    async def _get(self, path: str) -> httpx.Response:
+        try:
+            answer = await self.http.get(self.base_url + path)
+        except httpx.HTTPError as exc:
+            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+        if answer.status_code >= 400:
+            raise RemoteServerUnavailable(f"{self.base_url}{path} answered {answer.status_code}")
+        return answer
+
+    def _max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
+        # verl never sends max_tokens; its own servers apply this same default.
+        limit = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
+        asked = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+        return limit if asked is None else min(limit, int(asked))
+
+    async def _generate(self, request_id: str = "", *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused) -> TokenOutput:
+        want_logprobs = bool(sampling_params.get("logprobs", False))
+        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+        if max_tokens <= 0:
+            return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason="completed")
+        if self.model is None:
+            raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
+        body = completion_request(self.model, prompt_ids, sampling_params, max_tokens)
+        try:
+            answer = await self.http.post(self.base_url + "/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+        if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
+            raise RemoteRequestRejected(f"{self.base_url} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
+        if answer.status_code >= 400:
+            raise RemoteServerUnavailable(f"{self.base_url} answered {answer.status_code}: {_error_message(answer)}")
+        try:
+            payload = answer.json()
+        except ValueError:
+            raise RemoteServerUnavailable(f"{self.base_url} answered with something that is not JSON: {answer.text[:200]!r}") from None
+        return parse_completion(payload, want_logprobs)
+
+
+def _error_message(answer: httpx.Response) -> str:
+    try:
+        payload = answer.json()
+    except ValueError:
+        return answer.text[:300]
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return str(message)[:300]
+
+
+def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
+    """One CompletionsServer per configured URL, sharing one connection pool."""
+    settings = remote_settings(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    urls = remote_urls(cfg)
+    http = httpx.AsyncClient(
+        headers=headers,
+        # No read timeout: a long generation is not a dead server (generation.request_timeout
+        # bounds a request when set).
+        timeout=httpx.Timeout(None, connect=float(settings.get("connect_timeout") or 10.0)),
+        limits=httpx.Limits(max_connections=int(settings.get("max_connections") or 256) * len(urls), max_keepalive_connections=None),
+    )
+    return {
+        url: CompletionsServer(url, http, model=settings.get("model"), prompt_length=rollout.prompt_length, response_length=rollout.response_length)
+        for url in urls
+    }
+
+
+async def check_servers(cfg: DictConfig) -> dict[str, str]:
+    """The driver's check before any shard starts: which servers answer, and which model each
+    serves. Refuses when none answers, or a server does not serve the configured model."""
+    servers = open_servers(cfg)
+    try:
+        results = await asyncio.gather(*[_probe_models(server) for server in servers.values()], return_exceptions=True)
+    finally:
+        await next(iter(servers.values())).http.aclose()
+    answering = {url: models for url, models in zip(servers, results) if not isinstance(models, BaseException)}
+    down = {url: str(err) for url, err in zip(servers, results) if isinstance(err, BaseException)}
+    if not answering:
+        raise GenrunError(
+            f"none of the {len(servers)} remote inference server(s) answered: "
+            + "; ".join(f"{url}: {why}" for url, why in down.items())
+            + "; start them (README: External inference servers) or fix actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
+        )
+    for url, why in down.items():
+        logger.warning("remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why)
+    wanted = remote_settings(cfg).get("model")
+    chosen = {}
+    for url, models in answering.items():
+        if wanted and wanted not in models:
+            raise GenrunError(f"remote server {url} serves {models}, not engine_kwargs.remote.model={wanted!r}; set it to the served model name")
+        if not models:
+            raise GenrunError(f"remote server {url} lists no model at /v1/models")
+        chosen[url] = wanted or models[0]
+    if len(set(chosen.values())) > 1:
+        raise GenrunError(
+            f"the remote servers serve different models ({chosen}); trajectories of one run must come from one model: "
+            "list servers of the same model, or set engine_kwargs.remote.model"
+        )
+    return chosen
+
+
+async def _probe_models(server: CompletionsServer) -> list[str]:
+    return await server.models()
