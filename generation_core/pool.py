@@ -26,7 +26,7 @@ from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
-from generation_core.engines.layout import REMOTE_ENGINE, check_cluster_gpus, check_engine_installed, resolve_layout
+from generation_core.engines.layout import REMOTE_ENGINE, check_cluster_resources, check_engine_installed, resolve_layout
 from generation_core.engines.remote import CompletionsServer, RemoteServerUnavailable, check_servers, open_servers, remote_settings
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
@@ -277,7 +277,7 @@ class ReplicaPool:
             logger.info("inference: %s, model %s", layout.describe(), next(iter(models.values())))
             return cls(None, cfg, balancer_name)
         # A placement group the cluster cannot satisfy waits forever: refuse first.
-        check_cluster_gpus(layout, ray.cluster_resources())
+        check_cluster_resources(layout, ray.cluster_resources())
         logger.info("inference: %s", layout.describe())
         manager_cls = type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name})
         manager = await manager_cls.create(cfg)

@@ -140,6 +140,11 @@ def prepare_run(overrides: list[str]) -> RunPlan:
     from generation_core.pool import check_rollout_name
 
     check_rollout_name(cfg)
+    if cfg.actor_rollout_ref.rollout.name == "remote":
+        from generation_core.engines.remote import check_servers
+
+        # Servers that do not answer are found now, before Prefect, Ray or any shard starts.
+        asyncio.run(check_servers(cfg))
     dataset_hash = check_prompt_files(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)

@@ -91,6 +91,13 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_tokenizer}"], r"model_without_tokenizer has no tokenizer files .*; save the tokenizer there"),
         ([f"data.train_files={good}", "data.max_prompt_length=3"], r"no prompt left after filtering: all 3 are longer than data.max_prompt_length=3 tokens; raise it"),
         ([f"data.train_files={good}", f"{OUTPUT_KEY}{a_file / 'out'}"], r"cannot create output folder .*a_file/out: .*a_file is a file, not a folder; choose another trainer.default_local_dir"),
+        # Inference engines: a GPU engine that is not installed, a layout the GPUs cannot hold,
+        # remote servers not given or not answering.
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=sglang"], r"rollout.name=sglang needs the sglang package .*pip install 'genrun\[sglang\]'"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], r"rollout.name=vllm: 2 GPU\(s\) .*cannot be split into replicas of .* = 4 GPUs"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"rollout.name=hf has no model parallelism"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=remote"], r"rollout.name=remote needs the servers' base URLs: set actor_rollout_ref.rollout.engine_kwargs.remote.base_urls="),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=remote", "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[http://127.0.0.1:9]"], r"none of the 1 remote inference server\(s\) answered: http://127.0.0.1:9: .*start them"),
         ([f"data.train_files={good}", f"{OUTPUT_KEY}{other_run}"], r"output folder .*other_run holds a different run .*To start fresh, set another trainer.default_local_dir .*or delete that folder"),
     ]
 

@@ -121,6 +121,7 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
     if engine not in GPU_ENGINES:
         return ReplicaLayout(engine, slots // world or 1, world, 1, world, tp, dp, pp, None)
 
+    _check_with_verl(rollout)
     memory = rollout.gpu_memory_utilization
     if not isinstance(memory, int | float) or isinstance(memory, bool) or not 0 < memory <= 1:
         raise GenrunError(
@@ -140,6 +141,19 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
             f"make tensor x data x pipeline parallel ({world}) a multiple of trainer.n_gpus_per_node or at most it"
         )
     return ReplicaLayout(engine, slots // world, world, world // per_node, per_node, tp, dp, pp, float(memory))
+
+
+def _check_with_verl(rollout: DictConfig) -> None:
+    """verl's RolloutConfig validates engine-specific limits (e.g. SGLang without pipeline
+    parallelism) when the replica is built; build it here so the refusal comes in the preflight."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    try:
+        omega_conf_to_dataclass(rollout)
+    except Exception as exc:  # noqa: BLE001 - hydra wraps verl's error; its innermost message is the one to show
+        while exc.__cause__ is not None:
+            exc = exc.__cause__
+        raise GenrunError(f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(exc).splitlines()[0]}") from None
 
 
 def hf_device(cfg: DictConfig) -> str:
@@ -164,14 +178,24 @@ def check_engine_installed(engine: str) -> None:
         )
 
 
-def check_cluster_gpus(layout: ReplicaLayout, cluster_resources: dict[str, float]) -> None:
-    """Refuse a layout the Ray cluster cannot place (its placement groups would wait forever)."""
+def check_cluster_resources(layout: ReplicaLayout, cluster_resources: dict[str, float]) -> None:
+    """Refuse a layout the Ray cluster cannot place: verl waits on its placement groups with no
+    timeout, so a missing GPU (or CPU: verl's bundles hold 2 CPUs per GPU) would hang the run."""
     if not layout.total_gpus:
         return
-    have = int(cluster_resources.get("GPU", 0))
-    if have < layout.total_gpus:
+    have_gpus = int(cluster_resources.get("GPU", 0))
+    if have_gpus < layout.total_gpus:
         raise GenrunError(
-            f"{layout.describe()} need {layout.total_gpus} GPU(s) but the Ray cluster has {have}; start GPU workers "
+            f"{layout.describe()} need {layout.total_gpus} GPU(s) but the Ray cluster has {have_gpus}; start GPU workers "
             "(README: Running on a Ray cluster), connect with ray_kwargs.ray_init.address=HEAD:6379, or lower "
             "trainer.n_gpus_per_node / trainer.nnodes"
+        )
+    replica_cpus = sum(bundle["CPU"] for group in layout.placement_groups for bundle in group) * layout.replicas
+    needed = replica_cpus + SHARD_TASK_RESOURCES["num_cpus"]
+    have_cpus = int(cluster_resources.get("CPU", 0))
+    if have_cpus < needed:
+        raise GenrunError(
+            f"{layout.describe()} hold {replica_cpus:g} Ray CPUs (verl reserves {VERL_COLOCATE_COUNT} per GPU) and each "
+            f"shard task needs {SHARD_TASK_RESOURCES['num_cpus']}, but the Ray cluster has {have_cpus} CPUs; give the "
+            f"nodes more CPUs (ray start --num-cpus, or ray_kwargs.ray_init.num_cpus on one machine) or add a CPU worker node"
         )

@@ -1,0 +1,148 @@
+"""Contract tests for the GPU engines (`rollout.name=sglang` / `vllm`) on the CPU: the layout genrun
+resolves is the one verl's replicas compute, wrong layouts are refused before anything starts,
+and a boot through verl's real standalone placement on a Ray cluster with logical GPUs puts each
+replica on GPUs of its own and shard tasks on none. SGLang and vLLM themselves need GPUs and do
+not run here (README: what has run on GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from generation_core.config import load_config
+from generation_core.engines.layout import check_cluster_resources, check_engine_installed, resolve_layout
+from generation_core.errors import GenrunError
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _verl_replica(cfg):
+    """verl's own arithmetic: RolloutReplica.__init__ (world size, nodes, GPUs per node) and
+    LLMServerManager's replica count, from the rollout config verl reads."""
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class Probe(RolloutReplica):
+        async def launch_servers(self):
+            raise AssertionError("not launched in a contract test")
+
+    rollout = cfg.actor_rollout_ref.rollout
+    probe = Probe(replica_rank=0, config=rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=rollout.n_gpus_per_node)
+    replicas = rollout.n_gpus_per_node * rollout.nnodes // probe.world_size
+    return replicas, probe.world_size, probe.nnodes, probe.gpus_per_replica_node
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize(
+    "gpus_per_node, nnodes, tp, dp, pp, replicas",
+    [
+        (8, 1, 1, 1, 1, 8),
+        (8, 1, 2, 1, 1, 4),
+        (8, 2, 4, 1, 1, 4),
+        (8, 2, 8, 2, 1, 1),
+        (4, 4, 2, 2, 1, 4),
+        (8, 4, 16, 1, 1, 2),
+    ],
+)
+def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp, replicas):
+    cfg = load_config([
+        f"actor_rollout_ref.rollout.name={engine}",
+        f"trainer.n_gpus_per_node={gpus_per_node}",
+        f"trainer.nnodes={nnodes}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+        f"actor_rollout_ref.rollout.data_parallel_size={dp}",
+        f"actor_rollout_ref.rollout.pipeline_model_parallel_size={pp}",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
+        "actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3",
+    ])
+    layout = resolve_layout(cfg)
+    verl_replicas, world, nodes, per_node = _verl_replica(cfg)
+    assert layout.replicas == verl_replicas == replicas
+    assert (layout.gpus_per_replica, layout.nodes_per_replica, layout.gpus_per_replica_node) == (world, nodes, per_node)
+    assert layout.total_gpus == gpus_per_node * nnodes
+    assert len(layout.placement_groups) == nodes and all(len(group) == per_node for group in layout.placement_groups)
+    # What verl's replica is given: memory share and engine kwargs pass through untouched.
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.gpu_memory_utilization == 0.9 and rollout.engine_kwargs.sglang.attention_backend == "fa3"
+    assert rollout.n_gpus_per_node == gpus_per_node and rollout.nnodes == nnodes
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=6", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], "cannot be split into replicas"),
+        (["actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "cannot be split into replicas"),
+        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"], "cannot be split into replicas"),
+        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=6", "actor_rollout_ref.rollout.tensor_model_parallel_size=6"], "cannot span nodes of 4 GPUs evenly"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization=0"),
+        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node=0: must be an integer >= 1"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.name=hf has no model parallelism"),
+        (["actor_rollout_ref.rollout.engine_kwargs.hf.device=tpu"], "engine_kwargs.hf.device='tpu': use cpu or cuda"),
+        # verl 0.9.1 has no pipeline parallelism for either engine (its RolloutConfig says so).
+        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.pipeline_model_parallel_size=2"], "verl refuses this rollout config .*pipeline_model_parallel_size > 1"),
+        (["actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.pipeline_model_parallel_size=2"], "verl refuses this rollout config .*pipeline_model_parallel_size > 1"),
+    ],
+)
+def test_wrong_layouts_are_refused_in_the_config(overrides, message):
+    with pytest.raises(GenrunError, match=message):
+        load_config(overrides)
+
+
+@pytest.mark.parametrize("engine, extra", [("sglang", "genrun\\[sglang\\]"), ("vllm", "genrun\\[vllm\\]")])
+def test_missing_engine_package_names_the_extra(engine, extra):
+    if __import__("importlib").util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    with pytest.raises(GenrunError, match=f"needs the {engine} package .*pip install '{extra}'"):
+        check_engine_installed(engine)
+
+
+def test_cluster_without_the_gpus_or_cpus_is_refused_before_placement():
+    layout = resolve_layout(load_config(["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    with pytest.raises(GenrunError, match="need 8 GPU\\(s\\) but the Ray cluster has 4"):
+        check_cluster_resources(layout, {"GPU": 4.0, "CPU": 64.0})
+    # verl's bundles hold 2 CPUs per GPU; a shard task needs one more.
+    with pytest.raises(GenrunError, match="hold 16 Ray CPUs .* the Ray cluster has 16 CPUs"):
+        check_cluster_resources(layout, {"GPU": 8.0, "CPU": 16.0})
+    check_cluster_resources(layout, {"GPU": 8.0, "CPU": 17.0})
+
+
+def test_hf_on_cuda_holds_one_gpu_per_replica():
+    from generation_core.engines.replicas import HFReplica
+
+    cfg = load_config(["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
+    layout = resolve_layout(cfg)
+    assert (layout.replicas, layout.gpus_per_replica, layout.placement_groups) == (2, 1, [])
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.hf.device == "cuda"
+    replica = HFReplica(replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=2)
+    assert replica.gpus() == 1
+    cpu = load_config([])
+    assert resolve_layout(cpu).gpus_per_replica == 0
+    assert HFReplica(replica_rank=0, config=cpu.actor_rollout_ref.rollout, model_config=cpu.actor_rollout_ref.model).gpus() == 0
+
+
+@pytest.mark.slow
+def test_boot_on_logical_gpus_places_replicas_on_their_own_gpus_and_shards_on_none():
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", CONTRACT_GPUS="4", CONTRACT_CPUS="10")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_layout_contract", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=200,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("CONTRACT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(lines[-1][len("CONTRACT "):])
+    assert result["replicas"] == result["layout"]["replicas"] == 2
+    gpus_by_replica: dict[int, list[str]] = {}
+    for placement in result["placements"]:
+        gpus_by_replica.setdefault(placement["replica"], []).extend(placement["gpu_ids"])
+    assert sorted(len(g) for g in gpus_by_replica.values()) == [2, 2]
+    assert sorted(g for gs in gpus_by_replica.values() for g in gs) == ["0", "1", "2", "3"]
+    assert result["placement_groups_per_replica"] == len(result["layout"]["placement_groups"]) == 1
+    assert result["bundles"] == [{k: float(v) for k, v in b.items()} for b in result["layout"]["placement_groups"][0]]
+    assert len(result["tokens"]) > 0
+    assert result["shard_task"]["gpu_ids"] == []
