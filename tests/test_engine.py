@@ -147,3 +147,44 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         # Greedy: each chosen token's logprob is the row's best (fp32 batch kernels: 1e-3 slack).
         assert (rows.max(dim=1).values - chosen).max().item() < 1e-3
         assert (chosen - torch.tensor(out.log_probs)).abs().max().item() < 1e-3
+
+
+def _per_row_reference(logits, params, generators):
+    """The sampler as it was before it ran batched: one row at a time on the CPU."""
+    from generation_core.engines.sampling import sample_next_tokens
+
+    return torch.cat([sample_next_tokens(logits[i : i + 1], [p], [g]) for i, (p, g) in enumerate(zip(params, generators))])
+
+
+def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
+    from generation_core.engines.sampling import SamplingParams, sample_next_tokens
+
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=20, seed=3),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
+    top5 = set(logits[1].topk(5).indices.tolist())
+    probs = (logits[2] / 0.7).softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    nucleus = set(order[: int(((sorted_p.cumsum(0) - sorted_p) < 0.3).sum())].tolist())
+    seeded = set()
+    for _ in range(40):
+        chosen = sample_next_tokens(logits, params, [None, None, None, None, torch.Generator().manual_seed(3), None])
+        assert chosen.dtype == torch.long and chosen.shape == (6,)
+        assert int(chosen[0]) == int(logits[0].argmax()) and int(chosen[5]) == int(logits[5].argmax())
+        assert int(chosen[1]) in top5
+        assert int(chosen[2]) in nucleus
+        seeded.add(int(chosen[4]))
+    # A seeded row draws with its own generator: the same token whatever its neighbours, and the
+    # same token as the one-row-at-a-time sampler gives.
+    alone = _per_row_reference(logits[4:5], params[4:5], [torch.Generator().manual_seed(3)])
+    assert seeded == {int(alone[0])}
+    # All-greedy batch: argmax of every row.
+    assert sample_next_tokens(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6).tolist() == logits.argmax(-1).tolist()

@@ -102,7 +102,8 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator().manual_seed(int(params.seed))
+            # On the engine's device: sampling runs where the logits are (sample_next_tokens).
+            generator = torch.Generator(device=self.settings.device).manual_seed(int(params.seed))
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
         self._incoming.put(seq)
         self._wakeup.set()
@@ -183,7 +184,7 @@ class HFEngine:
                 _resolve(seq, exc)
             raise
         self.stats["forward_steps"] += 1
-        logits = out.logits[:, -1, :].float().cpu()
+        logits = out.logits[:, -1, :].float()
         finished = self._sample(joining, logits)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         for row, seq in enumerate(joining):
@@ -198,7 +199,7 @@ class HFEngine:
         out = self.model(**batch.step_inputs(self.settings.device), past_key_values=batch.cache, use_cache=True, **self._last_logits_only)
         batch.advance()
         self.stats["forward_steps"] += 1
-        logits = out.logits[slots, -1, :].float().cpu()
+        logits = out.logits[slots, -1, :].float()
         seqs = [batch.sequences[slot] for slot in slots]
         finished = self._sample(seqs, logits)
         for row in finished:
@@ -206,19 +207,23 @@ class HFEngine:
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> set[int]:
         """Sample one token for each of `seqs` (logits[n] belongs to seqs[n]), record it, resolve
-        the sequences that finished and return their positions in `seqs`."""
+        the sequences that finished and return their positions in `seqs`.
+
+        `logits` stay on the model's device: sampling (and the log-softmax for logprobs) runs
+        there, and only the chosen ids and their log-probabilities come to the host."""
         chosen = sample_next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
         want_logprobs = any(s.params.logprobs for s in seqs)
         if want_logprobs:
             # Raw model log-probabilities (before temperature/top-k/top-p), like vLLM's default
             # `raw_logprobs` mode; this is what a re-score of the same tokens gives.
-            picked = logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+            picked = logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        tokens = chosen.tolist()
         finished: set[int] = set()
         for n, seq in enumerate(seqs):
-            token = int(chosen[n])
+            token = tokens[n]
             seq.token_ids.append(token)
             if want_logprobs:
-                seq.log_probs.append(float(picked[n]))
+                seq.log_probs.append(picked[n])
             stop_at_eos = token in self.eos_token_ids and not seq.params.ignore_eos
             if stop_at_eos or len(seq.token_ids) >= seq.max_tokens or seq.future.cancelled():
                 finished.add(n)

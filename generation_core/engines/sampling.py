@@ -54,31 +54,58 @@ class SamplingParams:
 def sample_next_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Pick one token per row of `logits` [batch, vocab] under that row's parameters."""
+    """Pick one token per row of `logits` [batch, vocab] under that row's parameters.
+
+    Everything runs on `logits.device` and the result (token ids, int64) stays there: the
+    caller copies only the chosen ids, never the logits. Rows without a generator are drawn
+    with one batched `torch.multinomial`; a row with a generator (a seeded request) is drawn
+    alone with it, so its tokens do not depend on the other rows of the batch. A generator must
+    live on the logits' device.
+    """
     batch, vocab = logits.shape
-    chosen = torch.empty(batch, dtype=torch.long)
+    device = logits.device
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    if greedy_rows:
-        chosen[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
-        return chosen
+        return logits.argmax(dim=-1)
+    chosen = torch.empty(batch, dtype=torch.long, device=device)
+    if greedy_rows:
+        greedy_index = torch.tensor(greedy_rows, device=device)
+        chosen[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
 
-    rows = logits[sampled_rows].float()
-    temperature = torch.tensor([params[i].temperature for i in sampled_rows]).unsqueeze(1)
+    if greedy_rows:
+        sampled_index = torch.tensor(sampled_rows, device=device)
+        rows = logits.index_select(0, sampled_index).float()
+    else:
+        sampled_index = None
+        rows = logits.float()
+    temperature = torch.tensor([params[i].temperature for i in sampled_rows], dtype=rows.dtype, device=device).unsqueeze(1)
     rows = rows / temperature
     sorted_logits, sorted_ids = rows.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled_rows]).unsqueeze(1)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled_rows], device=device).unsqueeze(1)
     remove = rank >= top_k
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token while the mass before it is below top_p: the top token always survives.
     mass_before = probs.cumsum(dim=-1) - probs
-    top_p = torch.tensor([params[i].top_p for i in sampled_rows]).unsqueeze(1)
+    top_p = torch.tensor([params[i].top_p for i in sampled_rows], dtype=probs.dtype, device=device).unsqueeze(1)
     remove |= mass_before >= top_p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     filtered_probs = sorted_logits.softmax(dim=-1)
-    for out_row, (row, i) in enumerate(zip(filtered_probs, sampled_rows)):
-        pick = torch.multinomial(row, 1, generator=generators[i])
-        chosen[i] = sorted_ids[out_row, pick]
+
+    # Position (in the sorted order) of the token drawn for each sampled row.
+    picks = torch.empty(len(sampled_rows), 1, dtype=torch.long, device=device)
+    unseeded = [n for n, i in enumerate(sampled_rows) if generators[i] is None]
+    if len(unseeded) == len(sampled_rows):
+        picks = torch.multinomial(filtered_probs, 1)
+    elif unseeded:
+        unseeded_index = torch.tensor(unseeded, device=device)
+        picks[unseeded_index] = torch.multinomial(filtered_probs.index_select(0, unseeded_index), 1)
+    for n, i in enumerate(sampled_rows):
+        if generators[i] is not None:
+            picks[n] = torch.multinomial(filtered_probs[n], 1, generator=generators[i])
+    tokens = sorted_ids.gather(1, picks).squeeze(1)
+    if sampled_index is None:
+        return tokens
+    chosen[sampled_index] = tokens
     return chosen
