@@ -94,11 +94,14 @@ def test_wrong_layouts_are_refused_in_the_config(overrides, message):
         load_config(overrides)
 
 
-@pytest.mark.parametrize("engine, extra", [("sglang", "genrun\\[sglang\\]"), ("vllm", "genrun\\[vllm\\]")])
-def test_missing_engine_package_names_the_extra(engine, extra):
+@pytest.mark.parametrize(
+    "engine, fix",
+    [("sglang", "pip install 'genrun\\[sglang\\]'"), ("vllm", "cannot be installed beside Prefect 3.8.8 .*use rollout.name=remote")],
+)
+def test_missing_engine_package_names_the_fix(engine, fix):
     if __import__("importlib").util.find_spec(engine) is not None:
         pytest.skip(f"{engine} is installed here")
-    with pytest.raises(GenrunError, match=f"needs the {engine} package .*pip install '{extra}'"):
+    with pytest.raises(GenrunError, match=f"needs the {engine} package .*{fix}"):
         check_engine_installed(engine)
 
 

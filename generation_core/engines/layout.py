@@ -37,8 +37,16 @@ SHARD_TASK_RESOURCES = {"num_cpus": 1, "num_gpus": 0}
 # verl's ResourcePoolManager(max_colocate_count=2) in RolloutReplica.init_standalone.
 VERL_COLOCATE_COUNT = 2
 
-# What `pip install` gives each GPU engine (pyproject's extras, which pin verl's supported versions).
-ENGINE_PACKAGES = {"sglang": ("sglang", "genrun[sglang]"), "vllm": ("vllm", "genrun[vllm]")}
+# How each GPU engine gets installed: the module verl imports, and the fix to print.
+ENGINE_PACKAGES = {
+    "sglang": ("sglang", "install it with pip install 'genrun[sglang]' (README: GPU quick start)"),
+    # verl 0.9.1's vllm 0.24.0 needs fastapi<0.137, prefect 3.8.8 needs >=0.139: no extra can hold both.
+    "vllm": (
+        "vllm",
+        "verl 0.9.1's vLLM (0.24.0) cannot be installed beside Prefect 3.8.8 (fastapi <0.137 vs >=0.139); "
+        "serve vLLM in an environment of its own and use rollout.name=remote (README: External inference servers)",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -169,12 +177,11 @@ def check_engine_installed(engine: str) -> None:
     """verl imports the engine's server class in the driver: refuse before anything starts."""
     if engine not in ENGINE_PACKAGES:
         return
-    module, extra = ENGINE_PACKAGES[engine]
+    module, how = ENGINE_PACKAGES[engine]
     if importlib.util.find_spec(module) is None:
         raise GenrunError(
             f"rollout.name={engine} needs the {module} package on the driver and on every GPU node of the Ray "
-            f"cluster; install it with pip install '{extra}' (README: GPU quick start), or use rollout.name=hf "
-            "(transformers) or rollout.name=remote (servers already running)"
+            f"cluster; {how}; or use rollout.name=hf (transformers) or rollout.name=remote (servers already running)"
         )
 
 
