@@ -104,7 +104,7 @@ def _config_without_secrets(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
     container["storage"]["options"] = redacted_options(container["storage"]["options"])
     engine_kwargs = container["actor_rollout_ref"]["rollout"]["engine_kwargs"]
-    engine_kwargs.update(redacted_options({"remote": engine_kwargs.get("remote") or {}}))
+    engine_kwargs["remote"] = redacted_options(engine_kwargs.get("remote") or {})
     return container
 
 

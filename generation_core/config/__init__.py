@@ -236,6 +236,12 @@ def validate_values(cfg: DictConfig) -> None:
         ("generation.max_inflight", gen.max_inflight),
         ("generation.save_batch_size", gen.save_batch_size),
         ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
+        # The replica layout (engines.layout.resolve_layout, below).
+        ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
+        ("trainer.nnodes", cfg.trainer.nnodes),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size),
+        ("actor_rollout_ref.rollout.data_parallel_size", rollout.data_parallel_size),
+        ("actor_rollout_ref.rollout.pipeline_model_parallel_size", rollout.pipeline_model_parallel_size),
     ):
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key, value, "must be an integer >= 1")
     _require(_is_number(rollout.temperature) and rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature", rollout.temperature, "must be a number >= 0 (0 is greedy)")

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Generat
 from transformers.cache_utils import Cache, DynamicLayer
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.sampling import SamplingParams, sample_next_tokens
+from generation_core.engines.sampling import SamplingParams, response_budget, sample_next_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +121,8 @@ class HFEngine:
         self._thread.join(timeout=10)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        # verl never sends max_tokens; its servers apply this same default.
         s = self.settings
-        limit = min(s.response_length, s.prompt_length + s.response_length - prompt_len)
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
-        return min(limit, self.max_model_len - prompt_len)
+        return min(response_budget(s.prompt_length, s.response_length, prompt_len, params.max_tokens), self.max_model_len - prompt_len)
 
     # ---- decode loop (background thread) ---------------------------------------------------
 

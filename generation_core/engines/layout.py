@@ -92,21 +92,13 @@ class ReplicaLayout:
         return "" if self.gpu_memory_utilization is None else f", gpu_memory_utilization={self.gpu_memory_utilization}"
 
 
-def _positive_int(value, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise GenrunError(f"invalid {key}={value!r}: must be an integer >= 1")
-    return value
-
-
 def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
     """The replica layout `cfg` asks for, or a GenrunError naming the key to change."""
     rollout = cfg.actor_rollout_ref.rollout
     engine = rollout.name
-    gpus_per_node = _positive_int(cfg.trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
-    nnodes = _positive_int(cfg.trainer.nnodes, "trainer.nnodes")
-    tp = _positive_int(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
-    dp = _positive_int(rollout.data_parallel_size, "actor_rollout_ref.rollout.data_parallel_size")
-    pp = _positive_int(rollout.pipeline_model_parallel_size, "actor_rollout_ref.rollout.pipeline_model_parallel_size")
+    # Integers >= 1: config.validate_values checked them.
+    gpus_per_node, nnodes = cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes
+    tp, dp, pp = rollout.tensor_model_parallel_size, rollout.data_parallel_size, rollout.pipeline_model_parallel_size
     world = tp * dp * pp
     slots = gpus_per_node * nnodes
 

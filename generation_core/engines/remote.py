@@ -29,6 +29,7 @@ import httpx
 from omegaconf import DictConfig
 from verl.workers.rollout.replica import TokenOutput
 
+from generation_core.engines.sampling import response_budget
 from generation_core.errors import GenrunError
 
 logger = logging.getLogger(__name__)
@@ -169,15 +170,10 @@ class CompletionsServer:
             raise RemoteServerUnavailable(f"{self.base_url}{path} answered {answer.status_code}")
         return answer
 
-    def _max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
-        # verl never sends max_tokens; its own servers apply this same default.
-        limit = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
-        asked = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
-        return limit if asked is None else min(limit, int(asked))
-
     async def _generate(self, request_id: str = "", *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused) -> TokenOutput:
         want_logprobs = bool(sampling_params.get("logprobs", False))
-        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+        asked = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+        max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), asked)
         if max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason="completed")
         if self.model is None:
@@ -232,7 +228,7 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
     serves. Refuses when none answers, or a server does not serve the configured model."""
     servers = open_servers(cfg)
     try:
-        results = await asyncio.gather(*[_probe_models(server) for server in servers.values()], return_exceptions=True)
+        results = await asyncio.gather(*[server.models() for server in servers.values()], return_exceptions=True)
     finally:
         await next(iter(servers.values())).http.aclose()
     answering = {url: models for url, models in zip(servers, results) if not isinstance(models, BaseException)}
@@ -259,7 +255,3 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
             "list servers of the same model, or set engine_kwargs.remote.model"
         )
     return chosen
-
-
-async def _probe_models(server: CompletionsServer) -> list[str]:
-    return await server.models()

@@ -51,6 +51,14 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+def response_budget(prompt_length: int, response_length: int, prompt_len: int, asked: int | None) -> int:
+    """Tokens a request may generate. verl never sends max_tokens; its servers apply this same
+    default (the rest of prompt_length + response_length, at most response_length), and a
+    max_tokens that is sent can only lower it."""
+    limit = min(response_length, prompt_length + response_length - prompt_len)
+    return limit if asked is None else min(limit, int(asked))
+
+
 def sample_next_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
