@@ -8,7 +8,7 @@ Ray, shard tasks, verl agent loops, parts and checkpoints, merge, zip) at 1 and 
 response has exactly `--tokens` tokens on both sides (`engine_kwargs.hf.ignore_eos=true` and
 `min_new_tokens`), so the token counts are equal by construction.
 
-Two ratios per run, from the run's timeline (generation_core/timeline.py):
+Two ratios per run, from the run's timeline (generation_core/instrumentation.py):
   - generation phase: tokens / (first shard worker ready with the engine up -> last shard
     done): what the pipeline delivers while it generates;
   - end to end: tokens / the whole command (Python start, Prefect server, Ray, model load,

@@ -5,7 +5,7 @@
 Runs the demo command (`genrun` on the bundled defaults: CPU model, bundled prompts, local
 storage; what `make demo` runs once the venv exists) into a scratch folder with
 `GENRUN_TIMELINE` set, so each process of the run records when it reached each stage
-(generation_core/timeline.py). The clock starts just before the command is launched. The time
+(generation_core/instrumentation.py). The clock starts just before the command is launched. The time
 to the first committed part is printed last, against the target of 60 s on 2 cores.
 """
 

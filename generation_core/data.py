@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from generation_core.config import train_files
 from generation_core.errors import GenrunError
+from generation_core.run_folder import shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,17 @@ class ShardSpec:
 
     @property
     def name(self) -> str:
-        return f"shard-{self.shard_id:05d}"
+        return shard_name(self.shard_id)
 
     def __len__(self) -> int:
         return self.end - self.start
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, int]) -> "ShardSpec":
+        return cls(int(payload["shard_id"]), int(payload["start"]), int(payload["end"]))
 
 
 _HOW_TO_WRITE = "data.train_files takes Parquet (or JSON/JSONL) files in verl's chat layout, e.g. written by pandas' DataFrame.to_parquet"

@@ -25,14 +25,13 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from generation_core.errors import GenrunError
+from generation_core.run_folder import LEASE_DIR, lease_file, lease_generation
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
-LEASE_DIR = "lease"
 DEFAULT_LEASE_SECONDS = 60.0
 
 
@@ -73,17 +72,12 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _lease_name(generation: int) -> str:
-    return f"{LEASE_DIR}/{generation:08d}.json"
-
-
 def newest_lease(folder: RunFolder) -> LeaseRecord | None:
-    names = [name for name in folder.list(LEASE_DIR) if name.endswith(".json") and name[:-5].isdigit()]
-    if not names:
+    generations = [g for g in map(lease_generation, folder.list(LEASE_DIR)) if g is not None]
+    if not generations:
         return None
-    newest = max(names, key=lambda name: int(name[:-5]))
     try:
-        return LeaseRecord(**folder.read_json(f"{LEASE_DIR}/{newest}"))
+        return LeaseRecord(**folder.read_json(lease_file(max(generations))))
     except FileNotFoundError:
         # Removed between the listing and the read (a holder cleaning up): look again.
         return newest_lease(folder)
@@ -164,7 +158,7 @@ class RunLease:
             acquired=now,
             renewed=now,
         )
-        if not folder.create_exclusive(_lease_name(record.generation), _encode(record)):
+        if not folder.create_exclusive(lease_file(record.generation), _encode(record)):
             # Another run created the same number first: it holds the folder now.
             winner = newest_lease(folder)
             raise _refusal(folder, winner, time.time()) if winner else GenrunError(f"lost the race for {folder.display(LEASE_DIR)}; run again")
@@ -184,7 +178,7 @@ class RunLease:
             return
         self.record.released, self.record.released_at = True, time.time()
         try:
-            self.folder.put_atomic(_lease_name(self.record.generation), _encode(self.record))
+            self.folder.put_atomic(lease_file(self.record.generation), _encode(self.record))
         except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
             logger.warning("could not release the run lease (%s: %s); it expires in %.0f s", type(exc).__name__, exc, self.record.seconds)
 
@@ -203,16 +197,16 @@ class RunLease:
                     logger.error("this run lost its output folder %s: %s (our heartbeat stalled past %.0f s)", self.folder.display(), self.lost, self.record.seconds)
                     return
                 self.record.renewed = time.time()
-                self.folder.put_atomic(_lease_name(self.record.generation), _encode(self.record))
+                self.folder.put_atomic(lease_file(self.record.generation), _encode(self.record))
             except Exception as exc:  # noqa: BLE001 - storage hiccups: the next beat tries again
                 logger.warning("run lease heartbeat failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, self.record.seconds / 4)
 
     def _remove_older(self) -> None:
         # The previous holder's file stays: when it ended and this run began, for `genrun status`
         # readers and audits.
-        for name in self.folder.list(LEASE_DIR):
-            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < self.record.generation - 1:
-                self.folder.remove(f"{LEASE_DIR}/{name}")
+        for generation in map(lease_generation, self.folder.list(LEASE_DIR)):
+            if generation is not None and generation < self.record.generation - 1:
+                self.folder.remove(lease_file(generation))
 
 
 @dataclass(frozen=True)
@@ -229,9 +223,6 @@ class LeaseFence:
                 f"output folder {folder.display()} was taken over by another run (lease {newest.generation}, pid {newest.pid} "
                 f"on {newest.host}) while this one (lease {self.generation}) was still writing; this run stops without committing"
             )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _encode(record: LeaseRecord) -> bytes:

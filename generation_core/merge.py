@@ -1,12 +1,13 @@
 """Parts -> the verl DataProto training consumes, padded exactly as verl's agent loop pads it.
 
-`build_dataproto` reproduces `AgentLoopWorker._agent_loop_postprocess` (per-sample padding)
-followed by `AgentLoopWorker._postprocess` (batching) for text models, and tests compare it with
-verl's own code on the same outputs. `merge_run` reads every shard's committed parts (checksums
-verified), orders them by (index, rollout_n) and writes `trajectories.pkl`, which
-`DataProto.load_from_disk` reads; `merge_run_chunked` writes the same rows as
-`trajectories-00000.pkl, ...` of at most `chunk_size` rows plus `trajectories.json` listing them,
-for datasets whose DataProto does not fit in memory.
+`PaddedBatchBuilder` reproduces `AgentLoopWorker._agent_loop_postprocess` (per-sample padding)
+followed by `AgentLoopWorker._postprocess` (batching) for text models; tests compare it with
+verl's own code on the same outputs. `merge_output` is the entry point: it reads every shard's
+committed parts (checksums verified), orders them by (index, rollout_n) and writes either
+`trajectories.pkl` (`merge_run`), which `DataProto.load_from_disk` reads, or, with a chunk size,
+the same rows as `trajectories-00000.pkl, ...` of at most `chunk_size` rows plus
+`trajectories.json` listing them (`merge_run_chunked`), for runs whose DataProto does not fit in
+memory.
 
 Memory: a merge holds the padded tensors of one output file plus one part. Token lists go from
 Arrow straight into the padded tensors (no Python list per token), and the pickle is written
@@ -32,30 +33,32 @@ from tensordict import TensorDict
 from verl.protocol import DataProto
 
 from generation_core.errors import GenrunError
-from generation_core.records import (
-    PART_SCHEMA,
-    SHARED_RAW_PROMPT,
-    TrajectoryRecord,
-    decode_fields,
-    read_part_table,
-    records_from_parquet,
+from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table
+from generation_core.run_folder import (
+    CHUNK_INDEX_FILE,
+    MERGED_FILE,
+    CommittedPartRef,
+    chunk_file_name,
+    committed_parts,
+    read_verified_part,
+    remove_stale_merge_output,
 )
-from generation_core.shard import CHECKPOINT
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
-MERGED_FILE = "trajectories.pkl"
-CHUNK_INDEX_FILE = "trajectories.json"
-CHUNK_FILE_PREFIX = "trajectories-"
 # Keys verl's _postprocess always emits among the non-tensor fields, present or not.
 _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"}
 _TOKEN_COLUMNS = ["index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns"]
-_STREAM_CHUNK = 1 << 20
 
 
-def chunk_file_name(chunk: int) -> str:
-    return f"{CHUNK_FILE_PREFIX}{chunk:05d}.pkl"
+@dataclass(frozen=True)
+class Padding:
+    """The padded widths of a run's DataProto (verl's rollout.prompt_length / response_length)."""
+
+    prompt_length: int
+    response_length: int
+    pad_token_id: int
 
 
 @dataclass
@@ -76,36 +79,6 @@ class BatchLayout:
     extra_keys: list[str]
     """Sorted union of the agent loops' extra_fields keys and the ones verl always emits."""
 
-    @classmethod
-    def of_records(cls, records: list[TrajectoryRecord]) -> "BatchLayout":
-        reward_infos = [r.extra_fields.get("reward_extra_info") or {} for r in records]
-        return cls(
-            with_logprobs=records[0].response_logprobs is not None,
-            with_rm_scores=all(r.reward_score is not None for r in records),
-            input_keys=list(records[0].input_fields),
-            # verl takes the first sample's keys; a reward function whose dict keys vary per sample
-            # (or a run where some samples have none) would lose or fail on the others, so take the
-            # union in first-seen order and leave None where a sample lacks a key.
-            reward_extra_keys=list(dict.fromkeys(key for info in reward_infos for key in info)),
-            complete_reward_keys=set.intersection(*(set(info) for info in reward_infos)),
-            # Sorted, not set order: the same records must pickle to the same bytes in every process.
-            extra_keys=sorted({key for r in records for key in r.extra_fields} | _DEFAULT_EXTRA_KEYS),
-        )
-
-
-def build_dataproto(
-    records: list[TrajectoryRecord], *, prompt_length: int, response_length: int, pad_token_id: int
-) -> DataProto:
-    """Pad and batch `records` (in the given order) the way verl's agent loop does."""
-    if not records:
-        raise GenrunError("nothing to merge: no trajectory was committed")
-    builder = PaddedBatchBuilder(len(records), BatchLayout.of_records(records), prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
-    tokens = pa.table(
-        {name: [getattr(r, name) for r in records] for name in _TOKEN_COLUMNS},
-        schema=pa.schema([PART_SCHEMA.field(name) for name in _TOKEN_COLUMNS]),
-    )
-    builder.add(tokens, np.arange(len(records)), [r.input_fields for r in records], [r.extra_fields for r in records], [r.metrics for r in records])
-    return builder.finish()
 
 
 class PaddedBatchBuilder:
@@ -242,8 +215,7 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 @dataclass
 class CommittedPart:
-    path: str
-    sha256: str
+    ref: CommittedPartRef
     positions: np.ndarray = field(repr=False)
     """Where each of the part's rows goes in the (index, rollout_n) order of the whole run."""
 
@@ -257,40 +229,6 @@ class MergeInput:
     layout: BatchLayout
 
 
-def committed_parts(folder: RunFolder) -> list[dict[str, str]]:
-    """Path and checksum of every part a shard checkpoint lists (orphans of crashed writes are not)."""
-    parts = []
-    for shard_name in folder.list("shards"):
-        checkpoint_path = f"shards/{shard_name}/{CHECKPOINT}"
-        if folder.exists(checkpoint_path):
-            parts.extend({"path": f"shards/{shard_name}/{p['name']}", "sha256": p["sha256"]} for p in folder.read_json(checkpoint_path)["parts"])
-    return parts
-
-
-def read_verified_part(folder: RunFolder, path: str, sha256: str) -> bytes:
-    from generation_core.part_integrity import DamagedPart
-
-    try:
-        data = folder.read_bytes(path)
-    except FileNotFoundError:
-        raise DamagedPart(f"part {folder.display(path)}, listed by its shard's checkpoint, is missing", path) from None
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise DamagedPart(f"part {folder.display(path)} does not match the checksum its checkpoint recorded", path)
-    return data
-
-
-def read_committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
-    """Every committed trajectory of every shard, checksums verified, sorted by (index, rollout_n)."""
-    records: list[TrajectoryRecord] = []
-    for part in committed_parts(folder):
-        records.extend(records_from_parquet(read_verified_part(folder, part["path"], part["sha256"])))
-    records.sort(key=lambda r: r.key)
-    keys = [r.key for r in records]
-    if len(set(keys)) != len(keys):
-        raise GenrunError(f"{folder.display()} holds duplicate trajectories; run `genrun status` on it")
-    return records
-
-
 def scan_run(folder: RunFolder) -> MergeInput:
     """First pass over the parts, reading only small columns: the global order of every row and
     the layout all output files share. The token columns are read in the second pass."""
@@ -301,7 +239,7 @@ def scan_run(folder: RunFolder) -> MergeInput:
     reward_key_sets: dict[tuple[str, ...], int] = {}
     reward_codes = []
     for part in parts:
-        table = read_part_table(read_verified_part(folder, part["path"], part["sha256"]), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
+        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
         scores_missing += table.column("reward_score").null_count
@@ -322,11 +260,11 @@ def scan_run(folder: RunFolder) -> MergeInput:
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     starts = np.cumsum([0, *(len(k) for k in keys_index)])
-    committed = [CommittedPart(p["path"], p["sha256"], rank[starts[i] : starts[i + 1]]) for i, p in enumerate(parts)]
+    committed = [CommittedPart(p, rank[starts[i] : starts[i + 1]]) for i, p in enumerate(parts)]
 
     # The first trajectory decides the dataset keys and whether logprobs are batched (as in verl).
     first_part = int(np.searchsorted(starts, order[0], side="right") - 1)
-    first = read_part_table(read_verified_part(folder, parts[first_part]["path"], parts[first_part]["sha256"]), ["input_fields", "response_logprobs"])
+    first = read_part_table(read_verified_part(folder, parts[first_part]), ["input_fields", "response_logprobs"])
     first = first.slice(int(order[0] - starts[first_part]), 1)
     # Reward-info key sets in the order the sorted rows first show them: verl's first-seen order.
     sorted_codes = np.asarray(reward_codes, dtype=np.int64)[order]
@@ -352,7 +290,7 @@ def build_rows(folder: RunFolder, merge_input: MergeInput, start: int, stop: int
         wanted = (part.positions >= start) & (part.positions < stop)
         if not wanted.any():
             continue
-        table = read_part_table(read_verified_part(folder, part.path, part.sha256), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared"])
+        table = read_part_table(read_verified_part(folder, part.ref), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared"])
         if not wanted.all():
             table = table.filter(pa.array(wanted))
         builder.add(table, part.positions[wanted] - start, *decode_fields(table))
@@ -432,33 +370,13 @@ class MergedOutput:
     """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
 
 
-def merged_files(folder: RunFolder) -> list[str]:
-    """The files of the current merge output: the chunk index and its chunks, or trajectories.pkl."""
-    if folder.exists(CHUNK_INDEX_FILE):
-        return [CHUNK_INDEX_FILE, *(chunk["name"] for chunk in folder.read_json(CHUNK_INDEX_FILE)["chunks"])]
-    return [MERGED_FILE] if folder.exists(MERGED_FILE) else []
-
-
-def _remove_stale(folder: RunFolder, keep: set[str]) -> None:
-    """Remove the other layout's files and chunks beyond the current count, once the new output
-    is complete. An index that is not current goes first: chunk files without one are not an
-    output (merged_files ignores them), an index over stale chunks would be."""
-    names = folder.list("")
-    if CHUNK_INDEX_FILE in names and CHUNK_INDEX_FILE not in keep:
-        folder.remove(CHUNK_INDEX_FILE)
-    for name in names:
-        stale_chunk = name.startswith(CHUNK_FILE_PREFIX) and name.endswith(".pkl")
-        if (stale_chunk or name == MERGED_FILE) and name not in keep:
-            folder.remove(name)
-
-
 def merge_run(folder: RunFolder, *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
     """Merge every committed trajectory into one `trajectories.pkl`; returns its DataProto."""
     merge_input = scan_run(folder)
     data = build_rows(folder, merge_input, 0, merge_input.rows, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
     with folder.open_write(MERGED_FILE) as handle:
         dump_dataproto(data, handle)
-    _remove_stale(folder, keep={MERGED_FILE})
+    remove_stale_merge_output(folder, keep={MERGED_FILE})
     logger.info("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
     return data
 
@@ -492,18 +410,16 @@ def merge_run_chunked(folder: RunFolder, *, chunk_size: int, prompt_length: int,
             "chunks": chunks,
         },
     )
-    _remove_stale(folder, keep={CHUNK_INDEX_FILE, *(chunk["name"] for chunk in chunks)})
+    remove_stale_merge_output(folder, keep={CHUNK_INDEX_FILE, *(chunk["name"] for chunk in chunks)})
     logger.info("merged %d trajectories into %d chunk(s) listed in %s", merge_input.rows, len(chunks), folder.display(CHUNK_INDEX_FILE))
     return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
 
 
-def load_chunks(folder: RunFolder) -> DataProto:
-    """The chunked output read back as one DataProto (tests and small runs; checksums verified)."""
-    index = folder.read_json(CHUNK_INDEX_FILE)
-    parts = []
-    for chunk in index["chunks"]:
-        data = folder.read_bytes(chunk["name"])
-        if hashlib.sha256(data).hexdigest() != chunk["sha256"]:
-            raise GenrunError(f"{folder.display(chunk['name'])} does not match the checksum in {CHUNK_INDEX_FILE}")
-        parts.append(pickle.loads(data))
-    return DataProto.concat(parts)
+def merge_output(folder: RunFolder, padding: Padding, chunk_size: int | None = None) -> MergedOutput:
+    """Merge the committed parts as a run is configured: one trajectories.pkl, or chunk files of
+    at most `chunk_size` rows listed in trajectories.json."""
+    lengths = dict(prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id)
+    if chunk_size:
+        return merge_run_chunked(folder, chunk_size=chunk_size, **lengths)
+    data = merge_run(folder, **lengths)
+    return MergedOutput(MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]]))

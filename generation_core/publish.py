@@ -10,25 +10,23 @@ import tempfile
 import zipfile
 from typing import Any
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from verl.utils.tracking import Tracking
 
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder
+from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, merged_files
+from generation_core.storage import RunFolder, redacted_options
+from generation_core.summary import throughput_metrics
 
 logger = logging.getLogger(__name__)
 
-ZIP_FILE = "trajectories.zip"
-RUN_MEMBERS = ("run.json", "manifest.json")
-ARTIFACT_MODES = ("upload", "reference")
+RUN_MEMBERS = (RUN_FILE, MANIFEST_FILE)
 _CHUNK = 1 << 20
 
 
 def zip_members(folder: RunFolder) -> list[str]:
     """The merged output (trajectories.pkl, or trajectories.json and its chunk files), run.json
     and manifest.json."""
-    from generation_core.merge import MERGED_FILE, merged_files
-
     merged = merged_files(folder)
     members = [*(merged or [MERGED_FILE]), *RUN_MEMBERS]
     missing = [name for name in members if not folder.exists(name)]
@@ -43,38 +41,13 @@ def write_zip(folder: RunFolder) -> str:
     members = zip_members(folder)
     with folder.open_write(ZIP_FILE) as raw, zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
         for name in members:
-            with folder.fs.open(folder.path(name), "rb") as source, archive.open(name, "w", force_zip64=True) as target:
+            with folder.open_read(name) as source, archive.open(name, "w", force_zip64=True) as target:
                 shutil.copyfileobj(source, target, _CHUNK)
     return folder.display(ZIP_FILE)
 
 
-def throughput_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    now = summary["this_invocation"]
-    seconds = now["generation_seconds"] or 0.0
-    metrics = {
-        "generation/trajectories": float(summary["num_trajectories"]),
-        "generation/generated_tokens": float(summary["generated_tokens"]),
-        "generation/samples_per_s": now["trajectories"] / seconds if seconds else 0.0,
-        "generation/tokens_per_s": now["generated_tokens"] / seconds if seconds else 0.0,
-        "generation/failures": float(sum(s.get("failures", 0) for s in summary["shards"])),
-        "generation/retries": float(sum(s.get("retries", 0) for s in summary["shards"])),
-    }
-    for name, value in summary.get("request_latency_s", {}).items():
-        metrics[f"generation/request_latency_{name}_s"] = float(value)
-    return metrics
-
-
-def latency_percentiles(latencies: np.ndarray) -> dict[str, float]:
-    """p50/p95 of the time each trajectory spent waiting on the engine (verl's generate_sequences)."""
-    if len(latencies) == 0:
-        return {}
-    return {"p50": round(float(np.percentile(latencies, 50)), 4), "p95": round(float(np.percentile(latencies, 95)), 4)}
-
-
 def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> dict[str, Any]:
     """Zip (when merged), log metrics on every configured backend, upload the W&B artifact."""
-    from verl.utils.tracking import Tracking
-
     gen = cfg.generation
     backends = list(cfg.trainer.logger)
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
@@ -99,8 +72,6 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> 
 
 def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
     """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
-    from generation_core.storage import redacted_options
-
     rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
     keep = ("name", "temperature", "top_p", "top_k", "n", "prompt_length", "response_length", "calculate_log_probs", "max_num_seqs")
     return {
@@ -140,14 +111,8 @@ def _log_wandb_artifact(cfg: DictConfig, folder: RunFolder, summary: dict[str, A
             artifact.add_reference(folder.display(member), name=member, checksum=False)
         _log(wandb, artifact)
         return f"{name} (references)"
-    if folder.is_local:
-        artifact.add_file(folder.path(ZIP_FILE), name=ZIP_FILE)
-        _log(wandb, artifact)
-        return name
     with tempfile.TemporaryDirectory() as scratch:
-        local = os.path.join(scratch, ZIP_FILE)
-        folder.fs.get_file(folder.path(ZIP_FILE), local)
-        artifact.add_file(local, name=ZIP_FILE)
+        artifact.add_file(folder.local_copy(ZIP_FILE, os.path.join(scratch, ZIP_FILE)), name=ZIP_FILE)
         _log(wandb, artifact)
     return name
 

@@ -1,7 +1,7 @@
 """Engine requests that survive transient failures: retries with backoff and a timeout.
 
 Agent loops talk to the engine through one call, `await client.generate(request_id, ...)`.
-`RetryingClient` wraps verl's LLMServerClient (or any object with that method) and retries a
+`RetryingClient` wraps the routing client (or any object with that method) and retries a
 request that failed for a reason that may pass (the replica actor died or restarted, the call
 timed out, a connection dropped, the engine raised an internal error) with exponential backoff.
 A request the engine rejected as invalid (ValueError/TypeError: a prompt beyond the context,

@@ -147,6 +147,18 @@ class RunFolder:
             return _LocalAtomicWriter(target)
         return self.fs.open(target, "wb")
 
+    def open_read(self, relative: str):
+        """A streaming reader for large files (the merged output going into the zip)."""
+        return self.fs.open(self.path(relative), "rb")
+
+    def local_copy(self, relative: str, scratch_path: str) -> str:
+        """A local path holding the file: the file itself on local disk, else a download to
+        `scratch_path` (for tools that only take local files, such as W&B's add_file)."""
+        if self.is_local:
+            return self.path(relative)
+        self._with_retries(f"downloading {self.display(relative)}", lambda: self.fs.get_file(self.path(relative), scratch_path))
+        return scratch_path
+
     def list(self, relative: str) -> list[str]:
         """Names (not paths) directly under `relative`; empty when it does not exist."""
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -28,15 +27,12 @@ import verl.experimental.agent_loop.agent_loop as verl_agent_loop
 from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
+from generation_core.instrumentation import SampleTrace
 from generation_core.records import SampleFailure, TrajectoryRecord
 from generation_core.request_retry import RetryingClient
 from generation_core.rewards import RewardScorer
 
 logger = logging.getLogger(__name__)
-
-# A local file that gets one line per finished trajectory, flushed at once (debugging aid: it
-# shows what a killed run had finished but not yet committed).
-SAMPLE_TRACE_ENV = "GENRUN_SAMPLE_TRACE"
 
 SampleKey = tuple[int, int]
 
@@ -121,8 +117,7 @@ class StreamingWorker:
                 inflight[asyncio.ensure_future(self.run_one(key, kwargs))] = key
 
         refill()
-        trace_path = os.environ.get(SAMPLE_TRACE_ENV)
-        trace = open(trace_path, "a", buffering=1) if trace_path else None
+        trace = SampleTrace()
         try:
             while inflight:
                 done, _ = await asyncio.wait(inflight, timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -137,13 +132,11 @@ class StreamingWorker:
                         logger.warning("sample %d:%d failed: %s: %s", key[0], key[1], type(exc).__name__, exc)
                         yield SampleFailure.from_exception(key, exc)
                         continue
-                    if trace is not None:
-                        trace.write(f"{time.time():.3f} finished {record.index}:{record.rollout_n}\n")
+                    trace.finished(record.index, record.rollout_n)
                     yield record
                 refill()
         finally:
-            if trace is not None:
-                trace.close()
+            trace.close()
             for task in inflight:
                 task.cancel()
             if inflight:

@@ -1,4 +1,4 @@
-"""Prefect task: merge the committed parts into trajectories.pkl and write manifest.json."""
+"""Prefect task: merge the committed parts and write manifest.json (generation_core.finish.finish_run)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from generation_core.run import RunPlan, finish_run
+from generation_core.finish import finish_run
+from generation_core.preflight import RunPlan
+from generation_core.run_folder import ShardManifest
 
 
 @task(name="merge", cache_policy=NO_CACHE)
-def merge(plan: RunPlan, manifests: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+def merge(plan: RunPlan, manifests: list[ShardManifest], elapsed: float) -> dict[str, Any]:
     return finish_run(plan, manifests, elapsed)

@@ -9,12 +9,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from generation_core.preflight import RunPlan
 from generation_core.publish import publish_run
-from generation_core.run import RunPlan, shard_stats
+from generation_core.run_folder import ShardManifest
+from generation_core.summary import shard_stats
 
 
 @task(name="publish", cache_policy=NO_CACHE)
-def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[dict[str, Any]], artifact_key: str) -> dict[str, Any]:
+def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[ShardManifest], artifact_key: str) -> dict[str, Any]:
     published = publish_run(plan.cfg, plan.folder, summary)
     create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
     lines = [

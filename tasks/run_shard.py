@@ -1,4 +1,4 @@
-"""Prefect task: run one shard on a Ray worker (generation_core.run.run_shard_job)."""
+"""Prefect task: run one shard on a Ray worker (generation_core.job.run_shard_job)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ from typing import Any
 
 from prefect import task
 
-from generation_core.run import run_shard_job
+from generation_core.data import ShardSpec
+from generation_core.job import run_shard_job
+from generation_core.preflight import RunPlan
 
 
 def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
     """Same run, same output folder, same shard: never the flow-run id, so a retried or
     re-deployed flow run finds the shards an earlier run finished."""
-    folder = hashlib.sha256(parameters["config"]["trainer"]["default_local_dir"].encode()).hexdigest()[:16]
-    return f"genrun-{parameters['fingerprint'][:24]}-{folder}-shard-{parameters['shard_id']:05d}"
+    plan = parameters["plan"]
+    folder = hashlib.sha256(plan["config"]["trainer"]["default_local_dir"].encode()).hexdigest()[:16]
+    return f"genrun-{plan['fingerprint'][:24]}-{folder}-shard-{parameters['shard']['shard_id']:05d}"
 
 
-@task(name="run_shard", task_run_name="shard-{shard_id:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
-def run_shard(config: dict[str, Any], fingerprint: str, shard_id: int, balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
-    return run_shard_job(config, shard_id, balancer_name, lease_generation)
+@task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
+def run_shard(plan: dict[str, Any], shard: dict[str, int], balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
+    manifest = run_shard_job(RunPlan.from_dict(plan), ShardSpec.from_dict(shard), balancer_name=balancer_name, lease_generation=lease_generation)
+    return manifest.to_dict()

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-GENRUN = [sys.executable, "-m", "generation_core.cli"]
+GENRUN = [sys.executable, "-m", "flows.cli"]
 
 
 @pytest.fixture(scope="session", autouse=True)

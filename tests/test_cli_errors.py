@@ -24,7 +24,7 @@ def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys, mo
     input would spend most of the test importing torch and verl again)."""
     import ray
 
-    from generation_core.cli import main
+    from flows.cli import main
 
     # Another test of the session may have started Ray in this process already: what matters is
     # that a refused run never gets to start it (nor the Prefect server beside it).
@@ -33,7 +33,7 @@ def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys, mo
     def start_ray_called(*_args, **_kwargs):
         raise AssertionError("a refused run reached start_ray")
 
-    monkeypatch.setattr("generation_core.run.start_ray", start_ray_called)
+    monkeypatch.setattr("generation_core.ray_setup.start_ray", start_ray_called)
     for args, message in bad_input_cases(tmp_path):
         out = output_folder(args, tmp_path / "out")
         before = folder_contents(out)

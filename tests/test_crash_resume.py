@@ -13,7 +13,8 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.run import execute_run, prepare_run
+from generation_core.dispatch import run_in_process
+from generation_core.preflight import preflight
 
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 
@@ -65,7 +66,7 @@ def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
 
     # The uninterrupted run in this process (the CLI path is what gets killed and resumed).
-    execute_run(prepare_run(_args(prompts, reference_dir)))
+    run_in_process(preflight(_args(prompts, reference_dir)))
 
     at_kill = _kill_after_first_commit(_args(prompts, crashed_dir), crashed_dir, tmp_path / "killed.log")
     assert not (crashed_dir / "trajectories.pkl").exists()

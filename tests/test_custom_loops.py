@@ -78,7 +78,9 @@ def _user_plugin(site):
     dist = site / "my_loops-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-loops\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[verl.plugins]\nmy_loops = my_loops\n")
+    # The example self-refine loop, registered the way a user's package would register it (genrun
+    # itself declares no plugin: every install would import it).
+    (dist / "entry_points.txt").write_text("[verl.plugins]\nmy_loops = my_loops\ngenrun_self_refine = examples.self_refine.self_refine_loop\n")
 
 
 @pytest.mark.slow

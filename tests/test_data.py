@@ -88,14 +88,15 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     the run summary (manifest.json) and the CLI's output, not only in a log line."""
     import re
 
-    from generation_core.cli import _print_summary
-    from generation_core.run import prepare_run, summarize
+    from flows.cli import _print_summary
+    from generation_core.preflight import preflight
+    from generation_core.summary import summarize
 
     rows = chat_rows(4)
     rows[1]["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
     rows[3]["prompt"][0]["content"] = "Describe a cat in great detail. " * 60
     path = write_parquet(tmp_path / "mixed.parquet", rows)
-    plan = prepare_run([f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    plan = preflight([f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"])
     assert (len(plan.prompts), plan.prompts.filtered_overlong) == (2, 2)
     summary = summarize(plan, [], 0.0)
     assert summary["filtered_overlong_prompts"] == 2

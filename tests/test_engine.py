@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from generation_core.engines.base import SamplingParams
 from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.sampling import sample_next_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,14 +153,10 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
 
 def _per_row_reference(logits, params, generators):
     """The sampler as it was before it ran batched: one row at a time on the CPU."""
-    from generation_core.engines.sampling import sample_next_tokens
-
     return torch.cat([sample_next_tokens(logits[i : i + 1], [p], [g]) for i, (p, g) in enumerate(zip(params, generators))])
 
 
 def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
-    from generation_core.engines.sampling import SamplingParams, sample_next_tokens
-
     torch.manual_seed(0)
     vocab = 300
     logits = torch.randn(6, vocab) * 3

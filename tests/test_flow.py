@@ -13,7 +13,8 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.run import execute_run, prepare_run
+from generation_core.dispatch import run_in_process
+from generation_core.preflight import preflight
 from tests.conftest import REPO, chat_rows, kill_group, run_genrun, write_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -63,7 +64,7 @@ def test_three_shards_on_ray_equal_the_in_process_run(prefect_server, ray_local,
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(10))
     result = run_genrun([*_instant(prompts, tmp_path / "flow"), "generation.num_shards=3"], env=prefect_server.env)
     assert result.returncode == 0, result.stderr[-3000:]
-    in_process = execute_run(prepare_run([*_instant(prompts, tmp_path / "plain"), "generation.num_shards=3"]))
+    in_process = run_in_process(preflight([*_instant(prompts, tmp_path / "plain"), "generation.num_shards=3"]))
     assert in_process["num_trajectories"] == 10
     _assert_same_dataproto(DataProto.load_from_disk(str(tmp_path / "flow" / "trajectories.pkl")), DataProto.load_from_disk(str(tmp_path / "plain" / "trajectories.pkl")))
 

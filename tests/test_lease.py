@@ -126,7 +126,7 @@ def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
 def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
     from generation_core.data import ShardSpec
-    from generation_core.shard import run_shard
+    from generation_core.job import run_shard
 
     folder = RunFolder(str(tmp_path / "run"))
     ours = RunLease.acquire(folder, seconds=60)

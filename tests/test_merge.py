@@ -1,7 +1,6 @@
 """The merge pads exactly as verl's AgentLoopWorker: compared with verl's own code on the same outputs."""
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.protocol import DataProto
 
 from generation_core.config import load_config
-from generation_core.merge import build_dataproto
+from tests.merge_oracles import build_dataproto
 from generation_core.streaming import StreamingWorker
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,16 +112,9 @@ import pickle  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from generation_core.merge import (  # noqa: E402
-    CHUNK_INDEX_FILE,
-    MERGED_FILE,
-    dump_dataproto,
-    load_chunks,
-    merge_run,
-    merge_run_chunked,
-    merged_files,
-    read_committed_records,
-)
+from generation_core.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
+from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
+from tests.merge_oracles import load_chunks, read_committed_records  # noqa: E402
 from generation_core.records import TrajectoryRecord, records_to_parquet  # noqa: E402
 from generation_core.storage import RunFolder  # noqa: E402
 
@@ -161,7 +153,7 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
 def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
     """A finished run folder: the records spread over shards in shuffled parts, as shards commit them."""
     from generation_core.data import ShardSpec
-    from generation_core.shard import ShardCheckpoint
+    from generation_core.run_folder import PartEntry, ShardCheckpoint
 
     order = np.random.default_rng(1).permutation(len(records))
     for shard in range(shards):
@@ -172,8 +164,8 @@ def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int
             data = records_to_parquet(mine[start : start + parts_of])
             name = f"batch-{len(checkpoint.parts):05d}-test.parquet"
             folder.put_atomic(f"shards/{spec.name}/{name}", data)
-            checkpoint.parts.append({"name": name, "count": len(mine[start : start + parts_of]), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-        checkpoint.save(folder, spec)
+            checkpoint.parts.append(PartEntry(name=name, count=len(mine[start : start + parts_of]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        checkpoint.save(folder, spec.name)
 
 
 def _assert_same_dataproto(actual, expected, metrics_as_lists=False):
@@ -302,15 +294,16 @@ def test_a_trajectory_longer_than_the_run_allows_is_named():
 @pytest.mark.timeout(60)
 def test_finish_run_merges_in_chunks_when_configured(tmp_path):
     from generation_core.config import load_config
-    from generation_core.run import RunPlan, finish_run
+    from generation_core.finish import finish_run
+    from generation_core.preflight import RunPlan
 
     folder = RunFolder(str(tmp_path / "run"))
     records = _random_records(9)
     _write_run(folder, records)
     for chunk_size, entry in (("4", CHUNK_INDEX_FILE), ("null", MERGED_FILE)):
-        cfg = load_config([f"generation.merge_chunk_size={chunk_size}", f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}"])
-        # Only the merge is under test: a prompt set with nothing filtered stands in for the dataset.
-        summary = finish_run(RunPlan(cfg, "fingerprint", folder, SimpleNamespace(filtered_overlong=0), [], PAD), [], 1.0)
+        cfg = load_config([f"generation.merge_chunk_size={chunk_size}", f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+        # Only the merge is under test: no shards, no dataset.
+        summary = finish_run(RunPlan(cfg, "fingerprint", [], PAD), [], 1.0)
         assert summary["artifact"] == folder.display(entry) and summary["merged_rows"] == 9
         assert set(summary["request_latency_s"]) == {"p50", "p95"}
         assert merged_files(folder)[0] == entry

@@ -76,17 +76,17 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     # And the merge reads such a part next to a new one, the raw prompt in extra_fields alike.
     import hashlib
 
-    from generation_core.data import ShardSpec
-    from generation_core.merge import build_dataproto, merge_run, read_committed_records
-    from generation_core.shard import ShardCheckpoint
+    from generation_core.merge import merge_run
+    from generation_core.run_folder import PartEntry, ShardCheckpoint
     from generation_core.storage import RunFolder
+    from tests.merge_oracles import build_dataproto, read_committed_records
 
     folder = RunFolder(str(tmp_path))
     checkpoint = ShardCheckpoint()
     for name, data in (("old.parquet", old_part), ("new.parquet", records_to_parquet([_record(4, [-1.0, 0.0, 0.0, -2.0])]))):
         folder.put_atomic(f"shards/shard-00000/{name}", data)
-        checkpoint.parts.append({"name": name, "count": 1, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    checkpoint.save(folder, ShardSpec(0, 0, 2))
+        checkpoint.parts.append(PartEntry(name=name, count=1, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    checkpoint.save(folder, "shard-00000")
     merged = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=2)
     expected = build_dataproto(read_committed_records(folder), prompt_length=4, response_length=4, pad_token_id=2)
     assert merged.non_tensor_batch["raw_prompt"].tolist() == [MESSAGES, MESSAGES]

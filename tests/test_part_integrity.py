@@ -9,10 +9,10 @@ import pytest
 
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
-from generation_core.merge import read_committed_records
-from generation_core.part_integrity import repair_shard
-from generation_core.run import merge_repairing
-from generation_core.shard import run_shard
+from tests.merge_oracles import read_committed_records
+from generation_core.run_folder import repair_shard
+from generation_core.finish import merge_repairing
+from generation_core.job import run_shard
 from generation_core.storage import RunFolder
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
@@ -53,8 +53,8 @@ def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path,
     worker = ScriptedWorker()
     marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(lost), "only the damaged part's samples run again"
-    assert len(marker["repaired_parts"]) == 1
-    repair = marker["repaired_parts"][0]
+    assert len(marker.repaired_parts) == 1
+    repair = marker.repaired_parts[0]
     assert repair["name"] == damaged["name"] and repair["samples"] == 4
     assert __import__("re").search(reason, repair["reason"])
     after = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())

@@ -9,9 +9,19 @@ import socket
 import pytest
 
 from generation_core.config import load_config
-from generation_core.engines.remote import RemoteRequestRejected, completion_request, parse_completion, remote_urls
+from generation_core.engines.base import SamplingParams
+from generation_core.engines.layout import remote_urls
+from generation_core.engines.remote import (
+    CompletionsServers,
+    RemoteRequestRejected,
+    RemoteServerUnavailable,
+    check_servers,
+    completion_request,
+    parse_completion,
+)
 from generation_core.errors import GenrunError
 from generation_core.request_retry import RetryingClient
+from generation_core.routing import RoutingClient
 from tests.scripted_server import ScriptedServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,13 +54,11 @@ def servers():
 
 
 def _client(cfg):
-    from generation_core.pool import RemoteRoutingClient
-
-    return RemoteRoutingClient(cfg)
+    return RoutingClient(cfg, CompletionsServers(cfg))
 
 
 def test_request_is_token_ids_in_and_out():
-    body = completion_request("m", [5, 6, 7], SAMPLING | {"top_k": 20, "seed": 3}, max_tokens=9)
+    body = completion_request("m", [5, 6, 7], SamplingParams.from_request(SAMPLING | {"top_k": 20, "seed": 3}), max_tokens=9)
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 9 and body["top_k"] == 20 and body["seed"] == 3
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
     assert "repetition_penalty" not in body  # 1.0 is every server's default
@@ -62,9 +70,14 @@ def test_request_is_token_ids_in_and_out():
     assert parse_completion(vllm_shape, False).log_probs is None
 
 
-def test_text_only_answer_is_refused_not_retokenized():
-    from generation_core.engines.remote import RemoteServerUnavailable
+def test_sampling_params_are_parsed_once_and_forwarded():
+    params = SamplingParams.from_request(SAMPLING | {"repetition_penalty": 1.1, "stop_token_ids": [2, 7], "ignore_eos": True})
+    body = completion_request("m", [1], params, max_tokens=3)
+    assert body["repetition_penalty"] == 1.1 and body["stop_token_ids"] == [2, 7] and body["ignore_eos"] is True
+    assert "top_k" not in body and "seed" not in body  # top_k=-1 and no seed: the servers' defaults
 
+
+def test_text_only_answer_is_refused_not_retokenized():
     with pytest.raises(RemoteServerUnavailable, match="no token ids"):
         parse_completion({"choices": [{"text": "hello", "logprobs": None}]}, False)
 
@@ -98,7 +111,7 @@ def test_least_outstanding_and_sticky(servers):
         try:
             outs = await asyncio.gather(*[client.generate(f"r{i}", prompt_ids=[100 + i, 1], sampling_params=SAMPLING) for i in range(8)])
             # A second turn of r0 goes where r0 went (the server's prefix cache has it).
-            first = client._sticky["r0"]
+            first = client.server_of("r0")
             await client.generate("r0", prompt_ids=[100, 1, 2], sampling_params=SAMPLING)
             return outs, first
         finally:
@@ -150,13 +163,13 @@ def test_dead_server_is_retried_elsewhere_and_rejoins_when_back():
         retrying = RetryingClient(client, retries=3, backoff_seconds=0.01, timeout=None)
         try:
             outs = await asyncio.gather(*[retrying.generate(f"r{i}", prompt_ids=[10 * i + 1], sampling_params=SAMPLING) for i in range(6)])
-            assert f"http://127.0.0.1:{dead_port}" in client._down
+            assert f"http://127.0.0.1:{dead_port}" in client.down
             revived = ScriptedServer(port=dead_port)
             for _ in range(100):
-                if not client._down:
+                if not client.down:
                     break
                 await asyncio.sleep(0.1)
-            assert not client._down, "the server that came back was not put back in rotation"
+            assert not client.down, "the server that came back was not put back in rotation"
             await asyncio.gather(*[retrying.generate(f"s{i}", prompt_ids=[1], sampling_params=SAMPLING) for i in range(6)])
             return outs, client.replica_failures
         finally:
@@ -212,8 +225,6 @@ def test_sglang_style_ids_and_api_key(servers):
 
 
 def test_preflight_refuses_when_no_server_answers_and_names_them():
-    from generation_core.engines.remote import check_servers
-
     ports = [_free_port(), _free_port()]
     cfg = _cfg([f"http://127.0.0.1:{p}" for p in ports])
     with pytest.raises(GenrunError) as err:
@@ -222,8 +233,6 @@ def test_preflight_refuses_when_no_server_answers_and_names_them():
 
 
 def test_preflight_refuses_servers_of_different_models_or_a_wrong_name():
-    from generation_core.engines.remote import check_servers
-
     a, b = ScriptedServer(model="a"), ScriptedServer(model="b")
     try:
         with pytest.raises(GenrunError, match="different models"):
@@ -237,9 +246,11 @@ def test_preflight_refuses_servers_of_different_models_or_a_wrong_name():
 
 
 def test_api_key_is_not_written_to_run_json():
-    from generation_core.run import _config_without_secrets
+    from omegaconf import OmegaConf
+
+    from generation_core.run_folder import config_without_secrets
 
     cfg = _cfg(["http://127.0.0.1:1"], "actor_rollout_ref.rollout.engine_kwargs.remote.api_key=sekrit")
-    stored = _config_without_secrets(cfg)
+    stored = config_without_secrets(OmegaConf.to_container(cfg, resolve=True))
     assert "sekrit" not in str(stored)
     assert stored["actor_rollout_ref"]["rollout"]["engine_kwargs"]["remote"]["base_urls"] == ["http://127.0.0.1:1"]

@@ -33,11 +33,11 @@ async def _health_once_restarted(handle, seconds: float = 300):
 
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
     from generation_core.pool import ReplicaPool
-    from generation_core.run import build_streaming_worker, prepare_run
-    from generation_core.shard import run_shard
+    from generation_core.job import build_streaming_worker, run_shard
+    from generation_core.preflight import preflight
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
-    plan = prepare_run([
+    plan = preflight([
         f"data.train_files={prompts}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.n_gpus_per_node=2",
@@ -59,7 +59,7 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             assert len(before) == 2
             victim = pool.manager.server_handles[0]
             routing = pool.client()
-            worker = build_streaming_worker(plan.cfg, routing, plan.prompts.dataset.tokenizer, plan.prompts)
+            worker = build_streaming_worker(plan.cfg, routing, plan.prompts)
             shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, plan.prompts, worker))
             while not checkpoint.exists():
                 assert not shard.done(), shard.exception()
@@ -71,21 +71,21 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             restarted = await _health_once_restarted(victim)
             # The client's probe sees the restarted replica too and puts it back in rotation.
             for _ in range(40):
-                if not routing._down:
+                if not routing.down:
                     break
                 await asyncio.sleep(0.25)
-            assert not routing._down and not routing._gone, "the restarted replica is back in rotation"
+            assert not routing.down and not routing.gone, "the restarted replica is back in rotation"
             return before, marker, restarted
         finally:
             pool.shutdown()
 
-    with caplog.at_level(logging.WARNING, logger="generation_core.pool"):
+    with caplog.at_level(logging.WARNING, logger="generation_core.routing"):
         before, marker, restarted = asyncio.run(scenario())
 
     completed = json.loads(checkpoint.read_text())["completed"]
     assert sorted(completed) == sorted(f"{i}:0" for i in range(12)), "every sample exactly once"
-    assert marker["num_trajectories"] == 12 and marker["failures"] == 0
-    engine = marker["last_attempt"]["engine"]
+    assert marker.num_trajectories == 12 and marker.failures == 0
+    engine = marker.last_attempt.engine
     print(f"requests {engine['requests']}, resent {engine['request_retries']}, replica failures {engine['replica_failures']}")
     assert engine["replica_failures"] == 1, "counted once, however many requests it took down"
     assert engine["request_retries"] >= 1, "the killed replica's requests in flight were sent again"

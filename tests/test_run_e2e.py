@@ -10,7 +10,8 @@ from verl.protocol import DataProto
 from generation_core.errors import GenrunError
 from generation_core.merge import merge_run
 from generation_core.records import TrajectoryRecord, records_to_parquet
-from generation_core.run import execute_run, prepare_run
+from generation_core.dispatch import run_in_process
+from generation_core.preflight import preflight
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,8 +32,8 @@ def _overrides(prompts_file, out_dir, *extra):
 
 def test_end_to_end_then_resume_is_a_no_op(ray_local, prompts_file, model_dir, tmp_path):
     out = tmp_path / "run"
-    plan = prepare_run(_overrides(prompts_file, out))
-    summary = execute_run(plan)
+    plan = preflight(_overrides(prompts_file, out))
+    summary = run_in_process(plan)
     assert summary["num_trajectories"] == 12
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
     assert len(data) == 12
@@ -66,7 +67,7 @@ def test_end_to_end_then_resume_is_a_no_op(ray_local, prompts_file, model_dir, t
         assert (rescored - logprobs[row, :length]).abs().max().item() < 1e-3
 
     first_bytes = (out / "trajectories.pkl").read_bytes()
-    again = execute_run(prepare_run(_overrides(prompts_file, out)))
+    again = run_in_process(preflight(_overrides(prompts_file, out)))
     assert again["this_invocation"]["trajectories"] == 0
     assert (out / "trajectories.pkl").read_bytes() == first_bytes, "re-merging the same parts is byte-identical"
 
@@ -79,8 +80,8 @@ def test_end_to_end_then_resume_is_a_no_op(ray_local, prompts_file, model_dir, t
 
 def test_a_folder_holding_another_run_is_refused(ray_local, prompts_file, tmp_path):
     out = tmp_path / "run"
-    prepare_run(_overrides(prompts_file, out))
+    preflight(_overrides(prompts_file, out))
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(GenrunError, match="holds a different run.*To start fresh"):
-        prepare_run(_overrides(prompts_file, out, "actor_rollout_ref.rollout.temperature=0.7"))
+        preflight(_overrides(prompts_file, out, "actor_rollout_ref.rollout.temperature=0.7"))
     assert sorted(p.name for p in out.iterdir()) == before

@@ -22,21 +22,20 @@ def test_trust_remote_code_is_off_by_default():
 
 
 def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
-    import verl.utils
-
-    from generation_core.run import prepare_run
+    import generation_core.preflight
+    from generation_core.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     calls = []
-    real = verl.utils.hf_tokenizer
+    real = generation_core.preflight.hf_tokenizer
 
     def recording_hf_tokenizer(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(verl.utils, "hf_tokenizer", recording_hf_tokenizer)
+    monkeypatch.setattr(generation_core.preflight, "hf_tokenizer", recording_hf_tokenizer)
     prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
-    prepare_run([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}"])
     assert calls and all(call.get("trust_remote_code") is False for call in calls), calls
 
 
@@ -58,7 +57,7 @@ SECRETS = {"key": "AKIAEXAMPLEKEY123", "secret": "s3cr3t-value-xyz", "token": "s
 
 
 def test_credential_overrides_move_to_the_environment(monkeypatch):
-    from generation_core.cli import CREDENTIAL_OVERRIDES, move_credentials_to_environment
+    from flows.cli import CREDENTIAL_OVERRIDES, move_credentials_to_environment
 
     for variable in CREDENTIAL_OVERRIDES.values():
         monkeypatch.delenv(variable, raising=False)
@@ -71,14 +70,14 @@ def test_run_json_holds_no_credentials(tmp_path):
     """Credentials that reach the config anyway (a deployment's parameters, a Python caller)
     are masked in run.json, also inside nested options such as s3fs' client_kwargs."""
     from generation_core.data import plan_shards
-    from generation_core.run import RUN_FILE, open_run_folder
-    from generation_core.storage import RunFolder
+    from generation_core.preflight import RunPlan
+    from generation_core.run_folder import RUN_FILE
 
     overrides = [f"storage.options.{name}={value}" for name, value in SECRETS.items()]
     overrides += ["+storage.options.client_kwargs.aws_secret_access_key=nested-secret-789", "storage.options.endpoint_url=http://127.0.0.1:9000"]
     cfg = load_config(overrides)
-    folder = RunFolder(str(tmp_path / "run"))
-    open_run_folder(folder, cfg, "0" * 64, 0, plan_shards(4, 1))
+    cfg.trainer.default_local_dir = str(tmp_path / "run")
+    RunPlan(cfg, "0" * 64, plan_shards(4, 1), 0).claim_folder()
     text = (tmp_path / "run" / RUN_FILE).read_text()
     for secret in [*SECRETS.values(), "nested-secret-789"]:
         assert secret not in text
@@ -121,7 +120,7 @@ def test_ray_started_by_genrun_listens_on_loopback_only(monkeypatch):
     import ray
     from ray._private import ray_constants, services
 
-    from generation_core.run import ray_init_kwargs
+    from generation_core.ray_setup import ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "1")
@@ -138,7 +137,7 @@ def test_ray_started_by_genrun_listens_on_loopback_only(monkeypatch):
 def test_ray_of_an_existing_cluster_is_left_as_configured(monkeypatch):
     from ray._private import ray_constants
 
-    from generation_core.run import ray_init_kwargs
+    from generation_core.ray_setup import ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     kwargs = ray_init_kwargs(load_config(["ray_kwargs.ray_init.address=10.0.0.5:6379"]), "0" * 64)
@@ -151,7 +150,7 @@ def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
     exports and the uvicorn command line both say 127.0.0.1."""
     import prefect.server.api.server as prefect_server
 
-    from infra.prefect_local import prefect_api
+    from flows.prefect_api import prefect_api
 
     launched = []
 
@@ -186,7 +185,7 @@ _LISTENING_SOCKETS_OF_GENRUN_RAY = """
 import json, os, sys
 import psutil, ray
 from generation_core.config import load_config
-from generation_core.run import ray_init_kwargs
+from generation_core.ray_setup import ray_init_kwargs
 
 ray.init(**ray_init_kwargs(load_config([]), "0" * 64))
 try:

@@ -9,9 +9,9 @@ import pytest
 
 from generation_core.config import load_config
 from generation_core.data import ShardSpec
-from generation_core.merge import read_committed_records
+from tests.merge_oracles import read_committed_records
 from generation_core.records import TrajectoryRecord
-from generation_core.shard import TooManyFailedSamples, run_shard
+from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 
@@ -61,11 +61,11 @@ def test_parts_stream_out_and_in_flight_is_bounded(tmp_path):
     worker = ScriptedWorker()
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 5), folder, FakePrompts(), worker))
     assert worker.max_seen_inflight <= 3
-    assert manifest["num_trajectories"] == 10 == manifest["expected_trajectories"]
-    assert [p["count"] for p in manifest["parts"]] == [4, 4, 2]
+    assert manifest.num_trajectories == 10 == manifest.expected_trajectories
+    assert [p.count for p in manifest.parts] == [4, 4, 2]
     keys = [r.key for r in read_committed_records(folder)]
     assert keys == [(100 + p, n) for p in range(5) for n in range(2)]
-    assert json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())["parts"] == manifest["parts"]
+    assert json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())["parts"] == manifest.to_dict()["parts"]
 
 
 def test_pull_timeout_commits_a_partial_part(tmp_path):
@@ -73,7 +73,7 @@ def test_pull_timeout_commits_a_partial_part(tmp_path):
     folder = RunFolder(str(tmp_path))
     worker = ScriptedWorker(delays={103: 1.5})
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(), worker))
-    assert [p["count"] for p in manifest["parts"]] == [3, 1], "the three fast samples were committed while the slow one ran"
+    assert [p.count for p in manifest.parts] == [3, 1], "the three fast samples were committed while the slow one ran"
 
 
 def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_only_it(tmp_path):
@@ -93,7 +93,7 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     retry = ScriptedWorker()
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), retry))
     assert retry.started == [(104, 0)], "only the failed sample runs again"
-    assert manifest["attempts"] == 2 and manifest["num_trajectories"] == 6 and manifest["failures"] == 0
+    assert manifest.attempts == 2 and manifest.num_trajectories == 6 and manifest.failures == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
 
     done = ScriptedWorker()
@@ -106,8 +106,8 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
     folder = RunFolder(str(tmp_path))
     shard = ShardSpec(0, 0, 10)
     manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker(fail_on=(107, 1))))
-    assert manifest["num_trajectories"] == 19 and manifest["expected_trajectories"] == 20
-    assert manifest["failures"] == 1 and manifest["failed_samples"] == ["107:1"]
+    assert manifest.num_trajectories == 19 and manifest.expected_trajectories == 20
+    assert manifest.failures == 1 and manifest.failed_samples == ["107:1"]
     marker = json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
     assert marker["failures"] == 1
     assert (107, 1) not in {r.key for r in read_committed_records(folder)}
@@ -116,7 +116,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
     rerun = ScriptedWorker()
     manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), rerun))
     assert rerun.started == [(107, 1)]
-    assert manifest["failures"] == 0 and manifest["num_trajectories"] == 20
+    assert manifest.failures == 0 and manifest.num_trajectories == 20
     keys = [r.key for r in read_committed_records(folder)]
     assert keys == [(100 + p, n) for p in range(10) for n in range(2)]
     log = (tmp_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
@@ -135,7 +135,7 @@ def test_more_failures_than_allowed_fail_the_shard(tmp_path):
 
     # 8 trajectories, 0.25 allows 2: two failures pass.
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(), FailingTwo()))
-    assert manifest["failures"] == 2 and manifest["num_trajectories"] == 6
+    assert manifest.failures == 2 and manifest.num_trajectories == 6
 
     class FailingThree(ScriptedWorker):
         async def run_one(self, key, kwargs):
@@ -180,7 +180,7 @@ def test_n_samples_resume_regenerates_only_the_missing_rollouts(tmp_path):
     resumed = ScriptedWorker()
     manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(), resumed))
     assert resumed.started[:2] == [(100, 2), (100, 3)], "the prompt with 2 of 4 done regenerates only 2"
-    assert len(resumed.started) == 10 and manifest["num_trajectories"] == 12
+    assert len(resumed.started) == 10 and manifest.num_trajectories == 12
     keys = [r.key for r in read_committed_records(folder)]
     assert keys == [(100 + p, n) for p in range(3) for n in range(4)] and len(set(keys)) == 12
 

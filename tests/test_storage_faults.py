@@ -13,8 +13,8 @@ import subprocess
 import pytest
 
 from generation_core.data import ShardSpec
-from generation_core.merge import read_committed_records
-from generation_core.shard import run_shard
+from tests.merge_oracles import read_committed_records
+from generation_core.job import run_shard
 from generation_core.storage import RunFolder
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
@@ -65,7 +65,7 @@ def _resume_and_check(cfg, folder, run_dir, committed_before):
     worker = ScriptedWorker()
     marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
     assert len(worker.started) == 60 - committed_before, "only what was not committed runs again"
-    assert marker["num_trajectories"] == 60
+    assert marker.num_trajectories == 60
     completed = _assert_intact(run_dir)["completed"]
     assert sorted(completed) == sorted(f"{100 + p}:0" for p in range(60))
     assert len(read_committed_records(folder)) == 60

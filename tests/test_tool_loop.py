@@ -15,7 +15,7 @@ from generation_core.config import load_config
 from generation_core.data import PromptSet, ShardSpec
 from generation_core.merge import merge_run
 from generation_core.rewards import RewardScorer
-from generation_core.shard import TooManyFailedSamples, run_shard
+from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet
@@ -114,7 +114,7 @@ def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, t
     engine = ScriptedEngine(tokenizer, EXPRESSIONS)
     folder = RunFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
-    assert manifest["num_trajectories"] == 6 and manifest["failures"] == 0
+    assert manifest.num_trajectories == 6 and manifest.failures == 0
 
     data = _merge(cfg, folder)
     assert data.non_tensor_batch["index"].tolist() == [0, 0, 1, 1, 2, 2], "interleaved like verl's repeat(interleave=True)"
@@ -167,7 +167,7 @@ def test_a_raising_reward_function_is_a_recorded_sample_failure(model_dir, token
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
     folder = RunFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
-    assert manifest["num_trajectories"] == 2 and manifest["failed_samples"] == ["1:0"]
+    assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
     [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
     assert "RewardFunctionError: reward function raised ZeroDivisionError: scorer bug" in json.loads(line)["error"]
     data = _merge(cfg, folder)
@@ -182,7 +182,7 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     engine = ScriptedEngine(tokenizer, EXPRESSIONS, failures={"seven": 2, "twelve": None})
     folder = RunFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
-    assert manifest["num_trajectories"] == 2 and manifest["failed_samples"] == ["1:0"]
+    assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
     assert engine.failed_calls == 2 + 3, "seven: 2 failures then success; twelve: 1 try + 2 retries"
     [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
     assert json.loads(line)["error"] == "EngineCrashed: injected engine failure for a prompt with 'twelve'"
@@ -195,5 +195,5 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
         _run_shard(strict, tokenizer, data_file, other, ScriptedEngine(tokenizer, EXPRESSIONS, failures={"twelve": None}), reward=False)
     healthy = ScriptedEngine(tokenizer, EXPRESSIONS)
     manifest = _run_shard(strict, tokenizer, data_file, other, healthy, reward=False)
-    assert manifest["num_trajectories"] == 3 and manifest["failures"] == 0
+    assert manifest.num_trajectories == 3 and manifest.failures == 0
     assert len(healthy.calls) == 2 and all("twelve" in tokenizer.decode(call) for call in healthy.calls)

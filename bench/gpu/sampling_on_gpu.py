@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import engine_on_gpu  # noqa: E402  (registers the TokenOutput stand-in where verl is missing)
 from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
-from generation_core.engines.sampling import SamplingParams, sample_next_tokens  # noqa: E402
+from generation_core.engines.base import SamplingParams  # noqa: E402
+from generation_core.engines.sampling import sample_next_tokens  # noqa: E402
 
 
 def semantics(vocab: int) -> None:

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from generation_core.engines.sampling import SamplingParams, sample_next_tokens  # noqa: E402
+from generation_core.engines.base import SamplingParams  # noqa: E402
+from generation_core.engines.sampling import sample_next_tokens  # noqa: E402
 
 
 def timed(fn, n=10):

@@ -10,8 +10,9 @@ each turn (model, user, model, user, model) for analysis.
 It is a plain `AgentLoopBase` subclass written as a small state machine, one handler per state,
 like verl's ToolAgentLoop. Two ways to make it known to every Ray worker of a run:
 
-* the `verl.plugins` entry point genrun's pyproject.toml declares (`@register` below runs when
-  `import verl` loads the plugin): `actor_rollout_ref.rollout.agent.default_agent_loop=self_refine`
+* a `verl.plugins` entry point naming this module in the pyproject of the package that ships
+  it (`@register` below runs when `import verl` loads the plugin):
+  `actor_rollout_ref.rollout.agent.default_agent_loop=self_refine`
 * the YAML beside this file: `actor_rollout_ref.rollout.agent.agent_loop_config_path=
   examples/self_refine/agent_loop.yaml` (its `self_refine_yaml` entry also sets the prompts).
 """

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core import bundled
+from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
 
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
@@ -271,8 +272,6 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
     _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
-    from generation_core.engines.layout import resolve_layout
-
     resolve_layout(cfg)
 
 

@@ -1,6 +1,6 @@
 """A transformers inference engine with continuous batching, for CPU (and plain GPU) runs.
 
-It serves verl's token-in/token-out contract: `await generate(request_id, prompt_ids=...,
+It implements the engine contract (engines/base.py): `await generate(request_id, prompt_ids=...,
 sampling_params=...) -> TokenOutput`. Requests from many coroutines share one decode batch:
 a finished sequence leaves the batch at once and a waiting request joins at the next step,
 so the batch never waits for its longest member (a batch of 32 is ~7x faster per token than
@@ -21,13 +21,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.sampling import SamplingParams, response_budget, sample_next_tokens
+from generation_core.engines.base import SamplingParams, response_budget
+from generation_core.engines.sampling import sample_next_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class HFEngine:
 
     # ---- public contract --------------------------------------------------------------------
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **_unused) -> TokenOutput:
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
         params = SamplingParams.from_request(sampling_params)
         if self.settings.ignore_eos:
             params = dataclasses.replace(params, ignore_eos=True)
@@ -103,7 +105,7 @@ class HFEngine:
         generator = None
         if params.seed is not None and not params.greedy:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
-            generator = torch.Generator(device=self.settings.device).manual_seed(int(params.seed))
+            generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
         self._incoming.put(seq)
         self._wakeup.set()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.sampling import SamplingParams
+from generation_core.engines.base import SamplingParams, response_budget
 
 
 @dataclass
@@ -28,18 +29,18 @@ class InstantSettings:
 
 
 class InstantEngine:
+    """The engine contract (engines/base.py) with no model behind it."""
+
     def __init__(self, settings: InstantSettings):
         self.settings = settings
         self.stats = {"requests": 0, "generated_tokens": 0}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **_unused) -> TokenOutput:
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
         params = SamplingParams.from_request(sampling_params)
         if self.settings.delay_seconds:
             await asyncio.sleep(self.settings.delay_seconds)
         s = self.settings
-        limit = min(s.response_length, s.prompt_length + s.response_length - len(prompt_ids), s.response_tokens)
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
+        limit = min(response_budget(s.prompt_length, s.response_length, len(prompt_ids), params.max_tokens), s.response_tokens)
         seed = sum(prompt_ids)
         # Ids from 3 up avoid the usual special tokens (unk/bos/eos are 0-2 in Llama-style vocabularies).
         tokens = [3 + (seed + 7 * i) % (s.vocab_size - 3) for i in range(max(limit - 1, 0))]

@@ -10,7 +10,8 @@ placement group waited forever for GPUs that do not exist:
 - `hf` (transformers): no model parallelism; one replica per "GPU" slot, each holding one
   GPU when `engine_kwargs.hf.device` is cuda, none on the CPU.
 - `instant`: the test/benchmark engine, like `hf` on the CPU.
-- `remote`: servers that already run elsewhere; one "replica" per base URL, nothing placed.
+- `remote`: servers that already run elsewhere; one "replica" per base URL (`remote_urls`),
+  nothing placed.
 
 Shard tasks (agent loops, storage) never hold a GPU: `SHARD_TASK_RESOURCES`.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig
 
@@ -103,8 +106,6 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
     slots = gpus_per_node * nnodes
 
     if engine == REMOTE_ENGINE:
-        from generation_core.engines.remote import remote_urls
-
         urls = remote_urls(cfg)
         return ReplicaLayout(engine, len(urls), 0, 0, 0, 1, 1, 1, None, tuple(urls))
 
@@ -141,6 +142,37 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
             f"make tensor x data x pipeline parallel ({world}) a multiple of trainer.n_gpus_per_node or at most it"
         )
     return ReplicaLayout(engine, slots // world, world, world // per_node, per_node, tp, dp, pp, float(memory))
+
+
+def remote_settings(cfg: DictConfig) -> dict[str, Any]:
+    """`actor_rollout_ref.rollout.engine_kwargs.remote`: base_urls, model, api_key, timeouts."""
+    return dict(cfg.actor_rollout_ref.rollout.engine_kwargs.get("remote", {}) or {})
+
+
+def remote_urls(cfg: DictConfig) -> list[str]:
+    """The configured base URLs, normalized (no trailing / or /v1), or a GenrunError."""
+    key = "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
+    urls = remote_settings(cfg).get("base_urls")
+    if isinstance(urls, str):
+        urls = [part for part in urls.split(",") if part.strip()]
+    if not urls:
+        raise GenrunError(
+            f"rollout.name=remote needs the servers' base URLs: set {key}='[http://host1:8000,http://host2:8000]' "
+            "(OpenAI-compatible servers such as vllm serve or sglang.launch_server, already running)"
+        )
+    normalized = []
+    for url in urls:
+        parts = urlsplit(str(url).strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GenrunError(f"invalid URL {url!r} in {key}: write http://host:port (the server's base URL)")
+        path = parts.path.rstrip("/")
+        if path.endswith("/v1"):
+            path = path[: -len("/v1")]
+        base = f"{parts.scheme}://{parts.netloc}{path}"
+        if base in normalized:
+            raise GenrunError(f"{key} lists {base} twice; list each server once")
+        normalized.append(base)
+    return normalized
 
 
 def _check_with_verl(rollout: DictConfig) -> None:

@@ -5,10 +5,10 @@ they return the generated token ids and the sampled tokens' logprobs. Token in, 
 agent loop's exact prompt ids go out and the server's exact ids come back, nothing is
 re-tokenized (a decode/encode round trip changes ids and breaks logprob alignment).
 
-A `CompletionsServer` is shaped like a Ray actor handle of verl's replicas
-(`await server.generate.remote(...)` returns a TokenOutput), so the routing client and verl's
-LLMServerClient.generate treat a URL exactly like a booted replica. How a response failed
-decides what happens next:
+A `CompletionsServer` is an engine (engines/base.py) and a backend of the routing client
+(routing.py): `generate` posts to /v1/completions, `probe` asks /health (or /v1/models while the
+served model's name is not known yet). `CompletionsServers` finds the configured servers for a
+routing client. How a response failed decides what happens next:
 - 4xx (prompt beyond the context, a parameter the server refuses): the request is wrong, not
   the server. `RemoteRequestRejected`, a ValueError: not retried, the sample is recorded as
   failed, the server stays in rotation.
@@ -22,17 +22,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from omegaconf import DictConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.sampling import response_budget
+from generation_core.engines.base import SamplingParams, response_budget
+from generation_core.engines.layout import remote_settings, remote_urls
 from generation_core.errors import GenrunError
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_HEALTH_INTERVAL = 5.0
+"""Seconds between two /health probes of a server out of rotation
+(engine_kwargs.remote.health_interval)."""
 
 
 class RemoteRequestRejected(ValueError):
@@ -43,44 +48,15 @@ class RemoteServerUnavailable(ConnectionError):
     """The server did not answer properly (no connection, timeout, 5xx): try another one."""
 
 
-def remote_settings(cfg: DictConfig) -> dict[str, Any]:
-    return dict(cfg.actor_rollout_ref.rollout.engine_kwargs.get("remote", {}) or {})
-
-
-def remote_urls(cfg: DictConfig) -> list[str]:
-    """The configured base URLs, normalized (no trailing / or /v1), or a GenrunError."""
-    key = "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
-    urls = remote_settings(cfg).get("base_urls")
-    if isinstance(urls, str):
-        urls = [part for part in urls.split(",") if part.strip()]
-    if not urls:
-        raise GenrunError(
-            f"rollout.name=remote needs the servers' base URLs: set {key}='[http://host1:8000,http://host2:8000]' "
-            "(OpenAI-compatible servers such as vllm serve or sglang.launch_server, already running)"
-        )
-    normalized = []
-    for url in urls:
-        parts = urlsplit(str(url).strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise GenrunError(f"invalid URL {url!r} in {key}: write http://host:port (the server's base URL)")
-        path = parts.path.rstrip("/")
-        if path.endswith("/v1"):
-            path = path[: -len("/v1")]
-        base = f"{parts.scheme}://{parts.netloc}{path}"
-        if base in normalized:
-            raise GenrunError(f"{key} lists {base} twice; list each server once")
-        normalized.append(base)
-    return normalized
-
-
-def completion_request(model: str, prompt_ids: list[int], sampling_params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """The /v1/completions body for one agent-loop turn."""
+def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """The /v1/completions body for one agent-loop turn. Parameters at the servers' defaults
+    (top_k off, no repetition penalty, ignore_eos off) are left out."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": [int(t) for t in prompt_ids],
         "max_tokens": max_tokens,
-        "temperature": float(sampling_params.get("temperature", 1.0)),
-        "top_p": float(sampling_params.get("top_p", 1.0)),
+        "temperature": params.temperature,
+        "top_p": params.top_p,
         "n": 1,
         # vLLM: the generated ids in the choice; SGLang and older vLLM: ids as "token_id:N"
         # strings in the logprobs. Both asked: whichever the server has answers.
@@ -90,15 +66,16 @@ def completion_request(model: str, prompt_ids: list[int], sampling_params: dict[
         # Special tokens stay in the text too; the ids are what we keep.
         "skip_special_tokens": False,
     }
-    top_k = sampling_params.get("top_k")
-    if top_k is not None and int(top_k) > 0:
-        body["top_k"] = int(top_k)
-    repetition_penalty = sampling_params.get("repetition_penalty")
-    if repetition_penalty is not None and float(repetition_penalty) != 1.0:
-        body["repetition_penalty"] = float(repetition_penalty)
-    for name in ("seed", "ignore_eos", "stop_token_ids"):
-        if sampling_params.get(name) is not None:
-            body[name] = sampling_params[name]
+    if params.top_k > 0:
+        body["top_k"] = params.top_k
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if params.stop_token_ids is not None:
+        body["stop_token_ids"] = list(params.stop_token_ids)
     return body
 
 
@@ -129,26 +106,72 @@ def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> TokenOutpu
     return TokenOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason="completed" if finish in ("stop", "length", None) else finish)
 
 
-class _RemoteMethod:
-    """`server.generate.remote(...)`: the call shape of a Ray actor method."""
-
-    def __init__(self, fn):
-        self._fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self._fn(*args, **kwargs)
-
-
 class CompletionsServer:
-    """One OpenAI-compatible server at `base_url`."""
+    """One OpenAI-compatible server at `base_url`: an engine, and a backend of the routing client."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, model: str | None, prompt_length: int, response_length: int):
+    server_failures = (RemoteServerUnavailable,)
+    """What `generate` raises when the server, not the request, failed."""
+
+    def __init__(
+        self,
+        base_url: str,
+        http: httpx.AsyncClient,
+        *,
+        model: str | None,
+        prompt_length: int,
+        response_length: int,
+        probe_interval: float = DEFAULT_HEALTH_INTERVAL,
+    ):
         self.base_url = base_url
         self.http = http
+        """Shared by every server of a CompletionsServers; closed there."""
         self.model = model
+        """The served model's name (engine_kwargs.remote.model, else learned from /v1/models)."""
         self.prompt_length = prompt_length
         self.response_length = response_length
-        self.generate = _RemoteMethod(self._generate)
+        self.probe_interval = probe_interval
+        self.stats = {"requests": 0, "generated_tokens": 0}
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
+        params = SamplingParams.from_request(sampling_params)
+        max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), params.max_tokens)
+        if max_tokens <= 0:
+            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason="completed")
+        if self.model is None:
+            raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
+        body = completion_request(self.model, prompt_ids, params, max_tokens)
+        try:
+            answer = await self.http.post(self.base_url + "/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+        if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
+            raise RemoteRequestRejected(f"{self.base_url} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
+        if answer.status_code >= 400:
+            raise RemoteServerUnavailable(f"{self.base_url} answered {answer.status_code}: {_error_message(answer)}")
+        try:
+            payload = answer.json()
+        except ValueError:
+            raise RemoteServerUnavailable(f"{self.base_url} answered with something that is not JSON: {answer.text[:200]!r}") from None
+        output = parse_completion(payload, params.logprobs)
+        self.stats["requests"] += 1
+        self.stats["generated_tokens"] += len(output.token_ids)
+        return output
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: the connection pool is its CompletionsServers'."""
+
+    async def probe(self) -> bool:
+        """Whether the server serves: its /health answers, or, while the served model's name is
+        not known yet, /v1/models names one (which is then the model)."""
+        if self.model is not None:
+            return await self.healthy()
+        try:
+            models = await self.models()
+        except RemoteServerUnavailable:
+            return False
+        if models:
+            self.model = models[0]
+        return bool(models)
 
     async def models(self) -> list[str]:
         answer = await self._get("/v1/models")
@@ -169,29 +192,6 @@ class CompletionsServer:
         if answer.status_code >= 400:
             raise RemoteServerUnavailable(f"{self.base_url}{path} answered {answer.status_code}")
         return answer
-
-    async def _generate(self, request_id: str = "", *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused) -> TokenOutput:
-        want_logprobs = bool(sampling_params.get("logprobs", False))
-        asked = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
-        max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), asked)
-        if max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason="completed")
-        if self.model is None:
-            raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
-        body = completion_request(self.model, prompt_ids, sampling_params, max_tokens)
-        try:
-            answer = await self.http.post(self.base_url + "/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
-        if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
-            raise RemoteRequestRejected(f"{self.base_url} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
-        if answer.status_code >= 400:
-            raise RemoteServerUnavailable(f"{self.base_url} answered {answer.status_code}: {_error_message(answer)}")
-        try:
-            payload = answer.json()
-        except ValueError:
-            raise RemoteServerUnavailable(f"{self.base_url} answered with something that is not JSON: {answer.text[:200]!r}") from None
-        return parse_completion(payload, want_logprobs)
 
 
 def _error_message(answer: httpx.Response) -> str:
@@ -217,10 +217,43 @@ def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
         timeout=httpx.Timeout(None, connect=float(settings.get("connect_timeout") or 10.0)),
         limits=httpx.Limits(max_connections=int(settings.get("max_connections") or 256) * len(urls), max_keepalive_connections=None),
     )
+    interval = float(settings.get("health_interval") or DEFAULT_HEALTH_INTERVAL)
     return {
-        url: CompletionsServer(url, http, model=settings.get("model"), prompt_length=rollout.prompt_length, response_length=rollout.response_length)
+        url: CompletionsServer(
+            url, http, model=settings.get("model"), prompt_length=rollout.prompt_length, response_length=rollout.response_length, probe_interval=interval
+        )
         for url in urls
     }
+
+
+class CompletionsServers:
+    """The configured servers as the routing client's backends (`rollout.name=remote`)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self._servers: dict[str, CompletionsServer] | None = None
+
+    async def connect(self, wait_seconds: float = 0.0) -> tuple[dict[str, CompletionsServer], dict[str, BaseException]]:
+        """The servers by URL, and why those that do not answer yet did not (they start out of
+        rotation); waits up to `wait_seconds` for at least one to answer."""
+        servers = open_servers(self.cfg)
+        interval = next(iter(servers.values())).probe_interval
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            answered = await asyncio.gather(*[server.probe() for server in servers.values()])
+            if any(answered):
+                break
+            if time.monotonic() >= deadline:
+                await next(iter(servers.values())).http.aclose()
+                raise GenrunError(f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})")
+            await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.1)))
+        self._servers = servers
+        unanswered = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered) if not ok}
+        return servers, unanswered
+
+    async def aclose(self) -> None:
+        if self._servers:
+            await next(iter(self._servers.values())).http.aclose()
 
 
 async def check_servers(cfg: DictConfig) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Our engines as verl RolloutReplicas (`hf`, `instant`), each served by one Ray actor.
 
-Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them and
-verl's LLMServerClient route to them, exactly as it does for `sglang` and `vllm`: the CPU tests
-exercise the same pool and client code as production GPU runs.
+Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them
+and the routing client (routing.py) call their server actors exactly as it calls `sglang` and
+`vllm` replicas: the CPU tests exercise the same pool and client code as production GPU runs.
+An EngineServer serves the engine contract (engines/base.py) of the engine it holds.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
-from generation_core.timeline import mark
+from generation_core.engines import hf, instant
+from generation_core.engines.base import Engine
+from generation_core.instrumentation import mark
 
 
 ENGINE_RESTARTS = 3
@@ -25,7 +28,7 @@ ENGINE_RESTARTS = 3
 class EngineServer:
     """Ray actor body: one engine, many concurrent `generate` calls (an async actor)."""
 
-    def __init__(self, build_engine: Callable[[], Any]):
+    def __init__(self, build_engine: Callable[[], Engine]):
         # Runs again when Ray restarts a crashed engine actor.
         self.engine = build_engine()
         mark("replica_ready")
@@ -55,7 +58,7 @@ class _EngineReplica(RolloutReplica):
 
     engine_name = ""
 
-    def build_engine(self) -> Callable[[], Any]:
+    def build_engine(self) -> Callable[[], Engine]:
         raise NotImplementedError
 
     def gpus(self) -> int:
@@ -94,14 +97,12 @@ class HFReplica(_EngineReplica):
         # RolloutConfig has no trainer.device: the driver's resolution (layout.hf_device) put it here.
         return hf_kwargs.get("device") or "cpu"
 
-    def build_engine(self):
-        from generation_core.engines.hf import EngineSettings, HFEngine
-
+    def build_engine(self) -> Callable[[], Engine]:
         hf_kwargs = dict(self.config.engine_kwargs.get("hf", {}) or {})
         device = self._device()
         # bfloat16 on a GPU (what SGLang/vLLM serve), float32 on the CPU (bf16 matmuls are slow there).
         dtype = hf_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
-        settings = EngineSettings(
+        settings = hf.EngineSettings(
             model_path=os.path.expanduser(self.model_config.path),
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
@@ -112,19 +113,17 @@ class HFReplica(_EngineReplica):
             ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )
-        return lambda: HFEngine(settings)
+        return lambda: hf.HFEngine(settings)
 
 
 class InstantReplica(_EngineReplica):
     engine_name = "instant"
 
-    def build_engine(self):
-        from generation_core.engines.instant import InstantEngine, InstantSettings
-
+    def build_engine(self) -> Callable[[], Engine]:
         instant_kwargs = dict(self.config.engine_kwargs.get("instant", {}) or {})
         model_config = json.loads((Path(os.path.expanduser(self.model_config.path)) / "config.json").read_text())
         eos = model_config.get("eos_token_id", 2)
-        settings = InstantSettings(
+        settings = instant.InstantSettings(
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -132,7 +131,7 @@ class InstantReplica(_EngineReplica):
             delay_seconds=float(instant_kwargs.get("delay_seconds", 0.0)),
             vocab_size=int(model_config.get("vocab_size", 1000)),
         )
-        return lambda: InstantEngine(settings)
+        return lambda: instant.InstantEngine(settings)
 
 
 GENRUN_ENGINES = {"hf": HFReplica, "instant": InstantReplica}

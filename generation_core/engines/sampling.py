@@ -2,61 +2,15 @@
 
 Every row of a continuous batch may carry its own sampling parameters, so the filters are
 vectorised over rows instead of taking one setting for the whole batch the way
-`model.generate` does.
+`model.generate` does. The transformers engine's sampler, kept apart from its decode loop: a
+pure tensor function with tests and GPU benchmarks of its own (bench/gpu).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """The subset of vLLM/SGLang sampling parameters that verl's agent loops send."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    logprobs: bool = False
-    max_tokens: int | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    """Generate max_tokens whatever the model samples (vLLM/SGLang's name; benchmarks use it for fixed lengths)."""
-
-    @classmethod
-    def from_request(cls, params: dict[str, Any]) -> "SamplingParams":
-        max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
-        temperature = float(params.get("temperature", 1.0))
-        top_p = float(params.get("top_p", 1.0))
-        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        return cls(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            logprobs=bool(params.get("logprobs", False)),
-            max_tokens=None if max_tokens is None else int(max_tokens),
-            seed=params.get("seed"),
-            ignore_eos=bool(params.get("ignore_eos", False)),
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-
-def response_budget(prompt_length: int, response_length: int, prompt_len: int, asked: int | None) -> int:
-    """Tokens a request may generate. verl never sends max_tokens; its servers apply this same
-    default (the rest of prompt_length + response_length, at most response_length), and a
-    max_tokens that is sent can only lower it."""
-    limit = min(response_length, prompt_length + response_length - prompt_len)
-    return limit if asked is None else min(limit, int(asked))
+from generation_core.engines.base import SamplingParams
 
 
 def sample_next_tokens(

@@ -7,7 +7,7 @@ checkpoint, a full disk, a second run started on the same folder); between invoc
 committed part may be damaged; then the same command is run until it succeeds (at most twice:
 a corruption of a finished shard that only the merge can see costs one more run). Faults hit
 real processes by PID; the ones a timer cannot aim at a window use failpoints
-(generation_core/failpoints.py).
+(generation_core/instrumentation.py).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Outcome:
 
 
 def timeline_events(path: Path) -> list[tuple[str, int, float]]:
-    """(event, pid, time) lines that processes of the run wrote (generation_core/timeline.py)."""
+    """(event, pid, time) lines that processes of the run wrote (generation_core/instrumentation.py)."""
     if not path.exists():
         return []
     events = []

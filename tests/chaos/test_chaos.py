@@ -58,9 +58,10 @@ def _reference(prompts: Path, out: Path):
     """The undisturbed run, in this process (delay 0: the tokens do not depend on it)."""
     from verl.protocol import DataProto
 
-    from generation_core.run import execute_run, prepare_run
+    from generation_core.dispatch import run_in_process
+    from generation_core.preflight import preflight
 
-    execute_run(prepare_run(_args(prompts, out, 0.0)))
+    run_in_process(preflight(_args(prompts, out, 0.0)))
     return DataProto.load_from_disk(str(out / "trajectories.pkl"))
 
 
@@ -86,7 +87,7 @@ def _same_as_reference(run_dir: Path, reference) -> None:
 
 
 def _bad_inputs(tmp_path: Path, rng: random.Random, tally: Tally, capsys) -> None:
-    from generation_core.cli import main
+    from flows.cli import main
     from tests.bad_inputs import bad_input_cases, folder_contents, output_folder
 
     cases = bad_input_cases(tmp_path)

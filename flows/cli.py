@@ -1,8 +1,13 @@
 """`genrun`: run generation (the same command resumes), show status, merge, inspect.
 
     genrun [key=value ...]          run (or resume) generation with Hydra-style overrides
-    genrun status DIR               shards done / running / pending with counts
-    genrun merge DIR                (re)build trajectories.pkl from committed parts
+    genrun status DIR [storage.options.KEY=VALUE ...]
+                                    shards done / running / pending with counts
+    genrun merge DIR [storage.options.KEY=VALUE ...]
+                                    (re)build trajectories.pkl from committed parts
+
+Heavy imports (verl, torch, Prefect, Ray) wait until the command needs them: `genrun --help` and
+a refused input answer at once.
 """
 
 from __future__ import annotations
@@ -10,16 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
+from generation_core.bundled import cache_root
 from generation_core.errors import GenrunError
-from generation_core.timeline import mark
+from generation_core.instrumentation import mark
 
 USAGE = __doc__
 
 
 def _setup_environment() -> None:
-    from generation_core.bundled import cache_root
-
     # verl's RLHFDataset writes through the HF datasets cache; keep it in our cache, not $HOME's default.
     os.environ.setdefault("HF_DATASETS_CACHE", str(cache_root() / "datasets"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,21 +57,21 @@ def _print_summary(summary: dict, plan) -> None:
     if summary.get("failed_samples"):
         print(f"failed:        {summary['failed_samples']} samples (within generation.max_failed_fraction; `genrun status` lists them,")
         print("               running the same command again retries them)")
-    example = _first_example(plan)
+    example = first_example(plan)
     if example:
         print("example:")
         print(example)
 
 
-def _first_example(plan) -> str | None:
+def first_example(plan) -> str | None:
     """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
-    from generation_core.merge import committed_parts, read_verified_part
     from generation_core.records import records_from_parquet
+    from generation_core.run_folder import committed_parts, read_verified_part
 
     parts = committed_parts(plan.folder)
     if not parts:
         return None
-    records = records_from_parquet(read_verified_part(plan.folder, parts[0]["path"], parts[0]["sha256"]))
+    records = records_from_parquet(read_verified_part(plan.folder, parts[0]))
     if not records:
         return None
     tokenizer = plan.prompts.dataset.tokenizer
@@ -96,6 +101,22 @@ def move_credentials_to_environment(argv: list[str]) -> list[str]:
     return kept
 
 
+def storage_options_from(arguments: list[str]) -> dict[str, Any]:
+    """`storage.options.KEY=VALUE` arguments of `genrun status` / `genrun merge` (credentials were
+    moved to the environment already), as fsspec options."""
+    options: dict[str, Any] = {}
+    for argument in arguments:
+        key, sep, value = argument.lstrip("+").partition("=")
+        if not sep or not key.startswith("storage.options."):
+            raise GenrunError(f"unexpected argument {argument!r}: after the folder only storage.options.KEY=VALUE may follow (e.g. storage.options.endpoint_url=http://127.0.0.1:9000)")
+        node = options
+        *parents, leaf = key[len("storage.options."):].split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -104,40 +125,37 @@ def main(argv: list[str] | None = None) -> int:
     _setup_environment()
     argv = move_credentials_to_environment(argv)
     try:
-        if argv and argv[0] == "status":
-            from generation_core.status import print_status
+        if argv and argv[0] in ("status", "merge"):
+            from generation_core.status import merge_folder, print_status
 
             if len(argv) < 2:
-                raise GenrunError("usage: genrun status DIR [storage.options...]")
-            return print_status(argv[1])
-        if argv and argv[0] == "merge":
-            from generation_core.status import merge_folder
-
-            if len(argv) < 2:
-                raise GenrunError("usage: genrun merge DIR")
-            merge_folder(argv[1])
+                raise GenrunError(f"usage: genrun {argv[0]} DIR [storage.options.KEY=VALUE ...]")
+            options = storage_options_from(argv[2:])
+            if argv[0] == "status":
+                return print_status(argv[1], options)
+            merge_folder(argv[1], options)
             return 0
-        from generation_core.run import prepare_run
+        from generation_core.lease import check_lease_free
+        from generation_core.preflight import preflight
 
         # Every input check first, so a bad input is one line here, not a failed flow run.
-        plan = prepare_run(argv)
-        from generation_core.lease import check_lease_free
-
+        plan = preflight(argv)
         # The flow takes the lease; refusing here spares the Prefect and Ray startup.
         check_lease_free(plan.folder)
         mark("inputs_checked")
-        from flows.generate import RAY_WORKER_ENV, generate
-        from generation_core.run import start_ray
-        from infra.prefect_local import prefect_api
+        import ray
+
+        from flows.generate import generate
+        from flows.prefect_api import prefect_api
+        from generation_core.ray_setup import RAY_WORKER_ENV, start_ray
 
         try:
             # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
             with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)):
                 mark("prefect_api_ready")
-                summary = generate(argv)
+                # The flow gets this plan: nothing is checked or planned twice.
+                summary = generate(argv, plan=plan.to_dict())
         finally:
-            import ray
-
             ray.shutdown()
         _print_summary(summary, plan)
         return 0

@@ -1,18 +1,26 @@
-"""Failpoints: named places in the code where the chaos suite makes a run fail on purpose.
+"""Instrumentation for benchmarks, debugging and the chaos suite; all of it off unless asked for
+through the environment, which every process of a run inherits (the CLI, the flow, Ray workers).
 
-A timer cannot hit every window that matters (a part written, its checkpoint not yet), so the
-suite arms named points through the environment, which every process of a run inherits (the
-CLI, the flow, shard workers on Ray):
+Timeline (`GENRUN_TIMELINE=<file>`): `mark(event)` appends `<event> pid=<pid> <unix time>` at
+the moments that matter for the time to the first committed part (inputs checked, Prefect API
+up, Ray up, replicas loaded, a shard worker ready, a part committed). The pid lets the chaos
+suite kill exactly the process that reached a stage.
+
+Sample trace (`GENRUN_SAMPLE_TRACE=<file>`): one line per finished trajectory, flushed at once;
+it shows what a killed run had finished but not yet committed.
+
+Failpoints (`GENRUN_FAILPOINTS`): named places where the chaos suite makes a run fail on
+purpose. A timer cannot hit every window that matters (a part written, its checkpoint not yet),
+so the suite arms named points:
 
     GENRUN_FAILPOINTS="after_part_write@2:kill,before_part_write@5:enospc"
     GENRUN_FAILPOINT_DIR=/some/dir
 
 The 2nd time a process passes `failpoint("after_part_write")` it kills itself with SIGKILL, a
 real crash at that exact point; `kill_run` kills the run's main process (the CLI) and then
-itself, `enospc` raises the error a full disk raises. Each armed point
-fires once per run, across processes and retries: firing creates `<name>.fired` in
-GENRUN_FAILPOINT_DIR exclusively, so a retried shard does not crash again. Unset (always,
-outside tests), `failpoint` costs one dict lookup.
+itself, `enospc` raises the error a full disk raises. Each armed point fires once per run,
+across processes and retries: firing creates `<name>.fired` in GENRUN_FAILPOINT_DIR
+exclusively, so a retried shard does not crash again. Unset, `failpoint` costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -21,8 +29,38 @@ import errno
 import logging
 import os
 import signal
+import time
+from typing import TextIO
 
 logger = logging.getLogger(__name__)
+
+TIMELINE_ENV = "GENRUN_TIMELINE"
+SAMPLE_TRACE_ENV = "GENRUN_SAMPLE_TRACE"
+
+
+def mark(event: str) -> None:
+    path = os.environ.get(TIMELINE_ENV)
+    if path:
+        with open(path, "a") as handle:
+            handle.write(f"{event} pid={os.getpid()} {time.time():.3f}\n")
+
+
+class SampleTrace:
+    """The sample trace of one stream (a no-op when GENRUN_SAMPLE_TRACE is unset)."""
+
+    def __init__(self) -> None:
+        path = os.environ.get(SAMPLE_TRACE_ENV)
+        self._file: TextIO | None = open(path, "a", buffering=1) if path else None
+
+    def finished(self, index: int, rollout_n: int) -> None:
+        if self._file is not None:
+            self._file.write(f"{time.time():.3f} finished {index}:{rollout_n}\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 
 FAILPOINTS_ENV = "GENRUN_FAILPOINTS"
 FAILPOINT_DIR_ENV = "GENRUN_FAILPOINT_DIR"

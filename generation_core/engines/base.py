@@ -1,0 +1,93 @@
+"""The engine contract: what verl's agent loops call, and the sampling parameters they send.
+
+verl's agent loops make one call per model turn,
+`await engine.generate(request_id, prompt_ids=..., sampling_params={...}) -> TokenOutput`, with
+`sampling_params` a plain dict in vLLM/SGLang's names. Every engine (the transformers engine, the
+instant engine, an OpenAI-compatible server) and the routing client in front of them answer that
+call. An engine turns the dict into `SamplingParams` once, where the request enters it, and sizes
+the response with `response_budget`, the default verl's own servers apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from verl.workers.rollout.replica import TokenOutput
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A token-in/token-out inference engine, as verl's replica servers expose one."""
+
+    stats: dict[str, Any]
+    """Counters since the engine started (a replica's `health()` reports them)."""
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+        """One model turn. `kwargs` carry what verl adds for other engines (multimodal data,
+        priority); an engine takes what it serves and ignores the rest."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop background work (threads, connections); the engine serves no more requests."""
+        ...
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The vLLM/SGLang sampling parameters that verl's agent loops send, parsed and checked."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: no top-k filter."""
+    logprobs: bool = False
+    """Return the sampled tokens' log-probabilities."""
+    max_tokens: int | None = None
+    """None: the response budget alone (`response_budget`); verl never sends it."""
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Generate max_tokens whatever the model samples (vLLM/SGLang's name; benchmarks use it for fixed lengths)."""
+    repetition_penalty: float = 1.0
+    """1.0: none. Forwarded to remote servers; the transformers engine does not apply it."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Extra ids that end a response. Forwarded to remote servers."""
+
+    @classmethod
+    def from_request(cls, params: dict[str, Any]) -> "SamplingParams":
+        """Parse verl's sampling dict; a ValueError (the request, not the engine, is wrong) for
+        values no engine accepts."""
+        max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
+        temperature = float(params.get("temperature", 1.0))
+        top_p = float(params.get("top_p", 1.0))
+        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        seed = params.get("seed")
+        repetition_penalty = params.get("repetition_penalty")
+        stop_token_ids = params.get("stop_token_ids")
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            logprobs=bool(params.get("logprobs", False)),
+            max_tokens=None if max_tokens is None else int(max_tokens),
+            seed=None if seed is None else int(seed),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+            stop_token_ids=None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def response_budget(prompt_length: int, response_length: int, prompt_len: int, asked: int | None) -> int:
+    """Tokens a request may generate. verl never sends max_tokens; its servers apply this same
+    default (the rest of prompt_length + response_length, at most response_length), and a
+    max_tokens that is sent can only lower it."""
+    limit = min(response_length, prompt_length + response_length - prompt_len)
+    return limit if asked is None else min(limit, int(asked))

@@ -1,0 +1,255 @@
+"""The shard job: decide whether a shard needs work, and do it. Every dispatcher submits this.
+
+`run_shard_job(plan, shard, ...)` runs in any process of the run's Ray job (a Prefect task on a
+Ray worker, or the in-process dispatcher): it decides from the run folder alone whether the shard
+has anything left to do (`finished_shard`: success marker, no recorded failures, committed parts
+intact), attaches to the booted replica pool, resumes from the checkpoint, streams trajectories
+into parts and writes the success marker last. It receives its `ShardSpec` and never plans.
+
+A sample whose agent loop still fails after the engine-request retries is never committed: it is
+written to `failures.jsonl` (with its error) and the shard carries on. Once the stream ends the
+shard fails if more than `generation.max_failed_fraction` of its trajectories failed; otherwise
+its marker counts the failures. Failed samples are pending for every later attempt or run, which
+regenerates exactly them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from typing import Literal
+
+import ray
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from generation_core.agent_loops import check_agent_loops
+from generation_core.data import PromptSet, ShardSpec
+from generation_core.instrumentation import mark
+from generation_core.lease import LeaseFence
+from generation_core.part_writer import PartWriter
+from generation_core.pool import attach_client
+from generation_core.preflight import RunPlan
+from generation_core.records import SampleFailure, sample_key_text
+from generation_core.rewards import RewardScorer
+from generation_core.run_folder import (
+    FAILURES_FILE,
+    AttemptStats,
+    ShardCheckpoint,
+    ShardManifest,
+    read_marker,
+    repair_shard,
+    shard_file,
+    write_last_error,
+    write_marker,
+)
+from generation_core.storage import RunFolder
+from generation_core.streaming import StreamingWorker
+from verl.utils import hf_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# How long a shard job waits for the driver to boot the replicas (SGLang on a large model takes
+# minutes); the driver cancels its shard jobs at once when the boot fails.
+POOL_BOOT_WAIT_SECONDS = 1800.0
+
+
+class TooManyFailedSamples(RuntimeError):
+    """More samples of a shard failed than generation.max_failed_fraction allows."""
+
+
+def finished_shard(folder: RunFolder, shard: ShardSpec, *, verify: Literal["sha256", "size"] = "sha256") -> ShardManifest | None:
+    """The shard's manifest when it has nothing left to do, else None: the one decision.
+
+    Finished means: its success marker exists, records no failed samples (a later run retries
+    those), and its committed parts are intact. A damaged part is dropped here (its samples are
+    pending again, the marker goes). `verify="sha256"` (the job itself) reads every part and
+    repairs an unfinished shard too, before it resumes; `verify="size"` (the flow, deciding
+    whether Prefect's cached result of a shard may stand in) is one listing, no reads."""
+    if verify == "sha256":
+        repair_shard(folder, shard.name)
+    marker = read_marker(folder, shard.name)
+    if marker is None or marker.failures:
+        return None
+    if verify == "size" and repair_shard(folder, shard.name, size_only=True):
+        return None
+    return marker
+
+
+def run_shard_job(
+    plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None, prompts: PromptSet | None = None
+) -> ShardManifest:
+    """Run one shard if it needs work. `lease_generation`: the run's lease on the folder (commits
+    stop if a later run takes it). `prompts`: the dataset, when this process has it loaded."""
+    folder = plan.folder
+    finished = finished_shard(folder, shard)
+    if finished is not None:
+        return finished.as_skipped()
+    cfg = plan.cfg
+    if prompts is None:
+        tokenizer = hf_tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        prompts = PromptSet(cfg, tokenizer)
+    client = attach_client(cfg, balancer_name)
+    worker = build_streaming_worker(cfg, client, prompts)
+    mark(f"shard_worker_ready {shard.shard_id}")
+    fence = LeaseFence(lease_generation) if lease_generation is not None else None
+
+    async def when_the_pool_is_up() -> ShardManifest:
+        # The driver may still be loading the model: shard jobs start beside it.
+        await client.connect(wait_seconds=POOL_BOOT_WAIT_SECONDS)
+        try:
+            return await generate_shard(cfg, shard, folder, prompts, worker, fence)
+        finally:
+            await client.aclose()
+
+    try:
+        manifest = asyncio.run(when_the_pool_is_up())
+    finally:
+        worker.shutdown()
+    manifest.last_attempt.worker = _where_this_runs()
+    write_marker(folder, manifest)
+    mark(f"shard_done {shard.shard_id}")
+    return manifest
+
+
+def build_streaming_worker(cfg: DictConfig, llm_client, prompts: PromptSet) -> StreamingWorker:
+    """A streaming worker for this process, with the run's reward function. The agent-loop check
+    is the preflight's again: this process (a Ray worker) loads plugins and YAML itself."""
+    check_agent_loops(cfg, prompts.agent_names())
+    return StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, prompts.dataset.tokenizer))
+
+
+def _where_this_runs() -> dict:
+    """The Ray node and the GPUs this shard job held (none: the replicas own the GPUs)."""
+    if not ray.is_initialized():
+        return {"node_id": None, "pid": os.getpid(), "gpu_ids": []}
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None = None) -> ShardManifest:
+    """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
+    decision, then the same generation, then the marker."""
+    finished = finished_shard(folder, shard)
+    if finished is not None:
+        return finished.as_skipped()
+    manifest = await generate_shard(cfg, shard, folder, prompts, worker, fence)
+    write_marker(folder, manifest)
+    return manifest
+
+
+def shard_sample_keys(prompts, shard: ShardSpec, n: int) -> list[tuple[tuple[int, int], int]]:
+    """(sample key, dataset position) for every trajectory the shard owes, in dataset order."""
+    keys = []
+    for position in range(shard.start, shard.end):
+        keys.extend(((prompts.sample_index(position), rollout_n), position) for rollout_n in range(n))
+    return keys
+
+
+def allowed_failures(owed: int, max_failed_fraction: float) -> int:
+    return int(owed * max_failed_fraction + 1e-9)
+
+
+async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None) -> ShardManifest:
+    """Generate every trajectory of `shard` its checkpoint lacks; returns the manifest (the
+    caller writes it as the success marker)."""
+    gen = cfg.generation
+    checkpoint = ShardCheckpoint.load(folder, shard.name)
+    checkpoint.attempts += 1
+    # Failed samples of earlier attempts are pending again.
+    checkpoint.failed = []
+    done = set(checkpoint.completed)
+    owed = shard_sample_keys(prompts, shard, cfg.actor_rollout_ref.rollout.n)
+    pending = [(key, position) for key, position in owed if sample_key_text(key) not in done]
+    logger.info("%s: %d of %d trajectories committed, %d to generate", shard.name, len(done), len(owed), len(pending))
+
+    started = time.perf_counter()
+    postprocess_before = worker.postprocess_seconds
+    engine_before = engine_counters(worker)
+    generated_now = 0
+    tokens_now = 0
+    writer = PartWriter(folder, shard.name, shard.shard_id, checkpoint, fence)
+    allowed = allowed_failures(len(owed), gen.max_failed_fraction)
+    # Many failures past the allowance mean something systematic (engine down, broken loop):
+    # stop after committing what succeeded rather than fail every remaining sample slowly.
+    give_up_after = allowed + 2 * gen.max_inflight
+    progress = tqdm(total=len(owed), initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
+    samples = ((key, prompts.agent_kwargs(position)) for key, position in pending)
+    stream = worker.stream(samples, gen.max_inflight, idle_timeout=gen.pull_timeout)
+    try:
+        async for record in stream:
+            if isinstance(record, SampleFailure):
+                writer.add_failure(record)
+                if writer.failures_this_attempt() >= give_up_after:
+                    break
+            elif record is not None:
+                writer.add(record)
+                generated_now += 1
+                tokens_now += sum(record.response_mask)
+                progress.update(1)
+            if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.has_uncommitted()) or writer.age() >= gen.pull_timeout:
+                # In a thread: samples in flight keep talking to the engine while a part is
+                # written (an S3 put takes tens of milliseconds).
+                await asyncio.to_thread(writer.commit)
+        await asyncio.to_thread(writer.commit)
+        if len(checkpoint.failed) > allowed:
+            raise TooManyFailedSamples(
+                f"{shard.name}: {len(checkpoint.failed)} of {len(owed)} trajectories failed, more than "
+                f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
+                f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
+                "The next attempt regenerates only the failed and missing samples"
+            )
+    except Exception as exc:
+        try:
+            write_last_error(
+                folder, shard.name,
+                {"attempt": checkpoint.attempts, "error": f"{type(exc).__name__}: {exc}", "committed": len(checkpoint.completed), "time": time.time()},
+            )
+        except Exception as write_error:  # noqa: BLE001 - storage may be what failed (disk full): keep the first error
+            logger.warning("%s: could not record the error (%s)", shard.name, write_error)
+        raise
+    finally:
+        # Cancels what is still in flight (after a give-up or an error) before we return.
+        await stream.aclose()
+        progress.close()
+    missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
+    if missing:
+        raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
+    stage_seconds = {stage: round(seconds, 3) for stage, seconds in writer.stage_seconds.items()}
+    stage_seconds["postprocess"] = round(worker.postprocess_seconds - postprocess_before, 3)
+    return ShardManifest(
+        shard=shard.name,
+        shard_id=shard.shard_id,
+        range=[shard.start, shard.end],
+        num_trajectories=len(checkpoint.completed),
+        expected_trajectories=len(owed),
+        failures=len(checkpoint.failed),
+        failed_samples=list(checkpoint.failed),
+        response_tokens=checkpoint.response_tokens,
+        generated_tokens=checkpoint.generated_tokens,
+        parts=checkpoint.parts,
+        repaired_parts=checkpoint.repaired_parts,
+        attempts=checkpoint.attempts,
+        last_attempt=AttemptStats(
+            trajectories=generated_now,
+            generated_tokens=tokens_now,
+            seconds=round(time.perf_counter() - started, 3),
+            stage_seconds=stage_seconds,
+            engine={name: count - engine_before[name] for name, count in engine_counters(worker).items()},
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        ),
+    )
+
+
+def engine_counters(worker: StreamingWorker) -> dict[str, int]:
+    """Counters of the worker's engine client (RetryingClient around the routing client)."""
+    client = getattr(worker, "client", None)
+    stats = getattr(client, "stats", None)
+    return {
+        "requests": getattr(stats, "requests", 0),
+        "request_retries": getattr(stats, "retries", 0),
+        "replica_failures": getattr(getattr(client, "client", None), "replica_failures", 0),
+    }

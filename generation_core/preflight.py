@@ -1,0 +1,169 @@
+"""Preflight: every check that needs no model, and the shard plan, once per command.
+
+`preflight(overrides)` loads and validates the config, checks the engine (and that remote
+servers answer), the dataset files, the model folder, the user code a run calls (agent loops,
+tools, reward function) and the output folder, then loads the dataset once and plans the
+shards. A wrong input is refused in seconds with one line, before Prefect, Ray or a model start,
+and nothing is written. The result, a `RunPlan`, is plain data that crosses process boundaries
+(`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
+`ShardSpec`, and nobody plans again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from verl.utils import hf_tokenizer
+
+from generation_core import bundled
+from generation_core.agent_loops import check_agent_loops, check_tools
+from generation_core.config import finalize_run_location, fingerprint, load_config, versions
+from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
+from generation_core.engines.layout import REMOTE_ENGINE
+from generation_core.engines.remote import check_servers
+from generation_core.errors import GenrunError
+from generation_core.pool import check_rollout_name
+from generation_core.rewards import load_reward_function
+from generation_core.run_folder import check_run_folder, claim_run_folder, config_without_secrets
+from generation_core.storage import RunFolder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunPlan:
+    """What a run is: its resolved config, fingerprint and shards. Serializable; `prompts` (the
+    loaded dataset) is a convenience of the process that made the plan and never travels."""
+
+    cfg: DictConfig
+    fingerprint: str
+    shards: list[ShardSpec]
+    pad_token_id: int
+    filtered_overlong: int = 0
+    """Prompts dropped as longer than data.max_prompt_length: never generated."""
+    prompts: PromptSet | None = field(default=None, repr=False, compare=False)
+    folder: RunFolder = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.folder = RunFolder(self.cfg.trainer.default_local_dir, OmegaConf.to_container(self.cfg.storage.options))
+
+    def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
+        """JSON-ready. Without shards for a shard job, which is handed its own ShardSpec."""
+        return {
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "fingerprint": self.fingerprint,
+            "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
+            "pad_token_id": self.pad_token_id,
+            "filtered_overlong": self.filtered_overlong,
+        }
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> "RunPlan":
+        return cls(
+            cfg=OmegaConf.create(payload["config"]),
+            fingerprint=payload["fingerprint"],
+            shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
+            pad_token_id=int(payload["pad_token_id"]),
+            filtered_overlong=int(payload.get("filtered_overlong", 0)),
+        )
+
+    def run_record(self) -> dict[str, Any]:
+        """What run.json holds: written once, by the run that takes a new folder."""
+        return {
+            "fingerprint": self.fingerprint,
+            "versions": versions(),
+            "pad_token_id": self.pad_token_id,
+            "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
+            "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # storage.options can hold credentials: never written.
+            "config": config_without_secrets(OmegaConf.to_container(self.cfg, resolve=True)),
+        }
+
+    def claim_folder(self) -> None:
+        """Write run.json for a new run, or confirm the folder is this run's (the caller holds the lease)."""
+        claim_run_folder(self.folder, self.run_record())
+
+
+def check_model_dir(cfg: DictConfig) -> Path:
+    path = Path(os.path.expanduser(cfg.actor_rollout_ref.model.path))
+    if path == bundled.bundled_model_dir() and not bundled.is_prepared(path):
+        logger.info("preparing the bundled model into %s (once)", path)
+        bundled.prepare_bundled_model(path)
+    if not path.is_dir():
+        raise GenrunError(f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory")
+    if not (path / "config.json").exists():
+        raise GenrunError(
+            f"model path {path} has no config.json; set actor_rollout_ref.model.path to a Hugging Face model directory "
+            "(config.json, weights and tokenizer files, as save_pretrained or huggingface-cli download write it)"
+        )
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise GenrunError(
+            f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
+            "there too (tokenizer.save_pretrained) or set actor_rollout_ref.model.path to a complete model directory"
+        )
+    return path
+
+
+def _check_context(cfg: DictConfig, model_dir: Path) -> None:
+    model_config = json.loads((model_dir / "config.json").read_text())
+    context = model_config.get("max_position_embeddings")
+    rollout = cfg.actor_rollout_ref.rollout
+    if context and rollout.prompt_length + rollout.response_length > context:
+        raise GenrunError(
+            f"prompt_length {rollout.prompt_length} + response_length {rollout.response_length} exceed the model's "
+            f"context of {context} tokens; lower data.max_prompt_length or data.max_response_length"
+        )
+
+
+def check_run_code(cfg: DictConfig, prompts: PromptSet) -> None:
+    """The user code a run calls, loaded once here so a broken piece stops the run before any
+    model loads: agent loops (names, YAML, plugins), tools, reward function."""
+    agent_names = prompts.agent_names()
+    check_agent_loops(cfg, agent_names)
+    check_tools(cfg, agent_names)
+    load_reward_function(cfg)
+
+
+def _code_hash(cfg: DictConfig) -> str:
+    """Content of the user files that decide the output besides the dataset (reward function):
+    editing them makes a different run, which must not resume into the old folder."""
+    digest = hashlib.sha256()
+    reward_path = cfg.reward.custom_reward_function.path
+    if reward_path and os.path.isfile(os.path.expanduser(reward_path)):
+        digest.update(Path(os.path.expanduser(reward_path)).read_bytes())
+    return digest.hexdigest()
+
+
+def preflight(overrides: list[str]) -> RunPlan:
+    """Check every input and plan the run; the dataset is loaded here once (verl's RLHFDataset,
+    with its overlong filter) and stays with the plan in this process."""
+    cfg = load_config(overrides)
+    check_rollout_name(cfg)
+    if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
+        # Servers that do not answer are found now, before Prefect, Ray or any shard starts.
+        asyncio.run(check_servers(cfg))
+    dataset_hash = check_prompt_files(cfg)
+    model_dir = check_model_dir(cfg)
+    _check_context(cfg, model_dir)
+    run_fingerprint = fingerprint(cfg, f"{dataset_hash}:{_code_hash(cfg)}")
+    finalize_run_location(cfg, run_fingerprint)
+    # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
+    tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    prompts = PromptSet(cfg, tokenizer)
+    shards = plan_shards(len(prompts), cfg.generation.num_shards)
+    check_run_code(cfg, prompts)
+    plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, prompts.filtered_overlong, prompts)
+    plan.folder.check_writable()
+    # Refused here when the folder holds another run; run.json itself is written under the lease.
+    check_run_folder(plan.folder, run_fingerprint)
+    return plan
