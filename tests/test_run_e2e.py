@@ -80,7 +80,8 @@ def test_end_to_end_then_resume_is_a_no_op(ray_local, prompts_file, model_dir, t
 
 def test_a_folder_holding_another_run_is_refused(ray_local, prompts_file, tmp_path):
     out = tmp_path / "run"
-    preflight(_overrides(prompts_file, out))
+    # A run claims its folder (run.json) once it holds the lease; the preflight only reads it.
+    preflight(_overrides(prompts_file, out)).claim_folder()
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(GenrunError, match="holds a different run.*To start fresh"):
         preflight(_overrides(prompts_file, out, "actor_rollout_ref.rollout.temperature=0.7"))

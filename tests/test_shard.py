@@ -98,7 +98,7 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
 
     done = ScriptedWorker()
     again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), done))
-    assert done.started == [] and again["last_attempt"]["skipped"]
+    assert done.started == [] and again.last_attempt.skipped
 
 
 def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_retries_them(tmp_path):
