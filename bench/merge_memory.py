@@ -93,6 +93,7 @@ def _record(record_type, rng, index: int, prompt_length: int, response_length: i
 def measure_merge(directory: str, prompt_length: int, response_length: int, chunk_size: int | None) -> dict:
     """Run the merge in this (fresh) process and return its peak memory and output sizes."""
     import generation_core.merge as merge
+    import generation_core.run_folder as run_folder
     from generation_core.storage import RunFolder
 
     folder = RunFolder(directory)
@@ -104,11 +105,11 @@ def measure_merge(directory: str, prompt_length: int, response_length: int, chun
     if chunk_size is None:
         data = merge.merge_run(folder, **lengths)
         rows = len(data)
-        files = [merge.MERGED_FILE]
+        files = [run_folder.MERGED_FILE]
     else:
         merged = merge.merge_run_chunked(folder, chunk_size=chunk_size, **lengths)
         rows = merged.rows
-        files = [chunk["name"] for chunk in folder.read_json(merge.CHUNK_INDEX_FILE)["chunks"]]
+        files = [chunk["name"] for chunk in folder.read_json(run_folder.CHUNK_INDEX_FILE)["chunks"]]
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM")
     sizes = [os.path.getsize(os.path.join(directory, name)) for name in files]

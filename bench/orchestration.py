@@ -39,15 +39,16 @@ def main() -> None:
         for i in range(args.samples)
     ]
     pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
-    from generation_core.run import execute_run, prepare_run
+    from generation_core.dispatch import run_in_process
+    from generation_core.preflight import preflight
 
     try:
-        plan = prepare_run([
+        plan = preflight([
             f"data.train_files={scratch / 'prompts.parquet'}", f"trainer.default_local_dir={scratch / 'run'}",
             "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",
             "generation.save_batch_size=500", "generation.max_inflight=256",
         ])
-        summary = execute_run(plan)
+        summary = run_in_process(plan)
         marker = json.loads(next((scratch / "run" / "shards").glob("*/_SUCCESS.json")).read_text())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The padded size is measured with the tests' in-memory merge oracle (tests/merge_oracles.py).
+sys.path.insert(0, str(REPO))
 TARGET = 1.3
 PADDED_RESPONSE_LENGTH = 4096
 PART_SIZE = 16  # generation.save_batch_size's default
@@ -44,12 +46,12 @@ def generate(directory: Path, logprobs: bool) -> None:
 
 def part_records(directory: Path) -> list[list]:
     """The records of each committed part of a run folder, part by part."""
-    from generation_core.merge import committed_parts, read_verified_part
     from generation_core.records import records_from_parquet
+    from generation_core.run_folder import committed_parts, read_verified_part
     from generation_core.storage import RunFolder
 
     folder = RunFolder(str(directory))
-    return [records_from_parquet(read_verified_part(folder, p["path"], p["sha256"])) for p in committed_parts(folder)]
+    return [records_from_parquet(read_verified_part(folder, p)) for p in committed_parts(folder)]
 
 
 def baseline_records_module(revision: str, scratch: Path):
@@ -65,7 +67,8 @@ def baseline_records_module(revision: str, scratch: Path):
 
 
 def padded_pickle_bytes(records: list, prompt_length: int) -> int:
-    from generation_core.merge import build_dataproto, dump_dataproto
+    from generation_core.merge import dump_dataproto
+    from tests.merge_oracles import build_dataproto
 
     data = build_dataproto(records, prompt_length=prompt_length, response_length=PADDED_RESPONSE_LENGTH, pad_token_id=2)
     size, _ = dump_dataproto(data, io.BytesIO())

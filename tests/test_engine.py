@@ -2,12 +2,15 @@
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from generation_core.engines.base import SamplingParams
+from generation_core.engines.base import Engine, SamplingParams
 from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.instant import InstantEngine, InstantSettings
+from generation_core.engines.remote import CompletionsServer
 from generation_core.engines.sampling import sample_next_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +45,12 @@ def _generate_all(engine, prompts, params, stagger=0.0):
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
     return asyncio.run(main())
+
+
+def test_engines_implement_the_contract(engine):
+    server = CompletionsServer("http://127.0.0.1:1", httpx.AsyncClient(), model="m", prompt_length=8, response_length=8)
+    instant = InstantEngine(InstantSettings(prompt_length=8, response_length=8, eos_token_id=2))
+    assert all(isinstance(e, Engine) for e in (engine, instant, server))
 
 
 def test_greedy_matches_model_generate_and_logprobs_match_a_rescore(engine, reference, prompts):

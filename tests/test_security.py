@@ -146,7 +146,7 @@ def test_ray_of_an_existing_cluster_is_left_as_configured(monkeypatch):
 
 
 def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
-    """infra/prefect_local.py's server, started for real up to the process launch: the URL it
+    """flows/prefect_api.py's server, started for real up to the process launch: the URL it
     exports and the uvicorn command line both say 127.0.0.1."""
     import prefect.server.api.server as prefect_server
 
@@ -174,7 +174,7 @@ def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
     monkeypatch.setattr(prefect_server.SubprocessASGIServer, "_instances", {})
     monkeypatch.setattr(prefect_server.SubprocessASGIServer, "start", start)
     monkeypatch.setattr(prefect_server.subprocess, "Popen", lambda args, **kwargs: launched.append(args) or NotStarted())
-    monkeypatch.setattr("infra.prefect_local._drain_prefect_clients", lambda: None)
+    monkeypatch.setattr("flows.prefect_api._drain_prefect_clients", lambda: None)
     with prefect_api() as url:
         assert url.startswith("http://127.0.0.1:")
     command = launched[0]
