@@ -17,8 +17,9 @@ Two kinds of backend: `RayReplicaBackend` (the server actor of a booted verl rep
 `instant`, `sglang`, `vllm`) and engines/remote.py's `CompletionsServer` (`rollout.name=remote`).
 
 The client does not subclass verl's LLMServerClient: that class's `generate` is acquire,
-`server.generate.remote(...)`, release, which fits only Ray handles (an HTTP server had to fake
-one) and asks the balancer actor for every request (two of the three Ray calls a turn cost).
+`server.generate.remote(...)`, release, which fits only Ray handles (an HTTP server would have
+to pose as one) and asks the balancer actor twice for every request (two of the three Ray calls
+a turn would cost).
 What verl's client adds to a replica call (a fresh request id per turn, multimodal and priority
 arguments) lives in RayReplicaBackend; what it adds to every output (min/max_global_steps) and
 its rollout trace stay here, for every backend.

@@ -85,7 +85,8 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
     from transformers import AutoTokenizer
 
     from generation_core.engines.hf import EngineSettings, HFEngine
-    from generation_core.pool import RemoteRoutingClient
+    from generation_core.engines.remote import CompletionsServers
+    from generation_core.routing import RoutingClient
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True) for row in chat_rows(4)]
@@ -94,7 +95,7 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
     cfg = _cfg([vllm_server], "data.max_response_length=24")
 
     async def remote():
-        client = RemoteRoutingClient(cfg)
+        client = RoutingClient(cfg, CompletionsServers(cfg))
         try:
             return await asyncio.gather(*[client.generate(f"r{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
         finally:
@@ -116,14 +117,15 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
 
 def test_context_overflow_is_a_sample_failure_and_the_server_stays(vllm_server):
     from generation_core.engines.remote import RemoteRequestRejected
-    from generation_core.pool import RemoteRoutingClient
+    from generation_core.engines.remote import CompletionsServers
+    from generation_core.routing import RoutingClient
     from generation_core.request_retry import RetryingClient
 
     # genrun's own limit is above the server's: the server is the one to refuse (400).
     cfg = _cfg([vllm_server], "data.max_prompt_length=2048", "data.max_response_length=8")
 
     async def scenario():
-        client = RemoteRoutingClient(cfg)
+        client = RoutingClient(cfg, CompletionsServers(cfg))
         retrying = RetryingClient(client, retries=3, backoff_seconds=0.01, timeout=None)
         try:
             with pytest.raises(RemoteRequestRejected, match="400"):

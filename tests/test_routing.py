@@ -232,12 +232,15 @@ def test_aclose_stops_the_probes():
 
     async def scenario():
         await client.connect()
-        probe = client._down["a"]
-        await client.aclose()
-        return probe
+        await _until(lambda: a.probes >= 2)
+        await asyncio.wait_for(client.aclose(), 1.0)
+        probes = a.probes
+        await asyncio.sleep(0.1)
+        return probes
 
-    probe = asyncio.run(scenario())
-    assert probe.cancelled() and source.closed
+    probes = asyncio.run(scenario())
+    assert a.probes == probes, "no probe after aclose"
+    assert source.closed
 
 
 # ---- the Ray replica backend -------------------------------------------------------------------
