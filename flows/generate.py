@@ -60,8 +60,10 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # replicas load, and each waits for the pool by name.
         balancer_name = new_balancer_name()
         futures, cached = [], set()
-        # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs.
-        with remote_options(**SHARD_TASK_RESOURCES):
+        # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs. max_retries=0: a
+        # dead shard worker is Prefect's to retry (generation.retries), counted and shown there,
+        # never re-run by Ray behind its back.
+        with remote_options(**SHARD_TASK_RESOURCES, max_retries=0):
             for shard in plan.shards:
                 # Prefect's cached result may stand in for a shard only when the shard job would
                 # find nothing to do (the job decides again, reading every part, when it runs).
