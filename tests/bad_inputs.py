@@ -71,7 +71,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
         ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?self_refine, single_turn_agent, tool_agent"),
+        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?single_turn_agent, tool_agent"),
         ([f"data.train_files={with_agent}"], "unknown agent loop 'my_loop' .*registered agent loops:"),
         ([f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"], "agent loop 'broken' names 'nowhere.Loop', which cannot be imported"),
         ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"], "tool config .*tool_config_path=.* does not load"),
