@@ -67,7 +67,7 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
             for shard in plan.shards:
                 # Prefect's cached result may stand in for a shard only when the shard job would
                 # find nothing to do (the job decides again, reading every part, when it runs).
-                needs_work = finished_shard(plan.folder, shard, verify="size") is None
+                needs_work = finished_shard(plan.folder, shard, verify="size", fence=fence) is None
                 if not needs_work:
                     cached.add(shard.shard_id)
                 task = run_shard.with_options(retries=plan.cfg.generation.retries, retry_delay_seconds=plan.cfg.generation.retry_delay_seconds, refresh_cache=needs_work)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from generation_core.agent_loops import check_agent_loops
 from generation_core.data import PromptSet, ShardSpec
 from generation_core.instrumentation import mark
-from generation_core.lease import LeaseFence
+from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.part_writer import PartWriter
 from generation_core.pool import attach_client
 from generation_core.preflight import RunPlan
@@ -61,20 +61,23 @@ class TooManyFailedSamples(RuntimeError):
     """More samples of a shard failed than generation.max_failed_fraction allows."""
 
 
-def finished_shard(folder: RunFolder, shard: ShardSpec, *, verify: Literal["sha256", "size"] = "sha256") -> ShardManifest | None:
+def finished_shard(
+    folder: RunFolder, shard: ShardSpec, *, verify: Literal["sha256", "size"] = "sha256", fence: LeaseFence | None = None
+) -> ShardManifest | None:
     """The shard's manifest when it has nothing left to do, else None: the one decision.
 
     Finished means: its success marker exists, records no failed samples (a later run retries
     those), and its committed parts are intact. A damaged part is dropped here (its samples are
     pending again, the marker goes). `verify="sha256"` (the job itself) reads every part and
     repairs an unfinished shard too, before it resumes; `verify="size"` (the flow, deciding
-    whether Prefect's cached result of a shard may stand in) is one listing, no reads."""
+    whether Prefect's cached result of a shard may stand in) is one listing, no reads. `fence`:
+    the run's lease; a run that lost it repairs nothing (LeaseLost)."""
     if verify == "sha256":
-        repair_shard(folder, shard.name)
+        repair_shard(folder, shard.name, fence=fence)
     marker = read_marker(folder, shard.name)
     if marker is None or marker.failures:
         return None
-    if verify == "size" and repair_shard(folder, shard.name, size_only=True):
+    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence):
         return None
     return marker
 
@@ -85,7 +88,8 @@ def run_shard_job(
     """Run one shard if it needs work. `lease_generation`: the run's lease on the folder (commits
     stop if a later run takes it). `prompts`: the dataset, when this process has it loaded."""
     folder = plan.folder
-    finished = finished_shard(folder, shard)
+    fence = LeaseFence(lease_generation) if lease_generation is not None else None
+    finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
         return finished.as_skipped()
     cfg = plan.cfg
@@ -95,7 +99,6 @@ def run_shard_job(
     client = attach_client(cfg, balancer_name)
     worker = build_streaming_worker(cfg, client, prompts)
     mark(f"shard_worker_ready {shard.shard_id}")
-    fence = LeaseFence(lease_generation) if lease_generation is not None else None
 
     async def when_the_pool_is_up() -> ShardManifest:
         # The driver may still be loading the model: shard jobs start beside it.
@@ -133,7 +136,7 @@ def _where_this_runs() -> dict:
 async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None = None) -> ShardManifest:
     """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
     decision, then the same generation, then the marker."""
-    finished = finished_shard(folder, shard)
+    finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
         return finished.as_skipped()
     manifest = await generate_shard(cfg, shard, folder, prompts, worker, fence)
@@ -157,7 +160,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     """Generate every trajectory of `shard` its checkpoint lacks; returns the manifest (the
     caller writes it as the success marker)."""
     gen = cfg.generation
-    checkpoint = ShardCheckpoint.load(folder, shard.name)
+    checkpoint = ShardCheckpoint.load(folder, shard.name, fence)
     checkpoint.attempts += 1
     # Failed samples of earlier attempts are pending again.
     checkpoint.failed = []
@@ -202,6 +205,8 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
                 f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
                 "The next attempt regenerates only the failed and missing samples"
             )
+    except LeaseLost:
+        raise  # another run holds the folder now: this one writes nothing more there
     except Exception as exc:
         try:
             write_last_error(

@@ -9,22 +9,30 @@ heartbeat) and marks it released at the end.
 
 The newest lease is free when it is released, when its heartbeat is older than its `seconds`
 (a killed run's lease expires; a run that finds one that missed two heartbeats waits for that
-rather than refusing), or at once when it was taken on this host by a process that no longer
-exists. Taking over a free lease creates the next number, never touches the old file: a
-run that lost its lease (its heartbeat stalled past expiry and another run took over) sees a
-newer number at its next commit (`LeaseFence.check`) and stops instead of writing.
+rather than refusing), or at once when it was taken on this machine by a process that no longer
+exists. "This machine" is the hostname, the kernel's boot id and the pid namespace together:
+containers share hostnames (and a host's boot id), and a pid means something only inside its
+own pid namespace of one boot. A lease without them (older versions, or a platform without a
+boot id) is another machine's and expires by time. Taking over a free lease creates the next
+number, never touches the old file: a run that lost its lease (its heartbeat stalled past
+expiry and another run took over) sees a newer number at its next commit (`LeaseFence.check`)
+and stops instead of writing; its checkpoint writes are conditional too (part_writer.py), so
+one in flight when the new run starts on the shard is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from generation_core.errors import GenrunError
 from generation_core.run_folder import LEASE_DIR, lease_file, lease_generation
@@ -50,16 +58,54 @@ class LeaseRecord:
     renewed: float
     released: bool = False
     released_at: float | None = None
+    boot_id: str | None = None
+    """The kernel boot id of the holder's machine (None: unknown, as in leases of early versions)."""
+    pid_namespace: str | None = None
+    """The holder's pid namespace (`/proc/self/ns/pid`), where its `pid` means something."""
+
+    @classmethod
+    def from_dict(cls, payload: dict) -> "LeaseRecord":
+        # Keys a newer writer added are ignored; ones an older writer lacked take their defaults.
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in payload.items() if key in known})
+
+    def on_this_machine(self) -> bool:
+        """Taken in this process's pid space (same host, boot and pid namespace): only then does
+        a missing `pid` mean the holder is gone."""
+        boot_id, pid_namespace = this_machine()
+        return boot_id is not None and (self.host, self.boot_id, self.pid_namespace) == (socket.gethostname(), boot_id, pid_namespace)
 
     def state(self, now: float) -> str | None:
         """Why the lease is free ("released", "expired", "owner gone"), or None when held."""
         if self.released:
             return "released"
-        if self.host == socket.gethostname() and not _process_alive(self.pid):
+        if self.on_this_machine() and not _process_alive(self.pid):
             return "owner gone"
         if now - self.renewed > self.seconds:
             return "expired"
         return None
+
+
+@functools.cache
+def this_machine() -> tuple[str | None, str | None]:
+    """(boot id, pid namespace) of this process; (None, None) where they cannot be known, and
+    then every lease is another machine's (it expires by time)."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as handle:
+                boot_id = handle.read().strip()
+            return (boot_id, os.readlink("/proc/self/ns/pid")) if boot_id else (None, None)
+        except OSError:
+            return None, None
+    if sys.platform == "darwin":
+        # One pid space per boot; the boot session's uuid changes at every boot.
+        try:
+            result = subprocess.run(["sysctl", "-n", "kern.bootsessionuuid"], capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+        boot_id = result.stdout.strip() if result.returncode == 0 else ""
+        return (boot_id, "") if boot_id else (None, None)
+    return None, None
 
 
 def _process_alive(pid: int) -> bool:
@@ -77,7 +123,7 @@ def newest_lease(folder: RunFolder) -> LeaseRecord | None:
     if not generations:
         return None
     try:
-        return LeaseRecord(**folder.read_json(lease_file(max(generations))))
+        return LeaseRecord.from_dict(folder.read_json(lease_file(max(generations))))
     except FileNotFoundError:
         # Removed between the listing and the read (a holder cleaning up): look again.
         return newest_lease(folder)
@@ -149,14 +195,19 @@ class RunLease:
                 raise _refusal(folder, newest, now)
             if why_free != "released":
                 logger.warning("taking over the lease of a run that stopped without releasing it (%s; %s)", why_free, _describe(newest, now))
+        boot_id, pid_namespace = this_machine()
         record = LeaseRecord(
             generation=(newest.generation if newest else 0) + 1,
+            # The token that makes this lease file ours alone (create_exclusive's retry after a
+            # lost answer recognises it).
             owner=uuid.uuid4().hex,
             host=socket.gethostname(),
             pid=os.getpid(),
             seconds=float(seconds),
             acquired=now,
             renewed=now,
+            boot_id=boot_id,
+            pid_namespace=pid_namespace,
         )
         if not folder.create_exclusive(lease_file(record.generation), _encode(record)):
             # Another run created the same number first: it holds the folder now.

@@ -15,10 +15,14 @@ manifest.json                 the run summary
 ```
 
 Nothing else spells these names. A part no checkpoint lists is an orphan of a crash and is never
-read. A committed part can still be damaged later (a truncated copy, a bad disk, someone editing
-the bucket): `repair_shard` finds it against its checkpoint's size and sha256, drops it (its
-samples are pending again) and records the repair, so a loss is reported, never silent; the
-damaged file stays where it is, listed by no checkpoint.
+read. Under a run lease, every checkpoint write is fenced (`ShardCheckpoint.save` with the run's
+`LeaseFence`): conditional on the version it was read as, after the shard was claimed for the
+lease; part_writer.py says why that closes the window a plain "check, then write" leaves.
+
+A committed part can still be damaged later (a truncated copy, a bad disk, someone editing the
+bucket): `repair_shard` finds it against its checkpoint's size and sha256, drops it (its samples
+are pending again) and records the repair, so a loss is reported, never silent; the damaged
+file stays where it is, listed by no checkpoint.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder, redacted_options
+from generation_core.storage import RunFolder, WriteConflict, encode_json, redacted_options
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,24 @@ def lease_generation(name: str) -> int | None:
     return int(name[:-5]) if name.endswith(".json") and name[:-5].isdigit() else None
 
 
+class Fence(Protocol):
+    """The run's lease as writers see it (lease.LeaseFence): `check` raises LeaseLost once a
+    later run has taken the folder over."""
+
+    generation: int
+
+    def check(self, folder: RunFolder) -> None: ...
+
+
+class CheckpointConflict(RuntimeError):
+    """A fenced write found the file changed by another writer while this run still holds the
+    folder (two writers of one shard in one run); the shard's next attempt resumes from it."""
+
+
+# Conditional writes that lose a race read again and retry this often before giving up.
+_CONFLICT_RETRIES = 5
+
+
 def _from_dict(cls, payload: dict[str, Any]):
     """Build a record from JSON, ignoring keys a newer or older writer added."""
     known = {f.name for f in fields(cls)}
@@ -119,6 +141,13 @@ class ShardCheckpoint:
     response_tokens: int = 0
     generated_tokens: int = 0
     attempts: int = 0
+    lease: int | None = None
+    """Generation of the run lease it was last written under (None: written without a lease)."""
+
+    def __post_init__(self) -> None:
+        # The stored version (S3 ETag, a content hash on local disk) it was read or last written
+        # as: a fenced save is conditional on it. Not part of the record.
+        self.version: str | None = None
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> "ShardCheckpoint":
@@ -130,12 +159,56 @@ class ShardCheckpoint:
         return asdict(self)
 
     @classmethod
-    def load(cls, folder: RunFolder, shard: str) -> "ShardCheckpoint":
+    def load(cls, folder: RunFolder, shard: str, fence: Fence | None = None) -> "ShardCheckpoint":
+        """The shard's checkpoint (empty when it has none). With `fence`, the run that is about
+        to generate into the shard first claims it: the checkpoint is rewritten under its lease,
+        so a commit that an earlier holder still has in flight finds it changed and is refused."""
         path = shard_file(shard, CHECKPOINT_FILE)
-        return cls.from_dict(folder.read_json(path)) if folder.exists(path) else cls()
+        for _ in range(_CONFLICT_RETRIES):
+            stored = folder.read_versioned(path)
+            checkpoint = cls.from_dict(json.loads(stored.data)) if stored.data is not None else cls()
+            checkpoint.version = stored.version
+            if fence is None or not checkpoint._needs_claim(fence):
+                return checkpoint
+            try:
+                checkpoint.save(folder, shard, fence)
+                return checkpoint
+            except CheckpointConflict:
+                continue  # the earlier holder's last commit landed first: read it, claim again
+        raise CheckpointConflict(f"could not claim {folder.display(path)}: it kept changing under this run")
 
-    def save(self, folder: RunFolder, shard: str) -> None:
-        folder.put_json(shard_file(shard, CHECKPOINT_FILE), self.to_dict())
+    def _needs_claim(self, fence: Fence) -> bool:
+        if self.lease == fence.generation:
+            return False
+        # Lease 1 is the folder's first: no earlier run can have a commit in flight, and a shard
+        # keeps having no checkpoint until its first part is committed.
+        return self.version is not None or fence.generation > 1
+
+    def save(self, folder: RunFolder, shard: str, fence: Fence | None = None) -> None:
+        """Write the checkpoint. Without a fence: one atomic put (library use, tests). With the
+        run's lease fence: only while the run holds the folder and only over the version this
+        checkpoint was read or last written as; a run that lost the lease raises LeaseLost
+        (from `fence.check`) and writes nothing."""
+        path = shard_file(shard, CHECKPOINT_FILE)
+        if fence is None:
+            folder.put_json(path, self.to_dict())
+            return
+        fence.check(folder)
+        if self.lease is not None and self.lease > fence.generation:
+            # Read after a later run claimed it: never written back under an older lease.
+            raise CheckpointConflict(f"{folder.display(path)} belongs to a later run (lease {self.lease}); this run (lease {fence.generation}) stops")
+        previous_lease, self.lease = self.lease, fence.generation
+        try:
+            self.version = folder.put_if_version(path, encode_json(self.to_dict()), self.version)
+        except WriteConflict:
+            self.lease = previous_lease
+            # Changed since we read it: a later run claimed the shard (LeaseLost), or else a
+            # second writer of this run did.
+            fence.check(folder)
+            raise CheckpointConflict(
+                f"{folder.display(path)} was changed by another writer while this run (lease {fence.generation}) still "
+                "holds the folder; this attempt stops, the next one resumes from the checkpoint"
+            ) from None
 
 
 @dataclass
@@ -222,12 +295,39 @@ def read_failure_log(folder: RunFolder, shard: str) -> str:
     return folder.read_bytes(path).decode() if folder.exists(path) else ""
 
 
-def write_failure_log(folder: RunFolder, shard: str, text: str) -> None:
-    # Every failure of every attempt, kept whole: S3 cannot append, so the file is rewritten.
-    folder.put_atomic(shard_file(shard, FAILURES_FILE), text.encode())
+def append_failure_log(folder: RunFolder, shard: str, lines: str, fence: Fence | None = None) -> None:
+    """Add `lines` to the shard's failure log, which keeps every failure of every attempt. S3
+    cannot append: the file is read and rewritten whole. With a fence the rewrite is
+    conditional on the version read (lines another writer added meanwhile are never dropped)
+    and a run that lost the lease writes nothing."""
+    path = shard_file(shard, FAILURES_FILE)
+    for _ in range(_CONFLICT_RETRIES):
+        if fence is not None:
+            fence.check(folder)
+        stored = folder.read_versioned(path)
+        text = (stored.data or b"") + lines.encode()
+        if fence is None:
+            folder.put_atomic(path, text)
+            return
+        try:
+            folder.put_if_version(path, text, stored.version)
+            return
+        except WriteConflict:
+            continue
+    raise CheckpointConflict(f"could not add to {folder.display(path)}: it kept changing under this run")
 
 
 # --- run.json ---------------------------------------------------------------------------------
+
+
+FINGERPRINT_VERSION = 2
+"""The recipe of the run fingerprint (config.fingerprint) that run.json's `fingerprint_version`
+names; a run.json without one was written by recipe 1. Bump it when the recipe changes, and say
+in FINGERPRINT_ADDED what the new recipe covers."""
+FINGERPRINT_ADDED = {
+    2: "engine_kwargs (e.g. instant.response_tokens, hf.dtype, hf.ignore_eos, remote.model), the model's files, "
+    "the agent-loop YAML and its classes' source, the tool config",
+}
 
 
 def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
@@ -236,14 +336,29 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
     if not folder.exists(RUN_FILE):
         return False
     existing = folder.read_json(RUN_FILE)
-    if existing.get("fingerprint") != run_fingerprint:
-        raise GenrunError(
-            f"output folder {folder.display()} holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, "
-            f"this one is {run_fingerprint[:12]}): the config, dataset or versions changed (its config is in "
-            f"{folder.display(RUN_FILE)}). Nothing was changed there. To start fresh, set another "
-            "trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+    if existing.get("fingerprint") == run_fingerprint:
+        return True
+    written_by = existing.get("fingerprint_version", 1)
+    if written_by == FINGERPRINT_VERSION:
+        what = (
+            f"holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, this one is {run_fingerprint[:12]}): "
+            f"the config, dataset or versions changed (its config is in {folder.display(RUN_FILE)}). Nothing was changed there."
         )
-    return True
+    else:
+        # Another recipe computed its fingerprint: it differs even when the run is the same.
+        if isinstance(written_by, int) and written_by < FINGERPRINT_VERSION:
+            uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
+            writer = f"an earlier genrun whose fingerprint did not cover {uncovered}"
+        else:
+            writer = "a genrun with another fingerprint recipe"
+        what = (
+            f"holds a different run or the same run written by {writer} (fingerprint version {written_by!r}, this "
+            f"genrun's is {FINGERPRINT_VERSION}). Nothing was changed there. Finish it with that genrun version."
+        )
+    raise GenrunError(
+        f"output folder {folder.display()} {what} To start fresh, set another trainer.default_local_dir "
+        "(or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+    )
 
 
 def claim_run_folder(folder: RunFolder, run_record: dict[str, Any]) -> None:
@@ -323,9 +438,12 @@ def part_damage(folder: RunFolder, shard: str, part: PartEntry, *, sizes: dict[s
     return None
 
 
-def drop_damaged_parts(folder: RunFolder, shard: str, checkpoint: ShardCheckpoint, reasons: dict[str, str]) -> ShardCheckpoint:
+def drop_damaged_parts(
+    folder: RunFolder, shard: str, checkpoint: ShardCheckpoint, reasons: dict[str, str], fence: Fence | None = None
+) -> ShardCheckpoint:
     """The checkpoint without the damaged parts and their samples (pending again), with the
-    repairs recorded; written back, and the shard's success marker removed."""
+    repairs recorded; written back, and the shard's success marker removed. With `fence`, only
+    while the run holds the folder, over the version `checkpoint` was read as."""
     if sum(p.count for p in checkpoint.parts) != len(checkpoint.completed):
         raise GenrunError(
             f"cannot repair {shard_file(shard)}: its checkpoint's part counts do not add up to its completed samples; "
@@ -346,6 +464,7 @@ def drop_damaged_parts(folder: RunFolder, shard: str, checkpoint: ShardCheckpoin
             kept.append(part)
             completed.extend(samples)
     repaired_checkpoint = ShardCheckpoint.from_dict(checkpoint.to_dict())
+    repaired_checkpoint.version = checkpoint.version
     repaired_checkpoint.parts, repaired_checkpoint.completed, repaired_checkpoint.repaired_parts = kept, completed, repaired
     # Token totals from the parts that remain (parts of early versions carry no counts: their
     # totals stay as they were, an overcount rather than a wrong sum).
@@ -353,31 +472,33 @@ def drop_damaged_parts(folder: RunFolder, shard: str, checkpoint: ShardCheckpoin
         repaired_checkpoint.response_tokens = sum(p.response_tokens for p in kept)
         repaired_checkpoint.generated_tokens = sum(p.generated_tokens for p in kept)
     # Marker first: a crash between the two leaves an unfinished shard whose next attempt
-    # finds the same damage again.
+    # finds the same damage again. A run that lost its lease stops before either.
+    if fence is not None:
+        fence.check(folder)
     folder.remove(shard_file(shard, SUCCESS_FILE))
-    repaired_checkpoint.save(folder, shard)
+    repaired_checkpoint.save(folder, shard, fence)
     return repaired_checkpoint
 
 
-def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False) -> int:
+def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None) -> int:
     """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
     `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
-    corruption needs the full check)."""
+    corruption needs the full check). `fence`: the run's lease, when the caller holds one."""
     if not folder.exists(shard_file(shard, CHECKPOINT_FILE)):
         return 0
     checkpoint = ShardCheckpoint.load(folder, shard)
     sizes = folder.list_sizes(shard_file(shard)) if size_only else None
     reasons = {part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))}
     if reasons:
-        drop_damaged_parts(folder, shard, checkpoint, reasons)
+        drop_damaged_parts(folder, shard, checkpoint, reasons, fence)
     return len(reasons)
 
 
-def mark_for_repair(folder: RunFolder, damaged: DamagedPart) -> None:
+def mark_for_repair(folder: RunFolder, damaged: DamagedPart, fence: Fence | None = None) -> None:
     """After the merge found `damaged`: drop it so the next run regenerates its samples."""
     _, shard, part_name = damaged.path.split("/", 2)
     checkpoint = ShardCheckpoint.load(folder, shard)
-    drop_damaged_parts(folder, shard, checkpoint, {part_name: "sha256 does not match the checkpoint (found by the merge)"})
+    drop_damaged_parts(folder, shard, checkpoint, {part_name: "sha256 does not match the checkpoint (found by the merge)"}, fence)
 
 
 # --- merged output ------------------------------------------------------------------------------

@@ -1,22 +1,45 @@
 """RunFolder: the one storage class every component writes through (local disk or s3://).
 
-Commit semantics hold on object stores, which have no rename and no append: every file is
-written whole by one `put_atomic`. On a local disk that is a write to a temporary name plus an
-atomic rename; on S3 a single PUT of the whole object is already atomic.
+Every write is all-or-nothing, on object stores too, which have no rename and no append; a
+write that fails publishes nothing and leaves the previous file (or its absence) as it was:
+- `put_atomic` writes a file whole: on local disk to a temporary name beside the target, then
+  an atomic rename; on S3 one PUT of the whole object (a multipart upload, aborted on failure,
+  past 100 MB).
+- `open_write` streams large outputs. The target appears when the `with` block ends without an
+  exception, never before: on local disk a temporary file renamed at the end; on S3 a multipart
+  upload completed at the end and aborted on an exception (s3fs's own file uploads whatever it
+  holds when closed, also when the block raised, which would publish a truncated object).
+- `create_exclusive` creates a name only if it is free (lease files); `put_if_version` replaces
+  a file only if it is still the version the caller read (S3: `If-None-Match: *` / `If-Match`
+  on the ETag; local disk: the comparison and the rename under an exclusive flock of the
+  directory, against a sha256 of the content). Both are idempotent: when an attempt stored the
+  object but its answer was lost, the retry is refused by the condition and then finds exactly
+  its own bytes in place, which counts as success. Callers put a token of their own in the data
+  (a lease's owner id, a checkpoint's lease generation) so that no one else's object can match.
+
+Transient errors (throttling, 5xx, dropped connections, timeouts) are retried with backoff.
+They are recognised by the exception's type and, for S3, by botocore's error code and HTTP
+status in the error s3fs raises (its `__cause__`), never by words in a message, which may hold
+a path such as `shard-00500`.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
+import http.client
 import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
 from generation_core.errors import GenrunError
@@ -24,21 +47,103 @@ from generation_core.errors import GenrunError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Object stores fail transiently (throttling, 5xx, dropped connections); these are retried with
-# backoff. Missing objects, refused permissions and programming errors are not.
-_PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
+# Missing objects, refused permissions, names taken: answers, not hiccups.
+_PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+# The codes botocore's standard retry mode treats as throttling or transient
+# (botocore.retries.standard), and S3's own 500 and 503 codes.
+_THROTTLING_CODES = frozenset({
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException", "TooManyRequestsException",
+    "ProvisionedThroughputExceededException", "TransactionInProgressException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown", "EC2ThrottledException",
+})
+_TRANSIENT_CODES = frozenset({"RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError", "ServiceUnavailable"})
+_TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+# A conditional write refused: the object is not (or no longer) the version it was based on.
+_CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+_CONFLICT_STATUS = frozenset({409, 412})
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Errors of the connection, not of the request: the request may be sent again."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError, http.client.IncompleteRead]
+    try:
+        from botocore import exceptions as botocore_errors
+
+        # EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError...
+        errors += [botocore_errors.ConnectionError, botocore_errors.HTTPClientError, botocore_errors.IncompleteReadError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        errors += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+_TRANSPORT_ERRORS = _transport_errors()
+
+
+def _causes(exc: BaseException):
+    """`exc` and the errors it was raised from (s3fs raises an OSError from botocore's error)."""
+    error: BaseException | None = exc
+    for _ in range(16):
+        if error is None:
+            return
+        yield error
+        error = error.__cause__
+
+
+def _service_answer(exc: BaseException) -> tuple[str | None, int | None] | None:
+    """(error code, HTTP status) of the S3 answer behind `exc` (botocore's ClientError), or None
+    when no service answered."""
+    for error in _causes(exc):
+        response = getattr(error, "response", None)
+        if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):
+            return (response.get("Error") or {}).get("Code"), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return None
 
 
 def _is_transient(exc: BaseException) -> bool:
+    """Whether sending the same request again may succeed: throttling, a 5xx, a dropped or timed
+    out connection. Decided by types and by S3's code and status, never by the message."""
     if isinstance(exc, _PERMANENT_ERRORS):
         return False
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    name = type(exc).__name__
-    text = str(exc)
-    markers = ("SlowDown", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500", "502", "504", "Connection reset", "EndpointConnectionError")
-    return name in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError") or (isinstance(exc, OSError) and any(m in text for m in markers))
+    answer = _service_answer(exc)
+    if answer is not None:
+        code, status = answer
+        return code in _THROTTLING_CODES or code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+    return any(isinstance(error, _TRANSPORT_ERRORS) for error in _causes(exc))
+
+
+def _is_conflict(exc: BaseException) -> bool:
+    answer = _service_answer(exc)
+    return answer is not None and (answer[0] in _CONFLICT_CODES or answer[1] in _CONFLICT_STATUS)
+
+
+class WriteConflict(Exception):
+    """A conditional write was refused: the file is not the version the write was based on
+    (someone else wrote, created or removed it meanwhile)."""
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A file's content and the version a conditional write names (None, None: no such file)."""
+
+    data: bytes | None
+    version: str | None
+
+
+def encode_json(payload: Any) -> bytes:
+    """How every JSON file of a run folder is written."""
+    return json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+
+
+def content_version(data: bytes) -> str:
+    """The version of a local file: a hash of its content (S3's ETag of a single PUT is one too)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 class RunFolder:
@@ -65,6 +170,27 @@ class RunFolder:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def _conditional(self, what: str, relative: str, data: bytes, put: Callable[[], T]) -> tuple[T | None, str | None]:
+        """`put` (a conditional write of `data`) with retries of transient errors. Returns
+        (put's result, None), or (None, the object's version) when a retry was refused because
+        an earlier attempt, whose answer was lost, had stored exactly `data` already."""
+        attempts = 0
+
+        def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            return put()
+
+        try:
+            return self._with_retries(what, attempt), None
+        except (FileExistsError, WriteConflict):
+            if attempts > 1:
+                current = self.read_versioned(relative)
+                if current.data == data:
+                    logger.info("%s: an earlier attempt stored it (its answer was lost)", what)
+                    return None, current.version
+            raise
+
     def __repr__(self) -> str:
         return f"RunFolder({self.url!r})"
 
@@ -84,6 +210,27 @@ class RunFolder:
     def read_json(self, relative: str) -> Any:
         return json.loads(self.read_bytes(relative))
 
+    def read_versioned(self, relative: str) -> Versioned:
+        """The file's content and version, read together (one GET on S3), for `put_if_version`."""
+        target = self.path(relative)
+        try:
+            if self.is_local:
+                with open(target, "rb") as handle:
+                    data = handle.read()
+                return Versioned(data, content_version(data))
+            data, etag = self._with_retries(f"reading {self.display(relative)}", lambda: sync(self.fs.loop, self._get_with_etag, target))
+            return Versioned(data, etag)
+        except FileNotFoundError:
+            return Versioned(None, None)
+
+    async def _get_with_etag(self, target: str) -> tuple[bytes, str]:
+        bucket, key, _ = self.fs.split_path(target)
+        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        try:
+            return await response["Body"].read(), response["ETag"]
+        finally:
+            response["Body"].close()
+
     def put_atomic(self, relative: str, data: bytes) -> None:
         """Write `data` so that readers see either nothing or all of it."""
         if self.is_local:
@@ -96,7 +243,8 @@ class RunFolder:
     def create_exclusive(self, relative: str, data: bytes) -> bool:
         """Write `data` only if nothing exists under that name; False when something does.
         Of several writers racing for one name exactly one gets True (the run lease relies on
-        it): a hard link on local disk, a conditional PUT (`If-None-Match: *`) on S3."""
+        it): a hard link on local disk, a conditional PUT (`If-None-Match: *`) on S3. `data`
+        must hold a token of the writer's own: a retry after a lost answer recognises it."""
         target = self.path(relative)
         if self.is_local:
             try:
@@ -105,10 +253,62 @@ class RunFolder:
             except FileExistsError:
                 return False
         try:
-            self._with_retries(f"creating {self.display(relative)}", lambda: self.fs.pipe_file(target, data, mode="create"))
+            self._conditional(f"creating {self.display(relative)}", relative, data, lambda: self.fs.pipe_file(target, data, mode="create"))
             return True
         except FileExistsError:
             return False
+
+    def put_if_version(self, relative: str, data: bytes, version: str | None) -> str:
+        """Replace the file with `data` only if it is still `version` (from `read_versioned` or
+        the previous `put_if_version`; None: only if it does not exist). Returns the new
+        version; raises WriteConflict when the file changed meanwhile."""
+        what = f"writing {self.display(relative)}"
+        if self.is_local:
+            self._put_local_if_version(relative, data, version)
+            return content_version(data)
+        target = self.path(relative)
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+
+        def put() -> dict[str, Any] | None:
+            try:
+                return self.fs.pipe_file(target, data, **condition)
+            except OSError as exc:
+                # If-None-Match on a file that exists (s3fs: FileExistsError), If-Match on one
+                # that changed (412) or was removed (NoSuchKey).
+                removed = version is not None and isinstance(exc, FileNotFoundError)
+                if isinstance(exc, FileExistsError) or removed or _is_conflict(exc):
+                    raise WriteConflict(f"{self.display(relative)} is not the version this write was based on") from exc
+                if (_service_answer(exc) or (None, None))[1] == 501:
+                    raise GenrunError(
+                        f"the object store of {self.url} does not support conditional writes (If-Match on PUT), which "
+                        "genrun needs to keep two runs from overwriting each other's checkpoints; use AWS S3 or a store that does"
+                    ) from None
+                raise
+
+        response, own_version = self._conditional(what, relative, data, put)
+        if own_version is not None:
+            return own_version
+        etag = (response or {}).get("ETag")
+        return etag if etag else self.read_versioned(relative).version
+
+    def _put_local_if_version(self, relative: str, data: bytes, version: str | None) -> None:
+        # Every conditional writer of this directory compares and renames under the same lock.
+        target = self.path(relative)
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            try:
+                with open(target, "rb") as handle:
+                    current: str | None = content_version(handle.read())
+            except FileNotFoundError:
+                current = None
+            if current != version:
+                raise WriteConflict(f"{self.display(relative)} is not the version this write was based on")
+            self._write_local(relative, data, os.replace)
+        finally:
+            os.close(descriptor)
 
     def _write_local(self, relative: str, data: bytes, publish: Callable[[str, str], None]) -> None:
         """Write `data` whole to a temporary file beside the target, then `publish` it under the
@@ -124,28 +324,32 @@ class RunFolder:
             publish(temporary, target)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OSError(
-                    exc.errno,
-                    f"no space left on the device of {self.display()} (writing {relative}): free space there or choose "
-                    "another trainer.default_local_dir, then run the same command again; everything committed is kept",
-                ) from exc
+                raise self._full_disk(exc, relative) from exc
             raise
         finally:
             # A full disk fails the write half way: leave no temporary behind to fill it further
             # (after os.replace it is gone already; after os.link it is a second name).
             _remove_quietly(temporary)
 
+    def _full_disk(self, exc: OSError, relative: str) -> OSError:
+        return OSError(
+            exc.errno,
+            f"no space left on the device of {self.display()} (writing {relative}): free space there or choose "
+            "another trainer.default_local_dir, then run the same command again; everything committed is kept",
+        )
+
     def put_json(self, relative: str, payload: Any) -> None:
-        self.put_atomic(relative, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
+        self.put_atomic(relative, encode_json(payload))
 
     def open_write(self, relative: str):
-        """A streaming writer for large outputs (merged pickle, zip); local writes go to a
-        temporary name first so a crash never leaves a half file under the real name."""
+        """A streaming writer for large outputs (merged pickle, chunks, zip), used as a context
+        manager: the file appears under its name only when the block ends without an exception;
+        on an exception the previous file (or its absence) stays as it was."""
         target = self.path(relative)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             return _LocalAtomicWriter(target)
-        return self.fs.open(target, "wb")
+        return _UploadWriter(self.fs, target)
 
     def open_read(self, relative: str):
         """A streaming reader for large files (the merged output going into the zip)."""
@@ -224,6 +428,9 @@ def _file_in_the_way(path: str) -> str | None:
 
 
 class _LocalAtomicWriter:
+    """Writes to a temporary name beside the target; renames it over the target when the `with`
+    block succeeds, removes it otherwise (also when finishing the file fails: a full disk)."""
+
     def __init__(self, target: str):
         self.target = target
         self.temporary = _temporary_name(target)
@@ -234,6 +441,8 @@ class _LocalAtomicWriter:
 
     def __getattr__(self, name: str):
         # tell/seek/flush/seekable... of the underlying file, for writers such as zipfile.
+        if name == "handle":
+            raise AttributeError(name)
         return getattr(self.handle, name)
 
     def __enter__(self):
@@ -241,13 +450,63 @@ class _LocalAtomicWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.handle.flush()
-            os.fsync(self.handle.fileno())
-            self.handle.close()
-            os.replace(self.temporary, self.target)
+            try:
+                self.handle.flush()
+                os.fsync(self.handle.fileno())
+                self.handle.close()
+                os.replace(self.temporary, self.target)
+            finally:
+                self._discard()  # a no-op once renamed
         else:
+            self._discard()
+
+    def _discard(self) -> None:
+        try:
             self.handle.close()
-            os.remove(self.temporary)
+        except OSError:
+            pass  # a full disk fails the last flush too; the file goes either way
+        _remove_quietly(self.temporary)
+
+
+class _UploadWriter:
+    """Streams to an object store as a multipart upload that is completed only when the `with`
+    block succeeds and aborted otherwise: the object is never seen half written. (s3fs's file
+    with autocommit uploads what it holds on close, also when the block raised.)"""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, target: str):
+        # `_open`, not `open`: fsspec's `open` would also enlist the file in a filesystem-wide
+        # transaction that nobody ends.
+        self.file = fs._open(target, mode="wb", autocommit=False)
+
+    def write(self, data: bytes) -> int:
+        return self.file.write(data)
+
+    def __getattr__(self, name: str):
+        if name == "file":
+            raise AttributeError(name)
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._abort()
+            return
+        try:
+            self.file.close()  # uploads the last part
+            self.file.commit()  # completes the upload: the object appears, whole
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        try:
+            self.file.discard()
+        except Exception as exc:  # noqa: BLE001 - the block's own error is the one to report
+            logger.warning("could not abort the upload of %s (%s: %s); the bucket's lifecycle rule removes it", self.file.path, type(exc).__name__, exc)
+        # Closed without a flush: nothing is uploaded when the file object is collected.
+        self.file.closed = True
 
 
 def _temporary_name(target: str) -> str:

@@ -3,9 +3,11 @@ run's lease is taken over (at once when its process is gone, else after it expir
 that lost its lease stops before committing. The two-`genrun`s-at-once case is in tests/chaos."""
 
 import asyncio
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ import time
 import pytest
 
 from generation_core.errors import GenrunError
-from generation_core.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease
+from generation_core.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
 from generation_core.storage import RunFolder
 from tests.conftest import REPO, S3_ENV
 
@@ -141,3 +143,106 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
             asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(), ScriptedWorker(), fence))
     assert not folder.exists("shards/shard-00000/checkpoint.json"), "nothing committed after the takeover"
     assert LeaseFence(2).check(folder) is None
+
+
+# --- a lost answer to the exclusive create (issue 17, item 6) -------------------------------------
+
+
+class _LostAnswer:
+    """fs.pipe_file whose first exclusive create gets no answer: the connection drops after the
+    PUT (`store=True`: the object was stored; with `planted`: someone else's was) and s3fs
+    raises a connection error, which RunFolder retries."""
+
+    def __init__(self, folder: RunFolder, store: bool, planted: bytes | None = None):
+        self.original, self.store, self.planted, self.fired = folder.fs.pipe_file, store, planted, 0
+
+    def __call__(self, path, data, **kwargs):
+        if kwargs.get("mode") == "create" and not self.fired:
+            self.fired += 1
+            if self.store:
+                self.original(path, data, **kwargs)
+            elif self.planted is not None:
+                self.original(path, self.planted, **kwargs)
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return self.original(path, data, **kwargs)
+
+
+@pytest.fixture
+def s3_folder(s3_server, tmp_path):
+    folder = RunFolder(f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
+    folder.retry_delays = (0.05, 0.05)
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_whose_create_answer_was_lost_is_recognised_as_ours(s3_folder, monkeypatch):
+    lost = _LostAnswer(s3_folder, store=True)
+    monkeypatch.setattr(s3_folder.fs, "pipe_file", lost)
+    with RunLease.acquire(s3_folder, seconds=60) as lease:
+        assert lost.fired == 1 and lease.record.generation == 1
+        assert s3_folder.list(LEASE_DIR) == ["00000001.json"]
+        assert newest_lease(s3_folder).owner == lease.record.owner
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_answer_does_not_make_another_runs_lease_ours(s3_folder, monkeypatch):
+    now = time.time()
+    theirs = {"generation": 1, "owner": "theirs", "host": "another-host", "pid": 7, "seconds": 60.0, "acquired": now, "renewed": now, "released": False}
+    lost = _LostAnswer(s3_folder, store=False, planted=json.dumps(theirs).encode())
+    monkeypatch.setattr(s3_folder.fs, "pipe_file", lost)
+    with pytest.raises(GenrunError, match="in use by another genrun run \\(pid 7 on host another-host"):
+        RunLease.acquire(s3_folder, seconds=60)
+    assert lost.fired == 1 and newest_lease(s3_folder).owner == "theirs"
+
+
+# --- "this host" is this machine: boot id and pid namespace (issue 17, item 8) --------------------
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait(timeout=30)
+    return process.pid
+
+
+def _plant_on_this_host(folder: RunFolder, *, renewed_ago: float, **identity) -> None:
+    """A lease of a process that no longer exists here, under this hostname."""
+    now = time.time()
+    record = {"generation": 1, "owner": "x", "host": socket.gethostname(), "pid": _dead_pid(), "seconds": 60.0, "acquired": now - renewed_ago, "renewed": now - renewed_ago, "released": False, **identity}
+    folder.put_atomic(f"{LEASE_DIR}/00000001.json", json.dumps(record).encode())
+
+
+OTHER_MACHINES = {
+    "another-machine-same-hostname": lambda boot, namespace: {"boot_id": "6f1c9a3e-0000-4000-8000-another-boot", "pid_namespace": namespace},
+    "another-container-on-this-machine": lambda boot, namespace: {"boot_id": boot, "pid_namespace": "pid:[4026530000]"},
+    "a-lease-file-of-an-earlier-version": lambda boot, namespace: {},
+    "a-lease-file-of-a-later-version": lambda boot, namespace: {"boot_id": "another-boot", "pid_namespace": namespace, "written_by": "genrun 9"},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("identity", list(OTHER_MACHINES), ids=list(OTHER_MACHINES))
+def test_a_lease_from_another_machine_with_this_hostname_holds_until_it_expires(tmp_path, identity):
+    folder = RunFolder(str(tmp_path / "run"))
+    machine = OTHER_MACHINES[identity](*this_machine())
+    _plant_on_this_host(folder, renewed_ago=5, **machine)
+    # Its pid is gone here, which says nothing about a process on another machine (or in another
+    # container's pid namespace): the lease holds.
+    with pytest.raises(GenrunError, match=f"in use by another genrun run .* on host {socket.gethostname()}"):
+        RunLease.acquire(folder)
+    _plant_on_this_host(folder, renewed_ago=61, **machine)
+    with RunLease.acquire(folder) as lease:
+        assert lease.record.generation == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="boot id and pid namespace from /proc")
+def test_a_lease_records_this_machine_and_a_gone_owner_here_is_taken_over_at_once(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"))
+    with RunLease.acquire(folder) as lease:
+        written = newest_lease(folder)
+        assert written.boot_id == open("/proc/sys/kernel/random/boot_id").read().strip() == lease.record.boot_id
+        assert written.pid_namespace == os.readlink("/proc/self/ns/pid")
+    boot_id, namespace = this_machine()
+    _plant_on_this_host(folder, renewed_ago=5, boot_id=boot_id, pid_namespace=namespace)
+    with RunLease.acquire(folder) as lease:
+        assert lease.record.generation == 2, "same host, boot and pid namespace, process gone: no waiting"

@@ -128,6 +128,14 @@ def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, 
     _assert_same(actual, DataProto.load_from_disk(str(tmp_path / "reference" / "trajectories.pkl")))
 
 
+def _s3_answer(code: str, status: int, message: str) -> OSError:
+    """An S3 error answer as s3fs raises it: botocore's ClientError translated to an OSError."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"))
+
+
 class _FailOnce:
     """Wraps fs.pipe_file: the first PUT whose path contains `marker` raises `error`."""
 
@@ -146,7 +154,7 @@ class _FailOnce:
 def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
     folder = RunFolder(f"s3://genrun-test/faults/transient-{marker.strip('.-')}")
     folder.retry_delays = (0.05, 0.1)
-    fault = _FailOnce(folder, marker, OSError("503 SlowDown: please reduce your request rate"))
+    fault = _FailOnce(folder, marker, _s3_answer("SlowDown", 503, "Please reduce your request rate."))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     try:
         manifest = asyncio_run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), ScriptedWorker()))

@@ -1,0 +1,219 @@
+"""Fencing holds at the commit (issue 17, item 7), on local disk and on a real S3 API (moto):
+a run whose heartbeat stalled passes its lease check, stalls again right before writing, and
+another run takes the folder over and starts on the shard meanwhile. Its commit (or repair) is
+refused with LeaseLost and leaves the folder exactly as the new holder has it: no checkpoint
+write, no part, no failure log line, no error record. The checkpoint writes themselves are
+conditional (storage.RunFolder.put_if_version), which is what closes the window."""
+
+import asyncio
+import json
+import threading
+from dataclasses import asdict
+
+import pytest
+
+from generation_core.data import ShardSpec
+from generation_core.job import run_shard
+from generation_core.lease import LeaseLost, RunLease
+from generation_core.run_folder import CHECKPOINT_FILE, ShardCheckpoint, lease_file, shard_file
+from generation_core.storage import RunFolder, WriteConflict
+from tests.conftest import S3_ENV
+from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
+
+pytestmark = pytest.mark.timeout(120)
+
+SHARD = ShardSpec(0, 0, 6)
+CHECKPOINT = shard_file(SHARD.name, CHECKPOINT_FILE)
+
+
+@pytest.fixture(params=["local", "s3"])
+def url_and_options(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run"), {}
+    env = request.getfixturevalue("s3_server")
+    return f"s3://genrun-test/fencing-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+
+
+def _folder(url_and_options) -> RunFolder:
+    folder = RunFolder(*url_and_options)
+    folder.retry_delays = (0.05,)
+    return folder
+
+
+def _snapshot(folder: RunFolder) -> dict[str, bytes]:
+    """Every file of the run folder but the lease files (the takeover's own), with its bytes."""
+    return {
+        path[len(folder.root) + 1 :]: folder.fs.cat_file(path)
+        for path in sorted(folder.fs.find(folder.root))
+        if not path[len(folder.root) + 1 :].startswith("lease/")
+    }
+
+
+def _stall_heartbeat(folder: RunFolder, lease: RunLease) -> None:
+    """The holder's process pauses: no more heartbeats, and its last one is past expiry."""
+    lease._stop.set()
+    lease._heartbeat.join(timeout=30)
+    lease.record.renewed -= 120
+    folder.put_atomic(lease_file(lease.record.generation), json.dumps(asdict(lease.record)).encode())
+
+
+class _TakeoverBeforeWrite:
+    """Wraps the old run's checkpoint writes (conditional or not): at its `nth` checkpoint write,
+    after it passed its lease check, the old run stalls, and a new run takes the folder over and
+    starts on the shard (claims its checkpoint) before the write goes out."""
+
+    def __init__(self, old_folder: RunFolder, old_lease: RunLease, url_and_options, nth: int, monkeypatch):
+        self.old_folder, self.old_lease, self.url_and_options, self.nth = old_folder, old_lease, url_and_options, nth
+        self.puts = 0
+        self.new_lease: RunLease | None = None
+        self.after_takeover: dict[str, bytes] | None = None
+        for method in ("put_if_version", "put_atomic"):
+            monkeypatch.setattr(old_folder, method, self._stalling(getattr(old_folder, method)))
+
+    def _stalling(self, put):
+        def stalling_put(relative, data, *version):
+            if relative == CHECKPOINT:
+                self.puts += 1
+                if self.puts == self.nth:
+                    self.take_over()
+            return put(relative, data, *version)
+
+        return stalling_put
+
+    def take_over(self) -> None:
+        _stall_heartbeat(self.old_folder, self.old_lease)
+        new_folder = _folder(self.url_and_options)
+        self.new_lease = RunLease.acquire(new_folder, seconds=60)
+        ShardCheckpoint.load(new_folder, SHARD.name, self.new_lease.fence())
+        self.after_takeover = _snapshot(new_folder)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nth, committed_before", [(1, 0), (2, 2)], ids=["first-commit", "a-later-commit"])
+def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_nothing(url_and_options, monkeypatch, nth, committed_before):
+    folder = _folder(url_and_options)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1", "generation.max_failed_fraction=0.5")
+    old = RunLease.acquire(folder, seconds=60)
+    stall = _TakeoverBeforeWrite(folder, old, url_and_options, nth, monkeypatch)
+    # The failed sample rides in the commit that stalls: its log line must not land either.
+    worker = ScriptedWorker(fail_on=(100 + committed_before + 1, 0))
+    try:
+        with pytest.raises(LeaseLost, match="taken over by another run"):
+            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker, old.fence()))
+        assert stall.new_lease is not None, "the takeover happened"
+        checkpoint = json.loads(folder.read_bytes(CHECKPOINT))
+        assert checkpoint["lease"] == stall.new_lease.record.generation and len(checkpoint["completed"]) == committed_before
+        # The part of the refused commit (written before the stall, listed by no checkpoint) is
+        # removed again; everything else is as the new holder found it.
+        listed = {shard_file(SHARD.name, part["name"]) for part in checkpoint["parts"]}
+        in_flight = [name for name in stall.after_takeover if name.endswith(".parquet") and name not in listed]
+        assert len(in_flight) == 1
+        expected = {name: data for name, data in stall.after_takeover.items() if name not in in_flight}
+        assert _snapshot(folder) == expected, "the old run changed the folder after the new one started"
+        assert not folder.exists(shard_file(SHARD.name, "failures.jsonl")) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
+        # The new holder carries on from there and commits normally.
+        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(), ScriptedWorker(), stall.new_lease.fence()))
+        assert manifest.num_trajectories == 6 and sorted(json.loads(folder.read_bytes(CHECKPOINT))["completed"]) == [f"{100 + p}:0" for p in range(6)]
+    finally:
+        if stall.new_lease is not None:
+            stall.new_lease.release()
+        old.release()
+
+
+def _finished_shard_with_a_damaged_part(folder: RunFolder) -> None:
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+    part = json.loads(folder.read_bytes(CHECKPOINT))["parts"][1]["name"]
+    folder.put_atomic(shard_file(SHARD.name, part), b"truncated")
+
+
+@pytest.mark.timeout(120)
+def test_a_repair_by_a_run_that_lost_its_lease_changes_nothing(url_and_options):
+    folder = _folder(url_and_options)
+    _finished_shard_with_a_damaged_part(folder)
+    old = RunLease.acquire(folder, seconds=60)
+    _stall_heartbeat(folder, old)
+    with RunLease.acquire(_folder(url_and_options), seconds=60):
+        before = _snapshot(folder)
+        cfg = _cfg("generation.save_batch_size=2")
+        with pytest.raises(LeaseLost):
+            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker(), old.fence()))
+        assert _snapshot(folder) == before, "the repair dropped a part or the marker after the takeover"
+    old.release()
+
+
+@pytest.mark.timeout(120)
+def test_a_repair_in_flight_when_another_run_takes_over_writes_no_checkpoint(url_and_options, monkeypatch):
+    folder = _folder(url_and_options)
+    _finished_shard_with_a_damaged_part(folder)
+    old = RunLease.acquire(folder, seconds=60)
+    stall = _TakeoverBeforeWrite(folder, old, url_and_options, 1, monkeypatch)
+    try:
+        with pytest.raises(LeaseLost):
+            asyncio.run(run_shard(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(), ScriptedWorker(), old.fence()))
+        # The checkpoint is the new holder's claim, the damaged part still listed: its own
+        # verification drops it. (The old run removed the success marker before it stalled,
+        # which only makes the new holder verify the shard again.)
+        assert _snapshot(folder) == stall.after_takeover
+        assert json.loads(folder.read_bytes(CHECKPOINT))["lease"] == stall.new_lease.record.generation
+    finally:
+        if stall.new_lease is not None:
+            stall.new_lease.release()
+        old.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_conditional_write_over_a_changed_file_is_refused(url_and_options):
+    folder = _folder(url_and_options)
+    first = folder.put_if_version("a.json", b"one", None)
+    with pytest.raises(WriteConflict):
+        folder.put_if_version("a.json", b"two", None)
+    second = folder.put_if_version("a.json", b"two", first)
+    with pytest.raises(WriteConflict):
+        folder.put_if_version("a.json", b"three", first)
+    with pytest.raises(WriteConflict):
+        folder.put_if_version("b.json", b"one", first)
+    assert folder.read_bytes("a.json") == b"two" and folder.read_versioned("a.json").version == second
+    assert folder.read_versioned("b.json").data is None
+
+
+@pytest.mark.timeout(60)
+def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_ours(s3_server, tmp_path, monkeypatch):
+    folder = _folder((f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}))
+    version = folder.put_if_version("a.json", b"one", None)
+    real_pipe, fired = folder.fs.pipe_file, []
+
+    def lost_answer(path, data, **kwargs):
+        # The PUT lands, the connection drops before its answer: the retry's If-Match fails.
+        if "IfMatch" in kwargs and not fired:
+            fired.append(path)
+            real_pipe(path, data, **kwargs)
+            raise ConnectionResetError("Connection reset by peer")
+        return real_pipe(path, data, **kwargs)
+
+    monkeypatch.setattr(folder.fs, "pipe_file", lost_answer)
+    new_version = folder.put_if_version("a.json", b"two", version)
+    current = folder.read_versioned("a.json")
+    assert fired and current.data == b"two" and current.version == new_version
+
+
+@pytest.mark.timeout(60)
+def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"))
+    version = folder.put_if_version("checkpoint.json", b"start", None)
+    start, results = threading.Barrier(8), []
+
+    def writer(n):
+        start.wait()
+        try:
+            folder.put_if_version("checkpoint.json", f"writer {n}".encode(), version)
+            results.append(n)
+        except WriteConflict:
+            pass
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 1 and folder.read_bytes("checkpoint.json") == f"writer {results[0]}".encode()
