@@ -7,6 +7,10 @@ shards. A wrong input is refused in seconds with one line, before Prefect, Ray o
 and nothing is written. The result, a `RunPlan`, is plain data that crosses process boundaries
 (`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
 `ShardSpec`, and nobody plans again.
+
+The run fingerprint is computed here, once the inputs are checked: the config's output keys
+plus digests of the files config.OUTPUT_FILES declares (dataset, model, reward function, agent
+loops, tools) and, for remote servers, the model they serve.
 """
 
 from __future__ import annotations
@@ -16,24 +20,27 @@ import hashlib
 import json
 import logging
 import os
+import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hydra
 from omegaconf import DictConfig, OmegaConf
 from verl.utils import hf_tokenizer
 
 from generation_core import bundled
-from generation_core.agent_loops import check_agent_loops, check_tools
-from generation_core.config import finalize_run_location, fingerprint, load_config, versions
+from generation_core.agent_loops import check_agent_loops, check_tools, existing_config_file
+from generation_core.config import OUTPUT_FILES, finalize_run_location, fingerprint, load_config, versions
 from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
 from generation_core.engines.layout import REMOTE_ENGINE
 from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
-from generation_core.run_folder import check_run_folder, claim_run_folder, config_without_secrets
+from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,8 @@ class RunPlan:
         """What run.json holds: written once, by the run that takes a new folder."""
         return {
             "fingerprint": self.fingerprint,
+            # Which recipe computed it: a later genrun tells this folder's owner what changed.
+            "fingerprint_version": FINGERPRINT_VERSION,
             "versions": versions(),
             "pad_token_id": self.pad_token_id,
             "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
@@ -134,14 +143,98 @@ def check_run_code(cfg: DictConfig, prompts: PromptSet) -> None:
     load_reward_function(cfg)
 
 
-def _code_hash(cfg: DictConfig) -> str:
-    """Content of the user files that decide the output besides the dataset (reward function):
-    editing them makes a different run, which must not resume into the old folder."""
+# ---- the fingerprint's file inputs (config.OUTPUT_FILES) -------------------------------------
+
+# Model identity. A full hash of the weights costs minutes per command on a multi-GB model
+# (140 GB at ~1 GB/s), and modification times change on every copy, so neither is used. Read
+# instead: every small file whole (config.json, generation_config.json, tokenizer and chat
+# template, the safetensors index, remote code), each weight file's size, a safetensors file's
+# header (every tensor's name, dtype, shape and offsets) and WEIGHT_SLICE_BYTES from the middle
+# of every tensor; other weight formats (.bin, .gguf, ...) give WEIGHT_SAMPLES evenly spaced
+# slices. Another checkpoint (a training step, a merged LoRA, another dtype or vocabulary)
+# changes each tensor it touches nearly everywhere, so it is told apart for about 4 KiB read per
+# tensor; what it misses is an edit of a few values outside the slices read.
+WEIGHT_SLICE_BYTES = 4096
+WEIGHT_SAMPLES = 64
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+WHOLE_FILE_LIMIT = 64 << 20
+
+
+def model_identity(model_dir: Path) -> str:
+    """A digest of a model folder's files that tells one model (or checkpoint) from another
+    without reading its weights whole; see WEIGHT_SLICE_BYTES for what it reads."""
     digest = hashlib.sha256()
-    reward_path = cfg.reward.custom_reward_function.path
-    if reward_path and os.path.isfile(os.path.expanduser(reward_path)):
-        digest.update(Path(os.path.expanduser(reward_path)).read_bytes())
+    # The folder's own files; hidden ones (a download tool's .cache/ metadata) are not the model.
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        if path.suffix == ".safetensors":
+            _safetensors_identity(path, size, digest)
+        elif path.suffix in WEIGHT_SUFFIXES or size > WHOLE_FILE_LIMIT:
+            _sampled_identity(path, size, digest)
+        else:
+            digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _safetensors_identity(path: Path, size: int, digest) -> None:
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
+        if header_len > size - 8:
+            raise GenrunError(f"{path} is not a safetensors file (its header length {header_len} exceeds the file); fix or remove it from actor_rollout_ref.model.path")
+        header = f.read(header_len)
+        digest.update(header)
+        try:
+            tensors = json.loads(header)
+        except ValueError:
+            raise GenrunError(f"{path} is not a safetensors file (its header is not JSON); fix or remove it from actor_rollout_ref.model.path") from None
+        data_start = 8 + header_len
+        for name in sorted(k for k in tensors if k != "__metadata__"):
+            begin, end = tensors[name]["data_offsets"]
+            f.seek(data_start + begin + max(end - begin - WEIGHT_SLICE_BYTES, 0) // 2)
+            digest.update(f.read(min(WEIGHT_SLICE_BYTES, end - begin)))
+
+
+def _sampled_identity(path: Path, size: int, digest) -> None:
+    with open(path, "rb") as f:
+        for sample in range(WEIGHT_SAMPLES):
+            f.seek(size * sample // WEIGHT_SAMPLES)
+            digest.update(f.read(WEIGHT_SLICE_BYTES))
+
+
+def _agent_loops_digest(path: str) -> str:
+    """The agent-loop YAML and the source files of the classes it names (check_run_code has
+    imported them)."""
+    resolved = existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", path)
+    digest = hashlib.sha256(Path(resolved).read_bytes())
+    sources = set()
+    for entry in OmegaConf.load(resolved):
+        module = sys.modules.get(hydra.utils.get_class(entry._target_).__module__)
+        source = getattr(module, "__file__", None)
+        if source and os.path.isfile(source):
+            sources.add(source)
+    for source in sorted(sources):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()
+
+
+def output_file_digests(cfg: DictConfig) -> dict[str, str]:
+    """Digests of the files config.OUTPUT_FILES declares, by config key (the dataset's is
+    data.check_prompt_files'); a key left unset is absent."""
+    digests = {}
+    for key, kind in OUTPUT_FILES.items():
+        path = OmegaConf.select(cfg, key)
+        if not path or kind == "dataset":
+            continue
+        if kind == "model":
+            # A tokenizer_path may name a hub repository instead of a folder: its name is the identity.
+            if Path(os.path.expanduser(path)).is_dir():
+                digests[key] = model_identity(Path(os.path.expanduser(path)))
+        elif kind == "agent_loops":
+            digests[key] = _agent_loops_digest(path)
+        else:
+            digests[key] = hashlib.sha256(Path(existing_config_file(key, os.path.expanduser(path))).read_bytes()).hexdigest()
+    return digests
 
 
 def preflight(overrides: list[str]) -> RunPlan:
@@ -149,19 +242,24 @@ def preflight(overrides: list[str]) -> RunPlan:
     with its overlong filter) and stays with the plan in this process."""
     cfg = load_config(overrides)
     check_rollout_name(cfg)
+    files = {}
     if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
         # Servers that do not answer are found now, before Prefect, Ray or any shard starts.
-        asyncio.run(check_servers(cfg))
+        served = asyncio.run(check_servers(cfg))
+        # The model they serve (one: check_servers refuses a mix) shapes the output, also when
+        # engine_kwargs.remote.model is null.
+        files["served model"] = next(iter(served.values()))
     dataset_hash = check_prompt_files(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
-    run_fingerprint = fingerprint(cfg, f"{dataset_hash}:{_code_hash(cfg)}")
-    finalize_run_location(cfg, run_fingerprint)
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     prompts = PromptSet(cfg, tokenizer)
     shards = plan_shards(len(prompts), cfg.generation.num_shards)
     check_run_code(cfg, prompts)
+    files.update(output_file_digests(cfg))
+    run_fingerprint = fingerprint(cfg, dataset_hash, files)
+    finalize_run_location(cfg, run_fingerprint)
     plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, prompts.filtered_overlong, prompts)
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,9 @@ class SampleFailure:
     """Which of the `rollout.n` samples of this prompt."""
     error: str
     """`ExceptionType: message` of what failed (engine, agent loop, tool or reward function)."""
+    traceback: str = ""
+    """Where it failed: the Python traceback (an engine's, raised in a Ray actor, included), its
+    last TRACEBACK_CHARS characters."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -91,9 +95,23 @@ class SampleFailure:
     @classmethod
     def from_exception(cls, key: tuple[int, int], exc: BaseException) -> "SampleFailure":
         # Ray wraps an actor's exception; its own text starts with the actor's name, not the error.
-        exc = getattr(exc, "cause", None) or exc
-        message = str(exc).strip().splitlines()
-        return cls(key[0], key[1], f"{type(exc).__name__}: {message[0] if message else ''}"[:2000])
+        cause = getattr(exc, "cause", None) or exc
+        message = str(cause).strip().splitlines()
+        return cls(key[0], key[1], f"{type(cause).__name__}: {message[0] if message else ''}"[:2000], _traceback_text(exc))
+
+
+TRACEBACK_CHARS = 20_000
+
+
+def _traceback_text(exc: BaseException) -> str:
+    """The traceback of `exc`: for an exception Ray raised on behalf of an actor, the actor's
+    traceback (which Ray carries as text) follows the local one."""
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    remote = getattr(exc, "traceback_str", None)
+    if isinstance(remote, str) and remote.strip() and remote.strip() not in text:
+        text = f"{text}\n{remote.rstrip()}"
+    # The end holds the frame that raised: keep it when the text is long.
+    return text[-TRACEBACK_CHARS:]
 
 
 def sample_key_text(key: tuple[int, int]) -> str:

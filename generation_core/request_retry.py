@@ -2,11 +2,13 @@
 
 Agent loops talk to the engine through one call, `await client.generate(request_id, ...)`.
 `RetryingClient` wraps the routing client (or any object with that method) and retries a
-request that failed for a reason that may pass (the replica actor died or restarted, the call
-timed out, a connection dropped, the engine raised an internal error) with exponential backoff.
-A request the engine rejected as invalid (ValueError/TypeError: a prompt beyond the context,
-bad sampling parameters) fails at once: sending it again would fail again. Retrying one
-request keeps the turns an agent loop already made, so a multi-turn rollout does not start over.
+request that failed for a reason that may pass, with exponential backoff: the replica actor
+died or restarts, the call timed out, a connection dropped or a server answered 5xx/429, the
+engine failed internally (a batch step, a CUDA error). Anything else fails the sample at once
+with its traceback: an invalid request (ValueError/TypeError: a prompt beyond the context, bad
+sampling parameters) would fail again, and a programming error (KeyError, AttributeError,
+AssertionError, ...) would too. Retrying one request keeps the turns an agent loop already
+made, so a multi-turn rollout does not start over.
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import (
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    ObjectStoreFullError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+from ray.exceptions import OutOfMemoryError as RayOutOfMemoryError
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,13 +37,40 @@ class RequestTimeout(TimeoutError):
     """One engine request took longer than generation.request_timeout."""
 
 
+# What may pass if the same request is sent again. Ray re-raises an actor's exception as a
+# subclass of both RayTaskError and the original type, so an engine's error keeps its type here.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    # Connections and timeouts: OSError's ConnectionError family (a remote server that is down,
+    # answered 5xx or 429: engines.remote.RemoteServerUnavailable; an engine that shut down under
+    # the request: engines.base.EngineStopped) and TimeoutError (RequestTimeout, Ray's GetTimeoutError).
+    ConnectionError,
+    TimeoutError,
+    # A replica actor that died or is restarting (ActorDiedError, ActorUnavailableError), or the
+    # worker, node or object store under it; the routing client sends the retry elsewhere.
+    RayActorError,
+    WorkerCrashedError,
+    NodeDiedError,
+    LocalRayletDiedError,
+    ObjectLostError,
+    ObjectStoreFullError,
+    RayOutOfMemoryError,
+    # An engine's internal failure (engines.base.EngineStepFailed: the whole batch step failed,
+    # whichever request caused it; a CUDA error; torch.OutOfMemoryError): the retry runs in
+    # another batch or on another replica.
+    RuntimeError,
+)
+PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (NotImplementedError, RecursionError)
+"""RuntimeError subclasses that are bugs, not engine trouble: never retried."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether sending the same request again may succeed."""
-    # Ray re-raises an actor's exception as a subclass of both RayTaskError and the original
-    # type, so an engine's ValueError is still a ValueError here.
-    if isinstance(exc, ValueError | TypeError):
+    # A RayTaskError whose cause's type Ray could not subclass: judge the cause.
+    if isinstance(exc, RayTaskError) and not isinstance(exc, TRANSIENT_ERRORS) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause
+    if isinstance(exc, PROGRAMMING_ERRORS):
         return False
-    return isinstance(exc, Exception)
+    return isinstance(exc, TRANSIENT_ERRORS)
 
 
 @dataclass

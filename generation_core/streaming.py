@@ -16,6 +16,7 @@ and every agent loop of a worker shares one Continuous Token builder (see `_shar
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -37,6 +38,13 @@ logger = logging.getLogger(__name__)
 SampleKey = tuple[int, int]
 
 
+def sample_seed(base: int, key: SampleKey) -> int:
+    """The seed of every request of one sample: stable across processes and runs (no hash()),
+    different for each (index, rollout_n), within the 31 bits every engine accepts."""
+    digest = hashlib.sha256(f"{base}:{key[0]}:{key[1]}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 class StreamingWorker:
     postprocess_seconds: float = 0.0
     """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
@@ -56,6 +64,7 @@ class StreamingWorker:
             repetition_penalty=1.0,
             logprobs=rollout.calculate_log_probs,
         )
+        self.sample_seed = gen.sample_seed
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
 
@@ -88,7 +97,10 @@ class StreamingWorker:
     async def run_one(self, key: SampleKey, kwargs: dict[str, Any]) -> TrajectoryRecord:
         sample_kwargs = dict(kwargs)
         agent_loop = self.build_agent_loop(sample_kwargs.pop("agent_name"))
-        output = await agent_loop.run(dict(self.sampling_params), **sample_kwargs)
+        sampling_params = dict(self.sampling_params)
+        if self.sample_seed is not None:
+            sampling_params["seed"] = sample_seed(self.sample_seed, key)
+        output = await agent_loop.run(sampling_params, **sample_kwargs)
         started = time.perf_counter()
         record = self.record_from_output(key, output, kwargs)
         self.postprocess_seconds += time.perf_counter() - started

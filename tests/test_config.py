@@ -1,6 +1,6 @@
 import pytest
 
-from generation_core.config import OPERATIONAL_KEYS, fingerprint, finalize_run_location, load_config
+from generation_core.config import OPERATIONAL_KEYS, default_request_timeout, fingerprint, finalize_run_location, load_config
 from generation_core.errors import GenrunError
 
 
@@ -107,3 +107,32 @@ def test_no_overrides_is_the_defaults():
 def test_a_length_set_under_data_is_named_as_set():
     with pytest.raises(GenrunError, match=r"invalid data.max_prompt_length=-1: must be an integer >= 1"):
         load_config(["data.max_prompt_length=-1"])
+
+
+ENGINE = "actor_rollout_ref.rollout.engine_kwargs"
+
+
+@pytest.mark.timeout(120)
+def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_others_are_not():
+    base = fingerprint(load_config([]), "data")
+    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m", f"+{ENGINE}.sglang.attention_backend=fa3"]
+    assert [o for o in shaping if fingerprint(load_config([o]), "data") == base] == []
+    operational = [
+        f"{ENGINE}.hf.num_threads=1", f"{ENGINE}.instant.delay_seconds=1.0", f"{ENGINE}.remote.base_urls=[http://h:1]", f"{ENGINE}.remote.api_key=k",
+        f"{ENGINE}.remote.connect_timeout=1", f"{ENGINE}.remote.health_interval=1", f"{ENGINE}.remote.max_connections=1",
+        "generation.request_timeout=5", "actor_rollout_ref.rollout.agent.num_workers=3", "data.dataloader_num_workers=2",
+    ]
+    assert [o for o in operational if fingerprint(load_config([o]), "data") != base] == []
+    # A file given by its digest enters by content: its path may change, its content may not.
+    moved = load_config(["actor_rollout_ref.model.path=/elsewhere/model"])
+    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"}) == fingerprint(load_config([]), "data", {"actor_rollout_ref.model.path": "m1"})
+    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m2"}) != fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"})
+
+
+@pytest.mark.timeout(120)
+def test_request_timeout_defaults_to_a_finite_value_from_the_response_budget():
+    assert load_config([]).generation.request_timeout == default_request_timeout(128) == 600 + 2 * 128
+    assert load_config(["data.max_response_length=4096"]).generation.request_timeout == 600 + 2 * 4096
+    assert load_config(["generation.request_timeout=42"]).generation.request_timeout == 42
+    with pytest.raises(GenrunError, match="request_timeout=0"):
+        load_config(["generation.request_timeout=0"])

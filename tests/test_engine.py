@@ -1,6 +1,9 @@
-"""The transformers engine against the model itself: greedy = model.generate, logprobs = re-score."""
+"""The transformers engine against the model itself (greedy = model.generate, logprobs = re-score),
+no request left waiting when a step fails or the engine stops, stop reasons, the instant engine's answers."""
 
 import asyncio
+import re
+import time
 
 import httpx
 import pytest
@@ -195,3 +198,155 @@ def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
     assert seeded == {int(alone[0])}
     # All-greedy batch: argmax of every row.
     assert sample_next_tokens(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6).tolist() == logits.argmax(-1).tolist()
+
+
+# ---- nothing hangs, stop reasons, the instant engine's answers ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised two-layer Llama: loads and decodes in milliseconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _tiny_engine(path, max_batch_size=4):
+    return HFEngine(EngineSettings(str(path), prompt_length=64, response_length=400, max_batch_size=max_batch_size, num_threads=1))
+
+
+TINY_PROMPTS = [[5, 9, 11, 7], [20, 3, 33], [40, 41, 42, 43, 44]]
+
+
+async def _settled(engine, prompts, params, seconds=30.0):
+    """Every request's outcome (tokens or the exception), or a TimeoutError when one hangs."""
+    calls = [engine.generate(f"t{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+    return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), seconds)
+
+
+def test_a_failing_admission_fails_the_joining_requests_names_the_engine_and_recovers(tiny_model_dir):
+    """Sampling the joiners' first tokens raises: they are in no batch yet, and must still hear."""
+    engine = _tiny_engine(tiny_model_dir)
+    original = engine._sample
+    calls = {"n": 0}
+
+    def broken_first_sample(seqs, logits):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected sampling failure")
+        return original(seqs, logits)
+
+    engine._sample = broken_first_sample
+    try:
+        outcomes = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 5}))
+        assert all(isinstance(o, RuntimeError) for o in outcomes), outcomes
+        assert all(re.search(r"transformers engine \(tiny-llama\w* on cpu\).*injected sampling failure", str(o)) for o in outcomes), outcomes
+        # The engine serves the next requests.
+        again = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 5}))
+        assert [len(o.token_ids) for o in again] == [5, 5, 5]
+    finally:
+        engine.shutdown()
+
+
+def _slow_forward(engine, seconds=0.05):
+    original = engine.model.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    engine.model.forward = slow
+
+
+def test_shutdown_fails_every_waiting_request_in_the_batch_and_queued(tiny_model_dir):
+    engine = _tiny_engine(tiny_model_dir, max_batch_size=1)
+    _slow_forward(engine)
+    params = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
+
+    async def main():
+        running = asyncio.ensure_future(_settled(engine, TINY_PROMPTS, params))
+        while engine.stats["forward_steps"] < 3:
+            await asyncio.sleep(0.02)
+        # One request is in the batch (one slot), two are queued.
+        await asyncio.to_thread(engine.shutdown)
+        outcomes = await running
+        with pytest.raises(ConnectionError, match="transformers engine .*has stopped"):
+            await engine.generate("late", prompt_ids=TINY_PROMPTS[0], sampling_params=params)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, ConnectionError) for o in outcomes), outcomes
+    assert all("transformers engine (tiny-llama" in str(o) and "shut down" in str(o) for o in outcomes), outcomes
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_decode_loop_that_dies_fails_every_waiting_request(tiny_model_dir):
+    """A bug that escapes the step's own handling ends the loop: nobody may wait on it."""
+
+    class LoopBug(BaseException):
+        pass
+
+    engine = _tiny_engine(tiny_model_dir, max_batch_size=1)
+    _slow_forward(engine)
+    original = engine._decode_step
+    steps = {"n": 0}
+
+    def dies_on_the_third_step(batch):
+        steps["n"] += 1
+        if steps["n"] == 3:
+            raise LoopBug("injected")
+        return original(batch)
+
+    engine._decode_step = dies_on_the_third_step
+    try:
+        outcomes = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 300, "ignore_eos": True}))
+    finally:
+        engine.shutdown()
+    assert all(isinstance(o, ConnectionError) and "decode loop ended" in str(o) for o in outcomes), outcomes
+
+
+def test_the_transformers_engine_says_why_a_response_stopped(tiny_model_dir):
+    engine = _tiny_engine(tiny_model_dir)
+    greedy = {"temperature": 0, "max_tokens": 6}
+    try:
+        [ignored] = asyncio.run(_settled(engine, TINY_PROMPTS[:1], dict(greedy, ignore_eos=True)))
+        assert ignored.stop_reason == "length" and len(ignored.token_ids) == 6
+        # An EOS the model never picks here: the budget ends the response.
+        engine.eos_token_ids = [next(t for t in range(3, 64) if t not in ignored.token_ids)]
+        [budget] = asyncio.run(_settled(engine, TINY_PROMPTS[:1], greedy))
+        assert budget.stop_reason == "length" and budget.token_ids == ignored.token_ids
+        # Its third token made an EOS: the response ends at that token's first occurrence.
+        engine.eos_token_ids = [ignored.token_ids[2]]
+        [eos] = asyncio.run(_settled(engine, TINY_PROMPTS[:1], greedy))
+        assert eos.stop_reason == "stop"
+        assert eos.token_ids == ignored.token_ids[: ignored.token_ids.index(ignored.token_ids[2]) + 1]
+    finally:
+        engine.shutdown()
+
+
+def _instant(prompt, **params):
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=32, eos_token_id=2, response_tokens=8, vocab_size=500))
+    return asyncio.run(engine.generate("any-id", prompt_ids=prompt, sampling_params=params))
+
+
+def test_the_instant_engine_answers_per_prompt_seed_and_temperature_and_says_why_it_stopped():
+    prompt = [11, 12, 13, 14]
+    # The n samples of one prompt (each with its own seed) differ; the same request repeats exactly.
+    samples = [_instant(prompt, temperature=1.0, seed=n).token_ids for n in range(4)]
+    assert len({tuple(s) for s in samples}) == 4
+    assert [_instant(prompt, temperature=1.0, seed=n).token_ids for n in range(4)] == samples
+    assert _instant(prompt, temperature=0.7, seed=0).token_ids != samples[0]
+    assert _instant([11, 12, 14, 13], temperature=1.0, seed=0).token_ids != samples[0], "the prompt's order counts, not its sum"
+    # Greedy: the prompt alone decides, as a model's argmax does.
+    assert _instant(prompt, temperature=0, seed=1).token_ids == _instant(prompt, temperature=0, seed=2).token_ids
+    full = _instant(prompt, temperature=1.0, seed=0)
+    assert full.stop_reason == "stop" and len(full.token_ids) == 8 and full.token_ids[-1] == 2
+    capped = _instant(prompt, temperature=1.0, seed=0, max_tokens=3)
+    assert capped.stop_reason == "length" and capped.token_ids == full.token_ids[:3]

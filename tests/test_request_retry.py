@@ -1,5 +1,6 @@
-"""Engine requests: transient failures retried with backoff, invalid requests and exhausted
-retries raised, timeouts enforced; the Ray wrapping of an engine's exception keeps its type."""
+"""Engine requests: transient failures retried with backoff, invalid requests, programming
+errors and exhausted retries raised, timeouts enforced; the Ray wrapping of an engine's
+exception keeps its type; a failed sample keeps its traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import asyncio
 
 import pytest
 
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+from generation_core.engines.base import EngineStepFailed, EngineStopped
+from generation_core.engines.remote import RemoteRequestRejected, RemoteServerUnavailable
+from generation_core.errors import GenrunError
+from generation_core.records import SampleFailure
 from generation_core.request_retry import RequestTimeout, RetryingClient, is_transient
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,4 +89,69 @@ def test_ray_keeps_the_type_of_an_engine_exception(ray_local):
         with pytest.raises(Exception) as raised:
             ray.get(method.remote())
         assert is_transient(raised.value) is transient
+    ray.kill(actor)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [KeyError("prompt_ids"), AttributeError("'NoneType' object has no attribute 'token_ids'"), AssertionError("broken invariant"), IndexError("list index out of range"), NotImplementedError("todo"), GenrunError("every inference replica of the pool died")],
+    ids=lambda e: type(e).__name__,
+)
+def test_programming_errors_and_final_verdicts_are_not_retried(error):
+    engine = Engine([error, error])
+    client = RetryingClient(engine, retries=3, backoff_seconds=0, timeout=None)
+    with pytest.raises(type(error)):
+        _call(client)
+    assert engine.calls == 1 and client.stats.retries == 0 and client.stats.failed == 1
+
+
+def test_only_errors_that_may_pass_are_transient():
+    transient = [
+        ConnectionResetError("reset by peer"),
+        TimeoutError("read timed out"),
+        RequestTimeout("took longer than generation.request_timeout"),
+        GetTimeoutError("get timed out"),
+        ActorDiedError(),
+        ActorUnavailableError("restarting", None),
+        RemoteServerUnavailable("http://10.0.0.5:8000 answered 503"),
+        EngineStopped("transformers engine shut down before it answered"),
+        EngineStepFailed("transformers engine: a batch step failed with RuntimeError: CUDA error"),
+    ]
+    permanent = [
+        KeyError("x"), AttributeError("x"), AssertionError("x"), NameError("x"), ZeroDivisionError("x"), RecursionError("x"),
+        ValueError("x"), TypeError("x"), RemoteRequestRejected("400: prompt too long"), GenrunError("x"), FileNotFoundError("x"),
+    ]
+    assert [type(e).__name__ for e in transient if not is_transient(e)] == []
+    assert [type(e).__name__ for e in permanent if is_transient(e)] == []
+
+
+def _raise_in_loop_code():
+    return {}["reward_model"]
+
+
+def test_a_failed_sample_records_its_traceback():
+    try:
+        _raise_in_loop_code()
+    except KeyError as exc:
+        failure = SampleFailure.from_exception((3, 1), exc)
+    assert failure.error == "KeyError: 'reward_model'"
+    assert "Traceback (most recent call last)" in failure.traceback and "_raise_in_loop_code" in failure.traceback
+    assert failure.traceback.rstrip().endswith("KeyError: 'reward_model'")
+
+
+def test_a_programming_error_in_a_ray_actor_fails_at_once_with_the_actors_traceback(ray_local):
+    import ray
+
+    @ray.remote
+    class Broken:
+        def generate(self):
+            return _raise_in_loop_code()
+
+    actor = Broken.remote()
+    with pytest.raises(KeyError) as raised:
+        ray.get(actor.generate.remote())
+    assert is_transient(raised.value) is False
+    failure = SampleFailure.from_exception((0, 0), raised.value)
+    assert failure.error == "KeyError: 'reward_model'"
+    assert "_raise_in_loop_code" in failure.traceback, failure.traceback
     ray.kill(actor)

@@ -87,6 +87,7 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     assert checkpoint["failed"] == ["104:0"]
     [failure] = [json.loads(line) for line in (shard_dir / "failures.jsonl").read_text().splitlines()]
     assert failure["sample"] == "104:0" and failure["error"] == "RuntimeError: scripted failure for (104, 0)" and failure["attempt"] == 1
+    assert "Traceback" in failure["traceback"] and "scripted failure" in failure["traceback"], "where it failed is kept"
     assert not (shard_dir / "_SUCCESS.json").exists()
     assert "TooManyFailedSamples" in json.loads((shard_dir / "last_error.json").read_text())["error"]
 

@@ -29,8 +29,16 @@ from generation_core.errors import GenrunError
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
 
-# Keys that change how a run is executed but not what it produces: they stay out of the
-# fingerprint so that, for example, a resumed run may use more in-flight requests.
+# ---- what a run's trajectories depend on (the fingerprint), declared here once -------------
+#
+# Output-shaping: every config key that OPERATIONAL_KEYS does not list (engine and sampling
+# settings, lengths, the agent loop, reward, data and shard settings, engine_kwargs such as
+# instant.response_tokens, hf.dtype, hf.device, hf.ignore_eos, remote.model, and any key a user
+# adds), and the content of the files that OUTPUT_FILES lists. A key nobody classified counts as
+# output-shaping: forgetting one costs a new folder, never someone else's trajectories.
+# Operational: how the run executes (threads, timeouts, retries, workers, progress, logging,
+# storage, where the servers are); a resumed run may change them.
+
 OPERATIONAL_KEYS = (
     "trainer.default_local_dir",
     "trainer.experiment_name",
@@ -52,13 +60,54 @@ OPERATIONAL_KEYS = (
     "generation.show_progress",
     "generation.upload_artifact",
     "generation.artifact_mode",
+    "data.dataloader_num_workers",
+    "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.rollout.max_num_seqs",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.engine_kwargs",
     "actor_rollout_ref.rollout.agent.num_workers",
+    # A metrics label (verl fills it with the model path, whose content is an input already).
+    "actor_rollout_ref.rollout.prometheus.served_model_name",
+    "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads",
+    "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
+    # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
+    # or when it is null the name the servers report: preflight).
+    "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls",
+    "actor_rollout_ref.rollout.engine_kwargs.remote.api_key",
+    "actor_rollout_ref.rollout.engine_kwargs.remote.connect_timeout",
+    "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval",
+    "actor_rollout_ref.rollout.engine_kwargs.remote.max_connections",
     "storage",
     "ray_kwargs",
 )
+
+OUTPUT_FILES = {
+    "data.train_files": "dataset",
+    "actor_rollout_ref.model.path": "model",
+    "actor_rollout_ref.model.tokenizer_path": "model",
+    "reward.custom_reward_function.path": "file",
+    "data.custom_cls.path": "file",
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": "agent_loops",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "file",
+    "actor_rollout_ref.rollout.multi_turn.function_tool_path": "file",
+    # verl's older place for the tool config (load_config copies it to multi_turn).
+    "data.tool_config_path": "file",
+}
+"""Config keys naming files whose content shapes the output, and how preflight reads them:
+`dataset` (data.check_prompt_files: content hash), `model` (preflight.model_identity: config,
+tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
+classes it names). Their content stands in for their path in the fingerprint."""
+
+# The transformers engine on a small CPU model decodes ~3 tokens/s per sequence in a full batch
+# and a request may first wait for a batch's worth of others: 2 s per token of the response
+# budget plus 10 minutes is ample there and on a GPU, yet finite.
+REQUEST_TIMEOUT_BASE_SECONDS = 600.0
+REQUEST_TIMEOUT_SECONDS_PER_TOKEN = 2.0
+
+
+def default_request_timeout(response_length: int) -> float:
+    """generation.request_timeout when left null: base + per-token allowance x response budget."""
+    return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
+
 
 def _scheduled_date() -> str:
     """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
@@ -109,6 +158,9 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
         raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
     _route_legacy_keys(cfg)
     validate_values(cfg)
+    if cfg.generation.request_timeout is None:
+        # Filled in so run.json and every shard worker see the timeout that applies.
+        cfg.generation.request_timeout = default_request_timeout(cfg.actor_rollout_ref.rollout.response_length)
     return cfg
 
 
@@ -253,12 +305,20 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")
     _require(isinstance(gen.request_retries, int) and not isinstance(gen.request_retries, bool) and gen.request_retries >= 0, "generation.request_retries", gen.request_retries, "must be an integer >= 0")
     _require(_is_number(gen.request_backoff_seconds) and gen.request_backoff_seconds >= 0, "generation.request_backoff_seconds", gen.request_backoff_seconds, "must be a number of seconds >= 0")
-    _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (no timeout) or a number of seconds > 0")
+    _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (derived from the response budget) or a number of seconds > 0")
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(
         gen.merge_chunk_size is None or (isinstance(gen.merge_chunk_size, int) and not isinstance(gen.merge_chunk_size, bool) and gen.merge_chunk_size >= 1),
         "generation.merge_chunk_size", gen.merge_chunk_size, "must be null (one trajectories.pkl) or an integer >= 1 (trajectories per chunk file)",
+    )
+    _require(
+        gen.sample_seed is None or (isinstance(gen.sample_seed, int) and not isinstance(gen.sample_seed, bool) and gen.sample_seed >= 0),
+        "generation.sample_seed", gen.sample_seed, "must be null (no per-sample seeds) or an integer >= 0",
+    )
+    _require(
+        gen.sample_seed is None or rollout.name in SEEDED_ENGINES,
+        "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
@@ -274,6 +334,9 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
     resolve_layout(cfg)
 
+
+# Engines that take a `seed` in each request's sampling parameters (verl's SGLang server does not).
+SEEDED_ENGINES = ("hf", "instant", "remote")
 
 _TRACKING_BACKENDS = ("console", "wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "clearml", "trackio", "file")
 
@@ -298,17 +361,23 @@ def versions() -> dict[str, str]:
     return found
 
 
-def fingerprint(cfg: DictConfig, dataset_hash: str) -> str:
-    """Hash of everything that determines the output: config (minus operational keys),
-    dataset content and the versions of the code that produce it."""
+def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
+    """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
+    dataset content, the digests of the other OUTPUT_FILES (by config key, as preflight computes
+    them) and the versions of the code that produces it. A file given by its digest enters by
+    its content, not its path: the same model or dataset elsewhere (another machine's cache, a
+    copy) is the same run."""
+    files = dict(files or {})
     semantic = OmegaConf.to_container(cfg, resolve=True)
-    for key in OPERATIONAL_KEYS:
+    by_content = [key for key, kind in OUTPUT_FILES.items() if kind == "dataset" or key in files]
+    for key in (*OPERATIONAL_KEYS, *by_content):
         parent, _, leaf = key.rpartition(".")
         node = semantic
         for part in parent.split(".") if parent else []:
-            node = node.get(part, {})
-        node.pop(leaf, None)
-    payload = json.dumps({"config": semantic, "dataset": dataset_hash, "versions": versions()}, sort_keys=True, default=str)
+            node = node.get(part) or {} if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    payload = json.dumps({"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -5,7 +5,13 @@ verl's agent loops make one call per model turn,
 `sampling_params` a plain dict in vLLM/SGLang's names. Every engine (the transformers engine, the
 instant engine, an OpenAI-compatible server) and the routing client in front of them answer that
 call. An engine turns the dict into `SamplingParams` once, where the request enters it, and sizes
-the response with `response_budget`, the default verl's own servers apply.
+the response with `response_budget`, the default verl's own servers apply, and says why it
+ended in `TokenOutput.stop_reason` with SGLang's names (verl's sglang server passes them on):
+`STOP_EOS` or `STOP_LENGTH`.
+
+An engine that fails under a request raises `EngineStepFailed` (its step failed) or
+`EngineStopped` (it shut down first); both name the engine, and both are transient: the
+request may succeed when sent again (request_retry.is_transient).
 """
 
 from __future__ import annotations
@@ -14,6 +20,22 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from verl.workers.rollout.replica import TokenOutput
+
+
+STOP_EOS = "stop"
+"""The model ended the response: it sampled an end-of-sequence (or stop) token."""
+STOP_LENGTH = "length"
+"""The response reached its token budget (`response_budget`, or max_tokens when sent)."""
+
+
+class EngineStepFailed(RuntimeError):
+    """An engine's batch step raised: every request in that step fails with it, whichever one
+    caused it, and a retry runs in another batch."""
+
+
+class EngineStopped(ConnectionError):
+    """The engine shut down (or its decode loop ended) before it answered the request; another
+    replica, or this one restarted, may answer it."""
 
 
 @runtime_checkable

@@ -8,6 +8,9 @@ one request at a time on a 2-core CPU).
 
 The decode loop runs in one background thread: torch releases the GIL inside its kernels, so
 the asyncio loop that accepts requests (a Ray actor's, or the caller's) stays responsive.
+No caller waits forever: a step that raises fails every request it held (in the batch or
+joining it) with `EngineStepFailed`, and when the loop ends (shutdown, or a bug in the loop
+itself) every request still waiting, queued ones included, fails with `EngineStopped`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Generat
 from transformers.cache_utils import Cache, DynamicLayer
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.base import SamplingParams, response_budget
+from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines.sampling import sample_next_tokens
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ class EngineSettings:
     """Every request runs to its length limit (benchmarks: fixed lengths for side-by-side rates)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     prompt_ids: list[int]
     params: SamplingParams
@@ -60,6 +63,7 @@ class _Sequence:
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    stop_reason: str = STOP_LENGTH
 
 
 class HFEngine:
@@ -82,9 +86,17 @@ class HFEngine:
         accepts = inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self.max_model_len = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.name = f"transformers engine ({path.name} on {settings.device})"
+        """How errors name this engine."""
         self._incoming: queue.Queue[_Sequence] = queue.Queue()
         self._wakeup = threading.Event()
         self._stopped = False
+        # Every request whose caller awaits an answer, wherever it is (queued, joining, in the
+        # batch): what the end of the decode loop must fail. Callers add and remove, the loop reads.
+        self._waiting: set[_Sequence] = set()
+        self._waiting_lock = threading.Lock()
+        self._closed = False
+        self._joining: list[_Sequence] = []
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
         self.stats = {"forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0}
@@ -100,20 +112,28 @@ class HFEngine:
             raise ValueError(f"request {request_id}: empty prompt")
         max_tokens = self._max_tokens(len(prompt_ids), params)
         if max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason="completed")
+            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
         loop = asyncio.get_running_loop()
         generator = None
         if params.seed is not None and not params.greedy:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
             generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
-        self._incoming.put(seq)
-        self._wakeup.set()
-        await seq.future
+        with self._waiting_lock:
+            if self._closed:
+                raise EngineStopped(f"{self.name} has stopped; request {request_id} was not run")
+            self._waiting.add(seq)
+        try:
+            self._incoming.put(seq)
+            self._wakeup.set()
+            await seq.future
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(seq)
         return TokenOutput(
             token_ids=seq.token_ids,
             log_probs=seq.log_probs if params.logprobs else None,
-            stop_reason="completed",
+            stop_reason=seq.stop_reason,
             num_preempted=0,
         )
 
@@ -121,6 +141,17 @@ class HFEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        # A step that outlives the join (a long forward) must not keep its callers waiting: they
+        # hear now, and the loop ends after that step.
+        self._fail_waiting("shut down")
+
+    def _fail_waiting(self, why: str) -> None:
+        """Fail every request still waiting (queued, joining or in the batch); none is accepted after."""
+        with self._waiting_lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for seq in waiting:
+            _resolve(seq, EngineStopped(f"{self.name} {why} before it answered"))
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         s = self.settings
@@ -129,6 +160,13 @@ class HFEngine:
     # ---- decode loop (background thread) ---------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Whatever ended the loop (shutdown, or a bug in the loop itself), nobody waits on.
+            self._fail_waiting("shut down" if self._stopped else "stopped (its decode loop ended)")
+
+    def _loop(self) -> None:
         batch = _SlotBatch(self.settings.max_batch_size)
         while not self._stopped:
             if not batch.live_slots() and self._incoming.empty():
@@ -140,17 +178,24 @@ class HFEngine:
                 with torch.inference_mode():
                     self._admit(batch)
                     self._decode_step(batch)
-            except Exception as exc:  # noqa: BLE001 - every waiting caller must hear of it
-                live = [batch.sequences[slot] for slot in batch.live_slots()]
-                logger.exception("engine step failed; failing %d requests", len(live))
-                for seq in live:
-                    _resolve(seq, exc)
+            except Exception as exc:  # noqa: BLE001 - every caller in the step must hear of it
+                # The batch and the joiners (admitted from the queue, not in the batch yet); the
+                # queue waits for the next step, on a fresh batch.
+                held = [batch.sequences[slot] for slot in batch.live_slots()] + self._joining
+                logger.exception("%s: a step failed; failing its %d request(s)", self.name, len(held))
+                for seq in held:
+                    failure = EngineStepFailed(f"{self.name}: a batch step failed with {type(exc).__name__}: {exc}")
+                    failure.__cause__ = exc
+                    _resolve(seq, failure)
                 batch = _SlotBatch(self.settings.max_batch_size)
+            finally:
+                self._joining = []
             self.stats["busy_seconds"] += time.perf_counter() - started
 
     def _admit(self, batch: "_SlotBatch") -> None:
         free = batch.free_slots()
-        joining: list[_Sequence] = []
+        # Taken from the queue, in no batch yet: a failure before they join fails them too (_loop).
+        joining = self._joining = []
         while len(joining) < free:
             try:
                 seq = self._incoming.get_nowait()
@@ -168,19 +213,14 @@ class HFEngine:
         ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in joining])
         mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in joining])
         cache = DynamicCache(config=self.model.config)
-        try:
-            out = self.model(
-                input_ids=ids.to(self.settings.device),
-                attention_mask=mask.to(self.settings.device),
-                position_ids=_positions(mask).to(self.settings.device),
-                past_key_values=cache,
-                use_cache=True,
-                **self._last_logits_only,
-            )
-        except Exception as exc:  # noqa: BLE001 - not yet in the batch: their callers must hear of it here
-            for seq in joining:
-                _resolve(seq, exc)
-            raise
+        out = self.model(
+            input_ids=ids.to(self.settings.device),
+            attention_mask=mask.to(self.settings.device),
+            position_ids=_positions(mask).to(self.settings.device),
+            past_key_values=cache,
+            use_cache=True,
+            **self._last_logits_only,
+        )
         self.stats["forward_steps"] += 1
         logits = out.logits[:, -1, :].float()
         finished = self._sample(joining, logits)
@@ -224,6 +264,7 @@ class HFEngine:
                 seq.log_probs.append(picked[n])
             stop_at_eos = token in self.eos_token_ids and not seq.params.ignore_eos
             if stop_at_eos or len(seq.token_ids) >= seq.max_tokens or seq.future.cancelled():
+                seq.stop_reason = STOP_EOS if stop_at_eos else STOP_LENGTH
                 finished.add(n)
                 _resolve(seq, None)
         self.stats["generated_tokens"] += len(seqs)
@@ -375,7 +416,11 @@ def _resolve(seq: _Sequence, error: BaseException | None) -> None:
         else:
             seq.future.set_exception(error)
 
-    seq.loop.call_soon_threadsafe(settle)
+    try:
+        seq.loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        # The caller's event loop is closed: nobody waits for this answer (and the batch goes on).
+        pass
 
 
 def _eos_token_ids(path: Path, config) -> list[int]:

@@ -29,7 +29,7 @@ import httpx
 from omegaconf import DictConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.base import SamplingParams, response_budget
+from generation_core.engines.base import STOP_LENGTH, SamplingParams, response_budget
 from generation_core.engines.layout import remote_settings, remote_urls
 from generation_core.errors import GenrunError
 
@@ -102,8 +102,8 @@ def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> TokenOutpu
             raise RemoteServerUnavailable(f"the server returned {len(token_ids)} tokens but {0 if values is None else len(values)} logprobs")
         # A logprob of -inf comes back as null from some servers.
         log_probs = [-math.inf if v is None else float(v) for v in values]
-    finish = choice.get("finish_reason")
-    return TokenOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason="completed" if finish in ("stop", "length", None) else finish)
+    # The server's finish_reason as it is: "stop" / "length" (engines/base.py's names), or its own.
+    return TokenOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason=choice.get("finish_reason"))
 
 
 class CompletionsServer:
@@ -136,7 +136,7 @@ class CompletionsServer:
         params = SamplingParams.from_request(sampling_params)
         max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), params.max_tokens)
         if max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason="completed")
+            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
         if self.model is None:
             raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
         body = completion_request(self.model, prompt_ids, params, max_tokens)
