@@ -103,6 +103,6 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
     if failures:
         raise ShardsFailed(f"{len(failures)} of {len(futures)} shards failed after their retries: {'; '.join(failures)}")
     manifests.sort(key=lambda m: m.shard_id)
-    summary = merge(plan, manifests, time.perf_counter() - started)
+    summary = merge(plan, manifests, time.perf_counter() - started, fence)
     mark("merged")
     return publish(plan, summary, manifests, artifact_key)

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from generation_core.errors import GenrunError
 from generation_core.merge import Padding, merge_output
 from generation_core.preflight import RunPlan
+from generation_core.lease import LeaseFence
 from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, mark_for_repair
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
@@ -20,12 +21,13 @@ def padding_of(rollout: Any, pad_token_id: int) -> Padding:
     return Padding(prompt_length=int(rollout["prompt_length"]), response_length=int(rollout["response_length"]), pad_token_id=int(pad_token_id))
 
 
-def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float) -> dict[str, Any]:
-    """Merge (when configured) and write the run's manifest.json; returns the summary."""
+def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
+    """Merge (when configured) and write the run's manifest.json; returns the summary. `fence`:
+    the run's lease, for the checkpoint a damaged part found by the merge is dropped from."""
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
-        merged = merge_repairing(plan.folder, lambda: merge_output(plan.folder, padding, plan.cfg.generation.merge_chunk_size))
+        merged = merge_repairing(plan.folder, lambda: merge_output(plan.folder, padding, plan.cfg.generation.merge_chunk_size), fence)
         summary["artifact"] = plan.folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
@@ -33,11 +35,11 @@ def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float) ->
     return summary
 
 
-def merge_repairing(folder: RunFolder, merge: Callable[[], T]) -> T:
+def merge_repairing(folder: RunFolder, merge: Callable[[], T], fence: LeaseFence | None = None) -> T:
     """Run `merge`; a part it finds damaged is dropped from its shard's checkpoint, so that
     running the same command again regenerates exactly its samples, and the error says so."""
     try:
         return merge()
     except DamagedPart as damaged:
-        mark_for_repair(folder, damaged)
+        mark_for_repair(folder, damaged, fence)
         raise GenrunError(f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge") from None

@@ -113,7 +113,7 @@ def run_shard_job(
     finally:
         worker.shutdown()
     manifest.last_attempt.worker = _where_this_runs()
-    write_marker(folder, manifest)
+    write_marker(folder, manifest, fence)
     mark(f"shard_done {shard.shard_id}")
     return manifest
 
@@ -140,7 +140,7 @@ async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompt
     if finished is not None:
         return finished.as_skipped()
     manifest = await generate_shard(cfg, shard, folder, prompts, worker, fence)
-    write_marker(folder, manifest)
+    write_marker(folder, manifest, fence)
     return manifest
 
 

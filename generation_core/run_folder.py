@@ -277,7 +277,11 @@ def read_marker(folder: RunFolder, shard: str) -> ShardManifest | None:
     return ShardManifest.from_dict(folder.read_json(path)) if folder.exists(path) else None
 
 
-def write_marker(folder: RunFolder, manifest: ShardManifest) -> None:
+def write_marker(folder: RunFolder, manifest: ShardManifest, fence: Fence | None = None) -> None:
+    """The shard's success marker, written last. With `fence`, not by a run that lost the folder
+    (its last commit was refused already; this covers a takeover right after it)."""
+    if fence is not None:
+        fence.check(folder)
     folder.put_json(shard_file(manifest.shard, SUCCESS_FILE), manifest.to_dict())
 
 

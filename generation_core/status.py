@@ -64,6 +64,6 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     config = run["config"]
     padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
     # Not beside a run that is still writing parts (its own merge would follow anyway).
-    with RunLease.acquire(folder, config.get("generation", {}).get("lease_seconds", 60)):
-        output = merge_repairing(folder, lambda: merge_output(folder, padding, config.get("generation", {}).get("merge_chunk_size")))
+    with RunLease.acquire(folder, config.get("generation", {}).get("lease_seconds", 60)) as lease:
+        output = merge_repairing(folder, lambda: merge_output(folder, padding, config.get("generation", {}).get("merge_chunk_size")), lease.fence())
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

@@ -8,10 +8,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from generation_core.finish import finish_run
+from generation_core.lease import LeaseFence
 from generation_core.preflight import RunPlan
 from generation_core.run_folder import ShardManifest
 
 
 @task(name="merge", cache_policy=NO_CACHE)
-def merge(plan: RunPlan, manifests: list[ShardManifest], elapsed: float) -> dict[str, Any]:
-    return finish_run(plan, manifests, elapsed)
+def merge(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
+    return finish_run(plan, manifests, elapsed, fence)

@@ -217,3 +217,29 @@ def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
     for thread in threads:
         thread.join()
     assert len(results) == 1 and folder.read_bytes("checkpoint.json") == f"writer {results[0]}".encode()
+
+
+@pytest.mark.timeout(120)
+def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing(url_and_options):
+    """The merge's repair of a part it found damaged, and the success marker, are fenced too."""
+    from generation_core.finish import merge_repairing
+    from generation_core.run_folder import DamagedPart, read_marker, write_marker
+
+    folder = _folder(url_and_options)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+    part = shard_file(SHARD.name, manifest.parts[0].name)
+    old = RunLease.acquire(folder, seconds=60)
+    _stall_heartbeat(folder, old)
+    with RunLease.acquire(_folder(url_and_options), seconds=60):
+        before = _snapshot(folder)
+
+        def merge_finding_damage():
+            raise DamagedPart(f"part {part} does not match the checksum its checkpoint recorded", part)
+
+        with pytest.raises(LeaseLost):
+            merge_repairing(folder, merge_finding_damage, old.fence())
+        with pytest.raises(LeaseLost):
+            write_marker(folder, read_marker(folder, SHARD.name), old.fence())
+        assert _snapshot(folder) == before, "a run that lost the folder changed it"
+    old.release()
