@@ -168,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         import httpx
 
+        from flows.generate import ShardsFailed
+
+        if isinstance(exc, ShardsFailed):
+            # Which shards and why, in one line; the flow run's log has the tracebacks.
+            print(f"genrun: error: {exc}", file=sys.stderr)
+            return 1
         if not isinstance(exc, httpx.TransportError):
             raise
         # The Prefect API stayed unreachable past its client's retries (about a minute; a

@@ -15,10 +15,11 @@ from typing import Any
 import httpx
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from generation_core.data import ShardSpec
 from generation_core.dispatch import boot_pool
 from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.instrumentation import mark
@@ -59,49 +60,70 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # Shard tasks first: their workers start (imports, tokenizer, prompts) while the
         # replicas load, and each waits for the pool by name.
         balancer_name = new_balancer_name()
-        futures, cached = [], set()
-        # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs. max_retries=0: a
-        # dead shard worker is Prefect's to retry (generation.retries), counted and shown there,
-        # never re-run by Ray behind its back.
-        with remote_options(**SHARD_TASK_RESOURCES, max_retries=0):
-            for shard in plan.shards:
-                # Prefect's cached result may stand in for a shard only when the shard job would
-                # find nothing to do (the job decides again, reading every part, when it runs).
-                needs_work = finished_shard(plan.folder, shard, verify="size", fence=fence) is None
-                if not needs_work:
-                    cached.add(shard.shard_id)
-                task = run_shard.with_options(retries=plan.cfg.generation.retries, retry_delay_seconds=plan.cfg.generation.retry_delay_seconds, refresh_cache=needs_work)
-                parameters = {"plan": job_plan, "shard": shard.to_dict(), "balancer_name": balancer_name, "lease_generation": fence.generation}
-                futures.append(runner.submit(task, parameters))
+        gen = plan.cfg.generation
+        cached: set[int] = set()
+
+        def submit(shard: ShardSpec, retries: int, needs_work: bool = True) -> PrefectFuture:
+            task = run_shard.with_options(retries=retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
+            parameters = {"plan": job_plan, "shard": shard.to_dict(), "balancer_name": balancer_name, "lease_generation": fence.generation}
+            # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs. max_retries=0:
+            # Ray never re-runs a dead shard worker behind Prefect's back (see below).
+            with remote_options(**SHARD_TASK_RESOURCES, max_retries=0):
+                return runner.submit(task, parameters)
+
+        # future -> (its shard, retries left). Prefect retries a shard whose job raised inside
+        # its task run; a shard whose worker died (Crashed: the task engine died with it) is
+        # submitted again here, each crash taking one of the same generation.retries.
+        pending: dict[PrefectFuture, tuple[ShardSpec, int]] = {}
+        for shard in plan.shards:
+            # Prefect's cached result may stand in for a shard only when the shard job would
+            # find nothing to do (the job decides again, reading every part, when it runs).
+            needs_work = finished_shard(plan.folder, shard, verify="size", fence=fence) is None
+            if not needs_work:
+                cached.add(shard.shard_id)
+            pending[submit(shard, gen.retries, needs_work)] = (shard, gen.retries)
         try:
             pool = boot_pool(plan, balancer_name)
         except BaseException:
-            for future in futures:
+            for future in pending:
                 future.cancel()
             raise
         mark("engine_ready")
         try:
-            manifests, failures = [], []
-            for finished, future in enumerate(as_completed(futures), start=1):
-                future.wait()
-                state = future.state
-                if state.is_completed():
-                    manifest = ShardManifest.from_dict(future.result())
-                    # A finished shard's result comes from Prefect's cache: it did no work now.
-                    manifests.append(manifest.as_skipped() if manifest.shard_id in cached else manifest)
-                else:
-                    failures.append(f"{state.name}: {state.message}")
-                try:
-                    update_progress_artifact(progress, progress=100.0 * finished / len(futures))
-                except httpx.TransportError as exc:
-                    # The progress bar is cosmetic: a Prefect API that stays away past its
-                    # client's retries (a server restart that takes long) must not fail a run
-                    # whose shards finished; what does need the API fails with a clear message.
-                    logger.warning("could not update the progress artifact (Prefect API unreachable: %s)", exc)
+            manifests, failures, finished = [], [], 0
+            while pending:
+                resubmitted: dict[PrefectFuture, tuple[ShardSpec, int]] = {}
+                for future in as_completed(list(pending)):
+                    future.wait()
+                    shard, retries_left = pending[future]
+                    state = future.state
+                    if state.is_crashed() and retries_left > 0:
+                        logger.warning("%s: its worker died (%s); running it again (%d retries left)", shard.name, state.message, retries_left - 1)
+                        time.sleep(gen.retry_delay_seconds)
+                        resubmitted[submit(shard, retries_left - 1)] = (shard, retries_left - 1)
+                        continue
+                    finished += 1
+                    if state.is_completed():
+                        manifest = ShardManifest.from_dict(future.result())
+                        # A finished shard's result comes from Prefect's cache: it did no work now.
+                        manifests.append(manifest.as_skipped() if manifest.shard_id in cached else manifest)
+                    else:
+                        failures.append(f"{shard.name} {state.name}: {state.message}")
+                    try:
+                        update_progress_artifact(progress, progress=100.0 * finished / len(plan.shards))
+                    except httpx.TransportError as exc:
+                        # The progress bar is cosmetic: a Prefect API that stays away past its
+                        # client's retries (a server restart that takes long) must not fail a run
+                        # whose shards finished; what does need the API fails with a clear message.
+                        logger.warning("could not update the progress artifact (Prefect API unreachable: %s)", exc)
+                pending = resubmitted
         finally:
             pool.shutdown()
     if failures:
-        raise ShardsFailed(f"{len(failures)} of {len(futures)} shards failed after their retries: {'; '.join(failures)}")
+        raise ShardsFailed(
+            f"{len(failures)} of {len(plan.shards)} shards failed (generation.retries={gen.retries}): {'; '.join(failures)}; "
+            "committed trajectories are kept, run the same command again to resume"
+        )
     manifests.sort(key=lambda m: m.shard_id)
     summary = merge(plan, manifests, time.perf_counter() - started, fence)
     mark("merged")
