@@ -4,7 +4,8 @@ made to fail on cue; the real one (vLLM on the CPU) is in test_remote_vllm.py.
 
 Its answer to a prompt of ids [p0, ...] is the ids [p0 + 1, p0 + 2, ...] with logprob -0.5 each,
 in vLLM's shape (`choices[0].token_ids`, `logprobs.token_logprobs`), or SGLang's
-(`logprobs.tokens` as "token_id:N") with `ids_as_tokens=True`.
+(`logprobs.tokens` as "token_id:N") with `ids_as_tokens=True`. Every request's method, path and
+headers are recorded in `received` (what a client sent, e.g. its Authorization header).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class ScriptedServer:
         self.delay = delay
         self.ids_as_tokens = ids_as_tokens
         self.requests: list[dict] = []
+        self.received: list[tuple[str, str, dict[str, str]]] = []
+        """(method, path, headers with lower-case names) of every request, in arrival order."""
         self.fail_next: list[int] = []
         """HTTP statuses to answer the next completion requests with, in order."""
         self.healthy = True
@@ -51,7 +54,12 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _record(self) -> None:
+                with server._lock:
+                    server.received.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+
             def do_GET(self):
+                self._record()
                 if self.path == "/health":
                     self._send(200 if server.healthy else 503, {})
                 elif self.path == "/v1/models":
@@ -60,6 +68,7 @@ class ScriptedServer:
                     self._send(404, {"error": {"message": "not found"}})
 
             def do_POST(self):
+                self._record()
                 request = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 with server._lock:
                     server.requests.append(request)

@@ -1,9 +1,15 @@
 """The Prefect flow on a real Prefect server and a real local Ray cluster: sharded runs,
-task retries that resume from the checkpoint, failed shards, the UI's retry of a failed flow
-run, and the repo's prefect.yaml deployed and run through a process worker."""
+task retries that resume from the checkpoint, the UI's artifacts, a killed shard worker that
+Ray does not re-run (one retry knob: Prefect's) and an n=4 sampled rerun that equals an
+undisturbed run record by record, failed shards, the UI's retry of a failed flow run, and the
+repo's prefect.yaml deployed and run through a process worker (the nightly deployment's folder
+named after the scheduled date)."""
 
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +21,7 @@ from verl.protocol import DataProto
 
 from generation_core.dispatch import run_in_process
 from generation_core.preflight import preflight
-from tests.conftest import REPO, chat_rows, kill_group, run_genrun, write_parquet
+from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -55,6 +61,17 @@ def _task_states(server, flow_run_id, settle_seconds: float = 60.0):
         if not {"Running", "Pending"} & set(states) or time.monotonic() > deadline:
             return states
         time.sleep(0.5)
+
+
+def _flow_runs_of(server, out) -> list[dict]:
+    """The flow runs (oldest first) whose overrides name `out` as their output folder."""
+    wanted = f"trainer.default_local_dir={out}"
+    runs = server.api("POST", "/flow_runs/filter", json={"sort": "EXPECTED_START_TIME_ASC"})
+    return [r for r in runs if wanted in (r["parameters"].get("overrides") or [])]
+
+
+def _artifacts(server, flow_run_id) -> dict[str, dict]:
+    return {a["key"]: a for a in server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
 
 
 # CI time: in make test the chaos schedule runs the flow (2 shards on Ray) and compares it with an
@@ -106,6 +123,115 @@ def test_a_shard_failing_once_is_retried_and_resumes_from_its_checkpoint(prefect
     assert len(finished) <= 8 + 2, "at most max_inflight samples regenerated"
     data = DataProto.load_from_disk(str(tmp_path / "run" / "trajectories.pkl"))
     assert data.non_tensor_batch["index"].tolist() == list(range(8))
+
+    # The Prefect UI's view of the run: a progress bar at 100 %, the shard table, the output note.
+    (flow_run,) = _flow_runs_of(prefect_server, tmp_path / "run")
+    artifacts = _artifacts(prefect_server, flow_run["id"])
+    experiment = json.loads((tmp_path / "run" / "run.json").read_text())["config"]["trainer"]["experiment_name"]
+    key = experiment.lower().replace("_", "-")
+    assert {f"{key}-progress", f"{key}-shards", f"{key}-output"} <= set(artifacts), sorted(artifacts)
+    assert artifacts[f"{key}-progress"]["type"] == "progress" and artifacts[f"{key}-progress"]["data"] == 100.0
+    assert artifacts[f"{key}-shards"]["type"] == "table"
+    (row,) = json.loads(artifacts[f"{key}-shards"]["data"])
+    assert row["shard"] == "shard-00000" and row["samples"] == 8, row
+    assert str(tmp_path / "run") in artifacts[f"{key}-output"]["data"]
+
+
+GATED_LOOPS = REPO / "tests" / "chaos" / "agent_loops.yaml"
+PROMPTS, N = 3, 4
+
+
+def _shard_workers(timeline: Path) -> list[int]:
+    """PIDs of the processes that started shard 0, from the run's timeline (GENRUN_TIMELINE)."""
+    return [int(pid) for pid in re.findall(r"^shard_worker_ready 0 pid=(\d+) ", timeline.read_text(), re.MULTILINE)]
+
+
+def _same_records(actual, expected) -> None:
+    """Record by record, every field but the timings (metrics)."""
+    assert [r.key for r in actual] == [r.key for r in expected]
+    for ours, theirs in zip(actual, expected):
+        for name in ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns", "input_fields", "extra_fields"):
+            assert getattr(ours, name) == getattr(theirs, name), (ours.key, name)
+
+
+def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equals_an_undisturbed_run(prefect_server, ray_local, tmp_path):
+    """generation.retries=0 and a shard worker killed (-9, by PID) mid-shard: Ray does not run
+    the shard again behind Prefect's back (shard tasks go to Ray with max_retries=0), the shard
+    and the flow fail, and the same command resumes from the checkpoint. Sampled at temperature
+    1 with n=4 and one prompt's rollouts split by the kill (3 committed, 1 not): the resumed
+    run equals an undisturbed one record by record, so a rollout-number mix-up shows."""
+    from generation_core.storage import RunFolder
+    from tests.merge_oracles import read_committed_records
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
+    out, gate, timeline = tmp_path / "run", tmp_path / "gate", tmp_path / "timeline.txt"
+
+    def args(folder):
+        return _instant(
+            prompts, folder, f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.rollout.temperature=1.0", "generation.sample_seed=11",
+            "generation.save_batch_size=3", "generation.retries=0", "generation.retry_delay_seconds=0",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={GATED_LOOPS}", "actor_rollout_ref.rollout.agent.default_agent_loop=gated_agent",
+        )
+
+    # Prompt 0's four samples pass the gate: three commit as the first part, one stays in the
+    # buffer; prompts 1 and 2 wait at the gate until the kill.
+    env = dict(os.environ, **prefect_server.env, GENRUN_TEST_GATE=str(gate), GENRUN_TEST_GATE_FROM="1", GENRUN_TIMELINE=str(timeline))
+    gate.write_text("")
+    checkpoint = out / "shards" / "shard-00000" / "checkpoint.json"
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(GENRUN + args(out), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not checkpoint.exists():
+                assert process.poll() is None, f"genrun exited early:\n{log_path.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"no part committed in time:\n{log_path.read_text()[-3000:]}"
+                time.sleep(0.1)
+            (worker_pid,) = _shard_workers(timeline)
+            os.kill(worker_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 240
+            while process.poll() is None:
+                # A second worker on the shard (held at the gate again) is Ray re-running the task.
+                assert _shard_workers(timeline) == [worker_pid], f"the shard ran again after its worker was killed: {_shard_workers(timeline)}"
+                assert time.monotonic() < deadline, f"genrun did not end after its only shard failed:\n{log_path.read_text()[-3000:]}"
+                time.sleep(0.2)
+        finally:
+            kill_group(process)
+            gate.unlink()
+    output = log_path.read_text()
+    assert process.returncode != 0, output[-3000:]
+    assert re.search(r"^genrun: error: 1 of 1 shards failed \(generation.retries=0\): shard-00000 Crashed.*WorkerCrashedError.*run the same command again", output.strip().splitlines()[-1]), output[-3000:]
+    at_kill = json.loads(checkpoint.read_text())
+    assert len(at_kill["completed"]) == 3 and {key.split(":")[0] for key in at_kill["completed"]} == {"0"}, at_kill["completed"]
+    # One attempt: no second worker started the shard, the checkpoint counts one, and Prefect's
+    # task run ran once (a re-execution by Ray runs the same task run again).
+    assert _shard_workers(timeline) == [worker_pid]
+    assert at_kill["attempts"] == 1
+    assert not (out / "shards" / "shard-00000" / "_SUCCESS.json").exists() and not (out / "trajectories.pkl").exists()
+    (flow_run,) = _flow_runs_of(prefect_server, out)
+    assert flow_run["state"]["type"] == "FAILED", flow_run["state"]
+    (task_run,) = [r for r in prefect_server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}) if r["name"] == "shard-00000"]
+    assert task_run["run_count"] == 1, task_run
+
+    again = run_genrun(args(out), env=prefect_server.env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    total = PROMPTS * N
+    assert f"trajectories:  {total} ({total - 3} generated by this invocation)" in again.stdout, again.stdout[-2000:]
+    marker = json.loads((out / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
+    assert marker["attempts"] == 2 and marker["num_trajectories"] == total
+
+    run_in_process(preflight(args(tmp_path / "undisturbed")))
+    resumed, undisturbed = read_committed_records(RunFolder(str(out))), read_committed_records(RunFolder(str(tmp_path / "undisturbed")))
+    assert [r.key for r in resumed] == [(i, n) for i in range(PROMPTS) for n in range(N)], "every trajectory exactly once"
+    for index in range(PROMPTS):
+        responses = [tuple(r.response_ids) for r in undisturbed if r.index == index]
+        assert len(set(responses)) == N, (
+            f"the {N} samples of prompt {index} are identical: the instant engine's tokens do not depend on the sample "
+            "(generation.sample_seed), so this test cannot see a rollout-number mix-up on resume"
+        )
+    _same_records(resumed, undisturbed)
+    merged, reference = (DataProto.load_from_disk(str(folder / "trajectories.pkl")) for folder in (out, tmp_path / "undisturbed"))
+    _assert_same_dataproto(merged, reference)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +293,31 @@ def test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard(pr
     assert states.count("Cached") == 2 and states.count("Completed") == 3 and states.count("Failed") == 1, states
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
     assert data.non_tensor_batch["index"].tolist() == list(range(9))
+
+
+def test_the_nightly_deployment_names_its_folder_after_the_scheduled_date(prefect_server, deployed):
+    """A nightly flow run scheduled for a past night (a late start, or a retry the next day)
+    writes to that night's folder: prefect.yaml's `${genrun:scheduled_date}` reads the flow
+    run's scheduled time, not the clock."""
+    nightly = prefect_server.api("GET", "/deployments/name/generate/generate-nightly")
+    prompts = write_parquet(deployed / "prompts-nightly.parquet", chat_rows(2))
+    # The deployment's own overrides (the folder name) plus a small instant run; no output
+    # folder given, so it is outputs/<project>/<experiment> under the worker's directory.
+    project = f"genrun-test-nightly-{os.getpid()}"
+    overrides = [
+        *nightly["parameters"]["overrides"],
+        f"data.train_files={prompts}", f"trainer.project_name={project}",
+        "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",
+    ]
+    night = "2024-03-05"
+    state = {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": f"{night}T02:00:00+00:00"}}
+    try:
+        flow_run = prefect_server.api("POST", f"/deployments/{nightly['id']}/create_flow_run", json={"parameters": {"overrides": overrides}, "state": state})
+        assert flow_run["expected_start_time"].startswith(night), flow_run["expected_start_time"]
+        done = prefect_server.wait_for_flow_run(flow_run["id"], {"FAILED", "CRASHED", "COMPLETED"}, timeout=300)
+        assert done["state"]["type"] == "COMPLETED", (done["state"], (deployed / "worker.log").read_text()[-3000:])
+        folder = REPO / "outputs" / project / f"nightly-{night}"
+        assert (folder / "trajectories.pkl").exists(), sorted(p.name for p in (REPO / "outputs" / project).glob("*"))
+        assert json.loads((folder / "run.json").read_text())["config"]["trainer"]["experiment_name"] == f"nightly-{night}"
+    finally:
+        shutil.rmtree(REPO / "outputs" / project, ignore_errors=True)

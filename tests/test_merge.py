@@ -328,3 +328,71 @@ def test_a_chunked_remerge_that_crashes_leaves_no_index_over_rewritten_chunks(tm
     with pytest.raises(OSError):
         merge_run_chunked(folder, chunk_size=2, **_lengths())
     assert written == [2] and merged_files(folder) == [], "chunk 0 was rewritten: no index may list it"
+
+
+# --- the same comparison on trajectories the bundled model generated ------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, model_dir, tmp_path, monkeypatch):
+    """A real run (hf engine, the bundled model, sampled, n=2, logprobs): verl's own
+    per-sample and batch postprocessing of the agent-loop outputs the run produced equals the
+    trajectories.pkl that the run's merge wrote from its parts."""
+    from generation_core.dispatch import run_in_process
+    from generation_core.preflight import preflight
+    from tests.conftest import chat_rows, write_parquet
+
+    captured: dict[tuple[int, int], tuple[AgentLoopOutput, dict]] = {}
+    to_record = StreamingWorker.record_from_output
+
+    def capture(key, output, kwargs):
+        captured[key] = (output.model_copy(deep=True), dict(kwargs))
+        return to_record(key, output, kwargs)
+
+    # The shard jobs of run_in_process run in this process: every output verl's agent loop returned.
+    monkeypatch.setattr(StreamingWorker, "record_from_output", staticmethod(capture))
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(4))
+    out = tmp_path / "run"
+    plan = preflight([
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=48",
+        "data.max_response_length=10",
+        "generation.save_batch_size=3",
+        "generation.show_progress=false",
+    ])
+    assert run_in_process(plan)["num_trajectories"] == 8
+    merged = DataProto.load_from_disk(str(out / "trajectories.pkl"))
+
+    keys = sorted(captured)
+    assert keys == [(i, n) for i in range(4) for n in range(2)]
+    verl_worker = StreamingWorker(plan.cfg, llm_client=None).worker
+
+    async def verl_side():
+        return [await verl_worker._agent_loop_postprocess(captured[key][0], False, **captured[key][1]) for key in keys]
+
+    padded = asyncio.run(verl_side())
+    rows = [captured[key][1] for key in keys]
+    non_tensor_input = {name: np.fromiter([row[name] for row in rows], dtype=object, count=len(rows)) for name in rows[0]}
+    expected = verl_worker._postprocess(padded, input_non_tensor_batch=non_tensor_input)
+
+    # Real outputs, not shaped by hand: prompts of several lengths, logprobs from the model.
+    prompt_lengths = {len(captured[key][0].prompt_ids) for key in keys}
+    assert len(prompt_lengths) > 1, prompt_lengths
+    assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
+    assert "rollout_log_probs" in merged.batch.keys()
+    for name in expected.batch.keys():
+        ours, theirs = merged.batch[name], expected.batch[name]
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        assert torch.equal(ours, theirs), name
+    assert sorted(merged.non_tensor_batch) == sorted(expected.non_tensor_batch)
+    for name, theirs in expected.non_tensor_batch.items():
+        ours = merged.non_tensor_batch[name]
+        assert ours.dtype == theirs.dtype, name
+        assert ours.tolist() == theirs.tolist(), name
+    assert merged.meta_info == expected.meta_info

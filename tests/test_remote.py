@@ -224,6 +224,36 @@ def test_sglang_style_ids_and_api_key(servers):
     assert out.token_ids == [8, 9, 10, 11]
 
 
+def test_api_key_is_sent_as_a_bearer_header_on_every_request():
+    keyed, open_server = ScriptedServer(), ScriptedServer()
+    key = "actor_rollout_ref.rollout.engine_kwargs.remote.api_key=sekrit"
+    # With the model named, the connect probe is /health (else /v1/models).
+    model = "actor_rollout_ref.rollout.engine_kwargs.remote.model=scripted-model"
+
+    async def check_then_generate(cfg):
+        # What a run sends: the preflight's model check, the connect probe, a completion.
+        await check_servers(cfg)
+        client = _client(cfg)
+        try:
+            await client.connect()
+            return await client.generate("r", prompt_ids=[7], sampling_params=SAMPLING)
+        finally:
+            await client.aclose()
+
+    try:
+        assert asyncio.run(check_then_generate(_cfg([keyed.url], key, model))).token_ids == [8, 9, 10, 11]
+        assert asyncio.run(check_then_generate(_cfg([open_server.url], model))).token_ids == [8, 9, 10, 11]
+    finally:
+        keyed.stop()
+        open_server.stop()
+    paths = {path for _, path, _ in keyed.received}
+    assert {"/v1/models", "/health", "/v1/completions"} <= paths, paths
+    for method, path, headers in keyed.received:
+        assert headers.get("authorization") == "Bearer sekrit", (method, path, headers)
+    assert {path for _, path, _ in open_server.received} == paths
+    assert all("authorization" not in headers for _, _, headers in open_server.received), "no api_key: no Authorization header"
+
+
 def test_preflight_refuses_when_no_server_answers_and_names_them():
     ports = [_free_port(), _free_port()]
     cfg = _cfg([f"http://127.0.0.1:{p}" for p in ports])

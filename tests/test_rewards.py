@@ -1,0 +1,90 @@
+"""The user's reward function (generation_core/rewards.py): an `async def` one is awaited on the
+run's event loop, and the reward file's content is part of the run fingerprint."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from generation_core.config import load_config
+from generation_core.errors import GenrunError
+from generation_core.preflight import preflight
+from generation_core.rewards import RewardScorer
+
+pytestmark = pytest.mark.timeout(300)
+
+ASYNC_REWARD = """
+import asyncio
+import threading
+
+calls = []
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    # Suspends: only an awaited coroutine gets past this line.
+    await asyncio.sleep(0)
+    calls.append((threading.get_ident(), asyncio.get_running_loop()))
+    return {"score": 0.75 if ground_truth == "7" else 0.0, "length": len(solution_str)}
+"""
+
+SYNC_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from verl.utils import hf_tokenizer
+
+    return hf_tokenizer(str(model_dir))
+
+
+def test_an_async_reward_function_is_awaited_on_the_event_loop(tmp_path, tokenizer):
+    reward_file = tmp_path / "async_reward.py"
+    reward_file.write_text(ASYNC_REWARD)
+    cfg = load_config([f"reward.custom_reward_function.path={reward_file}"])
+    scorer = RewardScorer.from_config(cfg, tokenizer)
+    assert scorer.is_async, "an async def reward (verl wraps it in a partial) is recognised as async"
+    response_ids = tokenizer.encode("The answer is 7.", add_special_tokens=False)
+    sample = {"data_source": "test", "reward_model": {"ground_truth": "7"}, "extra_info": {"index": 0}}
+
+    async def score_on_this_loop():
+        result = await scorer.score(response_ids, sample, num_turns=2, extra_fields={})
+        return result, threading.get_ident(), asyncio.get_running_loop()
+
+    try:
+        result, thread, loop = asyncio.run(score_on_this_loop())
+    finally:
+        scorer.shutdown()
+    # Called without await (or in the thread pool as a sync function), the result would be a
+    # coroutine: refused as "not a number", and the function body would never run.
+    assert result.score == 0.75
+    assert result.extra_info == {"score": 0.75, "length": len("The answer is 7.")}
+    module = scorer.function.args[0].__globals__
+    assert module["calls"] == [(thread, loop)], "awaited once, in the event loop's thread, on the run's loop"
+
+
+def test_the_reward_files_content_is_in_the_fingerprint(tmp_path, prompts_file, model_dir):
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(SYNC_REWARD)
+    out = tmp_path / "run"
+    args = [
+        f"data.train_files={prompts_file}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"reward.custom_reward_function.path={reward_file}",
+        "generation.show_progress=false",
+    ]
+    plan = preflight(args)
+    plan.claim_folder()
+    run_json = (out / "run.json").read_bytes()
+    assert preflight(args).fingerprint == plan.fingerprint, "the same reward file: the same run"
+
+    # Same path, other scores: another run, refused on this folder.
+    reward_file.write_text(SYNC_REWARD.replace("return 1.0", "return 0.0"))
+    with pytest.raises(GenrunError, match="holds a different run") as refused:
+        preflight(args)
+    assert "\n" not in str(refused.value)
+    assert (out / "run.json").read_bytes() == run_json, "a refused run changes nothing"
