@@ -59,6 +59,22 @@ def _kwargs(i: int) -> dict:
     }
 
 
+def _assert_equals_verl(merged, expected):
+    """Our DataProto against verl's _postprocess output: the same keys (in any order), dtypes,
+    shapes and values, non-tensor fields and meta_info."""
+    assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
+    for key in expected.batch.keys():
+        ours, theirs = merged.batch[key], expected.batch[key]
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, key
+        assert torch.equal(ours, theirs), key
+    assert sorted(merged.non_tensor_batch) == sorted(expected.non_tensor_batch)
+    for key, theirs in expected.non_tensor_batch.items():
+        ours = merged.non_tensor_batch[key]
+        assert ours.dtype == theirs.dtype, key
+        assert ours.tolist() == theirs.tolist(), key
+    assert merged.meta_info == expected.meta_info
+
+
 @pytest.mark.parametrize("with_logprobs, with_rewards", [(True, True), (False, False)])
 def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
     verl_worker = worker.worker
@@ -78,17 +94,7 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
     assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
     assert ("rm_scores" in merged.batch.keys()) == with_rewards
     assert ("rollout_log_probs" in merged.batch.keys()) == with_logprobs
-    for key in expected.batch.keys():
-        ours, theirs = merged.batch[key], expected.batch[key]
-        assert ours.dtype == theirs.dtype, key
-        assert ours.shape == theirs.shape, key
-        assert torch.equal(ours, theirs), key
-    assert sorted(merged.non_tensor_batch) == sorted(expected.non_tensor_batch)
-    for key, theirs in expected.non_tensor_batch.items():
-        ours = merged.non_tensor_batch[key]
-        assert ours.dtype == theirs.dtype, key
-        assert ours.tolist() == theirs.tolist(), key
-    assert merged.meta_info == expected.meta_info
+    _assert_equals_verl(merged, expected)
 
 
 def test_reward_extra_keys_that_vary_per_sample_become_columns_with_gaps():
@@ -384,15 +390,5 @@ def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, 
     # Real outputs, not shaped by hand: prompts of several lengths, logprobs from the model.
     prompt_lengths = {len(captured[key][0].prompt_ids) for key in keys}
     assert len(prompt_lengths) > 1, prompt_lengths
-    assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
     assert "rollout_log_probs" in merged.batch.keys()
-    for name in expected.batch.keys():
-        ours, theirs = merged.batch[name], expected.batch[name]
-        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
-        assert torch.equal(ours, theirs), name
-    assert sorted(merged.non_tensor_batch) == sorted(expected.non_tensor_batch)
-    for name, theirs in expected.non_tensor_batch.items():
-        ours = merged.non_tensor_batch[name]
-        assert ours.dtype == theirs.dtype, name
-        assert ours.tolist() == theirs.tolist(), name
-    assert merged.meta_info == expected.meta_info
+    _assert_equals_verl(merged, expected)
