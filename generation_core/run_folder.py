@@ -294,11 +294,6 @@ def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
     return folder.read_json(path) if folder.exists(path) else None
 
 
-def read_failure_log(folder: RunFolder, shard: str) -> str:
-    path = shard_file(shard, FAILURES_FILE)
-    return folder.read_bytes(path).decode() if folder.exists(path) else ""
-
-
 def append_failure_log(folder: RunFolder, shard: str, lines: str, fence: Fence | None = None) -> None:
     """Add `lines` to the shard's failure log, which keeps every failure of every attempt. S3
     cannot append: the file is read and rewritten whole. With a fence the rewrite is
