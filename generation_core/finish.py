@@ -27,7 +27,7 @@ def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fe
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
-        merged = merge_repairing(plan.folder, lambda: merge_output(plan.folder, padding, plan.cfg.generation.merge_chunk_size), fence)
+        merged = merge_repairing(plan.folder, lambda: merge_output(plan.folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
         summary["artifact"] = plan.folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)

@@ -370,9 +370,10 @@ class MergedOutput:
     """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
 
 
-def merge_run(folder: RunFolder, *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
-    """Merge every committed trajectory into one `trajectories.pkl`; returns its DataProto."""
-    merge_input = scan_run(folder)
+def merge_run(folder: RunFolder, *, prompt_length: int, response_length: int, pad_token_id: int, merge_input: MergeInput | None = None) -> DataProto:
+    """Merge every committed trajectory into one `trajectories.pkl`; returns its DataProto.
+    `merge_input`: the run's scan, when the caller has made it."""
+    merge_input = merge_input or scan_run(folder)
     data = build_rows(folder, merge_input, 0, merge_input.rows, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
     with folder.open_write(MERGED_FILE) as handle:
         dump_dataproto(data, handle)
@@ -381,11 +382,13 @@ def merge_run(folder: RunFolder, *, prompt_length: int, response_length: int, pa
     return data
 
 
-def merge_run_chunked(folder: RunFolder, *, chunk_size: int, prompt_length: int, response_length: int, pad_token_id: int) -> MergedOutput:
+def merge_run_chunked(
+    folder: RunFolder, *, chunk_size: int, prompt_length: int, response_length: int, pad_token_id: int, merge_input: MergeInput | None = None
+) -> MergedOutput:
     """Merge into `trajectories-NNNNN.pkl` files of at most `chunk_size` rows in (index,
     rollout_n) order, padded identically, then `trajectories.json` listing them (written last:
     it is what makes a set of chunk files current). Holds one chunk in memory at a time."""
-    merge_input = scan_run(folder)
+    merge_input = merge_input or scan_run(folder)
     # The chunk files are rewritten in place: a crash from here on must not leave an index that
     # lists them (a trajectories.pkl of an earlier merge stays valid until the new index is written).
     folder.remove(CHUNK_INDEX_FILE)
@@ -415,11 +418,40 @@ def merge_run_chunked(folder: RunFolder, *, chunk_size: int, prompt_length: int,
     return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
 
 
-def merge_output(folder: RunFolder, padding: Padding, chunk_size: int | None = None) -> MergedOutput:
-    """Merge the committed parts as a run is configured: one trajectories.pkl, or chunk files of
-    at most `chunk_size` rows listed in trajectories.json."""
+# What `merge_output` keeps one merged file (and the DataProto held to write it) under when no
+# chunk size is set: a run past it is merged into chunks of about this size, so a 10M-trajectory
+# run never builds one pickle in memory. Runs up to tens of thousands of trajectories at verl's
+# usual lengths stay one trajectories.pkl.
+DEFAULT_MAX_FILE_BYTES = 4 << 30
+
+
+def padded_row_bytes(layout: BatchLayout, padding: Padding) -> int:
+    """Bytes one row takes in the merged DataProto's tensors (PaddedBatchBuilder's, and the
+    prompts / responses / position_ids verl's postprocess adds), plus a conservative 1 KiB for
+    its non-tensor fields: the estimate that decides when the merge writes chunks."""
+    prompt, response = padding.prompt_length, padding.response_length
+    # int64: input_ids, attention_mask, position_ids over prompt+response; prompts; responses and response_mask.
+    tensor_bytes = 8 * (3 * (prompt + response) + prompt + 2 * response)
+    tensor_bytes += 4 * response * (int(layout.with_logprobs) + int(layout.with_rm_scores))
+    return tensor_bytes + 1024
+
+
+def merge_output(folder: RunFolder, padding: Padding, chunk_size: int | None = None, max_file_bytes: int | None = None) -> MergedOutput:
+    """Merge the committed parts as a run is configured: chunk files of at most `chunk_size`
+    rows listed in trajectories.json; without a chunk size, one trajectories.pkl while the run's
+    padded DataProto stays under `max_file_bytes` (DEFAULT_MAX_FILE_BYTES), else chunks of that size."""
     lengths = dict(prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id)
+    merge_input = scan_run(folder)
+    if not chunk_size:
+        row_bytes = padded_row_bytes(merge_input.layout, padding)
+        rows_per_file = max(1, (max_file_bytes or DEFAULT_MAX_FILE_BYTES) // row_bytes)
+        if merge_input.rows > rows_per_file:
+            logger.info(
+                "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
+                merge_input.rows, merge_input.rows * row_bytes / (1 << 30), rows_per_file,
+            )
+            chunk_size = rows_per_file
     if chunk_size:
-        return merge_run_chunked(folder, chunk_size=chunk_size, **lengths)
-    data = merge_run(folder, **lengths)
+        return merge_run_chunked(folder, chunk_size=chunk_size, merge_input=merge_input, **lengths)
+    data = merge_run(folder, merge_input=merge_input, **lengths)
     return MergedOutput(MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]]))

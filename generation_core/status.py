@@ -62,8 +62,9 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     folder = RunFolder(url, storage_options)
     run = read_run_record(folder)
     config = run["config"]
+    generation = config.get("generation", {})
     padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
     # Not beside a run that is still writing parts (its own merge would follow anyway).
-    with RunLease.acquire(folder, config.get("generation", {}).get("lease_seconds", 60)) as lease:
-        output = merge_repairing(folder, lambda: merge_output(folder, padding, config.get("generation", {}).get("merge_chunk_size")), lease.fence())
+    with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
+        output = merge_repairing(folder, lambda: merge_output(folder, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

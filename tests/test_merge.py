@@ -316,6 +316,28 @@ def test_finish_run_merges_in_chunks_when_configured(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_without_a_chunk_size_a_run_past_the_file_size_limit_is_merged_in_chunks(tmp_path):
+    from generation_core.merge import Padding, merge_output, padded_row_bytes, scan_run
+
+    folder = RunFolder(str(tmp_path / "run"))
+    _write_run(folder, _random_records(9))
+    padding = Padding(PROMPT_LENGTH, RESPONSE_LENGTH, PAD)
+    whole = merge_run(folder, **_lengths())
+    row_bytes = padded_row_bytes(scan_run(folder).layout, padding)
+    # The estimate covers what the DataProto's tensors really take.
+    assert row_bytes * len(whole) >= sum(t.element_size() * t.numel() for t in whole.batch.values())
+
+    # Room for 4 rows a file: 9 rows become chunks of 4, 4, 1, identical to the one-file merge.
+    merged = merge_output(folder, padding, max_file_bytes=4 * row_bytes + row_bytes // 2)
+    assert merged.entry_file == CHUNK_INDEX_FILE and merged.rows == 9
+    assert [c["rows"] for c in folder.read_json(CHUNK_INDEX_FILE)["chunks"]] == [4, 4, 1]
+    _assert_same_dataproto(load_chunks(folder), whole, metrics_as_lists=True)
+    # Room for all of them: one trajectories.pkl, as before.
+    assert merge_output(folder, padding, max_file_bytes=9 * row_bytes).entry_file == MERGED_FILE
+    assert merged_files(folder) == [MERGED_FILE]
+
+
+@pytest.mark.timeout(60)
 def test_a_chunked_remerge_that_crashes_leaves_no_index_over_rewritten_chunks(tmp_path, monkeypatch):
     import generation_core.merge as merge
 

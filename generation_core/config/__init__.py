@@ -49,6 +49,7 @@ OPERATIONAL_KEYS = (
     "generation.max_inflight",
     "generation.final_merge",
     "generation.merge_chunk_size",
+    "generation.merge_max_file_bytes",
     "generation.retries",
     "generation.retry_delay_seconds",
     "generation.lease_seconds",
@@ -311,6 +312,10 @@ def validate_values(cfg: DictConfig) -> None:
     _require(
         gen.merge_chunk_size is None or (isinstance(gen.merge_chunk_size, int) and not isinstance(gen.merge_chunk_size, bool) and gen.merge_chunk_size >= 1),
         "generation.merge_chunk_size", gen.merge_chunk_size, "must be null (one trajectories.pkl) or an integer >= 1 (trajectories per chunk file)",
+    )
+    _require(
+        isinstance(gen.merge_max_file_bytes, int) and not isinstance(gen.merge_max_file_bytes, bool) and gen.merge_max_file_bytes >= 1 << 20,
+        "generation.merge_max_file_bytes", gen.merge_max_file_bytes, "must be an integer number of bytes >= 1048576 (e.g. 4294967296 for 4 GiB)",
     )
     _require(
         gen.sample_seed is None or (isinstance(gen.sample_seed, int) and not isinstance(gen.sample_seed, bool) and gen.sample_seed >= 0),
