@@ -74,7 +74,10 @@ def first_example(plan) -> str | None:
     records = records_from_parquet(read_verified_part(plan.folder, parts[0]))
     if not records:
         return None
-    tokenizer = plan.prompts.dataset.tokenizer
+    from verl.utils import hf_tokenizer
+
+    model = plan.cfg.actor_rollout_ref.model
+    tokenizer = hf_tokenizer(os.path.expanduser(model.path), trust_remote_code=model.trust_remote_code)
     record = min(records, key=lambda r: r.key)
     prompt = tokenizer.decode(record.prompt_ids, skip_special_tokens=True).strip()
     response = tokenizer.decode(record.response_ids, skip_special_tokens=True).strip()
@@ -90,10 +93,21 @@ CREDENTIAL_OVERRIDES = {
 }
 
 
+# Input-bucket credentials have no environment variable of their own (s3fs reads one set), so
+# they are refused as overrides rather than sent on in the flow run's parameters.
+INPUT_CREDENTIAL_OVERRIDES = ("data.storage_options.key", "data.storage_options.secret", "data.storage_options.token")
+
+
 def move_credentials_to_environment(argv: list[str]) -> list[str]:
     kept = []
     for override in argv:
         key, _, value = override.lstrip("+").partition("=")
+        if key in INPUT_CREDENTIAL_OVERRIDES and value:
+            raise GenrunError(
+                f"{key} on the command line would be stored in the Prefect flow run's parameters; give the input "
+                "bucket's credentials as a profile (data.storage_options.profile=NAME, from ~/.aws/credentials) or, "
+                "when input and output share them, as storage.options.key/secret (data.storage_options null uses those)"
+            )
         if key in CREDENTIAL_OVERRIDES and value:
             os.environ[CREDENTIAL_OVERRIDES[key]] = value
         else:
@@ -123,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     _setup_environment()
-    argv = move_credentials_to_environment(argv)
     try:
+        argv = move_credentials_to_environment(argv)
         if argv and argv[0] in ("status", "merge"):
             from generation_core.status import merge_folder, print_status
 

@@ -1,0 +1,229 @@
+"""Scale: what a run costs as the dataset grows (issue 16), measured side by side in one sitting.
+
+    .venv/bin/python bench/scale.py                      # 10k and 1M prompts, checkpoint bytes over 100k
+    .venv/bin/python bench/scale.py --sizes 10000 1000000 3000000 10000000
+    .venv/bin/python bench/scale.py --skip-checkpoint    # only the time-to-first-part runs
+
+Every run is `genrun` as a user starts it (its own temporary Prefect server and Ray), on the
+instant engine (no model: what is measured is the pipeline), 16 shards, parts cut at 1,000
+trajectories (generation.save_batch_size=1000, as the issue's "before" figures were taken).
+
+1. Time to the first committed part. For each dataset size: a Parquet file of that many chat
+   prompts (written with Arrow, row groups of 100k), then `genrun` with GENRUN_TIMELINE set; the
+   clock starts just before the command. Reported: `inputs_checked` (the preflight: config,
+   dataset metadata and sampled checks, plan), the first committed part of any shard, the
+   genrun process's peak RSS (polled every 0.1 s: the driver; Prefect's server and Ray's daemons
+   are other processes) and the peak RSS of the Ray worker processes running shard jobs. The run
+   is stopped (its whole session killed) 15 s after its first part: a run over millions of
+   prompts would take hours here, and the costs measured are paid before the first part.
+2. Checkpoint bytes over a 100k-trajectory shard: one shard of 100k prompts run to the end at the
+   defaults (parts by size and age), instant engine answering 256 tokens with logprobs; bytes of
+   its commit records against bytes of its parts, and what that gives in files per 1M
+   trajectories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from genrun_process import GENRUN, REPO, genrun_env, read_timeline
+
+SHARDS = 16
+TOPICS = ["the sea", "a cat", "rain", "mountains", "coffee", "a robot", "the moon", "trees"]
+
+
+def write_dataset(path: Path, rows: int, row_group_size: int = 100_000) -> Path:
+    """`rows` chat prompts in verl's layout, built column-wise (10M rows take seconds)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = None
+    for start in range(0, rows, row_group_size):
+        stop = min(start + row_group_size, rows)
+        count = stop - start
+        content = pa.array([f"Write one short sentence about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(start, stop)])
+        messages = pa.StructArray.from_arrays([pa.array(["user"] * count), content], names=["role", "content"])
+        prompt = pa.ListArray.from_arrays(pa.array(np.arange(count + 1, dtype=np.int32)), messages)
+        table = pa.table(
+            {
+                "data_source": pa.array(["scale"] * count),
+                "prompt": prompt,
+                "ability": pa.array(["chat"] * count),
+                "reward_model": pa.StructArray.from_arrays([pa.array(["none"] * count), pa.array([""] * count)], names=["style", "ground_truth"]),
+                "extra_info": pa.StructArray.from_arrays([pa.array(["train"] * count), pa.array(np.arange(start, stop, dtype=np.int64))], names=["split", "index"]),
+            }
+        )
+        if writer is None:
+            writer = pq.ParquetWriter(path, table.schema)
+        writer.write_table(table, row_group_size=row_group_size)
+    writer.close()
+    return path
+
+
+def _session_processes(leader: int) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == leader:
+                found.append(process)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def _kill_session(leader: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in _session_processes(leader):
+            try:
+                process.send_signal(sig)
+            except psutil.Error:
+                pass
+        time.sleep(3)
+
+
+def _is_shard_worker(process: psutil.Process) -> bool:
+    try:
+        title = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    # Ray names a worker process after what it runs; the replicas and Ray's own agents are actors.
+    return title.startswith("ray::") and not any(word in title for word in ("Engine", "Replica", "Balancer", "IDLE", "Agent", "Dashboard"))
+
+
+def time_to_first_part(dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0) -> dict[str, float]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    timeline = scratch / "timeline.txt"
+    command = [
+        GENRUN,
+        f"data.train_files=[{dataset}]",
+        "actor_rollout_ref.rollout.name=instant",
+        f"generation.num_shards={SHARDS}",
+        "generation.save_batch_size=1000",
+        "generation.show_progress=false",
+        f"trainer.default_local_dir={scratch / 'run'}",
+    ]
+    started = time.time()
+    process = subprocess.Popen(command, cwd=REPO, env=genrun_env(timeline), stdout=open(scratch / "out.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    driver = psutil.Process(process.pid)
+    driver_peak = worker_peak = 0
+    first_part_at = None
+    try:
+        while time.time() - started < timeout:
+            if process.poll() is not None:
+                break
+            try:
+                driver_peak = max(driver_peak, driver.memory_info().rss)
+            except psutil.Error:
+                pass
+            for worker in _session_processes(process.pid):
+                if _is_shard_worker(worker):
+                    try:
+                        worker_peak = max(worker_peak, worker.memory_info().rss)
+                    except psutil.Error:
+                        pass
+            if first_part_at is None and timeline.exists() and "first_part_written" in timeline.read_text():
+                first_part_at = time.time()
+            if first_part_at is not None and time.time() - first_part_at >= after_first_part:
+                break
+            time.sleep(0.1)
+    finally:
+        _kill_session(process.pid)
+        process.wait(timeout=60)
+    events = read_timeline(timeline) if timeline.exists() else {}
+    if "first_part_written" not in events:
+        sys.exit(f"no part was committed; the run's output:\n{(scratch / 'out.log').read_text()[-3000:]}")
+    return {
+        "inputs_checked_s": events["inputs_checked"][0] - started,
+        "first_part_s": events["first_part_written"][0] - started,
+        "driver_peak_rss_mib": driver_peak / 2**20,
+        "shard_worker_peak_rss_mib": worker_peak / 2**20,
+    }
+
+
+def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
+    """One shard of `prompts` trajectories to the end at the default part settings."""
+    dataset = write_dataset(scratch / "prompts.parquet", prompts)
+    run = scratch / "run"
+    command = [
+        GENRUN,
+        f"data.train_files=[{dataset}]",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.engine_kwargs.instant.response_tokens=256",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "data.max_response_length=256",
+        "generation.max_inflight=256",
+        "generation.show_progress=false",
+        "generation.final_merge=false",
+        f"trainer.default_local_dir={run}",
+    ]
+    started = time.time()
+    finished = subprocess.run(command, cwd=REPO, env=genrun_env(scratch / "timeline.txt"), capture_output=True, text=True)
+    if finished.returncode != 0:
+        sys.exit(f"the 100k run failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
+    shard = run / "shards" / "shard-00000"
+    commit_files = sorted((shard / "commits").glob("*.json"))
+    part_files = sorted(shard.glob("*.parquet"))
+    commit_bytes = sum(p.stat().st_size for p in commit_files)
+    part_bytes = sum(p.stat().st_size for p in part_files)
+    marker = json.loads((shard / "_SUCCESS.json").read_text())
+    trajectories = marker["num_trajectories"]
+    return {
+        "seconds": time.time() - started,
+        "trajectories": trajectories,
+        "parts": len(part_files),
+        "commit_records": len(commit_files),
+        "part_bytes": part_bytes,
+        "commit_bytes": commit_bytes,
+        "ratio": commit_bytes / part_bytes,
+        "part_bytes_per_trajectory": part_bytes / trajectories,
+        "trajectories_per_second": trajectories / marker["last_attempt"]["seconds"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
+    parser.add_argument("--skip-checkpoint", action="store_true")
+    parser.add_argument("--skip-first-part", action="store_true")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="genrun-scale-") as tmp:
+        tmp = Path(tmp)
+        if not args.skip_first_part:
+            for rows in args.sizes:
+                started = time.time()
+                dataset = write_dataset(tmp / f"data-{rows}" / "prompts.parquet", rows)
+                print(f"{rows:>10,} prompts: dataset written in {time.time() - started:.1f} s ({dataset.stat().st_size / 2**20:.0f} MiB)", flush=True)
+                results[rows] = time_to_first_part(dataset, tmp / f"run-{rows}")
+                print(f"{rows:>10,} prompts: " + ", ".join(f"{k} {v:.1f}" for k, v in results[rows].items()), flush=True)
+                dataset.unlink()
+            smallest = min(results)
+            print("\n   prompts  preflight s  first part s  vs smallest  driver RSS MiB  shard worker RSS MiB  vs smallest")
+            for rows, r in results.items():
+                print(
+                    f"{rows:>10,}  {r['inputs_checked_s']:11.1f}  {r['first_part_s']:12.1f}  {r['first_part_s'] / results[smallest]['first_part_s']:11.2f}"
+                    f"  {r['driver_peak_rss_mib']:14.0f}  {r['shard_worker_peak_rss_mib']:20.0f}  {r['shard_worker_peak_rss_mib'] / results[smallest]['shard_worker_peak_rss_mib']:11.2f}"
+                )
+        if not args.skip_checkpoint:
+            figures = checkpoint_bytes(tmp / "checkpoint")
+            print("\none shard, 100k prompts, defaults (parts by size and age), 256 response tokens with logprobs:")
+            for key, value in figures.items():
+                print(f"  {key}: {value:,.4f}" if isinstance(value, float) else f"  {key}: {value:,}")
+            per_million = 1_000_000 * figures["part_bytes_per_trajectory"] / (64 << 20)
+            print(f"  files per 1M trajectories at 64 MiB parts: {per_million:.0f} parts (+ as many commit records)")
+            print(f"  checkpoint bytes / part bytes: {figures['ratio']:.4%} (target <= 2%)")
+
+
+if __name__ == "__main__":
+    main()
