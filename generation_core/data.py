@@ -1,36 +1,48 @@
-"""Prompts: check the dataset files cheaply, load them with verl's RLHFDataset, plan shards.
+"""Shards as ranges of raw dataset rows, and a shard's own prompts.
 
-The checks run before any model loads and read only what they must (Parquet schema, the
-`extra_info` column), so a wrong file is refused in a second with a message that names it.
+The driver plans from row counts alone (`plan_shards`, over `dataset_files.DatasetFiles`); each
+shard job reads only its rows (`ShardPrompts`: the row groups overlapping its range, through
+fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
+arguments verl's `RLHFDataset` would give for those rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import fsspec
+import datasets
 import pyarrow as pa
-import pyarrow.json as pa_json
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
 
-from generation_core.config import train_files
+from generation_core.dataset_files import (
+    DatasetFiles,
+    data_storage_options,
+    open_input,
+    read_json_table,
+    storage_errors,
+)
 from generation_core.errors import GenrunError
 from generation_core.run_folder import shard_name
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
+OVERLONG_SAMPLE_ROWS = 256
+"""Prompts preflight tokenizes to refuse a run whose prompts are all too long (the exact filter
+runs per shard, on the shard's rows)."""
+
+READ_BATCH_ROWS = 8192
+DIGEST_WINDOW_ROWS = 8192
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """A fixed range of dataset positions [start, end) and its stable name."""
+    """A fixed range of raw dataset rows [start, end) and its stable name."""
 
     shard_id: int
     start: int
@@ -47,143 +59,12 @@ class ShardSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, payload: dict[str, int]) -> "ShardSpec":
+    def from_dict(cls, payload: dict[str, int]) -> ShardSpec:
         return cls(int(payload["shard_id"]), int(payload["start"]), int(payload["end"]))
 
 
-_HOW_TO_WRITE = "data.train_files takes Parquet (or JSON/JSONL) files in verl's chat layout, e.g. written by pandas' DataFrame.to_parquet"
-
-
-def _read_table(path: str) -> pa.Table:
-    if not path.endswith(SUPPORTED_SUFFIXES):
-        raise GenrunError(f"data file {path}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})")
-    try:
-        with fsspec.open(path, "rb") as handle:
-            if path.endswith(".parquet"):
-                return pq.read_table(handle)
-            return pa_json.read_json(handle)
-    except FileNotFoundError:
-        raise GenrunError(f"data file {path} does not exist; set data.train_files to an existing parquet file") from None
-    except IsADirectoryError:
-        raise GenrunError(f"data file {path} is a directory, not a file; list the files in it in data.train_files, e.g. data.train_files=[{path}/part-0.parquet]") from None
-    except PermissionError:
-        raise GenrunError(f"data file {path} is not readable (permission denied); make it readable by this user or copy it to a readable place") from None
-    except (pa.ArrowInvalid, OSError) as exc:
-        kind = path.rsplit(".", 1)[-1]
-        raise GenrunError(f"data file {path} cannot be read as {kind} ({str(exc).splitlines()[0]}); {_HOW_TO_WRITE}") from None
-
-
-def _check_chat_column(path: str, table: pa.Table, prompt_key: str) -> None:
-    if prompt_key not in table.column_names:
-        raise GenrunError(
-            f"data file {path} has no column {prompt_key!r} (columns: {', '.join(table.column_names)}); "
-            "set data.prompt_key to the column holding the chat messages"
-        )
-    kind = table.schema.field(prompt_key).type
-    is_chat = (
-        pa.types.is_list(kind) or pa.types.is_large_list(kind)
-    ) and pa.types.is_struct(kind.value_type) and {"role", "content"} <= {f.name for f in kind.value_type}
-    if not is_chat:
-        raise GenrunError(
-            f"data file {path}: column {prompt_key!r} is {kind}, not a list of chat messages; "
-            "each prompt must look like [{'role': 'user', 'content': '...'}]"
-        )
-
-
-def _check_indices(path: str, table: pa.Table, seen: dict[int, str]) -> None:
-    if "extra_info" not in table.column_names:
-        raise GenrunError(
-            f"data file {path} has no extra_info column; every row needs extra_info.index "
-            "(a unique integer id per prompt, as verl's preprocessing scripts write it)"
-        )
-    for row_number, info in enumerate(table.column("extra_info").to_pylist()):
-        index = info.get("index") if isinstance(info, dict) else None
-        if index is None or isinstance(index, bool) or not isinstance(index, int):
-            raise GenrunError(
-                f"data file {path} row {row_number}: extra_info.index is missing or not an integer; "
-                "every row needs a unique integer extra_info.index (the sample id used for resume)"
-            )
-        if index in seen:
-            raise GenrunError(f"data file {path} row {row_number}: extra_info.index {index} repeats (also in {seen[index]}); ids must be unique")
-        seen[index] = path
-
-
-def check_prompt_files(cfg: DictConfig) -> str:
-    """Validate every data file and return a content hash of all of them."""
-    digest = hashlib.sha256()
-    seen: dict[int, str] = {}
-    total_rows = 0
-    for path in train_files(cfg):
-        path = os.path.expanduser(path)
-        table = _read_table(path)
-        _check_chat_column(path, table, cfg.data.prompt_key)
-        _check_indices(path, table, seen)
-        total_rows += table.num_rows
-        with fsspec.open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    if total_rows == 0:
-        raise GenrunError(f"the dataset is empty ({', '.join(train_files(cfg))} hold no rows)")
-    return digest.hexdigest()
-
-
-class PromptSet:
-    """The prompts of a run, in dataset order, as the keyword arguments verl's agent loops take."""
-
-    def __init__(self, cfg: DictConfig, tokenizer):
-        from verl.utils.dataset.rl_dataset import RLHFDataset
-
-        files = [os.path.expanduser(p) for p in train_files(cfg)]
-        before = _count_rows(files, cfg.data.train_max_samples)
-        self.dataset = RLHFDataset(files, tokenizer, cfg.data, processor=None, max_samples=cfg.data.train_max_samples)
-        self.filtered_overlong = before - len(self.dataset)
-        if len(self.dataset) == 0:
-            raise GenrunError(
-                f"no prompt left after filtering: all {before} are longer than data.max_prompt_length="
-                f"{cfg.data.max_prompt_length} tokens; raise it or turn off data.filter_overlong_prompts"
-            )
-        if self.filtered_overlong:
-            logger.warning(
-                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
-                self.filtered_overlong, before, cfg.data.max_prompt_length,
-            )
-        self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
-        self._indices: list[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def agent_names(self) -> set[str]:
-        """Every agent loop the prompts ask for (per-row `agent_name`, else the default)."""
-        dataframe = self.dataset.dataframe
-        if "agent_name" not in dataframe.column_names:
-            return {self.default_agent_loop}
-        return {name or self.default_agent_loop for name in dataframe.unique("agent_name")}
-
-    def sample_index(self, position: int) -> int:
-        """The row's `extra_info.index` (its sample id), without building the whole row."""
-        if self._indices is None:
-            self._indices = [int(info["index"]) for info in self.dataset.dataframe["extra_info"]]
-        return self._indices[position]
-
-    def agent_kwargs(self, position: int) -> dict[str, Any]:
-        """The row's non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
-        row = self.dataset[position]
-        kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
-        kwargs.setdefault("agent_name", self.default_agent_loop)
-        return kwargs
-
-
-def _count_rows(files: list[str], max_samples: int) -> int:
-    total = 0
-    for path in files:
-        with fsspec.open(path, "rb") as handle:
-            total += pq.ParquetFile(handle).metadata.num_rows if path.endswith(".parquet") else _read_table(path).num_rows
-    return min(total, max_samples) if max_samples and max_samples > 0 else total
-
-
 def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
-    """Split positions 0..num_rows into `num_shards` contiguous, nearly equal ranges."""
+    """Split rows 0..num_rows into `num_shards` contiguous, nearly equal ranges."""
     if num_shards > num_rows:
         raise GenrunError(f"generation.num_shards={num_shards} is more than the {num_rows} prompts; use at most {num_rows}")
     base, extra = divmod(num_rows, num_shards)
@@ -193,3 +74,158 @@ def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
         shards.append(ShardSpec(shard_id, start, end))
         start = end
     return shards
+
+
+def read_rows(dataset: DatasetFiles, start: int, end: int, storage_options: dict[str, Any]) -> pa.Table:
+    """Dataset rows [start, end) as one Arrow table: from each overlapping Parquet file only the
+    row groups that intersect the range (streamed in batches, so a large row group is decoded
+    up to the range's end and kept only where it overlaps); JSON files are read whole."""
+    tables = []
+    for data_file, lo, hi in dataset.pieces(start, end):
+        with storage_errors(data_file.url):
+            if data_file.is_parquet:
+                tables.append(_read_parquet_rows(data_file.url, lo, hi, storage_options))
+            else:
+                tables.append(read_json_table(data_file.url, storage_options).slice(lo, hi - lo))
+    if not tables:
+        raise GenrunError(f"dataset rows [{start}, {end}) lie outside the dataset's {dataset.num_rows} rows")
+    metadata = tables[0].schema.metadata
+    return pa.concat_tables([t.replace_schema_metadata(metadata) for t in tables])
+
+
+def _read_parquet_rows(url: str, lo: int, hi: int, storage_options: dict[str, Any]) -> pa.Table:
+    with open_input(url, storage_options) as handle:
+        parquet = pq.ParquetFile(handle)
+        groups, first_row, offset = [], None, 0
+        for group in range(parquet.metadata.num_row_groups):
+            rows = parquet.metadata.row_group(group).num_rows
+            if offset < hi and offset + rows > lo:
+                groups.append(group)
+                first_row = offset if first_row is None else first_row
+            offset += rows
+        batches, position = [], first_row
+        for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=groups, use_threads=False):
+            keep_from, keep_to = max(lo - position, 0), min(hi - position, batch.num_rows)
+            if keep_to > keep_from:
+                batches.append(batch.slice(keep_from, keep_to - keep_from))
+            position += batch.num_rows
+            if position >= hi:
+                break
+        return pa.Table.from_batches(batches, schema=parquet.schema_arrow)
+
+
+def rows_digest(table: pa.Table) -> str:
+    """sha256 of the rows' Arrow IPC serialization, in fixed windows of rows (the same rows give
+    the same digest whatever row groups or files they were read from)."""
+    digest = hashlib.sha256(table.schema.remove_metadata().serialize().to_pybytes())
+    table = table.replace_schema_metadata(None)
+    for offset in range(0, table.num_rows, DIGEST_WINDOW_ROWS):
+        window = table.slice(offset, DIGEST_WINDOW_ROWS).combine_chunks()
+        for batch in window.to_batches():
+            digest.update(batch.serialize().to_pybytes())
+    return digest.hexdigest()
+
+
+def _rlhf_dataset(cfg: DictConfig, tokenizer):
+    """verl's RLHFDataset with its own settings (tool schemas, chat-template kwargs, filter
+    switches, all as its __init__ reads them from data.*) but without loading files: the shard
+    hands it its rows. Its file hooks (_download, _read_files_and_tokenize) are the ones verl's
+    custom dataset classes override, so its filter and __getitem__ stay verl's own."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    class RowsDataset(RLHFDataset):
+        def _download(self, use_origin_parquet=False):
+            pass
+
+        def _read_files_and_tokenize(self):
+            pass
+
+    return RowsDataset([], tokenizer, cfg.data, processor=None, max_samples=-1)
+
+
+class _FilterInThisProcess:
+    """The `datasets.Dataset` verl's `maybe_filter_out_long_prompts` calls `.filter(predicate)`
+    on, with the predicate (verl's own prompt-length rule) applied row by row in this process.
+    `datasets.Dataset.filter` would first hash the predicate, which holds the tokenizer, to
+    fingerprint the step (~1.2 s per shard), and run it in a worker process."""
+
+    def __init__(self, rows: datasets.Dataset):
+        self.rows = rows
+
+    def filter(self, predicate, num_proc=None, desc=None) -> datasets.Dataset:
+        kept = [position for position, row in enumerate(self.rows) if predicate(row)]
+        if len(kept) == len(self.rows):
+            return self.rows
+        return datasets.Dataset(datasets.table.InMemoryTable(self.rows.data.table.take(kept)))
+
+
+class ShardPrompts:
+    """The prompts of dataset rows [start, end) that survive verl's overlong filter, in dataset
+    order, as the keyword arguments verl's agent loops take.
+
+    The rows are held as Arrow (a `datasets.Dataset` over the shard's table) and become Python
+    one row at a time, when an agent loop needs them. The overlong filter is verl's own
+    `RLHFDataset.maybe_filter_out_long_prompts` on the shard's rows, run once here: the shard job
+    needs its kept rows (their sample ids) before it dispatches anything."""
+
+    def __init__(self, cfg: DictConfig, dataset: DatasetFiles, start: int, end: int, tokenizer):
+        table = read_rows(dataset, start, end, data_storage_options(cfg))
+        self.tokenizer = tokenizer
+        self.rows_digest = rows_digest(table)
+        """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
+        self._dataset = _rlhf_dataset(cfg, tokenizer)
+        rows = datasets.Dataset(datasets.table.InMemoryTable(table))
+        self._dataset.dataframe = self._dataset.maybe_filter_out_long_prompts(_FilterInThisProcess(rows))
+        self.filtered_overlong = table.num_rows - len(self._dataset)
+        """Rows of the shard dropped as longer than data.max_prompt_length: never generated."""
+        if self.filtered_overlong:
+            logger.warning(
+                "rows [%d, %d): dropped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
+                start, end, self.filtered_overlong, table.num_rows, cfg.data.max_prompt_length,
+            )
+        self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+        kept = self._dataset.dataframe
+        self._indices = pc.struct_field(kept.select_columns(["extra_info"]).with_format("arrow")[:].column("extra_info"), "index").to_numpy()
+        self._names = (
+            pc.unique(kept.select_columns(["agent_name"]).with_format("arrow")[:].column("agent_name")).to_pylist()
+            if "agent_name" in kept.column_names else [None]
+        )
+
+    @classmethod
+    def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer) -> ShardPrompts:
+        return cls(cfg, dataset, shard.start, shard.end, tokenizer)
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def agent_names(self) -> set[str]:
+        """Every agent loop the kept rows ask for (per-row `agent_name`, else the default)."""
+        return {name or self.default_agent_loop for name in self._names}
+
+    def sample_index(self, position: int) -> int:
+        """The kept row's `extra_info.index` (its sample id), without building the row."""
+        return int(self._indices[position])
+
+    def agent_kwargs(self, position: int) -> dict[str, Any]:
+        """The kept row's non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
+        row = self._dataset[position]
+        kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+        # A null agent_name (a file where only some rows name one) means the default, as in
+        # agent_names(); verl's registry has no loop named None.
+        if kwargs.get("agent_name") is None:
+            kwargs["agent_name"] = self.default_agent_loop
+        return kwargs
+
+
+def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> None:
+    """Refuse a run whose prompts are all too long, from the first OVERLONG_SAMPLE_ROWS rows
+    (preflight does not tokenize the dataset; each shard filters its own rows exactly)."""
+    if not cfg.data.filter_overlong_prompts:
+        return
+    sample = ShardPrompts(cfg, dataset, 0, min(OVERLONG_SAMPLE_ROWS, dataset.num_rows), tokenizer)
+    if len(sample) == 0:
+        raise GenrunError(
+            f"no prompt left after filtering: all {sample.filtered_overlong} sampled prompts (the dataset's first rows) are longer "
+            f"than data.max_prompt_length={cfg.data.max_prompt_length} tokens; raise it or turn off data.filter_overlong_prompts"
+        )
+

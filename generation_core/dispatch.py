@@ -32,7 +32,7 @@ def run_in_process(plan: RunPlan) -> dict[str, Any]:
         pool = boot_pool(plan, balancer_name)
         try:
             manifests = [
-                run_shard_job(plan, shard, balancer_name=balancer_name, lease_generation=lease.fence().generation, prompts=plan.prompts)
+                run_shard_job(plan, shard, balancer_name=balancer_name, lease_generation=lease.fence().generation)
                 for shard in plan.shards
             ]
         finally:

@@ -1,12 +1,13 @@
 """Preflight: every check that needs no model, and the shard plan, once per command.
 
 `preflight(overrides)` loads and validates the config, checks the engine (and that remote
-servers answer), the dataset files, the model folder, the user code a run calls (agent loops,
-tools, reward function) and the output folder, then loads the dataset once and plans the
-shards. A wrong input is refused in seconds with one line, before Prefect, Ray or a model start,
-and nothing is written. The result, a `RunPlan`, is plain data that crosses process boundaries
+servers answer), the dataset files (from metadata: footers, one nested column, a tokenized
+sample of prompts), the model folder, the user code a run calls (agent loops, tools, reward
+function) and the output folder, and plans the shards as ranges of raw rows. A wrong input is
+refused in seconds with one line, before Prefect, Ray or a model start, and nothing is written.
+The result, a `RunPlan`, is plain data that crosses process boundaries
 (`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
-`ShardSpec`, and nobody plans again.
+`ShardSpec` and the dataset's description (`DatasetFiles`), and nobody plans again.
 
 The run fingerprint is computed here, once the inputs are checked: the config's output keys
 plus digests of the files config.OUTPUT_FILES declares (dataset, model, reward function, agent
@@ -34,7 +35,8 @@ from verl.utils import hf_tokenizer
 from generation_core import bundled
 from generation_core.agent_loops import check_agent_loops, check_tools, existing_config_file
 from generation_core.config import OUTPUT_FILES, finalize_run_location, fingerprint, load_config, versions
-from generation_core.data import PromptSet, ShardSpec, check_prompt_files, plan_shards
+from generation_core.data import ShardSpec, check_overlong_sample, plan_shards
+from generation_core.dataset_files import DatasetFiles, inspect_dataset
 from generation_core.engines.layout import REMOTE_ENGINE
 from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
@@ -48,16 +50,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunPlan:
-    """What a run is: its resolved config, fingerprint and shards. Serializable; `prompts` (the
-    loaded dataset) is a convenience of the process that made the plan and never travels."""
+    """What a run is: its resolved config, fingerprint, input files and shards. Serializable."""
 
     cfg: DictConfig
     fingerprint: str
     shards: list[ShardSpec]
     pad_token_id: int
-    filtered_overlong: int = 0
-    """Prompts dropped as longer than data.max_prompt_length: never generated."""
-    prompts: PromptSet | None = field(default=None, repr=False, compare=False)
+    dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
+    """The input files and their row counts; shards are ranges of these rows."""
     folder: RunFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,17 +70,17 @@ class RunPlan:
             "fingerprint": self.fingerprint,
             "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
             "pad_token_id": self.pad_token_id,
-            "filtered_overlong": self.filtered_overlong,
+            "dataset": self.dataset.to_dict(),
         }
 
     @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> "RunPlan":
+    def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
         return cls(
             cfg=OmegaConf.create(payload["config"]),
             fingerprint=payload["fingerprint"],
             shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
             pad_token_id=int(payload["pad_token_id"]),
-            filtered_overlong=int(payload.get("filtered_overlong", 0)),
+            dataset=DatasetFiles.from_dict(payload["dataset"]),
         )
 
     def run_record(self) -> dict[str, Any]:
@@ -92,6 +92,7 @@ class RunPlan:
             "versions": versions(),
             "pad_token_id": self.pad_token_id,
             "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
+            "dataset": self.dataset.to_dict(),
             "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # storage.options can hold credentials: never written.
@@ -134,10 +135,10 @@ def _check_context(cfg: DictConfig, model_dir: Path) -> None:
         )
 
 
-def check_run_code(cfg: DictConfig, prompts: PromptSet) -> None:
+def check_run_code(cfg: DictConfig, agent_names: set[str]) -> None:
     """The user code a run calls, loaded once here so a broken piece stops the run before any
-    model loads: agent loops (names, YAML, plugins), tools, reward function."""
-    agent_names = prompts.agent_names()
+    model loads: agent loops (names, YAML, plugins), tools, reward function. `agent_names`: every
+    agent loop the dataset's rows ask for."""
     check_agent_loops(cfg, agent_names)
     check_tools(cfg, agent_names)
     load_reward_function(cfg)
@@ -220,7 +221,7 @@ def _agent_loops_digest(path: str) -> str:
 
 def output_file_digests(cfg: DictConfig) -> dict[str, str]:
     """Digests of the files config.OUTPUT_FILES declares, by config key (the dataset's is
-    data.check_prompt_files'); a key left unset is absent."""
+    dataset_files.inspect_dataset's); a key left unset is absent."""
     digests = {}
     for key, kind in OUTPUT_FILES.items():
         path = OmegaConf.select(cfg, key)
@@ -238,8 +239,8 @@ def output_file_digests(cfg: DictConfig) -> dict[str, str]:
 
 
 def preflight(overrides: list[str]) -> RunPlan:
-    """Check every input and plan the run; the dataset is loaded here once (verl's RLHFDataset,
-    with its overlong filter) and stays with the plan in this process."""
+    """Check every input and plan the run from the dataset's metadata (no prompt is tokenized but
+    a sample: each shard filters its own rows)."""
     cfg = load_config(overrides)
     check_rollout_name(cfg)
     files = {}
@@ -249,18 +250,19 @@ def preflight(overrides: list[str]) -> RunPlan:
         # The model they serve (one: check_servers refuses a mix) shapes the output, also when
         # engine_kwargs.remote.model is null.
         files["served model"] = next(iter(served.values()))
-    dataset_hash = check_prompt_files(cfg)
+    dataset = inspect_dataset(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    prompts = PromptSet(cfg, tokenizer)
-    shards = plan_shards(len(prompts), cfg.generation.num_shards)
-    check_run_code(cfg, prompts)
+    check_overlong_sample(cfg, dataset.files, tokenizer)
+    shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
+    default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+    check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
     files.update(output_file_digests(cfg))
-    run_fingerprint = fingerprint(cfg, dataset_hash, files)
+    run_fingerprint = fingerprint(cfg, dataset.digest, files)
     finalize_run_location(cfg, run_fingerprint)
-    plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, prompts.filtered_overlong, prompts)
+    plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, dataset.files)
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
     check_run_folder(plan.folder, run_fingerprint)

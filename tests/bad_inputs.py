@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from generation_core.run_folder import FINGERPRINT_VERSION
 from tests.conftest import chat_rows, write_parquet
 
 OUTPUT_KEY = "trainer.default_local_dir="
@@ -46,6 +47,9 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     # honestly cannot be read as one.
     directory_named_parquet = tmp_path / "folder.parquet"
     directory_named_parquet.mkdir()
+    # Several files: one schema, ids unique across them.
+    other_schema = write_parquet(tmp_path / "other_schema.parquet", [dict(row, ability=1) for row in chat_rows(2, first_index=10)])
+    same_ids = write_parquet(tmp_path / "same_ids.parquet", chat_rows(2, first_index=1))
     # Model folders missing a piece (checked before anything loads them).
     no_config = tmp_path / "model_without_config"
     no_config.mkdir()
@@ -58,7 +62,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     a_file.write_text("not a folder")
     other_run = tmp_path / "other_run"
     (other_run / "shards" / "shard-00000").mkdir(parents=True)
-    (other_run / "run.json").write_text(json.dumps({"fingerprint": "f" * 64, "shards": [{"name": "shard-00000", "range": [0, 3]}]}))
+    (other_run / "run.json").write_text(json.dumps({"fingerprint": "f" * 64, "fingerprint_version": FINGERPRINT_VERSION, "shards": [{"name": "shard-00000", "range": [0, 3]}]}))
     (other_run / "shards" / "shard-00000" / "part-00000.parquet").write_bytes(b"PAR1 an earlier run's part PAR1")
     return [
         ([f"data.train_files={tmp_path / 'missing.parquet'}"], "does not exist"),
@@ -69,6 +73,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
         ([f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "model path .* does not exist"),
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
+        ([f"data.train_files={good}", "data.storage_options.secret=abc"], "data.storage_options.secret on the command line would be stored in the Prefect flow run's parameters"),
         ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?single_turn_agent, tool_agent"),
@@ -81,7 +86,10 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", "generation.max_failed_fraction=2"], "invalid generation.max_failed_fraction=2"),
         ([f"data.train_files={csv_named_parquet}"], r"data file .*csv_inside.parquet cannot be read as parquet .*; data.train_files takes Parquet"),
         ([f"data.train_files={csv_file}"], r"data file .*prompts.csv: unsupported format; use .parquet, .json, .jsonl"),
-        ([f"data.train_files={directory_named_parquet}"], r"data file .*folder.parquet is a directory, not a file; list the files in it in data.train_files"),
+        ([f"data.train_files={directory_named_parquet}"], r"data file .*folder.parquet is a directory with no \*.parquet file in it; put the Parquet files there or list the files"),
+        ([f"data.train_files={tmp_path / 'nowhere' / 'part-*.parquet'}"], r"data.train_files pattern .*nowhere/part-\*.parquet matches no file"),
+        ([f"data.train_files=[{good},{other_schema}]"], r"data file .*other_schema.parquet has another schema than .*good.parquet \(column 'ability': int64 here, string there\)"),
+        ([f"data.train_files=[{good},{same_ids}]"], r"data file .*same_ids.parquet row 0: extra_info.index 1 repeats \(also in .*good.parquet row 1\); ids must be unique"),
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.n=0"], r"invalid actor_rollout_ref.rollout.n=0: must be an integer >= 1"),
         ([f"data.train_files={good}", "data.max_prompt_length=-8"], r"invalid data.max_prompt_length=-8: must be an integer >= 1"),
         ([f"data.train_files={good}", "data.max_response_length=-8"], r"invalid data.max_response_length=-8: must be an integer >= 1"),
@@ -89,7 +97,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", "actor_rollout_ref.rollout.temperature=-0.5"], r"invalid actor_rollout_ref.rollout.temperature=-0.5: must be a number >= 0"),
         ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_config}"], r"model_without_config has no config.json; set actor_rollout_ref.model.path"),
         ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_tokenizer}"], r"model_without_tokenizer has no tokenizer files .*; save the tokenizer there"),
-        ([f"data.train_files={good}", "data.max_prompt_length=3"], r"no prompt left after filtering: all 3 are longer than data.max_prompt_length=3 tokens; raise it"),
+        ([f"data.train_files={good}", "data.max_prompt_length=3"], r"no prompt left after filtering: all 3 sampled prompts .* are longer than data.max_prompt_length=3 tokens; raise it"),
         ([f"data.train_files={good}", f"{OUTPUT_KEY}{a_file / 'out'}"], r"cannot create output folder .*a_file/out: .*a_file is a file, not a folder; choose another trainer.default_local_dir"),
         # Inference engines: a GPU engine that is not installed, a layout the GPUs cannot hold,
         # remote servers not given or not answering.

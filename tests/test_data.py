@@ -3,13 +3,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from generation_core.config import load_config
-from generation_core.data import check_prompt_files, plan_shards
+from generation_core.data import plan_shards
+from generation_core.dataset_files import inspect_dataset
 from generation_core.errors import GenrunError
 from tests.conftest import chat_rows, write_parquet
 
+pytestmark = pytest.mark.timeout(300)
+
 
 def _check(path, *extra):
-    return check_prompt_files(load_config([f"data.train_files={path}", *extra]))
+    return inspect_dataset(load_config([f"data.train_files={path}", *extra])).digest
 
 
 def test_valid_file_hashes_its_content(tmp_path):
@@ -71,7 +74,7 @@ def test_duplicate_index(tmp_path):
     rows = chat_rows(3)
     rows[2]["extra_info"]["index"] = 0
     path = write_parquet(tmp_path / "p.parquet", rows)
-    with pytest.raises(GenrunError, match="index 0 repeats"):
+    with pytest.raises(GenrunError, match=r"p.parquet row 2: extra_info.index 0 repeats \(also in .*p.parquet row 0\)"):
         _check(path)
 
 
@@ -84,12 +87,17 @@ def test_shards_cover_every_row_once():
 
 
 def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, capsys):
-    """Prompts verl's dataset drops as too long are never generated: the user sees how many, in
-    the run summary (manifest.json) and the CLI's output, not only in a log line."""
+    """Prompts verl's dataset drops as too long are never generated: each shard counts its own
+    (in its manifest), the user sees the total in the run summary (manifest.json) and the CLI's
+    output, not only in a log line."""
     import re
 
+    from verl.utils import hf_tokenizer
+
     from flows.cli import _print_summary
+    from generation_core.data import ShardPrompts
     from generation_core.preflight import preflight
+    from generation_core.run_folder import ShardManifest
     from generation_core.summary import summarize
 
     rows = chat_rows(4)
@@ -97,8 +105,11 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     rows[3]["prompt"][0]["content"] = "Describe a cat in great detail. " * 60
     path = write_parquet(tmp_path / "mixed.parquet", rows)
     plan = preflight([f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"])
-    assert (len(plan.prompts), plan.prompts.filtered_overlong) == (2, 2)
-    summary = summarize(plan, [], 0.0)
+    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
+    assert (len(prompts), prompts.filtered_overlong) == (2, 2)
+    assert [prompts.sample_index(i) for i in range(len(prompts))] == [0, 2]
+    manifest = ShardManifest(shard="shard-00000", shard_id=0, range=[0, 4], num_trajectories=2, expected_trajectories=2, filtered_overlong=prompts.filtered_overlong)
+    summary = summarize(plan, [ShardManifest.from_dict(manifest.to_dict())], 0.0)
     assert summary["filtered_overlong_prompts"] == 2
     _print_summary(summary, plan)
     assert re.search(r"skipped: +2 prompt\(s\) longer than data.max_prompt_length=128 tokens", capsys.readouterr().out)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from generation_core.config import load_config
-from generation_core.data import PromptSet, ShardSpec
+from generation_core.data import ShardPrompts, ShardSpec
+from generation_core.dataset_files import inspect_dataset
 from generation_core.merge import merge_run
 from generation_core.rewards import RewardScorer
 from generation_core.job import TooManyFailedSamples, run_shard
@@ -94,11 +95,13 @@ def test_tool_loop_interleaves_model_and_tool_tokens(model_dir, tokenizer):
 
 def _run_shard(cfg, tokenizer, data_file, folder, engine, reward=True):
     cfg.data.train_files = str(data_file)
-    prompts = PromptSet(cfg, tokenizer)
+    dataset = inspect_dataset(cfg).files
+    shard = ShardSpec(0, 0, dataset.num_rows)
+    prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
     scorer = RewardScorer.from_config(cfg, tokenizer) if reward else None
     worker = StreamingWorker(cfg, engine, scorer)
     try:
-        return asyncio.run(run_shard(cfg, ShardSpec(0, 0, len(prompts)), folder, prompts, worker))
+        return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
     finally:
         worker.shutdown()
 

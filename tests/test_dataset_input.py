@@ -1,0 +1,340 @@
+"""The input dataset at scale: files, directories, globs and s3:// URLs; preflight from metadata
+plus a sample; each shard reads and filters only its own rows and gives verl's agent loops
+exactly what verl's RLHFDataset gives for the same rows."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from generation_core.config import load_config
+from generation_core.data import (
+    OVERLONG_SAMPLE_ROWS,
+    ShardPrompts,
+    ShardSpec,
+    plan_shards,
+    read_rows,
+    rows_digest,
+)
+from generation_core.dataset_files import inspect_dataset, resolve_train_files
+from generation_core.errors import GenrunError
+from tests.conftest import chat_rows
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from verl.utils import hf_tokenizer
+
+    return hf_tokenizer(str(model_dir))
+
+
+def _rich_rows(count: int, first_index: int = 0) -> list[dict]:
+    """Chat rows with every kind of field verl's agent loops read: tools_kwargs (some rows),
+    a per-row agent_name (some null), an extra column, and some prompts too long for 64 tokens."""
+    rows = []
+    for i, row in enumerate(chat_rows(count, first_index)):
+        index = first_index + i
+        row["extra_info"]["tools_kwargs"] = {"calc": {"create_kwargs": {"seed": index}}} if index % 3 == 0 else None
+        row["agent_name"] = "single_turn_agent" if index % 4 == 1 else None
+        row["difficulty"] = float(index) / 10
+        if index % 5 == 2:
+            row["prompt"][0]["content"] = f"Describe item {index} in great detail. " * 30
+        rows.append(row)
+    return rows
+
+
+def _write(path, rows, row_group_size):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def _cfg(files, *extra):
+    # Quoted: Hydra's override grammar reads ~, * and [ as syntax.
+    files = f"'{files}'" if isinstance(files, str) else "[" + ",".join(f"'{f}'" for f in files) + "]"
+    return load_config([f"data.train_files={files}", "data.max_prompt_length=64", *extra])
+
+
+def _verl_kwargs(dataset, position, default="single_turn_agent"):
+    """What verl's generate_sequences hands an agent loop for a row of its dataset: the row's
+    non-tensor fields, agent_name defaulted (also where a row's is null)."""
+    row = dataset[position]
+    kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+    if kwargs.get("agent_name") is None:
+        kwargs["agent_name"] = default
+    return kwargs
+
+
+def _three_files(tmp_path):
+    """20 rows in three files of 7, 5 and 8 rows, row groups of 3."""
+    return [
+        _write(tmp_path / "data" / "a.parquet", _rich_rows(7, 0), 3),
+        _write(tmp_path / "data" / "b.parquet", _rich_rows(5, 7), 3),
+        _write(tmp_path / "data" / "c.parquet", _rich_rows(8, 12), 3),
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
+    """Shards cut across file and row-group boundaries: their kept rows, in order, are verl's
+    RLHFDataset's rows over the whole dataset (after its overlong filter), field for field,
+    and the rows each shard filtered add up to what verl dropped."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    files = _three_files(tmp_path)
+    cfg = _cfg(files)
+    reference = RLHFDataset([str(f) for f in files], tokenizer, cfg.data, processor=None, max_samples=-1)
+    dataset = inspect_dataset(cfg).files
+    assert dataset.num_rows == 20
+    # 3 shards: [0, 7) [7, 14) [14, 20); the second crosses from b.parquet into c.parquet, and
+    # each starts or ends inside a row group.
+    shards = plan_shards(dataset.num_rows, 3)
+    assert [(s.start, s.end) for s in shards] == [(0, 7), (7, 14), (14, 20)]
+    kept, filtered = [], 0
+    for shard in shards:
+        prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
+        filtered += prompts.filtered_overlong
+        assert prompts.agent_names() <= {"single_turn_agent"}
+        for position in range(len(prompts)):
+            kwargs = prompts.agent_kwargs(position)
+            assert prompts.sample_index(position) == kwargs["index"] == kwargs["extra_info"]["index"]
+            kept.append(kwargs)
+    assert filtered == 20 - len(reference) == 4, "rows 2, 7, 12, 17 are too long"
+    assert kept == [_verl_kwargs(reference, p) for p in range(len(reference))]
+    assert any(k["tools_kwargs"] for k in kept) and any(reference[p]["agent_name"] is None for p in range(len(reference))), "the rows exercise both"
+
+    # A range inside one row group of a.parquet into the middle of b.parquet.
+    middle = ShardPrompts(cfg, dataset, 5, 10, tokenizer)
+    assert [middle.sample_index(p) for p in range(len(middle))] == [5, 6, 8, 9]
+    assert middle.filtered_overlong == 1
+
+
+def test_rows_of_a_range_are_read_from_the_overlapping_row_groups_only(tmp_path):
+    files = _three_files(tmp_path)
+    dataset = inspect_dataset(_cfg(files)).files
+    table = read_rows(dataset, 5, 13, {})
+    assert [row["index"] for row in table.column("extra_info").to_pylist()] == list(range(5, 13))
+    # The same rows read from differently cut files give the same digest; one changed row does not.
+    whole = pq.read_table(files[0]).slice(5, 2)
+    again = pa.concat_tables([whole, pq.read_table(files[1]), pq.read_table(files[2]).slice(0, 1)])
+    assert rows_digest(again) == rows_digest(table)
+    changed = again.to_pylist()
+    changed[3]["prompt"][0]["content"] = changed[3]["prompt"][0]["content"].replace("rain", "snow")
+    assert rows_digest(pa.Table.from_pylist(changed, schema=again.schema)) != rows_digest(table)
+
+
+def test_directories_globs_and_home_expand_in_sorted_order(tmp_path, monkeypatch):
+    folder = tmp_path / "prompts"
+    for name, first in (("part-2.parquet", 20), ("part-0.parquet", 0), ("part-1.parquet", 10)):
+        _write(folder / name, chat_rows(3, first), 2)
+    (folder / "notes.txt").write_text("not data")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    expected = [str(folder / f"part-{i}.parquet") for i in range(3)]
+    assert resolve_train_files(_cfg(str(folder))) == expected, "a directory: every *.parquet, sorted"
+    assert resolve_train_files(_cfg(str(folder / "part-*.parquet"))) == expected
+    assert resolve_train_files(_cfg("~/prompts/part-1.parquet")) == expected[1:2]
+    assert resolve_train_files(_cfg([folder / "part-2.parquet", f"{folder}/part-[01].parquet"])) == [expected[2], *expected[:2]], "entries keep their order"
+    inspection = inspect_dataset(_cfg(str(folder)))
+    assert [f.rows for f in inspection.files.files] == [3, 3, 3] and inspection.files.num_rows == 9
+    assert inspect_dataset(_cfg(str(folder), "data.train_max_samples=4")).files.num_rows == 4
+
+
+def test_the_fingerprint_reads_content_not_names_or_times(tmp_path):
+    """A copy elsewhere is the same dataset; one prompt edited in the middle (same size) is not:
+    the sampled hash covers a small file whole, and for a large one the shard's rows_digest does."""
+    rows = chat_rows(40)
+    original = _write(tmp_path / "a" / "prompts.parquet", rows, 8)
+    copy = tmp_path / "b" / "renamed.parquet"
+    copy.parent.mkdir()
+    shutil.copyfile(original, copy)
+    edited_rows = chat_rows(40)
+    edited_rows[20]["prompt"][0]["content"] = edited_rows[20]["prompt"][0]["content"].replace("coffee", "toffee")
+    edited = _write(tmp_path / "c" / "prompts.parquet", edited_rows, 8)
+    assert edited_rows[20]["prompt"][0]["content"] != rows[20]["prompt"][0]["content"]
+    assert original.stat().st_size == edited.stat().st_size
+    digest = inspect_dataset(_cfg(str(original))).digest
+    assert inspect_dataset(_cfg(str(copy))).digest == digest
+    assert inspect_dataset(_cfg(str(edited))).digest != digest
+
+    # A file far larger than the sampled slices: an edit between them may keep the fingerprint,
+    # the rows digest of the shard holding the row changes.
+    big = [dict(row, padding=random.Random(i).randbytes(1000).hex()) for i, row in enumerate(chat_rows(600))]
+    big_original = _write(tmp_path / "d" / "big.parquet", big, 100)
+    big[300]["prompt"][0]["content"] = big[300]["prompt"][0]["content"].replace("coffee", "toffee")
+    big_edited = _write(tmp_path / "e" / "big.parquet", big, 100)
+    assert big_original.stat().st_size > 64 * 4096
+    dataset, changed = (inspect_dataset(_cfg(str(p))) for p in (big_original, big_edited))
+    shard = plan_shards(600, 4)[2]
+    assert shard.start <= 300 < shard.end
+    digests = [rows_digest(read_rows(d.files, shard.start, shard.end, {})) for d in (dataset, changed)]
+    assert digests[0] != digests[1]
+    other = plan_shards(600, 4)[0]
+    assert rows_digest(read_rows(dataset.files, other.start, other.end, {})) == rows_digest(read_rows(changed.files, other.start, other.end, {}))
+
+
+def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, monkeypatch):
+    """50k rows: preflight reads footers and one column, and tokenizes a sample only."""
+    from verl.utils import hf_tokenizer
+
+    from generation_core import preflight as preflight_module
+
+    rows = chat_rows(50_000)
+    path = _write(tmp_path / "big.parquet", rows, 8192)
+    # datasets runs verl's filter in a worker process (also for num_proc=1): count in a file.
+    calls = tmp_path / "tokenizer_calls"
+
+    def counting_tokenizer(*args, **kwargs):
+        tokenizer = hf_tokenizer(*args, **kwargs)
+        apply = tokenizer.apply_chat_template
+
+        def counted(*a, **k):
+            with open(calls, "a") as log:
+                log.write("x")
+            return apply(*a, **k)
+
+        tokenizer.apply_chat_template = counted
+        return tokenizer
+
+    monkeypatch.setattr(preflight_module, "hf_tokenizer", counting_tokenizer)
+    plan = preflight_module.preflight([f"data.train_files={path}", "generation.num_shards=16", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    assert plan.dataset.num_rows == 50_000 and len(plan.shards) == 16
+    assert 0 < len(calls.read_text()) <= OVERLONG_SAMPLE_ROWS
+    payload = plan.to_dict(with_shards=False)
+    assert len(str(payload["dataset"])) < 1000, "the plan carries file metadata, not rows"
+    assert type(plan).from_dict(payload).dataset == plan.dataset
+
+
+def test_only_a_sample_decides_that_every_prompt_is_too_long(tmp_path, model_dir):
+    from generation_core.preflight import preflight
+
+    rows = chat_rows(OVERLONG_SAMPLE_ROWS + 10)
+    for row in rows[:OVERLONG_SAMPLE_ROWS]:
+        row["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
+    path = _write(tmp_path / "long_first.parquet", rows, 64)
+    with pytest.raises(GenrunError, match=rf"all {OVERLONG_SAMPLE_ROWS} sampled prompts .* longer than data.max_prompt_length=256"):
+        preflight([f"data.train_files={path}", f"trainer.default_local_dir={tmp_path / 'out'}"])
+
+
+def test_large_json_is_refused_with_the_conversion(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
+    assert inspect_dataset(_cfg(str(path))).files.num_rows == 50, "small JSONL is read whole"
+    monkeypatch.setattr("generation_core.dataset_files.JSON_MAX_BYTES", 1024)
+    with pytest.raises(GenrunError, match=r"prompts.jsonl is 0 MiB of JSON, more than .*convert it to Parquet, e.g. python -c \"import pandas as pd; pd.read_json\("):
+        inspect_dataset(_cfg(str(path)))
+
+
+def _refused(argv, tmp_path, capsys, message):
+    import re
+
+    from flows.cli import main
+
+    out = tmp_path / "out"
+    code = main([*argv, f"trainer.default_local_dir={out}"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("genrun: error:")]
+    assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), (argv, errors)
+    assert not out.exists(), "a refused run writes nothing"
+
+
+def test_bad_local_inputs_through_genrun(tmp_path, model_dir, capsys, monkeypatch):
+    import json
+
+    big_json = tmp_path / "big.jsonl"
+    big_json.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
+    monkeypatch.setattr("generation_core.dataset_files.JSON_MAX_BYTES", 1024)
+    _refused([f"data.train_files={big_json}"], tmp_path, capsys, r"big.jsonl is 0 MiB of JSON, more than the 0 MiB .*convert it to Parquet")
+    first = _write(tmp_path / "one.parquet", chat_rows(3), 2)
+    second = _write(tmp_path / "two.parquet", chat_rows(3, first_index=2), 2)
+    _refused([f"data.train_files=[{first},{second}]"], tmp_path, capsys, r"two.parquet row 0: extra_info.index 2 repeats \(also in .*one.parquet row 2\)")
+
+
+@pytest.fixture
+def s3_input(s3_server, monkeypatch, tmp_path):
+    """Two prompt files and a non-Parquet object on the local S3 server."""
+    import s3fs
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server["AWS_ENDPOINT_URL"], use_listings_cache=False)
+    local = _three_files(tmp_path)
+    for path in local:
+        fs.put_file(str(path), f"genrun-test/inputs/prompts/{path.name}")
+    fs.pipe_file("genrun-test/inputs/broken.parquet", b"this is not parquet")
+    return s3_server, local
+
+
+@pytest.mark.slow
+def test_s3_input_by_url_and_glob_reads_the_same_rows(s3_input, tmp_path, tokenizer, monkeypatch):
+    s3_server, local = s3_input
+    glob = "s3://genrun-test/inputs/prompts/*.parquet"
+    cfg = _cfg(glob)
+    assert resolve_train_files(cfg) == [f"s3://genrun-test/inputs/prompts/{p.name}" for p in local]
+    remote = inspect_dataset(cfg)
+    on_disk = inspect_dataset(_cfg(local))
+    assert remote.digest == on_disk.digest, "the same bytes elsewhere are the same dataset"
+    shard = ShardSpec(1, 5, 15)
+    from_s3 = ShardPrompts.for_shard(cfg, remote.files, shard, tokenizer)
+    from_disk = ShardPrompts.for_shard(_cfg(local), on_disk.files, shard, tokenizer)
+    assert from_s3.rows_digest == from_disk.rows_digest
+    assert [from_s3.agent_kwargs(p) for p in range(len(from_s3))] == [from_disk.agent_kwargs(p) for p in range(len(from_disk))]
+
+    # data.storage_options reaches the input where the environment does not: endpoint and keys.
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = [f"+data.storage_options.endpoint_url={s3_server['AWS_ENDPOINT_URL']}"]
+    assert inspect_dataset(_cfg("s3://genrun-test/inputs/prompts", *options)).files == remote.files, "a directory URL"
+
+
+@pytest.mark.slow
+def test_bad_s3_inputs_get_one_line_and_write_nothing(s3_input, tmp_path, model_dir, capsys):
+    for url, message in (
+        ("s3://no-such-bucket-genrun/prompts.parquet", r"data file s3://no-such-bucket-genrun/prompts.parquet does not exist \(or its bucket does not\)"),
+        ("s3://genrun-test/inputs/missing.parquet", r"data file s3://genrun-test/inputs/missing.parquet does not exist"),
+        ("s3://genrun-test/inputs/nothing-*.parquet", r"pattern s3://genrun-test/inputs/nothing-\*.parquet matches no file"),
+        ("s3://no-such-bucket-genrun/*.parquet", r"(pattern s3://no-such-bucket-genrun/\*.parquet matches no file|does not exist)"),
+        ("s3://genrun-test/inputs/broken.parquet", r"data file s3://genrun-test/inputs/broken.parquet cannot be read as parquet"),
+    ):
+        _refused([f"data.train_files={url}"], tmp_path, capsys, message)
+
+
+def test_data_storage_options_are_operational_and_never_written(tmp_path):
+    from omegaconf import OmegaConf
+
+    from generation_core.config import fingerprint
+    from generation_core.run_folder import config_without_secrets
+
+    plain = _cfg(str(tmp_path / "x.parquet"))
+    with_keys = _cfg(str(tmp_path / "x.parquet"), "data.storage_options.key=AKIA", "data.storage_options.secret=s3cr3t", "data.storage_options.endpoint_url=http://h:9")
+    assert fingerprint(plain, "d") == fingerprint(with_keys, "d"), "endpoint and credentials may change on resume"
+    written = config_without_secrets(OmegaConf.to_container(with_keys, resolve=True))
+    assert "s3cr3t" not in str(written) and "AKIA" not in str(written)
+    assert written["data"]["storage_options"]["endpoint_url"] == "http://h:9"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp_path):
+    """The whole path with input on S3: shards read their rows there, filter them, and the
+    summary adds up what each shard dropped."""
+    import json
+
+    from generation_core.dispatch import run_in_process
+    from generation_core.preflight import preflight
+
+    plan = preflight([
+        "data.train_files='s3://genrun-test/inputs/prompts/*.parquet'", "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'out'}",
+        "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false", "generation.num_shards=3",
+    ])
+    summary = run_in_process(plan)
+    assert summary["num_trajectories"] == 16 and summary["filtered_overlong_prompts"] == 4
+    markers = [json.loads((tmp_path / "out" / "shards" / s.name / "_SUCCESS.json").read_text()) for s in plan.shards]
+    assert [m["filtered_overlong"] for m in markers] == [1, 2, 1], "rows 2 | 7, 12 | 17: each shard counts its own"
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["dataset"]["num_rows"] == 20
