@@ -12,7 +12,9 @@ Definitions (the issue's target: peak <= 2x the DataProto):
   resident set size just before it.
 
 The run folder is built first, in its own process, the way shards commit it: parts of 16
-trajectories (generation.save_batch_size) with checksums in shards/<shard>/checkpoint.json.
+trajectories (generation.save_batch_size=16, the figures' setting) with checksums, one commit
+record per part (shards/<shard>/commits/), or one shards/<shard>/checkpoint.json when the
+generation_core it imports predates commit records (a --baseline revision).
 Lengths are drawn like real chat generations (prompts ~120 tokens, responses ~400 with a long
 tail, clipped to the configured lengths), with float32 logprobs and a reward per trajectory.
 With --baseline, the same measurement runs on that revision's code (`git archive`) in the same
@@ -54,6 +56,7 @@ def build_folder(directory: str, trajectories: int, prompt_length: int, response
         shard_dir.mkdir(parents=True)
         indices = range(shard * per_shard, min((shard + 1) * per_shard, trajectories))
         parts, completed = [], []
+        checkpoint = _checkpoint_writer(root, shard_dir.name)
         for first in range(indices.start, indices.stop, PARTS_OF):
             records = [_record(TrajectoryRecord, rng, i, prompt_length, response_length) for i in range(first, min(first + PARTS_OF, indices.stop))]
             data = records_to_parquet(records)
@@ -61,8 +64,25 @@ def build_folder(directory: str, trajectories: int, prompt_length: int, response
             (shard_dir / name).write_bytes(data)
             parts.append({"name": name, "count": len(records), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
             completed.extend(f"{r.index}:{r.rollout_n}" for r in records)
-        checkpoint = {"parts": parts, "completed": completed, "failed": [], "response_tokens": 0, "generated_tokens": 0, "attempts": 1}
-        (shard_dir / "checkpoint.json").write_text(json.dumps(checkpoint))
+            if checkpoint is not None:
+                checkpoint(parts[-1], [f"{r.index}:{r.rollout_n}" for r in records])
+        if checkpoint is None:
+            legacy = {"parts": parts, "completed": completed, "failed": [], "response_tokens": 0, "generated_tokens": 0, "attempts": 1}
+            (shard_dir / "checkpoint.json").write_text(json.dumps(legacy))
+
+
+def _checkpoint_writer(root: Path, shard: str):
+    """commit(part, samples) through this generation_core's ShardCheckpoint, or None when it
+    predates commit records (it reads one checkpoint.json per shard)."""
+    from generation_core import run_folder
+
+    if not hasattr(run_folder, "commit_file"):
+        return None
+    from generation_core.storage import RunFolder
+
+    folder = RunFolder(str(root))
+    checkpoint = run_folder.ShardCheckpoint()
+    return lambda part, samples: checkpoint.commit_part(folder, shard, run_folder.PartEntry(**part), samples)
 
 
 def _record(record_type, rng, index: int, prompt_length: int, response_length: int):

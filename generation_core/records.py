@@ -188,6 +188,14 @@ def records_to_parquet(records: list[TrajectoryRecord]) -> bytes:
     return buffer.getvalue()
 
 
+def part_parquet_writer(sink) -> pq.ParquetWriter:
+    """A Parquet writer of one part onto `sink` (a file-like object), with the options of
+    `records_to_parquet`: each `write_table(records_to_table(batch))` appends a row group, so a
+    part is streamed out a batch at a time instead of held whole. Closing it writes the footer
+    and leaves `sink` open."""
+    return pq.ParquetWriter(sink, PART_SCHEMA, **_PARQUET_OPTIONS)
+
+
 def read_part_table(data: bytes, columns: list[str] | None = None) -> pa.Table:
     """A part's columns as an Arrow table with PART_SCHEMA's types, whichever version wrote it
     (an older part lacks `raw_prompt_shared`: it reads as all false)."""

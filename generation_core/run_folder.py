@@ -5,7 +5,7 @@ run.json                      resolved config, fingerprint, versions, shard plan
 lease/00000001.json           who holds the folder (lease.py)
 shards/shard-00003/
   batch-00000-<uid>.parquet   immutable part: unpadded trajectories
-  checkpoint.json             ShardCheckpoint: the committed parts (one atomic put per commit)
+  commits/0000000000.json     numbered commit records, each created exclusively (ShardCheckpoint)
   failures.jsonl              samples that failed after retries, with the error
   last_error.json             the last failed attempt's error (until the shard finishes)
   _SUCCESS.json               ShardManifest, written last
@@ -14,15 +14,52 @@ trajectories.zip              upload artifact
 manifest.json                 the run summary
 ```
 
-Nothing else spells these names. A part no checkpoint lists is an orphan of a crash and is never
-read. Under a run lease, every checkpoint write is fenced (`ShardCheckpoint.save` with the run's
-`LeaseFence`): conditional on the version it was read as, after the shard was claimed for the
-lease; part_writer.py says why that closes the window a plain "check, then write" leaves.
+Nothing else spells these names.
+
+Commit records. A shard's progress is an append-only sequence `commits/<seq:010d>.json`, each
+record created under a name that must be free (`RunFolder.create_exclusive`: a hard link on
+local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. Kinds:
+- `attempt`: an attempt starts (`attempt` number, `lease`, optional `rows_digest`); the failed
+  list starts empty again;
+- `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
+  sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
+  since the previous commit; `part` is null when a commit holds only failures);
+- `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost).
+Every record also holds its `seq`, `lease` (the writer's lease generation, null without one),
+`time` and a random `token` (a retried create recognises its own bytes). A record's size
+depends on its own part only (~400 bytes, plus ~20 per run of consecutive indices and per
+failed sample), never on the shard's size.
+`ShardCheckpoint.load` lists the records and folds them in sequence order into one view; a part
+no record lists (a crash between the part and its record) is an orphan and is never read.
+
+No compaction is needed: records are per part, never rewritten, and a shard has one per part
+plus one per attempt. At the defaults 1M trajectories of the bundled demo (~290 bytes each in a
+large part without logprobs, ~650 with) fill 5 to 10 parts of 64 MiB; the age bound
+(`part_max_seconds`, 60) adds at most one part a minute per shard, e.g. 1,440 records for a
+shard that generates for a day. At a few hundred bytes a record that is well under 0.1% of the
+part bytes (tests/test_commit_records.py prints the ratio), and loading a shard is one listing
+plus one read per record (16 at a time on S3).
+
+Fencing. A writer creates number n+1 only after it knows records 0..n (it read or wrote them);
+a number taken meanwhile fails its create. A run that takes the folder over (a higher lease
+generation) claims the shard by creating the next number with its `attempt` record
+(`ShardCheckpoint.start_attempt`). The old holder's late commit then finds its number taken,
+re-checks the lease and raises LeaseLost (part_writer.py removes the part it had just written:
+the folder is as the new holder left it); a commit that landed before the claim has a lower
+number and the new holder reads it. A writer also refuses to commit after a record of a higher
+lease than its own. So a record of a lower lease after one of a higher lease cannot be created
+by genrun; the fold ignores such a record anyway (it could only be a write the fence exists to
+refuse), and says so in the log. Records without a lease (library use, tests) are not fenced
+and always folded.
 
 A committed part can still be damaged later (a truncated copy, a bad disk, someone editing the
-bucket): `repair_shard` finds it against its checkpoint's size and sha256, drops it (its samples
-are pending again) and records the repair, so a loss is reported, never silent; the damaged
-file stays where it is, listed by no checkpoint.
+bucket): `repair_shard` finds it against its record's size and sha256, drops it (its samples are
+pending again) with a `repair` record, so a loss is reported, never silent; the damaged file
+stays where it is, listed by no live record.
+
+A folder of the earlier format (run.json `fingerprint_version` < 3, or a shard with
+`checkpoint.json` and no commits) is refused (`check_run_folder`): finish it with the genrun
+that wrote it, or start a new output folder.
 """
 
 from __future__ import annotations
@@ -32,11 +69,12 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder, WriteConflict, encode_json, redacted_options
+from generation_core.storage import RunFolder, WriteConflict, redacted_options
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +83,8 @@ MANIFEST_FILE = "manifest.json"
 LEASE_DIR = "lease"
 SHARDS_DIR = "shards"
 CHECKPOINT_FILE = "checkpoint.json"
+"""A shard checkpoint of the earlier format (one file rewritten per commit): only to refuse it."""
+COMMITS_DIR = "commits"
 SUCCESS_FILE = "_SUCCESS.json"
 LAST_ERROR_FILE = "last_error.json"
 FAILURES_FILE = "failures.jsonl"
@@ -66,6 +106,11 @@ def shard_file(shard: str, name: str = "") -> str:
 def new_part_name(number: int) -> str:
     # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
     return f"batch-{number:05d}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+def commit_file(shard: str, seq: int) -> str:
+    """`shards/<shard>/commits/<seq:010d>.json`: the shard's commit record number `seq`."""
+    return shard_file(shard, f"{COMMITS_DIR}/{seq:010d}.json")
 
 
 def chunk_file_name(chunk: int) -> str:
@@ -95,12 +140,14 @@ class Fence(Protocol):
 
 
 class CheckpointConflict(RuntimeError):
-    """A fenced write found the file changed by another writer while this run still holds the
+    """A fenced commit found its number taken by another writer while this run still holds the
     folder (two writers of one shard in one run); the shard's next attempt resumes from it."""
 
 
-# Conditional writes that lose a race read again and retry this often before giving up.
+# Commits that lose a race for their number read again and retry this often before giving up.
 _CONFLICT_RETRIES = 5
+# Commit records read at a time from an object store.
+_PARALLEL_READS = 16
 
 
 def _from_dict(cls, payload: dict[str, Any]):
@@ -114,7 +161,7 @@ def _from_dict(cls, payload: dict[str, Any]):
 
 @dataclass
 class PartEntry:
-    """One committed part, as its checkpoint lists it."""
+    """One committed part, as its commit record lists it."""
 
     name: str
     count: int
@@ -127,13 +174,53 @@ class PartEntry:
     """Model tokens (response_mask) of its trajectories."""
 
 
+def _encode_commit(payload: dict[str, Any]) -> bytes:
+    # Compact: a part's record is mostly its sample keys.
+    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sample_ranges(keys: list[str]) -> list[list[int]]:
+    """Sample keys ("index:rollout_n") as runs of consecutive indices of one rollout number,
+    `[rollout_n, first_index, last_index]`: a part's samples are nearly contiguous, so its
+    record stays a few hundred bytes however many trajectories the part holds."""
+    runs: list[list[int]] = []
+    for rollout_n, index in sorted((int(n), int(i)) for i, n in (key.rsplit(":", 1) for key in keys)):
+        if runs and runs[-1][0] == rollout_n and runs[-1][2] == index - 1:
+            runs[-1][2] = index
+        else:
+            runs.append([rollout_n, index, index])
+    return runs
+
+
+def sample_keys(runs: list[list[int]]) -> list[str]:
+    """The sample keys of `sample_ranges`, in (index, rollout_n) order."""
+    return [f"{index}:{rollout_n}" for index, rollout_n in sorted((i, n) for n, first, last in runs for i in range(first, last + 1))]
+
+
+def commit_sequence(name: str) -> int | None:
+    """The number a file name under commits/ stands for, or None for other files."""
+    stem = name[:-5] if name.endswith(".json") else ""
+    return int(stem) if len(stem) == 10 and stem.isdigit() else None
+
+
+def legacy_checkpoint_error(folder: RunFolder, shard: str) -> GenrunError:
+    version = _genrun_that_wrote(folder)
+    return GenrunError(
+        f"output folder {folder.display()} holds shard progress in the earlier format ({shard_file(shard, CHECKPOINT_FILE)}, no "
+        f"{COMMITS_DIR}/; run.json names {'genrun ' + version if version else 'no genrun version'}): this genrun keeps numbered commit "
+        f"records and cannot resume it. {_finish_or_start_fresh(folder)}"
+    )
+
+
 @dataclass
 class ShardCheckpoint:
-    """What a shard has committed: its parts (with checksums) and the samples they hold."""
+    """What a shard has committed, folded from its commit records: its parts (with checksums)
+    and the samples they hold. Readers (merge, status, the job) use this view; writers add one
+    record at a time (`start_attempt`, `commit_part`, `drop_damaged_parts`)."""
 
     parts: list[PartEntry] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
-    """Sample keys ("index:rollout_n") in commit order, part after part."""
+    """Sample keys ("index:rollout_n"), part after part in commit order ((index, rollout_n) order within a part)."""
     repaired_parts: list[dict[str, Any]] = field(default_factory=list)
     """Committed parts found damaged and dropped (their samples were generated again)."""
     failed: list[str] = field(default_factory=list)
@@ -142,73 +229,135 @@ class ShardCheckpoint:
     generated_tokens: int = 0
     attempts: int = 0
     lease: int | None = None
-    """Generation of the run lease it was last written under (None: written without a lease)."""
+    """The highest run-lease generation among its records (None: written without a lease)."""
+    rows_digest: str | None = None
+    """The digest of the shard's dataset rows, as the first attempt that gave one recorded it."""
 
     def __post_init__(self) -> None:
-        # The stored version (S3 ETag, a content hash on local disk) it was read or last written
-        # as: a fenced save is conditional on it. Not part of the record.
-        self.version: str | None = None
-
-    @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> "ShardCheckpoint":
-        checkpoint = _from_dict(cls, payload)
-        checkpoint.parts = [_from_dict(PartEntry, part) for part in payload.get("parts", [])]
-        return checkpoint
+        # Not part of the view: the number the next commit record takes, each part's samples,
+        # and the records the fold ignored (written under an older lease after a newer one).
+        self.next_seq = 0
+        self.part_samples: dict[str, list[str]] = {}
+        self.ignored: list[int] = []
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def load(cls, folder: RunFolder, shard: str, fence: Fence | None = None) -> "ShardCheckpoint":
-        """The shard's checkpoint (empty when it has none). With `fence`, the run that is about
-        to generate into the shard first claims it: the checkpoint is rewritten under its lease,
-        so a commit that an earlier holder still has in flight finds it changed and is refused."""
-        path = shard_file(shard, CHECKPOINT_FILE)
+    def load(cls, folder: RunFolder, shard: str, fence: Fence | None = None) -> ShardCheckpoint:
+        """The shard's committed state, folded from its commit records (empty when it has
+        none). With `fence`, a run checks that no later run has claimed the shard (LeaseLost)."""
+        directory = shard_file(shard, COMMITS_DIR)
+        checkpoint = cls()
+        sequences = sorted(seq for seq in map(commit_sequence, folder.list(directory)) if seq is not None)
+        if not sequences and folder.exists(shard_file(shard, CHECKPOINT_FILE)):
+            raise legacy_checkpoint_error(folder, shard)
+        paths = [commit_file(shard, seq) for seq in sequences]
+        if folder.is_local or len(paths) < _PARALLEL_READS:
+            records = [folder.read_json(path) for path in paths]
+        else:
+            # One GET per record on S3: many at a time.
+            with ThreadPoolExecutor(_PARALLEL_READS) as pool:
+                records = list(pool.map(folder.read_json, paths))
+        for seq, record in zip(sequences, records):
+            checkpoint._apply(seq, record)
+        if sequences:
+            checkpoint.next_seq = sequences[-1] + 1
+        if fence is not None and checkpoint.lease is not None and checkpoint.lease > fence.generation:
+            fence.check(folder)
+            raise CheckpointConflict(f"{folder.display(directory)} belongs to a later run (lease {checkpoint.lease}); this run (lease {fence.generation}) stops")
+        return checkpoint
+
+    @classmethod
+    def start_attempt(cls, folder: RunFolder, shard: str, fence: Fence | None = None, rows_digest: str | None = None) -> ShardCheckpoint:
+        """Load the shard and record the start of an attempt: the attempt's number, its lease
+        and (optionally) the shard's rows digest, refused (nothing written) when it differs from
+        the digest the shard first recorded; the failed list starts empty. Under a lease
+        this record is the run's claim on the shard: a commit an earlier holder still has in
+        flight takes a number at most this one, so it lands before the claim (and is read
+        here) or finds its number taken and is refused."""
         for _ in range(_CONFLICT_RETRIES):
-            stored = folder.read_versioned(path)
-            checkpoint = cls.from_dict(json.loads(stored.data)) if stored.data is not None else cls()
-            checkpoint.version = stored.version
-            if fence is None or not checkpoint._needs_claim(fence):
-                return checkpoint
+            checkpoint = cls.load(folder, shard, fence)
+            if rows_digest is not None and checkpoint.rows_digest is not None and rows_digest != checkpoint.rows_digest:
+                raise GenrunError(
+                    f"the dataset rows of {shard} changed since its first attempt (digest {rows_digest[:12]}, recorded "
+                    f"{checkpoint.rows_digest[:12]} in {folder.display(shard_file(shard, COMMITS_DIR))}): its committed trajectories "
+                    "belong to other prompts. Restore the dataset, or write to another trainer.default_local_dir"
+                )
             try:
-                checkpoint.save(folder, shard, fence)
+                checkpoint._commit(folder, shard, {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest}, fence)
                 return checkpoint
             except CheckpointConflict:
-                continue  # the earlier holder's last commit landed first: read it, claim again
-        raise CheckpointConflict(f"could not claim {folder.display(path)}: it kept changing under this run")
+                continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
+        raise CheckpointConflict(f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run")
 
-    def _needs_claim(self, fence: Fence) -> bool:
-        if self.lease == fence.generation:
-            return False
-        # Lease 1 is the folder's first: no earlier run can have a commit in flight, and a shard
-        # keeps having no checkpoint until its first part is committed.
-        return self.version is not None or fence.generation > 1
+    def commit_part(self, folder: RunFolder, shard: str, part: PartEntry | None, samples: list[str], failed: list[str] = (), fence: Fence | None = None) -> None:
+        """Record a written part with its samples (and the samples that failed since the last
+        commit; `part` None: only failures). Raises LeaseLost (a later run took the folder) or
+        CheckpointConflict (another writer of this run took the number), writing nothing."""
+        payload: dict[str, Any] = {"kind": "part", "part": asdict(part) if part is not None else None, "samples": sample_ranges(samples), "failed": list(failed)}
+        self._commit(folder, shard, payload, fence)
 
-    def save(self, folder: RunFolder, shard: str, fence: Fence | None = None) -> None:
-        """Write the checkpoint. Without a fence: one atomic put (library use, tests). With the
-        run's lease fence: only while the run holds the folder and only over the version this
-        checkpoint was read or last written as; a run that lost the lease raises LeaseLost
-        (from `fence.check`) and writes nothing."""
-        path = shard_file(shard, CHECKPOINT_FILE)
-        if fence is None:
-            folder.put_json(path, self.to_dict())
-            return
-        fence.check(folder)
-        if self.lease is not None and self.lease > fence.generation:
-            # Read after a later run claimed it: never written back under an older lease.
-            raise CheckpointConflict(f"{folder.display(path)} belongs to a later run (lease {self.lease}); this run (lease {fence.generation}) stops")
-        previous_lease, self.lease = self.lease, fence.generation
-        try:
-            self.version = folder.put_if_version(path, encode_json(self.to_dict()), self.version)
-        except WriteConflict:
-            self.lease = previous_lease
-            # Changed since we read it: a later run claimed the shard (LeaseLost), or else a
-            # second writer of this run did.
+    def _commit(self, folder: RunFolder, shard: str, payload: dict[str, Any], fence: Fence | None) -> None:
+        """Create the next commit record exclusively and fold it into this view."""
+        path = commit_file(shard, self.next_seq)
+        if fence is not None:
             fence.check(folder)
+            if self.lease is not None and self.lease > fence.generation:
+                raise CheckpointConflict(f"{folder.display(path)}: the shard belongs to a later run (lease {self.lease}); this run (lease {fence.generation}) stops")
+        # `token` makes the record ours alone: create_exclusive's retry after a lost answer
+        # recognises its own bytes by it.
+        record = dict(payload, seq=self.next_seq, lease=fence.generation if fence is not None else None, time=round(time.time(), 3), token=uuid.uuid4().hex)
+        if not folder.create_exclusive(path, _encode_commit(record)):
+            # Taken since we read: a later run claimed the shard (LeaseLost), or else a second
+            # writer of this run committed.
+            if fence is not None:
+                fence.check(folder)
             raise CheckpointConflict(
-                f"{folder.display(path)} was changed by another writer while this run (lease {fence.generation}) still "
-                "holds the folder; this attempt stops, the next one resumes from the checkpoint"
-            ) from None
+                f"{folder.display(path)} was created by another writer while this one (lease {record['lease']}) still holds the "
+                "folder; this attempt stops, the next one resumes from the commits"
+            )
+        self._apply(self.next_seq, record)
+        self.next_seq += 1
+
+    def _apply(self, seq: int, record: dict[str, Any]) -> None:
+        """Fold one record into the view (records in sequence order)."""
+        lease = record.get("lease")
+        if lease is not None and self.lease is not None and lease < self.lease:
+            # Written under an older lease after a newer run's record: the protocol makes this
+            # impossible (module docstring); were it there, it would be a write the fence refused.
+            logger.warning("commit record %d (lease %s) follows a record of lease %s: ignored", seq, lease, self.lease)
+            self.ignored.append(seq)
+            return
+        if lease is not None:
+            self.lease = lease
+        kind = record.get("kind")
+        if kind == "attempt":
+            self.attempts = max(self.attempts, int(record.get("attempt") or 0))
+            self.failed = []
+            if self.rows_digest is None:
+                self.rows_digest = record.get("rows_digest")
+        elif kind == "part":
+            if record.get("part") is not None:
+                part = _from_dict(PartEntry, record["part"])
+                samples = sample_keys(record.get("samples") or [])
+                self.parts.append(part)
+                self.part_samples[part.name] = samples
+                self.completed.extend(samples)
+                self.response_tokens += part.response_tokens or 0
+                self.generated_tokens += part.generated_tokens or 0
+            self.failed.extend(record.get("failed") or [])
+        elif kind == "repair":
+            dropped = set(record.get("dropped") or [])
+            self.parts = [p for p in self.parts if p.name not in dropped]
+            for name in dropped:
+                self.part_samples.pop(name, None)
+            self.completed = [key for p in self.parts for key in self.part_samples.get(p.name, [])]
+            self.response_tokens = sum(p.response_tokens or 0 for p in self.parts)
+            self.generated_tokens = sum(p.generated_tokens or 0 for p in self.parts)
+            self.repaired_parts.extend(record.get("repaired") or [])
+        else:
+            raise GenrunError(f"commit record {seq} of kind {kind!r} was written by a newer genrun; finish the run with that version")
 
 
 @dataclass
@@ -249,6 +398,8 @@ class ShardManifest:
     repaired_parts: list[dict[str, Any]] = field(default_factory=list)
     attempts: int = 1
     last_attempt: AttemptStats = field(default_factory=AttemptStats)
+    filtered_overlong: int = 0
+    """Rows of the shard's range dropped as longer than data.max_prompt_length (never generated)."""
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> "ShardManifest":
@@ -319,40 +470,76 @@ def append_failure_log(folder: RunFolder, shard: str, lines: str, fence: Fence |
 # --- run.json ---------------------------------------------------------------------------------
 
 
-FINGERPRINT_VERSION = 2
-"""The recipe of the run fingerprint (config.fingerprint) that run.json's `fingerprint_version`
-names; a run.json without one was written by recipe 1. Bump it when the recipe changes, and say
-in FINGERPRINT_ADDED what the new recipe covers."""
+FINGERPRINT_VERSION = 3
+"""The recipe of the run fingerprint (config.fingerprint) and the run-folder format that
+run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
+it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
 FINGERPRINT_ADDED = {
     2: "engine_kwargs (e.g. instant.response_tokens, hf.dtype, hf.ignore_eos, remote.model), the model's files, "
     "the agent-loop YAML and its classes' source, the tool config",
+    3: "the dataset from its file metadata plus a sampled content hash, and shard progress kept as numbered "
+    f"commit records (shards/<shard>/{COMMITS_DIR}/) instead of one checkpoint.json",
 }
+FOLDER_FORMAT_SINCE = 3
+"""The first version whose run folders this genrun resumes (shard progress as commit records)."""
+
+
+def _genrun_that_wrote(folder: RunFolder) -> str | None:
+    """The genrun version run.json records, if any."""
+    try:
+        version = (folder.read_json(RUN_FILE).get("versions") or {}).get("genrun")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) and version not in ("", "unknown") else None
+
+
+def _finish_or_start_fresh(folder: RunFolder) -> str:
+    version = _genrun_that_wrote(folder)
+    install = f" (pip install genrun=={version})" if version else ""
+    return (
+        f"Nothing was changed there. Finish it with that genrun version{install}. To start fresh, set another "
+        "trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+    )
+
+
+def _legacy_shard(folder: RunFolder) -> str | None:
+    """A shard holding a checkpoint.json and no commit records (the earlier format), or None."""
+    for shard in folder.list(SHARDS_DIR):
+        names = folder.list(shard_file(shard))
+        if CHECKPOINT_FILE in names and COMMITS_DIR not in names:
+            return shard
+    return None
 
 
 def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
     """True when the folder already belongs to this run (a resume), False when it holds no run;
-    refuses a folder of another run, changing nothing."""
+    refuses a folder of another run or of an earlier folder format, changing nothing."""
     if not folder.exists(RUN_FILE):
         return False
     existing = folder.read_json(RUN_FILE)
-    if existing.get("fingerprint") == run_fingerprint:
-        return True
     written_by = existing.get("fingerprint_version", 1)
+    if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
+        uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
+        version = _genrun_that_wrote(folder)
+        raise GenrunError(
+            f"output folder {folder.display()} was written by an earlier genrun whose fingerprint did not cover {uncovered} "
+            f"({'genrun ' + version if version else 'its version is not recorded'}, fingerprint version {written_by}; this genrun's "
+            f"is {FINGERPRINT_VERSION}): this genrun cannot resume it. {_finish_or_start_fresh(folder)}"
+        )
+    if existing.get("fingerprint") == run_fingerprint:
+        legacy = _legacy_shard(folder)
+        if legacy is not None:
+            raise legacy_checkpoint_error(folder, legacy)
+        return True
     if written_by == FINGERPRINT_VERSION:
         what = (
             f"holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, this one is {run_fingerprint[:12]}): "
             f"the config, dataset or versions changed (its config is in {folder.display(RUN_FILE)}). Nothing was changed there."
         )
     else:
-        # Another recipe computed its fingerprint: it differs even when the run is the same.
-        if isinstance(written_by, int) and written_by < FINGERPRINT_VERSION:
-            uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
-            writer = f"an earlier genrun whose fingerprint did not cover {uncovered}"
-        else:
-            writer = "a genrun with another fingerprint recipe"
         what = (
-            f"holds a different run or the same run written by {writer} (fingerprint version {written_by!r}, this "
-            f"genrun's is {FINGERPRINT_VERSION}). Nothing was changed there. Finish it with that genrun version."
+            f"holds a different run or the same run written by a genrun with another fingerprint recipe (fingerprint version "
+            f"{written_by!r}, this genrun's is {FINGERPRINT_VERSION}). Nothing was changed there. Finish it with that genrun version."
         )
     raise GenrunError(
         f"output folder {folder.display()} {what} To start fresh, set another trainer.default_local_dir "
@@ -377,6 +564,8 @@ def config_without_secrets(container: dict[str, Any]) -> dict[str, Any]:
     logs and trackers never hold credentials."""
     container = json.loads(json.dumps(container))
     container["storage"]["options"] = redacted_options(container["storage"]["options"])
+    if isinstance(container.get("data", {}).get("storage_options"), dict):
+        container["data"]["storage_options"] = redacted_options(container["data"]["storage_options"])
     engine_kwargs = container["actor_rollout_ref"]["rollout"]["engine_kwargs"]
     engine_kwargs["remote"] = redacted_options(engine_kwargs.get("remote") or {})
     return container
@@ -440,52 +629,36 @@ def part_damage(folder: RunFolder, shard: str, part: PartEntry, *, sizes: dict[s
 def drop_damaged_parts(
     folder: RunFolder, shard: str, checkpoint: ShardCheckpoint, reasons: dict[str, str], fence: Fence | None = None
 ) -> ShardCheckpoint:
-    """The checkpoint without the damaged parts and their samples (pending again), with the
-    repairs recorded; written back, and the shard's success marker removed. With `fence`, only
-    while the run holds the folder, over the version `checkpoint` was read as."""
-    if sum(p.count for p in checkpoint.parts) != len(checkpoint.completed):
-        raise GenrunError(
-            f"cannot repair {shard_file(shard)}: its checkpoint's part counts do not add up to its completed samples; "
-            f"delete {folder.display(shard_file(shard))} to regenerate the whole shard"
-        )
-    kept, completed, repaired = [], [], list(checkpoint.repaired_parts)
-    offset = 0
+    """Drop the damaged parts (their samples are pending again) with a `repair` record, after
+    removing the shard's success marker; returns `checkpoint`, updated. With `fence`, only
+    while the run holds the folder, as the next record after those `checkpoint` was read from."""
+    now = round(time.time(), 3)
+    repaired = []
     for part in checkpoint.parts:
-        samples = checkpoint.completed[offset : offset + part.count]
-        offset += part.count
         if part.name in reasons:
-            repaired.append({"name": part.name, "reason": reasons[part.name], "samples": len(samples), "time": round(time.time(), 3)})
+            samples = len(checkpoint.part_samples.get(part.name, []))
+            repaired.append({"name": part.name, "reason": reasons[part.name], "samples": samples, "time": now})
             logger.warning(
                 "%s is damaged (%s): dropped from the checkpoint, its %d samples will be regenerated",
-                shard_file(shard, part.name), reasons[part.name], len(samples),
+                shard_file(shard, part.name), reasons[part.name], samples,
             )
-        else:
-            kept.append(part)
-            completed.extend(samples)
-    repaired_checkpoint = ShardCheckpoint.from_dict(checkpoint.to_dict())
-    repaired_checkpoint.version = checkpoint.version
-    repaired_checkpoint.parts, repaired_checkpoint.completed, repaired_checkpoint.repaired_parts = kept, completed, repaired
-    # Token totals from the parts that remain (parts of early versions carry no counts: their
-    # totals stay as they were, an overcount rather than a wrong sum).
-    if all(p.response_tokens is not None for p in kept):
-        repaired_checkpoint.response_tokens = sum(p.response_tokens for p in kept)
-        repaired_checkpoint.generated_tokens = sum(p.generated_tokens for p in kept)
     # Marker first: a crash between the two leaves an unfinished shard whose next attempt
     # finds the same damage again. A run that lost its lease stops before either.
     if fence is not None:
         fence.check(folder)
     folder.remove(shard_file(shard, SUCCESS_FILE))
-    repaired_checkpoint.save(folder, shard, fence)
-    return repaired_checkpoint
+    if repaired:
+        checkpoint._commit(folder, shard, {"kind": "repair", "dropped": [entry["name"] for entry in repaired], "repaired": repaired}, fence)
+    return checkpoint
 
 
 def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None) -> int:
     """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
     `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
     corruption needs the full check). `fence`: the run's lease, when the caller holds one."""
-    if not folder.exists(shard_file(shard, CHECKPOINT_FILE)):
-        return 0
     checkpoint = ShardCheckpoint.load(folder, shard)
+    if not checkpoint.parts:
+        return 0
     sizes = folder.list_sizes(shard_file(shard)) if size_only else None
     reasons = {part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))}
     if reasons:

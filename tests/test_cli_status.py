@@ -28,7 +28,8 @@ def test_status_and_merge_reach_s3_through_command_line_options(s3_server, monke
     folder = RunFolder(url, options)
     folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
                                  "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}}})
-    ShardCheckpoint(completed=["0:0"]).save(folder, "shard-00000")
+    # An interrupted shard: one sample failed, no part committed yet.
+    ShardCheckpoint().commit_part(folder, "shard-00000", None, [], failed=["0:0"])
     # Nothing in the environment says where the bucket is: only the command line does.
     for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -37,7 +38,7 @@ def test_status_and_merge_reach_s3_through_command_line_options(s3_server, monke
     arguments = [f"storage.options.endpoint_url={endpoint}", f"storage.options.key={options['key']}", f"storage.options.secret={options['secret']}"]
     assert main(["status", url, *arguments]) == 0
     out = capsys.readouterr().out
-    assert "shard-00000  partial  1/3" in out and "trajectories 1/3" in out
+    assert "shard-00000  partial  0/3  1 failed sample(s)" in out and "trajectories 0/3; failed samples 1" in out
     assert options["secret"] not in out
     # merge reads the same folder (nothing committed in parts: refused in one line, exit 2).
     assert main(["merge", url, *arguments]) == 2

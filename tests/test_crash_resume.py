@@ -2,7 +2,6 @@
 result equals an uninterrupted run's, with no sample missing or duplicated. Four rollouts per
 prompt (rollout.n=4), so resume works per (index, rollout n), not per prompt."""
 
-import json
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ from generation_core.dispatch import run_in_process
 from generation_core.preflight import preflight
 
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
+from tests.run_folder_helpers import checkpoint_dict, committed_keys, has_committed_part
 
 # In make test-all (CI time budget): make test's chaos schedule kills and resumes the whole run
 # (also exactly after a part write) and checks it against an undisturbed run; this one does it
@@ -44,13 +44,12 @@ def _args(prompts, out):
 
 
 def _kill_after_first_commit(args, out, log_path):
-    checkpoint = out / "shards" / "shard-00000" / "checkpoint.json"
     with open(log_path, "w") as log:
         env = dict(os.environ, GENRUN_SAMPLE_TRACE=str(log_path.with_suffix(".trace")))
         process = subprocess.Popen(GENRUN + args, cwd=REPO, env=env, stdout=log, stderr=log, text=True, start_new_session=True)
         try:
             deadline = time.monotonic() + 400
-            while not checkpoint.exists():
+            while not has_committed_part(out):
                 assert process.poll() is None, f"genrun exited early: {log_path.read_text()[-2000:]}"
                 assert time.monotonic() < deadline, "no part was committed in time"
                 time.sleep(0.05)
@@ -58,7 +57,7 @@ def _kill_after_first_commit(args, out, log_path):
             process.wait(timeout=30)
         finally:
             kill_group(process)
-    return json.loads(checkpoint.read_text())
+    return checkpoint_dict(out)
 
 
 def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_dir, ray_local):
@@ -86,7 +85,7 @@ def test_kill_after_first_part_then_resume_equals_uninterrupted(tmp_path, model_
     expected = DataProto.load_from_disk(str(reference_dir / "trajectories.pkl"))
     actual = DataProto.load_from_disk(str(crashed_dir / "trajectories.pkl"))
     assert actual.non_tensor_batch["index"].tolist() == [i for i in range(PROMPTS) for _ in range(N)], "4 per prompt, none missing or duplicated"
-    completed = [key for shard in (crashed_dir / "shards").iterdir() for key in json.loads((shard / "checkpoint.json").read_text())["completed"]]
+    completed = committed_keys(crashed_dir)
     assert sorted(completed) == sorted(f"{i}:{n}" for i in range(PROMPTS) for n in range(N))
     assert sorted(actual.batch.keys()) == sorted(expected.batch.keys())
     for key in expected.batch.keys():

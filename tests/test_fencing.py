@@ -1,9 +1,10 @@
 """Fencing holds at the commit (issue 17, item 7), on local disk and on a real S3 API (moto):
 a run whose heartbeat stalled passes its lease check, stalls again right before writing, and
 another run takes the folder over and starts on the shard meanwhile. Its commit (or repair) is
-refused with LeaseLost and leaves the folder exactly as the new holder has it: no checkpoint
-write, no part, no failure log line, no error record. The checkpoint writes themselves are
-conditional (storage.RunFolder.put_if_version), which is what closes the window."""
+refused with LeaseLost and leaves the folder exactly as the new holder has it: no commit
+record, no part, no failure log line, no error record. Commit records are created exclusively
+under the next number (storage.RunFolder.create_exclusive) and the new holder claims that number
+first, which is what closes the window."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ import pytest
 from generation_core.data import ShardSpec
 from generation_core.job import run_shard
 from generation_core.lease import LeaseLost, RunLease
-from generation_core.run_folder import CHECKPOINT_FILE, ShardCheckpoint, lease_file, shard_file
+from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, shard_file
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -23,7 +24,7 @@ from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 pytestmark = pytest.mark.timeout(120)
 
 SHARD = ShardSpec(0, 0, 6)
-CHECKPOINT = shard_file(SHARD.name, CHECKPOINT_FILE)
+COMMITS = shard_file(SHARD.name, COMMITS_DIR) + "/"
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -57,34 +58,37 @@ def _stall_heartbeat(folder: RunFolder, lease: RunLease) -> None:
     folder.put_atomic(lease_file(lease.record.generation), json.dumps(asdict(lease.record)).encode())
 
 
+def _checkpoint(folder: RunFolder) -> ShardCheckpoint:
+    return ShardCheckpoint.load(folder, SHARD.name)
+
+
 class _TakeoverBeforeWrite:
-    """Wraps the old run's checkpoint writes (conditional or not): at its `nth` checkpoint write,
-    after it passed its lease check, the old run stalls, and a new run takes the folder over and
-    starts on the shard (claims its checkpoint) before the write goes out."""
+    """Wraps the old run's commit records: at its `nth` part or repair record, after it passed
+    its lease check, the old run stalls, and a new run takes the folder over and starts on the
+    shard (creates its attempt record, the claim) before the record goes out."""
 
     def __init__(self, old_folder: RunFolder, old_lease: RunLease, url_and_options, nth: int, monkeypatch):
         self.old_folder, self.old_lease, self.url_and_options, self.nth = old_folder, old_lease, url_and_options, nth
         self.puts = 0
         self.new_lease: RunLease | None = None
         self.after_takeover: dict[str, bytes] | None = None
-        for method in ("put_if_version", "put_atomic"):
-            monkeypatch.setattr(old_folder, method, self._stalling(getattr(old_folder, method)))
+        monkeypatch.setattr(old_folder, "create_exclusive", self._stalling(old_folder.create_exclusive))
 
-    def _stalling(self, put):
-        def stalling_put(relative, data, *version):
-            if relative == CHECKPOINT:
+    def _stalling(self, create):
+        def stalling_create(relative, data):
+            if relative.startswith(COMMITS) and json.loads(data)["kind"] != "attempt":
                 self.puts += 1
                 if self.puts == self.nth:
                     self.take_over()
-            return put(relative, data, *version)
+            return create(relative, data)
 
-        return stalling_put
+        return stalling_create
 
     def take_over(self) -> None:
         _stall_heartbeat(self.old_folder, self.old_lease)
         new_folder = _folder(self.url_and_options)
         self.new_lease = RunLease.acquire(new_folder, seconds=60)
-        ShardCheckpoint.load(new_folder, SHARD.name, self.new_lease.fence())
+        ShardCheckpoint.start_attempt(new_folder, SHARD.name, self.new_lease.fence())
         self.after_takeover = _snapshot(new_folder)
 
 
@@ -99,21 +103,22 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
     worker = ScriptedWorker(fail_on=(100 + committed_before + 1, 0))
     try:
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker, old.fence()))
+            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker, old.fence()))
         assert stall.new_lease is not None, "the takeover happened"
-        checkpoint = json.loads(folder.read_bytes(CHECKPOINT))
-        assert checkpoint["lease"] == stall.new_lease.record.generation and len(checkpoint["completed"]) == committed_before
-        # The part of the refused commit (written before the stall, listed by no checkpoint) is
+        checkpoint = _checkpoint(folder)
+        assert checkpoint.lease == stall.new_lease.record.generation and len(checkpoint.completed) == committed_before
+        assert not checkpoint.ignored, "no record of the old lease follows the claim"
+        # The part of the refused commit (written before the stall, listed by no record) is
         # removed again; everything else is as the new holder found it.
-        listed = {shard_file(SHARD.name, part["name"]) for part in checkpoint["parts"]}
+        listed = {shard_file(SHARD.name, part.name) for part in checkpoint.parts}
         in_flight = [name for name in stall.after_takeover if name.endswith(".parquet") and name not in listed]
         assert len(in_flight) == 1
         expected = {name: data for name, data in stall.after_takeover.items() if name not in in_flight}
         assert _snapshot(folder) == expected, "the old run changed the folder after the new one started"
         assert not folder.exists(shard_file(SHARD.name, "failures.jsonl")) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
-        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(), ScriptedWorker(), stall.new_lease.fence()))
-        assert manifest.num_trajectories == 6 and sorted(json.loads(folder.read_bytes(CHECKPOINT))["completed"]) == [f"{100 + p}:0" for p in range(6)]
+        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
+        assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [f"{100 + p}:0" for p in range(6)]
     finally:
         if stall.new_lease is not None:
             stall.new_lease.release()
@@ -122,8 +127,8 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
 
 def _finished_shard_with_a_damaged_part(folder: RunFolder) -> None:
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
-    part = json.loads(folder.read_bytes(CHECKPOINT))["parts"][1]["name"]
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    part = _checkpoint(folder).parts[1].name
     folder.put_atomic(shard_file(SHARD.name, part), b"truncated")
 
 
@@ -137,25 +142,25 @@ def test_a_repair_by_a_run_that_lost_its_lease_changes_nothing(url_and_options):
         before = _snapshot(folder)
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker(), old.fence()))
+            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
         assert _snapshot(folder) == before, "the repair dropped a part or the marker after the takeover"
     old.release()
 
 
 @pytest.mark.timeout(120)
-def test_a_repair_in_flight_when_another_run_takes_over_writes_no_checkpoint(url_and_options, monkeypatch):
+def test_a_repair_in_flight_when_another_run_takes_over_writes_no_commit_record(url_and_options, monkeypatch):
     folder = _folder(url_and_options)
     _finished_shard_with_a_damaged_part(folder)
     old = RunLease.acquire(folder, seconds=60)
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 1, monkeypatch)
     try:
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(), ScriptedWorker(), old.fence()))
-        # The checkpoint is the new holder's claim, the damaged part still listed: its own
+            asyncio.run(run_shard(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+        # The last record is the new holder's claim, the damaged part still listed: its own
         # verification drops it. (The old run removed the success marker before it stalled,
         # which only makes the new holder verify the shard again.)
         assert _snapshot(folder) == stall.after_takeover
-        assert json.loads(folder.read_bytes(CHECKPOINT))["lease"] == stall.new_lease.record.generation
+        assert _checkpoint(folder).lease == stall.new_lease.record.generation
     finally:
         if stall.new_lease is not None:
             stall.new_lease.release()
@@ -227,7 +232,7 @@ def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing
 
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     part = shard_file(SHARD.name, manifest.parts[0].name)
     old = RunLease.acquire(folder, seconds=60)
     _stall_heartbeat(folder, old)

@@ -140,8 +140,8 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     with RunLease.acquire(folder, seconds=60):
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(), ScriptedWorker(), fence))
-    assert not folder.exists("shards/shard-00000/checkpoint.json"), "nothing committed after the takeover"
+            asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence))
+    assert not folder.list("shards/shard-00000/commits"), "nothing committed after the takeover"
     assert LeaseFence(2).check(folder) is None
 
 

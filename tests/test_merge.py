@@ -170,8 +170,8 @@ def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int
             data = records_to_parquet(mine[start : start + parts_of])
             name = f"batch-{len(checkpoint.parts):05d}-test.parquet"
             folder.put_atomic(f"shards/{spec.name}/{name}", data)
-            checkpoint.parts.append(PartEntry(name=name, count=len(mine[start : start + parts_of]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-        checkpoint.save(folder, spec.name)
+            part = PartEntry(name=name, count=len(mine[start : start + parts_of]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+            checkpoint.commit_part(folder, spec.name, part, [f"{r.index}:{r.rollout_n}" for r in mine[start : start + parts_of]])
 
 
 def _assert_same_dataproto(actual, expected, metrics_as_lists=False):

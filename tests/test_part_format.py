@@ -83,10 +83,9 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
 
     folder = RunFolder(str(tmp_path))
     checkpoint = ShardCheckpoint()
-    for name, data in (("old.parquet", old_part), ("new.parquet", records_to_parquet([_record(4, [-1.0, 0.0, 0.0, -2.0])]))):
+    for name, index, data in (("old.parquet", 3, old_part), ("new.parquet", 4, records_to_parquet([_record(4, [-1.0, 0.0, 0.0, -2.0])]))):
         folder.put_atomic(f"shards/shard-00000/{name}", data)
-        checkpoint.parts.append(PartEntry(name=name, count=1, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-    checkpoint.save(folder, "shard-00000")
+        checkpoint.commit_part(folder, "shard-00000", PartEntry(name=name, count=1, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()), [f"{index}:0"])
     merged = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=2)
     expected = build_dataproto(read_committed_records(folder), prompt_length=4, response_length=4, pad_token_id=2)
     assert merged.non_tensor_batch["raw_prompt"].tolist() == [MESSAGES, MESSAGES]

@@ -3,13 +3,13 @@ checkpoint, dropped, their samples regenerated exactly once, and the repair is r
 whole-CLI case (a part damaged between two `genrun` runs) is one of the chaos suite's faults."""
 
 import asyncio
-import json
 
 import pytest
 
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict
 from generation_core.run_folder import repair_shard
 from generation_core.finish import merge_repairing
 from generation_core.job import run_shard
@@ -25,8 +25,8 @@ OWED = sorted(f"{100 + p}:{n}" for p in range(6) for n in range(2))
 def _finished_run(tmp_path):
     cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2")
     folder = RunFolder(str(tmp_path))
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
-    checkpoint = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    checkpoint = checkpoint_dict(tmp_path)
     assert [p["count"] for p in checkpoint["parts"]] == [4, 4, 4]
     return cfg, folder, checkpoint
 
@@ -51,13 +51,13 @@ def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path,
     _damage(tmp_path, damaged, how)
 
     worker = ScriptedWorker()
-    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
+    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(lost), "only the damaged part's samples run again"
     assert len(marker.repaired_parts) == 1
     repair = marker.repaired_parts[0]
     assert repair["name"] == damaged["name"] and repair["samples"] == 4
     assert __import__("re").search(reason, repair["reason"])
-    after = json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())
+    after = checkpoint_dict(tmp_path)
     assert sorted(after["completed"]) == OWED and len(after["completed"]) == len(set(after["completed"]))
     assert after["response_tokens"] == before["response_tokens"] and after["generated_tokens"] == before["generated_tokens"]
     records = read_committed_records(folder)
@@ -82,7 +82,7 @@ def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_n
     with pytest.raises(GenrunError, match=rf"part .*{before['parts'][0]['name']} does not match the checksum .*run the same command again"):
         merge_repairing(folder, lambda: merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0))
     worker = ScriptedWorker()
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(before["completed"][:4])
     data = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0)
     assert len(data) == 12

@@ -3,7 +3,6 @@ to the other replica, no sample is lost or duplicated, the failure is logged and
 Ray restarts the killed engine (it answers again, from a new process)."""
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ import time
 import pytest
 
 from tests.conftest import chat_rows, write_parquet
+from tests.run_folder_helpers import committed_keys, has_committed_part
 
 # CI time: make test's chaos schedule kills a replica by PID mid-run and checks no sample is lost
 # or duplicated; this test's finer counts (requests resent, the restart) run in make test-all.
@@ -32,6 +32,9 @@ async def _health_once_restarted(handle, seconds: float = 300):
 
 
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
+    from verl.utils import hf_tokenizer
+
+    from generation_core.data import ShardPrompts
     from generation_core.pool import ReplicaPool
     from generation_core.job import build_streaming_worker, run_shard
     from generation_core.preflight import preflight
@@ -50,7 +53,6 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
         "generation.request_backoff_seconds=0.2",
         "generation.show_progress=false",
     ])
-    checkpoint = tmp_path / "run" / "shards" / "shard-00000" / "checkpoint.json"
 
     async def scenario():
         pool = await ReplicaPool.boot(plan.cfg)
@@ -59,9 +61,10 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             assert len(before) == 2
             victim = pool.manager.server_handles[0]
             routing = pool.client()
-            worker = build_streaming_worker(plan.cfg, routing, plan.prompts)
-            shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, plan.prompts, worker))
-            while not checkpoint.exists():
+            shard_prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
+            worker = build_streaming_worker(plan.cfg, routing, shard_prompts)
+            shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker))
+            while not has_committed_part(tmp_path / "run"):
                 assert not shard.done(), shard.exception()
                 await asyncio.sleep(0.05)
             # Both replicas have requests in flight (least-outstanding routing, 6 in flight).
@@ -82,7 +85,7 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
     with caplog.at_level(logging.WARNING, logger="generation_core.routing"):
         before, marker, restarted = asyncio.run(scenario())
 
-    completed = json.loads(checkpoint.read_text())["completed"]
+    completed = committed_keys(tmp_path / "run", "shard-00000")
     assert sorted(completed) == sorted(f"{i}:0" for i in range(12)), "every sample exactly once"
     assert marker.num_trajectories == 12 and marker.failures == 0
     engine = marker.last_attempt.engine

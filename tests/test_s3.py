@@ -1,6 +1,7 @@
 """Runs against a real local S3 server (moto, 127.0.0.1): the whole run, kill -9 and resume,
 merge and status on s3://, storage faults, preflight errors, and W&B publishing (offline)."""
 
+import functools
 import json
 import os
 import pickle
@@ -22,6 +23,7 @@ from generation_core.preflight import preflight
 from generation_core.job import run_shard
 from generation_core.storage import RunFolder
 from tests.conftest import GENRUN, REPO, S3_ENV, chat_rows, kill_group, run_genrun, start_moto, write_parquet
+from tests.run_folder_helpers import committed_keys, has_committed_part
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
@@ -83,7 +85,7 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
     assert status.returncode == 0, status.stderr[-2000:]
     assert "shards: 3 done, 0 running or interrupted, 0 failed, 0 pending; trajectories 10/10" in status.stdout
     before = fs.cat_file(f"{url}/trajectories.pkl")
-    # An orphan part (a PUT no checkpoint lists, as a crash leaves it) is ignored on S3 too.
+    # An orphan part (a PUT no commit record lists, as a crash leaves it) is ignored on S3 too.
     from generation_core.records import TrajectoryRecord, records_to_parquet
 
     fs.pipe_file(f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet", records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]))
@@ -103,19 +105,19 @@ def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, 
     args = [f"data.train_files={prompts}", f"trainer.default_local_dir={url}", "actor_rollout_ref.rollout.temperature=0",
             "data.max_prompt_length=64", "data.max_response_length=16", "generation.save_batch_size=4", "generation.max_inflight=4", "generation.show_progress=false"]
     fs = _s3()
-    checkpoint = f"{url}/shards/shard-00000/checkpoint.json"
+    folder = RunFolder(url)
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(GENRUN + args, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log, start_new_session=True)
         try:
             deadline = time.monotonic() + 400
-            while not fs.exists(checkpoint):
+            while not has_committed_part(folder):
                 assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
                 time.sleep(0.1)
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
         finally:
             kill_group(process)
-    committed = len(json.loads(fs.cat_file(checkpoint))["completed"])
+    committed = len(committed_keys(folder, "shard-00000"))
     assert 4 <= committed < 12 and not fs.exists(f"{url}/trajectories.pkl")
 
     resumed = run_genrun(args)
@@ -128,56 +130,70 @@ def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, 
     _assert_same(actual, DataProto.load_from_disk(str(tmp_path / "reference" / "trajectories.pkl")))
 
 
-def _s3_answer(code: str, status: int, message: str) -> OSError:
-    """An S3 error answer as s3fs raises it: botocore's ClientError translated to an OSError."""
+def _s3_answer(code: str, status: int, message: str) -> Exception:
+    """An S3 error answer as the S3 client raises it (botocore's ClientError)."""
     from botocore.exceptions import ClientError
-    from s3fs.errors import translate_boto_error
 
-    return translate_boto_error(ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"))
+    return ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
 
 class _FailOnce:
-    """Wraps fs.pipe_file: the first PUT whose path contains `marker` raises `error`."""
+    """The S3 service answers the first upload (a one-shot PUT, as commit records and small parts
+    are sent, or a part of a multipart upload) of a key containing `marker` with `error`."""
+
+    METHODS = ("put_object", "upload_part")
 
     def __init__(self, folder: RunFolder, marker: str, error: Exception):
-        self.original, self.marker, self.error, self.fired = folder.fs.pipe_file, marker, error, 0
-        folder.fs.pipe_file = self
+        from fsspec.asyn import sync
 
-    def __call__(self, path, data, **kwargs):
-        if self.marker in path and not self.fired:
-            self.fired += 1
-            raise self.error
-        return self.original(path, data, **kwargs)
+        sync(folder.fs.loop, folder.fs.set_session)
+        self.client, self.marker, self.error, self.fired = folder.fs.s3, marker, error, 0
+        for name in self.METHODS:
+            setattr(self.client, name, self._failing(getattr(self.client, name)))
+
+    def _failing(self, send):
+        @functools.wraps(send)  # s3fs names the operation after the method
+        async def failing_send(**kwargs):
+            if self.marker in kwargs.get("Key", "") and not self.fired:
+                self.fired += 1
+                raise self.error
+            return await send(**kwargs)
+
+        return failing_send
+
+    def restore(self) -> None:
+        for name in self.METHODS:
+            delattr(self.client, name)
 
 
-@pytest.mark.parametrize("marker", ["batch-", "checkpoint.json"])
+@pytest.mark.parametrize("marker", ["batch-", "/commits/"])
 def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
-    folder = RunFolder(f"s3://genrun-test/faults/transient-{marker.strip('.-')}")
+    folder = RunFolder(f"s3://genrun-test/faults/transient-{marker.strip('./-')}")
     folder.retry_delays = (0.05, 0.1)
     fault = _FailOnce(folder, marker, _s3_answer("SlowDown", 503, "Please reduce your request rate."))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     try:
-        manifest = asyncio_run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), ScriptedWorker()))
+        manifest = asyncio_run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker()))
     finally:
-        folder.fs.pipe_file = fault.original
+        fault.restore()
     assert fault.fired == 1 and manifest.num_trajectories == 6
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
 
 
-@pytest.mark.parametrize("marker", ["batch-", "checkpoint.json"])
+@pytest.mark.parametrize("marker", ["batch-", "/commits/"])
 def test_a_failed_put_fails_the_shard_and_resume_loses_nothing(s3_env, tmp_path, marker):
-    folder = RunFolder(f"s3://genrun-test/faults/permanent-{marker.strip('.-')}")
+    folder = RunFolder(f"s3://genrun-test/faults/permanent-{marker.strip('./-')}")
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    asyncio_run(run_shard(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(), ScriptedWorker()))  # a first committed part
+    asyncio_run(run_shard(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker()))  # a first committed part
     folder.remove("shards/shard-00000/_SUCCESS.json")
     shard = ShardSpec(0, 0, 6)
-    fault = _FailOnce(folder, marker, PermissionError("Access Denied"))
+    fault = _FailOnce(folder, marker, _s3_answer("AccessDenied", 403, "Access Denied"))
     try:
         with pytest.raises(PermissionError):
-            asyncio_run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker()))
+            asyncio_run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
     finally:
-        folder.fs.pipe_file = fault.original
-    manifest = asyncio_run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker()))
+        fault.restore()
+    manifest = asyncio_run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
     keys = [r.key for r in read_committed_records(folder)]
     assert manifest.num_trajectories == 6 and keys == [(100 + p, 0) for p in range(6)], "nothing lost, nothing twice"
 

@@ -1,5 +1,5 @@
 """Shard mechanics with a scripted agent loop (no model): streaming, bounded in-flight,
-pull_timeout parts, resume after a failure, and the success marker. The real-model path is
+parts cut by age, resume after a failure, and the success marker. The real-model path is
 covered by test_run_e2e and test_crash_resume."""
 
 import asyncio
@@ -10,6 +10,7 @@ import pytest
 from generation_core.config import load_config
 from generation_core.data import ShardSpec
 from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict, committed_keys
 from generation_core.records import TrajectoryRecord
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
@@ -19,13 +20,22 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class FakePrompts:
-    """Dataset position p has sample id 100 + p."""
+    """A shard's prompts (data.ShardPrompts): dataset row p has sample id 100 + p; none filtered."""
+
+    filtered_overlong = 0
+
+    def __init__(self, shard):
+        self.start, self.count = shard.start, len(shard)
+
+    def __len__(self):
+        return self.count
 
     def sample_index(self, position):
-        return 100 + position
+        return 100 + self.start + position
 
     def agent_kwargs(self, position):
-        return {"index": 100 + position, "agent_name": "single_turn_agent", "raw_prompt": [{"role": "user", "content": str(position)}]}
+        row = self.start + position
+        return {"index": 100 + row, "agent_name": "single_turn_agent", "raw_prompt": [{"role": "user", "content": str(row)}]}
 
 
 class ScriptedWorker(StreamingWorker):
@@ -59,7 +69,7 @@ def test_parts_stream_out_and_in_flight_is_bounded(tmp_path):
     cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=3", "actor_rollout_ref.rollout.n=2")
     folder = RunFolder(str(tmp_path))
     worker = ScriptedWorker()
-    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 5), folder, FakePrompts(), worker))
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 5), folder, FakePrompts(ShardSpec(0, 0, 5)), worker))
     assert worker.max_seen_inflight <= 3
     assert manifest.num_trajectories == 10 == manifest.expected_trajectories
     assert [p.count for p in manifest.parts] == [4, 4, 2]
@@ -68,11 +78,11 @@ def test_parts_stream_out_and_in_flight_is_bounded(tmp_path):
     assert json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())["parts"] == manifest.to_dict()["parts"]
 
 
-def test_pull_timeout_commits_a_partial_part(tmp_path):
-    cfg = _cfg("generation.save_batch_size=100", "generation.pull_timeout=0.3", "generation.max_inflight=4")
+def test_part_max_seconds_commits_a_partial_part(tmp_path):
+    cfg = _cfg("generation.save_batch_size=100", "generation.part_max_seconds=0.3", "generation.max_inflight=4")
     folder = RunFolder(str(tmp_path))
     worker = ScriptedWorker(delays={103: 1.5})
-    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(), worker))
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), worker))
     assert [p.count for p in manifest.parts] == [3, 1], "the three fast samples were committed while the slow one ran"
 
 
@@ -81,8 +91,8 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     folder = RunFolder(str(tmp_path))
     shard_dir = tmp_path / "shards" / "shard-00000"
     with pytest.raises(TooManyFailedSamples, match=r"1 of 6 trajectories failed.*max_failed_fraction=0.0"):
-        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), ScriptedWorker(fail_on=(104, 0))))
-    checkpoint = json.loads((shard_dir / "checkpoint.json").read_text())
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker(fail_on=(104, 0))))
+    checkpoint = checkpoint_dict(tmp_path)
     assert checkpoint["completed"] == ["100:0", "101:0", "102:0", "103:0", "105:0"], "the shard carried on past the failure"
     assert checkpoint["failed"] == ["104:0"]
     [failure] = [json.loads(line) for line in (shard_dir / "failures.jsonl").read_text().splitlines()]
@@ -92,13 +102,13 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     assert "TooManyFailedSamples" in json.loads((shard_dir / "last_error.json").read_text())["error"]
 
     retry = ScriptedWorker()
-    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), retry))
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), retry))
     assert retry.started == [(104, 0)], "only the failed sample runs again"
     assert manifest.attempts == 2 and manifest.num_trajectories == 6 and manifest.failures == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
 
     done = ScriptedWorker()
-    again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(), done))
+    again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), done))
     assert done.started == [] and again.last_attempt.skipped
 
 
@@ -106,7 +116,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
     cfg = _cfg("generation.save_batch_size=3", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2", "generation.max_failed_fraction=0.1")
     folder = RunFolder(str(tmp_path))
     shard = ShardSpec(0, 0, 10)
-    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), ScriptedWorker(fail_on=(107, 1))))
+    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(107, 1))))
     assert manifest.num_trajectories == 19 and manifest.expected_trajectories == 20
     assert manifest.failures == 1 and manifest.failed_samples == ["107:1"]
     marker = json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
@@ -115,7 +125,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
 
     # The same run again: the finished shard is re-opened for its failed sample only.
     rerun = ScriptedWorker()
-    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(), rerun))
+    manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), rerun))
     assert rerun.started == [(107, 1)]
     assert manifest.failures == 0 and manifest.num_trajectories == 20
     keys = [r.key for r in read_committed_records(folder)]
@@ -135,7 +145,7 @@ def test_more_failures_than_allowed_fail_the_shard(tmp_path):
             return await super().run_one(key, kwargs)
 
     # 8 trajectories, 0.25 allows 2: two failures pass.
-    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(), FailingTwo()))
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(ShardSpec(0, 0, 8)), FailingTwo()))
     assert manifest.failures == 2 and manifest.num_trajectories == 6
 
     class FailingThree(ScriptedWorker):
@@ -146,8 +156,8 @@ def test_more_failures_than_allowed_fail_the_shard(tmp_path):
 
     other = RunFolder(str(tmp_path / "other"))
     with pytest.raises(TooManyFailedSamples, match="3 of 8 trajectories failed"):
-        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), other, FakePrompts(), FailingThree()))
-    checkpoint = json.loads((tmp_path / "other" / "shards" / "shard-00000" / "checkpoint.json").read_text())
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 8), other, FakePrompts(ShardSpec(0, 0, 8)), FailingThree()))
+    checkpoint = checkpoint_dict(tmp_path / "other")
     assert len(checkpoint["completed"]) == 5 and sorted(checkpoint["failed"]) == ["101:0", "104:0", "106:0"]
 
 
@@ -161,7 +171,7 @@ def test_systematic_failures_stop_the_shard_early(tmp_path):
 
     worker = EngineDown()
     with pytest.raises(TooManyFailedSamples):
-        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 50), RunFolder(str(tmp_path)), FakePrompts(), worker))
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 50), RunFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 50)), worker))
     assert len(worker.started) < 10, "gave up after 2 x max_inflight failures instead of failing all 50"
 
 
@@ -176,10 +186,10 @@ def test_n_samples_resume_regenerates_only_the_missing_rollouts(tmp_path):
             return await super().run_one(key, kwargs)
 
     with pytest.raises(KeyboardInterrupt):
-        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(), StopAfter()))
-    assert json.loads((tmp_path / "shards" / "shard-00000" / "checkpoint.json").read_text())["completed"] == ["100:0", "100:1"]
+        asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), StopAfter()))
+    assert committed_keys(tmp_path, "shard-00000") == ["100:0", "100:1"]
     resumed = ScriptedWorker()
-    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(), resumed))
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), resumed))
     assert resumed.started[:2] == [(100, 2), (100, 3)], "the prompt with 2 of 4 done regenerates only 2"
     assert len(resumed.started) == 10 and manifest.num_trajectories == 12
     keys = [r.key for r in read_committed_records(folder)]
@@ -193,9 +203,9 @@ def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
     folder = RunFolder(str(tmp_path))
     shards = [ShardSpec(0, 0, 4), ShardSpec(1, 4, 8), ShardSpec(2, 8, 12)]
     folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "shards": [{"name": s.name, "range": [s.start, s.end]} for s in shards]})
-    asyncio.run(run_shard(cfg, shards[0], folder, FakePrompts(), ScriptedWorker()))
+    asyncio.run(run_shard(cfg, shards[0], folder, FakePrompts(shards[0]), ScriptedWorker()))
     with pytest.raises(TooManyFailedSamples):
-        asyncio.run(run_shard(cfg, shards[1], folder, FakePrompts(), ScriptedWorker(fail_on=(107, 0))))
+        asyncio.run(run_shard(cfg, shards[1], folder, FakePrompts(shards[1]), ScriptedWorker(fail_on=(107, 0))))
     assert print_status(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "shard-00000  done     4/4" in out

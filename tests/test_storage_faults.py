@@ -1,19 +1,19 @@
 """Local storage failing mid-shard: a real full disk (a small tmpfs, where this machine lets us
 mount one) and the same error injected under RunFolder. The shard fails cleanly with a message
-that says what to do, the committed parts and checkpoint stay intact, no temporary file is left
+that says what to do, the committed parts and commit records stay intact, no temporary file is left
 behind, and once there is space the next attempt resumes: every sample exactly once. S3 errors
 (5xx retried, a refused PUT failing the shard) are in test_s3."""
 
 import asyncio
 import errno
 import hashlib
-import json
 import subprocess
 
 import pytest
 
 from generation_core.data import ShardSpec
 from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict
 from generation_core.job import run_shard
 from generation_core.storage import RunFolder
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -24,17 +24,33 @@ SHARD = ShardSpec(0, 0, 60)
 
 
 class _DiskFullAfter:
-    """RunFolder.put_atomic that fails with ENOSPC after `allowed` writes, until `free()`."""
+    """The folder's disk fills up after `allowed` writes (whole files, commit records, streamed
+    parts), until `free()`: a write then fails with ENOSPC where a full disk fails it."""
 
     def __init__(self, folder: RunFolder, allowed: int):
-        self.original, self.allowed, self.full = folder.put_atomic, allowed, True
-        folder.put_atomic = self
+        self.allowed, self.full = allowed, True
+        self.write_local, self.open_write = folder._write_local, folder.open_write
+        folder._write_local, folder.open_write = self._write_local, self._open_write
 
-    def __call__(self, relative, data):
+    def _room(self) -> bool:
         if self.full and self.allowed <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            return False
         self.allowed -= 1
-        return self.original(relative, data)
+        return True
+
+    def _write_local(self, relative, data, publish):
+        if not self._room():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.write_local(relative, data, publish)
+
+    def _open_write(self, relative):
+        writer = self.open_write(relative)
+        if not self._room():
+            def full(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            writer.write = full
+        return writer
 
     def free(self):
         self.full = False
@@ -55,7 +71,7 @@ def small_disk(tmp_path):
 def _assert_intact(run_dir):
     shard_dir = run_dir / "shards" / "shard-00000"
     assert not [p.name for p in shard_dir.iterdir() if p.name.startswith(".tmp-")], "no temporary file left behind"
-    checkpoint = json.loads((shard_dir / "checkpoint.json").read_text())
+    checkpoint = checkpoint_dict(run_dir)
     for part in checkpoint["parts"]:
         assert hashlib.sha256((shard_dir / part["name"]).read_bytes()).hexdigest() == part["sha256"]
     return checkpoint
@@ -63,7 +79,7 @@ def _assert_intact(run_dir):
 
 def _resume_and_check(cfg, folder, run_dir, committed_before):
     worker = ScriptedWorker()
-    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), worker))
+    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert len(worker.started) == 60 - committed_before, "only what was not committed runs again"
     assert marker.num_trajectories == 60
     completed = _assert_intact(run_dir)["completed"]
@@ -76,7 +92,7 @@ def test_a_real_full_disk_fails_the_shard_cleanly_and_the_retry_resumes(small_di
     run_dir = small_disk / "run"
     folder = RunFolder(str(run_dir))
     with pytest.raises(OSError, match="no space left on the device of .*free space there or choose another trainer.default_local_dir"):
-        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
@@ -88,8 +104,8 @@ def test_an_injected_disk_full_fails_the_shard_cleanly_and_the_retry_resumes(tmp
     run_dir = tmp_path / "run"
     folder = RunFolder(str(run_dir))
     disk = _DiskFullAfter(folder, allowed=9)
-    with pytest.raises(OSError, match="No space left"):
-        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(), ScriptedWorker()))
+    with pytest.raises(OSError, match="(?i)no space left"):
+        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     disk.free()

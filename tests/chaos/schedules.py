@@ -18,7 +18,6 @@ invocation. Whatever never found a target is reported in `Outcome.missed`, and t
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.conftest import GENRUN, REPO, kill_group
+from tests.run_folder_helpers import checkpoint_dict
 
 # Faults a run survives within one invocation, and where each one is aimed.
 SURVIVABLE = ("kill_shard_worker", "kill_replica", "crash_after_part_write", "disk_full", "concurrent_run")
@@ -254,11 +254,11 @@ class InvocationDriver:
 
 
 def damage_a_part(run_dir: Path, how: str, rng: random.Random, spare: set[str] = frozenset()) -> str | None:
-    """Damage one committed part (listed by a checkpoint, present, not in `spare`); returns its
+    """Damage one committed part (listed by a commit record, present, not in `spare`); returns its
     path relative to the run folder, or None when there is none."""
     listed = []
-    for checkpoint in sorted(run_dir.glob("shards/*/checkpoint.json")):
-        listed += [checkpoint.parent / part["name"] for part in json.loads(checkpoint.read_text())["parts"]]
+    for shard in sorted(path.name for path in run_dir.glob("shards/*")):
+        listed += [run_dir / "shards" / shard / part["name"] for part in checkpoint_dict(run_dir, shard)["parts"]]
     listed = [path for path in listed if path.exists() and str(path.relative_to(run_dir)) not in spare]
     if not listed:
         return None

@@ -16,7 +16,6 @@ killed.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -29,6 +28,7 @@ import torch
 
 from tests.chaos.schedules import InvocationDriver, Tally, damage_a_part, make_schedule
 from tests.conftest import REPO, chat_rows, write_parquet
+from tests.run_folder_helpers import committed_keys
 
 SCHEDULES = int(os.environ.get("GENRUN_CHAOS_SCHEDULES", "1"))
 # The seed of the one schedule CI runs: it holds every kind of fault (test_schedules.py), with
@@ -78,7 +78,7 @@ def _reference(prompts: Path, out: Path):
 
 
 def _count(run_dir: Path, tally: Tally) -> list[str]:
-    completed = [key for checkpoint in run_dir.glob("shards/*/checkpoint.json") for key in json.loads(checkpoint.read_text())["completed"]]
+    completed = committed_keys(run_dir)
     counts = Counter(completed)
     tally.expected += len(EXPECTED)
     tally.lost += len(set(EXPECTED) - set(counts))

@@ -14,7 +14,6 @@ of each shard commits, the other samples wait until the test removes the gate fi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ import pytest
 from verl.protocol import DataProto
 
 from tests.conftest import GENRUN, REPO, chat_rows, free_port, kill_group, run_genrun, write_parquet
+from tests.run_folder_helpers import committed_keys, has_committed_part
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -65,12 +65,12 @@ def _gate_env(gate: Path) -> dict[str, str]:
     return {"GENRUN_TEST_GATE": str(gate), "GENRUN_TEST_GATE_FROM": str(GATE_FROM), "GENRUN_TEST_GATE_PER_SHARD": str(PER_SHARD), "PYTHONPATH": str(REPO)}
 
 
-def _checkpoints(out: Path) -> list[Path]:
-    return [out / "shards" / f"shard-{s:05d}" / "checkpoint.json" for s in range(SHARDS)]
+def _shards(out: Path) -> list[str]:
+    return [f"shard-{s:05d}" for s in range(SHARDS)]
 
 
 def _assert_exactly_once(out: Path) -> None:
-    completed = [key for path in sorted((out / "shards").glob("*/checkpoint.json")) for key in json.loads(path.read_text())["completed"]]
+    completed = committed_keys(out)
     assert sorted(completed) == sorted(f"{i}:0" for i in range(PROMPTS)), completed
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
     assert data.non_tensor_batch["index"].tolist() == list(range(PROMPTS))
@@ -85,7 +85,7 @@ def _start_genrun(args: list[str], env: dict, log_path: Path) -> tuple[subproces
 def _wait_generating(process: subprocess.Popen, out: Path, log_path: Path, timeout: float = 240) -> None:
     """Until every shard has committed its first part (the rest wait at the gate)."""
     deadline = time.monotonic() + timeout
-    while not all(path.exists() for path in _checkpoints(out)):
+    while not all(has_committed_part(out, shard) for shard in _shards(out)):
         assert process.poll() is None, f"genrun exited early:\n{log_path.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no part committed in time:\n{log_path.read_text()[-3000:]}"
         time.sleep(0.1)
@@ -284,7 +284,7 @@ def test_ray_head_restarted_between_runs(ray_head, restartable_prefect, tmp_path
         kill_group(process)
         log.close()
     ray_head.gate.unlink()
-    committed = sum(len(json.loads(path.read_text())["completed"]) for path in _checkpoints(out))
+    committed = sum(len(committed_keys(out, shard)) for shard in _shards(out))
     assert committed == SHARDS * GATE_FROM and not (out / "trajectories.pkl").exists()
 
     # The head goes down hard and comes back on the same port.
