@@ -16,6 +16,7 @@ regenerates exactly them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import resource
@@ -27,7 +28,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generation_core.agent_loops import check_agent_loops
-from generation_core.data import PromptSet, ShardSpec
+from generation_core.data import ShardPrompts, ShardSpec
 from generation_core.instrumentation import mark
 from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.part_writer import PartWriter
@@ -82,20 +83,18 @@ def finished_shard(
     return marker
 
 
-def run_shard_job(
-    plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None, prompts: PromptSet | None = None
-) -> ShardManifest:
+def run_shard_job(plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None) -> ShardManifest:
     """Run one shard if it needs work. `lease_generation`: the run's lease on the folder (commits
-    stop if a later run takes it). `prompts`: the dataset, when this process has it loaded."""
+    stop if a later run takes it)."""
     folder = plan.folder
     fence = LeaseFence(lease_generation) if lease_generation is not None else None
     finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
         return finished.as_skipped()
     cfg = plan.cfg
-    if prompts is None:
-        tokenizer = hf_tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-        prompts = PromptSet(cfg, tokenizer)
+    tokenizer = _tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code)
+    # Only this shard's rows, read and filtered here (never the whole dataset).
+    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     client = attach_client(cfg, balancer_name)
     worker = build_streaming_worker(cfg, client, prompts)
     mark(f"shard_worker_ready {shard.shard_id}")
@@ -118,11 +117,17 @@ def run_shard_job(
     return manifest
 
 
-def build_streaming_worker(cfg: DictConfig, llm_client, prompts: PromptSet) -> StreamingWorker:
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_path: str, trust_remote_code: bool):
+    """verl's tokenizer loader, once per process: a Ray worker runs many shards (~0.5 s each)."""
+    return hf_tokenizer(model_path, trust_remote_code=trust_remote_code)
+
+
+def build_streaming_worker(cfg: DictConfig, llm_client, prompts: ShardPrompts) -> StreamingWorker:
     """A streaming worker for this process, with the run's reward function. The agent-loop check
     is the preflight's again: this process (a Ray worker) loads plugins and YAML itself."""
     check_agent_loops(cfg, prompts.agent_names())
-    return StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, prompts.dataset.tokenizer))
+    return StreamingWorker(cfg, llm_client, RewardScorer.from_config(cfg, prompts.tokenizer))
 
 
 def _where_this_runs() -> dict:
@@ -145,9 +150,10 @@ async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompt
 
 
 def shard_sample_keys(prompts, shard: ShardSpec, n: int) -> list[tuple[tuple[int, int], int]]:
-    """(sample key, dataset position) for every trajectory the shard owes, in dataset order."""
+    """(sample key, position among the shard's kept rows) for every trajectory the shard owes,
+    in dataset order (`prompts` holds the rows of `shard` that the overlong filter kept)."""
     keys = []
-    for position in range(shard.start, shard.end):
+    for position in range(len(prompts)):
         keys.extend(((prompts.sample_index(position), rollout_n), position) for rollout_n in range(n))
     return keys
 
@@ -160,10 +166,10 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     """Generate every trajectory of `shard` its checkpoint lacks; returns the manifest (the
     caller writes it as the success marker)."""
     gen = cfg.generation
-    checkpoint = ShardCheckpoint.load(folder, shard.name, fence)
-    checkpoint.attempts += 1
-    # Failed samples of earlier attempts are pending again.
-    checkpoint.failed = []
+    # The attempt's commit record (under a lease, the run's claim on the shard), with the digest
+    # of the shard's rows (library callers' prompts may carry none); failed samples of earlier
+    # attempts are pending again.
+    checkpoint = ShardCheckpoint.start_attempt(folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None))
     done = set(checkpoint.completed)
     owed = shard_sample_keys(prompts, shard, cfg.actor_rollout_ref.rollout.n)
     pending = [(key, position) for key, position in owed if sample_key_text(key) not in done]
@@ -174,14 +180,18 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     engine_before = engine_counters(worker)
     generated_now = 0
     tokens_now = 0
-    writer = PartWriter(folder, shard.name, shard.shard_id, checkpoint, fence)
+    writer = PartWriter(
+        folder, shard.name, shard.shard_id, checkpoint, fence,
+        target_bytes=gen.part_target_bytes, max_seconds=gen.part_max_seconds, max_records=gen.save_batch_size,
+    )
     allowed = allowed_failures(len(owed), gen.max_failed_fraction)
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
     give_up_after = allowed + 2 * gen.max_inflight
     progress = tqdm(total=len(owed), initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
     samples = ((key, prompts.agent_kwargs(position)) for key, position in pending)
-    stream = worker.stream(samples, gen.max_inflight, idle_timeout=gen.pull_timeout)
+    # An idle stream still wakes up in time to commit a part that reached its maximum age.
+    stream = worker.stream(samples, gen.max_inflight, idle_timeout=min(gen.pull_timeout, gen.part_max_seconds))
     try:
         async for record in stream:
             if isinstance(record, SampleFailure):
@@ -193,9 +203,11 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
                 generated_now += 1
                 tokens_now += sum(record.response_mask)
                 progress.update(1)
-            if len(writer.buffer) >= gen.save_batch_size or (record is None and writer.has_uncommitted()) or writer.age() >= gen.pull_timeout:
-                # In a thread: samples in flight keep talking to the engine while a part is
-                # written (an S3 put takes tens of milliseconds).
+            # In a thread: samples in flight keep talking to the engine while a row group or a
+            # part is written (an S3 upload takes tens of milliseconds).
+            if writer.row_group_ready():
+                await asyncio.to_thread(writer.write_row_group)
+            if writer.should_commit():
                 await asyncio.to_thread(writer.commit)
         await asyncio.to_thread(writer.commit)
         if len(checkpoint.failed) > allowed:
@@ -220,6 +232,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
         # Cancels what is still in flight (after a give-up or an error) before we return.
         await stream.aclose()
         progress.close()
+        writer.discard()  # a part still open after an error leaves no file or upload behind
     missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
     if missing:
         raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
@@ -238,6 +251,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
         parts=checkpoint.parts,
         repaired_parts=checkpoint.repaired_parts,
         attempts=checkpoint.attempts,
+        filtered_overlong=prompts.filtered_overlong,
         last_attempt=AttemptStats(
             trajectories=generated_now,
             generated_tokens=tokens_now,

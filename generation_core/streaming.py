@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 import hydra
 import verl.experimental.agent_loop.agent_loop as verl_agent_loop
 from verl.experimental.agent_loop import AgentLoopWorker
@@ -45,6 +45,27 @@ def sample_seed(base: int, key: SampleKey) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+# verl's AgentLoopWorker of the run this process last served. Building one loads the tokenizer,
+# processor, tools and agent-loop YAML again (1.4-2 s): a Ray worker process runs shard after
+# shard of the same run, and each takes the one built for the first.
+_cached_worker: tuple[str, AgentLoopWorker] | None = None
+
+
+def _agent_loop_worker(cfg: DictConfig, client) -> AgentLoopWorker:
+    """The process's AgentLoopWorker for `cfg` (built at its first shard), talking to `client`."""
+    global _cached_worker
+    key = OmegaConf.to_yaml(cfg, resolve=True)
+    if _cached_worker is None or _cached_worker[0] != key:
+        _cached_worker = (key, AgentLoopWorker(cfg, client))
+        return _cached_worker[1]
+    worker = _cached_worker[1]
+    # What AgentLoopWorker.__init__ does with its client.
+    worker.llm_client = client
+    if worker.rollout_config.trace.get("token2text", False):
+        client.tokenizer = worker.tokenizer
+    return worker
+
+
 class StreamingWorker:
     postprocess_seconds: float = 0.0
     """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
@@ -53,7 +74,7 @@ class StreamingWorker:
         gen = cfg.generation
         # Agent loops reach the engine only through this client: every model turn gets retries.
         self.client = RetryingClient(llm_client, retries=gen.request_retries, backoff_seconds=gen.request_backoff_seconds, timeout=gen.request_timeout)
-        self.worker = AgentLoopWorker(cfg, self.client)
+        self.worker = _agent_loop_worker(cfg, self.client)
         self.reward_scorer = reward_scorer
         rollout = cfg.actor_rollout_ref.rollout
         # The same sampling parameters verl's generate_sequences sends for a training step.

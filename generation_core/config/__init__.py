@@ -45,6 +45,8 @@ OPERATIONAL_KEYS = (
     "trainer.project_name",
     "trainer.logger",
     "generation.save_batch_size",
+    "generation.part_target_bytes",
+    "generation.part_max_seconds",
     "generation.pull_timeout",
     "generation.max_inflight",
     "generation.final_merge",
@@ -78,6 +80,8 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval",
     "actor_rollout_ref.rollout.engine_kwargs.remote.max_connections",
     "storage",
+    # How to reach the input files (endpoint, credentials); their content is in the fingerprint.
+    "data.storage_options",
     "ray_kwargs",
 )
 
@@ -94,7 +98,7 @@ OUTPUT_FILES = {
     "data.tool_config_path": "file",
 }
 """Config keys naming files whose content shapes the output, and how preflight reads them:
-`dataset` (data.check_prompt_files: content hash), `model` (preflight.model_identity: config,
+`dataset` (dataset_files.inspect_dataset: metadata plus a sampled content hash), `model` (preflight.model_identity: config,
 tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
 classes it names). Their content stands in for their path in the fingerprint."""
 
@@ -126,7 +130,7 @@ def _scheduled_date() -> str:
 
 
 # Mappings that pass through to another library, which owns their keys.
-OPEN_MAPPINGS = ("storage.options", "ray_kwargs.ray_init")
+OPEN_MAPPINGS = ("storage.options", "data.storage_options", "ray_kwargs.ray_init")
 
 _BUNDLED = {
     "bundled_prompts": lambda: str(bundled.BUNDLED_PROMPTS),
@@ -242,6 +246,8 @@ def _in_open_dict(cfg: DictConfig, key: str) -> bool:
     `engine_kwargs`, ...): such mappings are empty in the defaults."""
     parts = key.split(".")
     for depth in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:depth]) in OPEN_MAPPINGS:
+            return True  # also while it is null (data.storage_options)
         node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
         if isinstance(node, DictConfig):
             return len(node) == 0 or ".".join(parts[:depth]) in OPEN_MAPPINGS
@@ -288,7 +294,7 @@ def validate_values(cfg: DictConfig) -> None:
         ("actor_rollout_ref.rollout.response_length", rollout.response_length),
         ("generation.num_shards", gen.num_shards),
         ("generation.max_inflight", gen.max_inflight),
-        ("generation.save_batch_size", gen.save_batch_size),
+        ("generation.part_target_bytes", gen.part_target_bytes),
         ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
         # The replica layout (engines.layout.resolve_layout, below).
         ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
@@ -325,6 +331,11 @@ def validate_values(cfg: DictConfig) -> None:
         gen.sample_seed is None or rollout.name in SEEDED_ENGINES,
         "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
+    _require(
+        gen.save_batch_size is None or (isinstance(gen.save_batch_size, int) and not isinstance(gen.save_batch_size, bool) and gen.save_batch_size >= 1),
+        "generation.save_batch_size", gen.save_batch_size, "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
+    )
+    _require(_is_number(gen.part_max_seconds) and gen.part_max_seconds > 0, "generation.part_max_seconds", gen.part_max_seconds, "must be a number of seconds > 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
@@ -337,6 +348,8 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
     _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
+    data_options = cfg.data.get("storage_options")
+    _require(data_options is None or isinstance(data_options, DictConfig), "data.storage_options", data_options, "must be null (use storage.options) or a mapping of fsspec options")
     resolve_layout(cfg)
 
 
