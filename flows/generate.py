@@ -8,6 +8,7 @@ and shared by every shard task; they are torn down when the flow ends, also when
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -53,7 +54,10 @@ def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = N
 def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[str, Any]:
     artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
     progress = create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Shards finished (%)")
-    job_plan = plan.to_dict(with_shards=False)
+    # One JSON text, not a dict: Prefect walks every dict and list parameter looking for upstream
+    # futures, at each submission and again in each task (about 0.1 s per shard for a resolved
+    # config); a string it does not walk.
+    job_plan = json.dumps(plan.to_dict(with_shards=False))
     # A Ray the caller started already (the CLI starts it beside the Prefect server) is used as is.
     with RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)) as runner:
         mark("ray_ready")

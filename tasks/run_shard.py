@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from prefect import task
 
 from generation_core.data import ShardSpec
+from generation_core.instrumentation import mark
 from generation_core.job import run_shard_job
 from generation_core.preflight import RunPlan
 
@@ -15,12 +17,14 @@ from generation_core.preflight import RunPlan
 def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
     """Same run, same output folder, same shard: never the flow-run id, so a retried or
     re-deployed flow run finds the shards an earlier run finished."""
-    plan = parameters["plan"]
+    plan = json.loads(parameters["plan"])
     folder = hashlib.sha256(plan["config"]["trainer"]["default_local_dir"].encode()).hexdigest()[:16]
     return f"genrun-{plan['fingerprint'][:24]}-{folder}-shard-{parameters['shard']['shard_id']:05d}"
 
 
 @task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
-def run_shard(plan: dict[str, Any], shard: dict[str, int], balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
-    manifest = run_shard_job(RunPlan.from_dict(plan), ShardSpec.from_dict(shard), balancer_name=balancer_name, lease_generation=lease_generation)
+def run_shard(plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
+    """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict)."""
+    mark(f"shard_task_start {shard['shard_id']}")
+    manifest = run_shard_job(RunPlan.from_dict(json.loads(plan)), ShardSpec.from_dict(shard), balancer_name=balancer_name, lease_generation=lease_generation)
     return manifest.to_dict()
