@@ -22,6 +22,7 @@ from verl.protocol import DataProto
 from generation_core.dispatch import run_in_process
 from generation_core.preflight import preflight
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
+from tests.run_folder_helpers import checkpoint_dict, has_committed_part
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -177,13 +178,12 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     # buffer; prompts 1 and 2 wait at the gate until the kill.
     env = dict(os.environ, **prefect_server.env, GENRUN_TEST_GATE=str(gate), GENRUN_TEST_GATE_FROM="1", GENRUN_TIMELINE=str(timeline))
     gate.write_text("")
-    checkpoint = out / "shards" / "shard-00000" / "checkpoint.json"
     log_path = tmp_path / "killed.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(GENRUN + args(out), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             deadline = time.monotonic() + 300
-            while not checkpoint.exists():
+            while not has_committed_part(out):
                 assert process.poll() is None, f"genrun exited early:\n{log_path.read_text()[-3000:]}"
                 assert time.monotonic() < deadline, f"no part committed in time:\n{log_path.read_text()[-3000:]}"
                 time.sleep(0.1)
@@ -201,7 +201,7 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     output = log_path.read_text()
     assert process.returncode != 0, output[-3000:]
     assert re.search(r"^genrun: error: 1 of 1 shards failed \(generation.retries=0\): shard-00000 Crashed.*WorkerCrashedError.*run the same command again", output.strip().splitlines()[-1]), output[-3000:]
-    at_kill = json.loads(checkpoint.read_text())
+    at_kill = checkpoint_dict(out)
     assert len(at_kill["completed"]) == 3 and {key.split(":")[0] for key in at_kill["completed"]} == {"0"}, at_kill["completed"]
     # One attempt: no second worker started the shard, the checkpoint counts one, and Prefect's
     # task run ran once (a re-execution by Ray runs the same task run again).
