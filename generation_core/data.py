@@ -8,12 +8,15 @@ arguments verl's `RLHFDataset` would give for those rows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -143,78 +146,114 @@ def _rlhf_dataset(cfg: DictConfig, tokenizer):
     return RowsDataset([], tokenizer, cfg.data, processor=None, max_samples=-1)
 
 
-class _FilterInThisProcess:
-    """The `datasets.Dataset` verl's `maybe_filter_out_long_prompts` calls `.filter(predicate)`
-    on, with the predicate (verl's own prompt-length rule) applied row by row in this process.
-    `datasets.Dataset.filter` would first hash the predicate, which holds the tokenizer, to
-    fingerprint the step (~1.2 s per shard), and run it in a worker process."""
+class _PredicateCatcher:
+    """Stands in for the `datasets.Dataset` verl's `maybe_filter_out_long_prompts` calls
+    `.filter(predicate)` on, to take verl's own prompt-length rule (`doc2len(doc) <= max`)
+    and apply it to one row at a time, when the row is about to be dispatched: a shard of 60k
+    prompts would otherwise tokenize them all (~30 s on 2 cores) before its first request, and
+    `datasets.Dataset.filter` first hashes the predicate, which holds the tokenizer (~1.2 s)."""
 
-    def __init__(self, rows: datasets.Dataset):
-        self.rows = rows
+    predicate = None
 
-    def filter(self, predicate, num_proc=None, desc=None) -> datasets.Dataset:
-        kept = [position for position, row in enumerate(self.rows) if predicate(row)]
-        if len(kept) == len(self.rows):
-            return self.rows
-        return datasets.Dataset(datasets.table.InMemoryTable(self.rows.data.table.take(kept)))
+    def filter(self, predicate, num_proc=None, desc=None):
+        self.predicate = predicate
+        return self
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _length_rule(dataset):
+    """verl's overlong-prompt predicate of `dataset` (an RLHFDataset), or None when it filters nothing."""
+    catcher = _PredicateCatcher()
+    # verl prints the length of what its filter returned: meaningless here.
+    with contextlib.redirect_stdout(io.StringIO()):
+        dataset.maybe_filter_out_long_prompts(catcher)
+    return catcher.predicate
 
 
 class ShardPrompts:
-    """The prompts of dataset rows [start, end) that survive verl's overlong filter, in dataset
-    order, as the keyword arguments verl's agent loops take.
+    """The prompts of dataset rows [start, end), as the keyword arguments verl's agent loops take.
 
     The rows are held as Arrow (a `datasets.Dataset` over the shard's table) and become Python
-    one row at a time, when an agent loop needs them. The overlong filter is verl's own
-    `RLHFDataset.maybe_filter_out_long_prompts` on the shard's rows, run once here: the shard job
-    needs its kept rows (their sample ids) before it dispatches anything."""
+    one row at a time, when an agent loop needs them. verl's overlong filter
+    (`RLHFDataset.maybe_filter_out_long_prompts`'s rule) is decided per row when the row is first
+    asked about (`keeps`): the shard job asks just before it dispatches the row, so the shard's
+    first request never waits for its whole range to be tokenized.
+
+    Two views: raw rows (`num_rows`, `row_index`, `keeps`, `row_kwargs`: what the shard job
+    streams over) and kept rows (`len`, `sample_index`, `agent_kwargs`: decides every row at
+    once; library use and tests)."""
 
     def __init__(self, cfg: DictConfig, dataset: DatasetFiles, start: int, end: int, tokenizer):
         table = read_rows(dataset, start, end, data_storage_options(cfg))
+        self.start, self.end = start, end
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
         """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
         self._dataset = _rlhf_dataset(cfg, tokenizer)
-        rows = datasets.Dataset(datasets.table.InMemoryTable(table))
-        self._dataset.dataframe = self._dataset.maybe_filter_out_long_prompts(_FilterInThisProcess(rows))
-        self.filtered_overlong = table.num_rows - len(self._dataset)
-        """Rows of the shard dropped as longer than data.max_prompt_length: never generated."""
-        if self.filtered_overlong:
-            logger.warning(
-                "rows [%d, %d): dropped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
-                start, end, self.filtered_overlong, table.num_rows, cfg.data.max_prompt_length,
-            )
+        self._dataset.dataframe = datasets.Dataset(datasets.table.InMemoryTable(table))
+        self._length_rule = _length_rule(self._dataset)
+        self.num_rows = table.num_rows
+        # Per raw row: 1 kept, 0 dropped as overlong, -1 not decided yet.
+        self._decided = np.full(self.num_rows, -1 if self._length_rule is not None else 1, dtype=np.int8)
+        self._kept_positions: np.ndarray | None = None
         self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
-        kept = self._dataset.dataframe
-        self._indices = pc.struct_field(kept.select_columns(["extra_info"]).with_format("arrow")[:].column("extra_info"), "index").to_numpy()
-        self._names = (
-            pc.unique(kept.select_columns(["agent_name"]).with_format("arrow")[:].column("agent_name")).to_pylist()
-            if "agent_name" in kept.column_names else [None]
-        )
+        self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
+        self._names = pc.unique(table.column("agent_name")).to_pylist() if "agent_name" in table.column_names else [None]
 
     @classmethod
     def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer) -> ShardPrompts:
         return cls(cfg, dataset, shard.start, shard.end, tokenizer)
 
-    def __len__(self) -> int:
-        return len(self._dataset)
+    # ---- raw rows, decided lazily (the shard job) ----
 
-    def agent_names(self) -> set[str]:
-        """Every agent loop the kept rows ask for (per-row `agent_name`, else the default)."""
-        return {name or self.default_agent_loop for name in self._names}
+    def row_index(self, row: int) -> int:
+        """Raw row `row`'s `extra_info.index` (its sample id), without building the row."""
+        return int(self._indices[row])
 
-    def sample_index(self, position: int) -> int:
-        """The kept row's `extra_info.index` (its sample id), without building the row."""
-        return int(self._indices[position])
+    def keeps(self, row: int) -> bool:
+        """Whether verl's overlong filter keeps raw row `row` (tokenizes it the first time)."""
+        if self._decided[row] < 0:
+            self._decided[row] = int(bool(self._length_rule(self._dataset.dataframe[row])))
+        return bool(self._decided[row])
 
-    def agent_kwargs(self, position: int) -> dict[str, Any]:
-        """The kept row's non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
-        row = self._dataset[position]
-        kwargs = {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+    def row_kwargs(self, row: int) -> dict[str, Any]:
+        """Raw row `row`'s non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
+        item = self._dataset[row]
+        kwargs = {k: v for k, v in item.items() if not isinstance(v, torch.Tensor)}
         # A null agent_name (a file where only some rows name one) means the default, as in
         # agent_names(); verl's registry has no loop named None.
         if kwargs.get("agent_name") is None:
             kwargs["agent_name"] = self.default_agent_loop
         return kwargs
+
+    @property
+    def filtered_overlong(self) -> int:
+        """Rows decided so far to be longer than data.max_prompt_length: never generated."""
+        return int((self._decided == 0).sum())
+
+    def agent_names(self) -> set[str]:
+        """Every agent loop the shard's rows ask for (per-row `agent_name`, else the default)."""
+        return {name or self.default_agent_loop for name in self._names}
+
+    # ---- kept rows, all decided at once (library use, tests) ----
+
+    def _kept(self) -> np.ndarray:
+        if self._kept_positions is None:
+            self._kept_positions = np.array([row for row in range(self.num_rows) if self.keeps(row)], dtype=np.int64)
+        return self._kept_positions
+
+    def __len__(self) -> int:
+        return len(self._kept())
+
+    def sample_index(self, position: int) -> int:
+        """The `position`-th kept row's sample id."""
+        return self.row_index(int(self._kept()[position]))
+
+    def agent_kwargs(self, position: int) -> dict[str, Any]:
+        """The `position`-th kept row's agent-loop keyword arguments."""
+        return self.row_kwargs(int(self._kept()[position]))
 
 
 def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 import ray
@@ -149,13 +150,19 @@ async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompt
     return manifest
 
 
-def shard_sample_keys(prompts, shard: ShardSpec, n: int) -> list[tuple[tuple[int, int], int]]:
-    """(sample key, position among the shard's kept rows) for every trajectory the shard owes,
-    in dataset order (`prompts` holds the rows of `shard` that the overlong filter kept)."""
-    keys = []
-    for position in range(len(prompts)):
-        keys.extend(((prompts.sample_index(position), rollout_n), position) for rollout_n in range(n))
-    return keys
+def pending_samples(prompts, n: int, done: set[str]) -> Iterator[tuple[tuple[int, int], dict]]:
+    """(sample key, agent-loop kwargs) for every trajectory of the shard not in `done`, in
+    dataset order, decided row by row as the stream pulls: a row none of whose samples is
+    committed goes through the overlong filter (`prompts.keeps`) just before it is dispatched;
+    a row with a committed sample was kept already."""
+    for row in range(prompts.num_rows):
+        index = prompts.row_index(row)
+        todo = [(index, rollout_n) for rollout_n in range(n) if sample_key_text((index, rollout_n)) not in done]
+        if not todo or (len(todo) == n and not prompts.keeps(row)):
+            continue
+        for key in todo:
+            # Each sample its own dict: an agent loop may change what it is given.
+            yield key, prompts.row_kwargs(row)
 
 
 def allowed_failures(owed: int, max_failed_fraction: float) -> int:
@@ -171,9 +178,10 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     # attempts are pending again.
     checkpoint = ShardCheckpoint.start_attempt(folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None))
     done = set(checkpoint.completed)
-    owed = shard_sample_keys(prompts, shard, cfg.actor_rollout_ref.rollout.n)
-    pending = [(key, position) for key, position in owed if sample_key_text(key) not in done]
-    logger.info("%s: %d of %d trajectories committed, %d to generate", shard.name, len(done), len(owed), len(pending))
+    n = cfg.actor_rollout_ref.rollout.n
+    # Before the overlong filter has seen every row, what the shard owes is known up to it.
+    owed_at_most = prompts.num_rows * n
+    logger.info("%s: %d rows, %d trajectories committed", shard.name, prompts.num_rows, len(done))
 
     started = time.perf_counter()
     postprocess_before = worker.postprocess_seconds
@@ -184,12 +192,11 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
         folder, shard.name, shard.shard_id, checkpoint, fence,
         target_bytes=gen.part_target_bytes, max_seconds=gen.part_max_seconds, max_records=gen.save_batch_size,
     )
-    allowed = allowed_failures(len(owed), gen.max_failed_fraction)
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
-    give_up_after = allowed + 2 * gen.max_inflight
-    progress = tqdm(total=len(owed), initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
-    samples = ((key, prompts.agent_kwargs(position)) for key, position in pending)
+    give_up_after = allowed_failures(owed_at_most, gen.max_failed_fraction) + 2 * gen.max_inflight
+    progress = tqdm(total=owed_at_most, initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
+    samples = pending_samples(prompts, n, done)
     # An idle stream still wakes up in time to commit a part that reached its maximum age.
     stream = worker.stream(samples, gen.max_inflight, idle_timeout=min(gen.pull_timeout, gen.part_max_seconds))
     try:
@@ -210,9 +217,12 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
             if writer.should_commit():
                 await asyncio.to_thread(writer.commit)
         await asyncio.to_thread(writer.commit)
+        # The stream has pulled every row (or gave up): the filter has decided them all.
+        owed = (prompts.num_rows - prompts.filtered_overlong) * n
+        allowed = allowed_failures(owed, gen.max_failed_fraction)
         if len(checkpoint.failed) > allowed:
             raise TooManyFailedSamples(
-                f"{shard.name}: {len(checkpoint.failed)} of {len(owed)} trajectories failed, more than "
+                f"{shard.name}: {len(checkpoint.failed)} of {owed} trajectories failed, more than "
                 f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
                 f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
                 "The next attempt regenerates only the failed and missing samples"
@@ -233,7 +243,12 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
         await stream.aclose()
         progress.close()
         writer.discard()  # a part still open after an error leaves no file or upload behind
-    missing = len(owed) - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
+    if prompts.filtered_overlong:
+        logger.warning(
+            "%s: skipped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
+            shard.name, prompts.filtered_overlong, prompts.num_rows, cfg.data.max_prompt_length,
+        )
+    missing = owed - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
     if missing:
         raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
     stage_seconds = {stage: round(seconds, 3) for stage, seconds in writer.stage_seconds.items()}
@@ -243,7 +258,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
         shard_id=shard.shard_id,
         range=[shard.start, shard.end],
         num_trajectories=len(checkpoint.completed),
-        expected_trajectories=len(owed),
+        expected_trajectories=owed,
         failures=len(checkpoint.failed),
         failed_samples=list(checkpoint.failed),
         response_tokens=checkpoint.response_tokens,

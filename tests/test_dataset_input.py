@@ -100,12 +100,13 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
     kept, filtered = [], 0
     for shard in shards:
         prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
-        filtered += prompts.filtered_overlong
         assert prompts.agent_names() <= {"single_turn_agent"}
+        assert prompts.filtered_overlong == 0, "nothing is tokenized before a row is asked about"
         for position in range(len(prompts)):
             kwargs = prompts.agent_kwargs(position)
             assert prompts.sample_index(position) == kwargs["index"] == kwargs["extra_info"]["index"]
             kept.append(kwargs)
+        filtered += prompts.filtered_overlong
     assert filtered == 20 - len(reference) == 4, "rows 2, 7, 12, 17 are too long"
     assert kept == [_verl_kwargs(reference, p) for p in range(len(reference))]
     assert any(k["tools_kwargs"] for k in kept) and any(reference[p]["agent_name"] is None for p in range(len(reference))), "the rows exercise both"

@@ -25,17 +25,22 @@ class FakePrompts:
     filtered_overlong = 0
 
     def __init__(self, shard):
-        self.start, self.count = shard.start, len(shard)
+        self.start, self.num_rows = shard.start, len(shard)
 
     def __len__(self):
-        return self.count
+        return self.num_rows
 
-    def sample_index(self, position):
-        return 100 + self.start + position
+    def row_index(self, row):
+        return 100 + self.start + row
 
-    def agent_kwargs(self, position):
-        row = self.start + position
+    def keeps(self, row):
+        return True
+
+    def row_kwargs(self, row):
+        row = self.start + row
         return {"index": 100 + row, "agent_name": "single_turn_agent", "raw_prompt": [{"role": "user", "content": str(row)}]}
+
+    sample_index, agent_kwargs = row_index, row_kwargs
 
 
 class ScriptedWorker(StreamingWorker):
