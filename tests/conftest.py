@@ -199,3 +199,6 @@ def s3_server(tmp_path_factory):
     finally:
         kill_group(process)
         log.close()
+        # fsspec keeps S3 filesystems per process, keyed by their options, not by the endpoint
+        # they took from AWS_ENDPOINT_URL: one made for this server must not serve a later test.
+        s3fs.S3FileSystem.clear_instance_cache()
