@@ -187,7 +187,6 @@ class ShardPrompts:
 
     def __init__(self, cfg: DictConfig, dataset: DatasetFiles, start: int, end: int, tokenizer):
         table = read_rows(dataset, start, end, data_storage_options(cfg))
-        self.start, self.end = start, end
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
         """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
