@@ -42,6 +42,7 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE
 
 from generation_core.errors import GenrunError
+from generation_core.request_batching import BATCH_METHOD, RequestBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,10 @@ class RayReplicaBackend:
         rollout = config.actor_rollout_ref.rollout
         self._engine = rollout.name
         self._full_determinism = bool(rollout.get("full_determinism", False))
+        # Our engine servers take many requests per Ray call (request_batching.py); verl's SGLang
+        # and vLLM servers one. A batcher belongs to the event loop it was made in.
+        self._batches = hasattr(handle, BATCH_METHOD)
+        self._batchers: dict[asyncio.AbstractEventLoop, RequestBatcher] = {}
 
     async def generate(
         self,
@@ -265,7 +270,7 @@ class RayReplicaBackend:
         priority = kwargs.pop("priority", 0)
         if priority != 0 and self._engine == "vllm":
             extra["priority"] = priority
-        return await self.handle.generate.remote(
+        call = dict(
             request_id=request_id if self._full_determinism else uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             sampling_params=sampling_params,
@@ -274,6 +279,13 @@ class RayReplicaBackend:
             **extra,
             **kwargs,
         )
+        if not self._batches:
+            return await self.handle.generate.remote(**call)
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = self._batchers[loop] = RequestBatcher(self.handle)
+        return await batcher.call(call)
 
     async def probe(self) -> bool:
         try:

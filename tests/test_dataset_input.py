@@ -117,6 +117,30 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
     assert middle.filtered_overlong == 1
 
 
+@pytest.mark.parametrize("batched_agrees", [True, False])
+def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(tmp_path, tokenizer, monkeypatch, caplog, batched_agrees):
+    """Past the first DECIDE_WINDOW_ROWS (checked against verl's predicate row by row) a shard
+    decides prompt lengths a window per tokenizer call; the kept rows are verl's either way, and
+    a batched rule that disagrees with verl's is dropped for verl's own."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    import generation_core.data as data
+
+    files = [_write(tmp_path / "data" / "a.parquet", _rich_rows(200), 50)]
+    cfg = _cfg(files)
+    if not batched_agrees:
+        real = data._BatchedLengths.keeps
+        monkeypatch.setattr(data._BatchedLengths, "keeps", lambda self, docs: [not k for k in real(self, docs)])
+    reference = RLHFDataset([str(f) for f in files], tokenizer, cfg.data, processor=None, max_samples=-1)
+    prompts = ShardPrompts(cfg, inspect_dataset(cfg).files, 0, 200, tokenizer)
+    with caplog.at_level("WARNING", logger="generation_core.data"):
+        kept = [prompts.sample_index(p) for p in range(len(prompts))]
+    assert kept == [reference[p]["extra_info"]["index"] for p in range(len(reference))]
+    assert prompts.filtered_overlong == 40
+    assert (prompts._batched_lengths is not None) == batched_agrees
+    assert ("disagrees with verl's overlong filter" in caplog.text) != batched_agrees
+
+
 def test_rows_of_a_range_are_read_from_the_overlapping_row_groups_only(tmp_path):
     files = _three_files(tmp_path)
     dataset = inspect_dataset(_cfg(files)).files

@@ -20,6 +20,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
 from generation_core.instrumentation import mark
+from generation_core.request_batching import serve_batch
 
 
 ENGINE_RESTARTS = 3
@@ -35,6 +36,11 @@ class EngineServer:
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+    async def serve_batch(self, requests: list[dict]):
+        """Many `generate` calls in one Ray call, answered as they finish (request_batching.py)."""
+        async for answers in serve_batch(self.generate, requests):
+            yield answers
 
     def health(self) -> dict:
         return dict(self.engine.stats, pid=os.getpid())
