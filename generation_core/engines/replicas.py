@@ -8,13 +8,16 @@ An EngineServer serves the engine contract (engines/base.py) of the engine it ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Callable
 
 import ray
+import torch
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 from generation_core.engines import hf, instant
@@ -22,6 +25,7 @@ from generation_core.engines.base import Engine
 from generation_core.instrumentation import mark
 from generation_core.request_batching import serve_batch
 
+logger = logging.getLogger(__name__)
 
 ENGINE_RESTARTS = 3
 
@@ -31,6 +35,7 @@ class EngineServer:
 
     def __init__(self, build_engine: Callable[[], Engine]):
         # Runs again when Ray restarts a crashed engine actor.
+        _run_at_normal_priority()
         self.engine = build_engine()
         mark("replica_ready")
 
@@ -43,7 +48,7 @@ class EngineServer:
             yield answers
 
     def health(self) -> dict:
-        return dict(self.engine.stats, pid=os.getpid())
+        return dict(self.engine.stats, pid=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0), torch_threads=torch.get_num_threads())
 
     # verl's replica API: weights never change during generation, so these are no-ops.
     async def wake_up(self):
@@ -57,6 +62,29 @@ class EngineServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _run_at_normal_priority() -> None:
+    """Ray starts its worker processes at nice 15, the engine's actor included: on a busy machine
+    the engine, whose batch steps are the run's throughput, would lose the CPU to the shard
+    workers, Prefect and Ray's daemons. Back to nice 0 where the process may (root, or
+    CAP_SYS_NICE); otherwise it stays where Ray put it, level with the shard workers."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, AttributeError):  # AttributeError: no setpriority on this platform
+        logger.info("the engine process keeps nice %d (raising its priority needs CAP_SYS_NICE)", os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0)
+
+
+def cpu_threads_per_replica(replicas_on_node: int) -> int:
+    """Torch threads of one CPU engine replica: the CPUs this process may use (its affinity
+    mask, which containers and taskset narrow) shared by the replicas of its node; more threads
+    than cores only make the replicas preempt each other mid-matmul."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable // max(1, replicas_on_node))
 
 
 class _EngineReplica(RolloutReplica):
@@ -113,13 +141,16 @@ class HFReplica(_EngineReplica):
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             max_batch_size=self.config.max_num_seqs,
-            num_threads=hf_kwargs.get("num_threads") or os.cpu_count(),
+            num_threads=hf_kwargs.get("num_threads"),
             device=device,
             dtype=dtype,
             ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )
-        return lambda: hf.HFEngine(settings)
+        # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
+        replicas_on_node = self.gpus_per_node
+        # Sized where it runs: the actor's node, not the driver's.
+        return lambda: hf.HFEngine(dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)))
 
 
 class InstantReplica(_EngineReplica):

@@ -1,0 +1,46 @@
+"""The engine replica's process on the CPU: it runs at normal priority (Ray starts workers at
+nice 15) and the node's usable cores are shared by the replicas on it, not given to each."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from generation_core.engines import replicas
+from tests.conftest import chat_rows, write_parquet
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_threads_are_the_usable_cores_shared_by_the_replicas_on_the_node(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [replicas.cpu_threads_per_replica(n) for n in (1, 2, 3, 16, 40)] == [16, 8, 5, 1, 1]
+
+
+def test_two_cpu_replicas_split_the_cores_and_run_at_normal_priority(tmp_path, ray_local):
+    from generation_core.pool import ReplicaPool
+    from generation_core.preflight import preflight
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
+    plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.n_gpus_per_node=2", "generation.show_progress=false"])
+
+    async def health():
+        pool = await ReplicaPool.boot(plan.cfg)
+        try:
+            return await pool.check_health()
+        finally:
+            pool.shutdown()
+
+    answers = asyncio.run(health())
+    assert len(answers) == 2
+    cores = len(os.sched_getaffinity(0))
+    assert [a["torch_threads"] for a in answers] == [max(1, cores // 2)] * 2
+    ray_worker_nice = ray_local.get(ray_local.remote(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
+    assert ray_worker_nice > 0, "Ray starts its workers below normal priority (what the engine undoes)"
+    if os.geteuid() == 0:
+        assert [a["nice"] for a in answers] == [0, 0], "the engines left Ray's nice 15"
+    else:
+        # Without CAP_SYS_NICE the engine keeps Ray's level (and says so in its log).
+        assert all(a["nice"] >= 0 for a in answers)
