@@ -191,6 +191,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     writer = PartWriter(
         folder, shard.name, shard.shard_id, checkpoint, fence,
         target_bytes=gen.part_target_bytes, max_seconds=gen.part_max_seconds, max_records=gen.save_batch_size,
+        first_part_max_seconds=gen.first_part_max_seconds,
     )
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
@@ -198,7 +199,7 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     progress = tqdm(total=owed_at_most, initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
     samples = pending_samples(prompts, n, done)
     # An idle stream still wakes up in time to commit a part that reached its maximum age.
-    stream = worker.stream(samples, gen.max_inflight, idle_timeout=min(gen.pull_timeout, gen.part_max_seconds))
+    stream = worker.stream(samples, gen.max_inflight, idle_timeout=min(gen.pull_timeout, writer.first_part_max_seconds))
     try:
         async for record in stream:
             if isinstance(record, SampleFailure):

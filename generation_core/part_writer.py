@@ -154,9 +154,14 @@ class PartWriter:
         target_bytes: int = DEFAULT_PART_TARGET_BYTES,
         max_seconds: float = DEFAULT_PART_MAX_SECONDS,
         max_records: int | None = None,
+        first_part_max_seconds: float | None = None,
     ):
         self.folder, self.shard, self.shard_id, self.checkpoint, self.fence = folder, shard, shard_id, checkpoint, fence
         self.target_bytes, self.max_seconds, self.max_records = target_bytes, max_seconds, max_records
+        # The attempt's first part is cut young: a run shows committed output (and that its
+        # storage works) within seconds of its first trajectory, not a minute later.
+        self.first_part_max_seconds = max_seconds if first_part_max_seconds is None else min(first_part_max_seconds, max_seconds)
+        self.parts_committed = 0
         self.pending: list[TrajectoryRecord] = []
         """Records not yet written as a row group (at most one row group's worth)."""
         self.pending_bytes = 0
@@ -206,7 +211,12 @@ class PartWriter:
             return False
         if self.max_records is not None and len(self.part_keys) >= self.max_records:
             return True
-        return self.part_bytes() >= self.target_bytes or self.age() >= self.max_seconds
+        return self.part_bytes() >= self.target_bytes or self.age() >= self.current_max_seconds
+
+    @property
+    def current_max_seconds(self) -> float:
+        """The open part's age limit (the first part's is shorter)."""
+        return self.first_part_max_seconds if self.parts_committed == 0 else self.max_seconds
 
     def write_row_group(self) -> None:
         """Write the pending records into the open part (opening it first). On a storage error
@@ -280,6 +290,7 @@ class PartWriter:
         self.part_response_tokens = self.part_generated_tokens = 0
         self.new_failures = []
         self.first_buffered_at = None
+        self.parts_committed += 1
 
     def _publish_part(self) -> PartEntry:
         """Write what is pending, close the part and make it appear; its entry."""

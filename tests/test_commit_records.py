@@ -99,7 +99,8 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
     """Every byte of checkpoint the shard ever wrote (its records are never rewritten) against
     the bytes of its parts."""
     shard = ShardSpec(0, 0, 2000)
-    cfg = _cfg("generation.max_inflight=64", *([f"generation.save_batch_size={cap}"] if cap else []))
+    # The size target alone cuts parts here (a slow machine must not cut the first one by age).
+    cfg = _cfg("generation.max_inflight=64", "generation.first_part_max_seconds=null", *([f"generation.save_batch_size={cap}"] if cap else []))
     manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     commit_bytes = sum(_commit_sizes(tmp_path))
     part_bytes = sum(p.bytes for p in manifest.parts)
@@ -246,7 +247,7 @@ def test_parts_are_cut_by_age(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
-    manifest = asyncio.run(run_shard(_cfg("generation.max_inflight=16"), shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
+    manifest = asyncio.run(run_shard(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
     assert len(_commit_sizes(tmp_path)) == 2, "one attempt record, one part record"
 

@@ -91,6 +91,13 @@ def test_part_max_seconds_commits_a_partial_part(tmp_path):
     assert [p.count for p in manifest.parts] == [3, 1], "the three fast samples were committed while the slow one ran"
 
 
+def test_the_first_part_is_cut_young_and_later_parts_by_part_max_seconds(tmp_path):
+    cfg = _cfg("generation.part_max_seconds=100", "generation.first_part_max_seconds=0.3", "generation.max_inflight=4")
+    worker = ScriptedWorker(delays={102: 1.0, 103: 1.0})
+    manifest = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), RunFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 4)), worker))
+    assert [p.count for p in manifest.parts] == [2, 2], "the first part went out 0.3 s after its first trajectory; the second waited for the end"
+
+
 def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_only_it(tmp_path):
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
     folder = RunFolder(str(tmp_path))

@@ -47,6 +47,7 @@ OPERATIONAL_KEYS = (
     "generation.save_batch_size",
     "generation.part_target_bytes",
     "generation.part_max_seconds",
+    "generation.first_part_max_seconds",
     "generation.pull_timeout",
     "generation.max_inflight",
     "generation.final_merge",
@@ -336,6 +337,8 @@ def validate_values(cfg: DictConfig) -> None:
         "generation.save_batch_size", gen.save_batch_size, "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
     )
     _require(_is_number(gen.part_max_seconds) and gen.part_max_seconds > 0, "generation.part_max_seconds", gen.part_max_seconds, "must be a number of seconds > 0")
+    first = gen.get("first_part_max_seconds")
+    _require(first is None or (_is_number(first) and first > 0), "generation.first_part_max_seconds", first, "must be null or a number of seconds > 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
