@@ -72,6 +72,9 @@ OPERATIONAL_KEYS = (
     # A metrics label (verl fills it with the model path, whose content is an input already).
     "actor_rollout_ref.rollout.prometheus.served_model_name",
     "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads",
+    # Reuse skips recomputing a prefix's KV: the same tokens (as with more or fewer threads,
+    # float rounding may differ).
+    "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
     "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
     # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
     # or when it is null the name the servers report: preflight).
@@ -344,6 +347,11 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
     threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")
     _require(threads is None or (isinstance(threads, int) and threads >= 1), "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads", threads, "must be null or an integer >= 1")
+    prefix_bytes = rollout.engine_kwargs.get("hf", {}).get("prefix_cache_bytes")
+    _require(
+        prefix_bytes is None or (isinstance(prefix_bytes, int) and not isinstance(prefix_bytes, bool) and prefix_bytes >= 0),
+        "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes", prefix_bytes, "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
+    )
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
     unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
     _require(not unknown_loggers, "trainer.logger", list(cfg.trainer.logger), f"unknown backend {unknown_loggers[:1]}; known: {', '.join(_TRACKING_BACKENDS)}")

@@ -136,6 +136,7 @@ class HFReplica(_EngineReplica):
         device = self._device()
         # bfloat16 on a GPU (what SGLang/vLLM serve), float32 on the CPU (bf16 matmuls are slow there).
         dtype = hf_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+        prefix_cache_bytes = hf_kwargs.get("prefix_cache_bytes")
         settings = hf.EngineSettings(
             model_path=os.path.expanduser(self.model_config.path),
             prompt_length=self.config.prompt_length,
@@ -145,6 +146,7 @@ class HFReplica(_EngineReplica):
             device=device,
             dtype=dtype,
             ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
+            prefix_cache_bytes=hf.EngineSettings.prefix_cache_bytes if prefix_cache_bytes is None else int(prefix_cache_bytes),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
