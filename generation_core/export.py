@@ -1,0 +1,289 @@
+"""`genrun export`: a run's committed trajectories as one SFT Parquet file (local or s3://).
+
+One row per trajectory, read part by part from the committed parts (never the whole run at
+once), with the chat messages rebuilt from its tokens by sft_messages.py:
+- layout `messages` (default): `messages` (the prompt's messages, then the assistant and the
+  tool/user turns), what verl's `MultiTurnSFTDataset` reads (`data.messages_key`);
+- layout `prompt-response`: `prompt` (the prompt's messages) and `response` (the turns after
+  it), the conversational prompt/completion layout;
+and in both: `index`, `rollout_n`, `data_source`, `reward` (null where the trajectory has no
+score), `num_turns`, `truncated` (the last turn was cut at the length limit: it has no
+end-of-sequence token, which rendering the messages adds) and, when the run had tools, `tools`
+(their schemas, as the agent loop rendered them into the prompt; verl's `data.tools_key`).
+
+Filters: `--min-reward X` keeps trajectories scored at least X; `--best-of-n` keeps the
+highest-scored trajectory of each prompt (ties: the lowest rollout_n), which needs a first pass
+over the parts' index/rollout_n/reward columns. Rows come out shard by shard, sorted by
+(index, rollout_n) within each part. The output file appears whole or not at all
+(RunFolder.open_write), also when the export fails half way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from generation_core.agent_loops import existing_config_file
+from generation_core.errors import GenrunError
+from generation_core.records import TrajectoryRecord, read_part_table, records_from_parquet
+from generation_core.run_folder import CommittedPartRef, committed_parts, read_run_record, read_verified_part
+from generation_core.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
+from generation_core.storage import RunFolder
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("messages", "prompt-response")
+USAGE = "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response] [--tokenizer DIR] [storage.options.KEY=VALUE ...]"
+MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+MESSAGES = pa.list_(MESSAGE)
+
+
+@dataclass
+class ExportOptions:
+    min_reward: float | None = None
+    """Keep trajectories whose reward is at least this (unscored ones are dropped)."""
+    best_of_n: bool = False
+    """Keep the highest-scored trajectory of each prompt."""
+    layout: str = "messages"
+    tokenizer: str | None = None
+    """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
+
+
+@dataclass
+class ExportSummary:
+    output: str
+    rows: int = 0
+    committed: int = 0
+    below_min_reward: int = 0
+    not_best: int = 0
+    truncated: int = 0
+    unmatched_turns: int = 0
+    columns: list[str] = field(default_factory=list)
+
+    def line(self, options: ExportOptions) -> str:
+        dropped = []
+        if options.min_reward is not None:
+            dropped.append(f"{self.below_min_reward} below --min-reward {options.min_reward:g} or unscored")
+        if options.best_of_n:
+            dropped.append(f"{self.not_best} not the best of their prompt")
+        text = f"exported {self.rows} of {self.committed} committed trajectories to {self.output}"
+        text += f" ({'; '.join(dropped)})" if dropped else ""
+        text += f"; {self.truncated} cut at the length limit (truncated=true)"
+        if self.unmatched_turns:
+            text += f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, kept as raw text in user messages"
+        return text
+
+
+def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, list[str]]:
+    """(run folder, output, options, the remaining storage.options.KEY=VALUE arguments)."""
+    positional, rest, options = [], [], ExportOptions()
+    arguments = list(argv)
+    while arguments:
+        argument = arguments.pop(0)
+        name, has_value, value = argument.partition("=")
+        if name in ("--min-reward", "--layout", "--tokenizer"):
+            if not has_value:
+                if not arguments:
+                    raise GenrunError(f"{name} needs a value; {USAGE}")
+                value = arguments.pop(0)
+            if name == "--min-reward":
+                try:
+                    options.min_reward = float(value)
+                except ValueError:
+                    raise GenrunError(f"--min-reward {value!r} is not a number") from None
+                if options.min_reward != options.min_reward:
+                    raise GenrunError("--min-reward nan keeps nothing; give a number")
+            elif name == "--layout":
+                if value not in LAYOUTS:
+                    raise GenrunError(f"--layout {value!r} is not one of {', '.join(LAYOUTS)}")
+                options.layout = value
+            else:
+                options.tokenizer = value
+        elif argument == "--best-of-n":
+            options.best_of_n = True
+        elif argument.startswith("-"):
+            raise GenrunError(f"unknown option {argument!r}; {USAGE}")
+        elif argument.lstrip("+").startswith("storage."):
+            rest.append(argument)
+        else:
+            positional.append(argument)
+    if len(positional) != 2:
+        raise GenrunError(USAGE)
+    return positional[0], positional[1], options, rest
+
+
+def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
+    summary = export_run(run_url, out_url, options, storage_options)
+    print(summary.line(options))
+    return 0
+
+
+def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
+    folder = RunFolder(run_url, storage_options)
+    config = read_run_record(folder)["config"]
+    parts = committed_parts(folder)
+    if not parts:
+        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+    out_folder, out_name = _output_location(out_url, storage_options)
+    tools = run_tool_schemas(config)
+    rebuilder = MessageRebuilder(_tokenizer(config, options.tokenizer), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
+    schema = export_schema(options.layout, tools)
+    keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
+    summary = ExportSummary(out_folder.display(out_name), columns=schema.names)
+    with out_folder.open_write(out_name) as sink:
+        writer = pq.ParquetWriter(sink, schema, compression="zstd")
+        try:
+            for part in parts:
+                records = sorted(records_from_parquet(read_verified_part(folder, part)), key=lambda r: r.key)
+                rows = _part_rows(records, rebuilder, options, keep, tools, summary)
+                if rows:
+                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        finally:
+            writer.close()
+        if not summary.rows:
+            # Raised inside the block: nothing is published.
+            raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed); nothing written")
+    return summary
+
+
+def _part_rows(records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, tools, summary: ExportSummary) -> list[dict[str, Any]]:
+    rows = []
+    for record in records:
+        summary.committed += 1
+        if options.min_reward is not None and (record.reward_score is None or record.reward_score < options.min_reward):
+            summary.below_min_reward += 1
+            continue
+        if keep is not None and record.key not in keep:
+            summary.not_best += 1
+            continue
+        rebuilt = rebuilder.rebuild(_prompt_of(record), record.response_ids, record.response_mask)
+        summary.rows += 1
+        summary.truncated += rebuilt.truncated
+        summary.unmatched_turns += rebuilt.unmatched_turns
+        rows.append(_row(record, rebuilt, options.layout, tools))
+    return rows
+
+
+def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools) -> dict[str, Any]:
+    row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "response": rebuilt.response}
+    row.update(
+        index=record.index,
+        rollout_n=record.rollout_n,
+        data_source=record.input_fields.get("data_source"),
+        reward=record.reward_score,
+        num_turns=record.num_turns,
+        truncated=rebuilt.truncated,
+    )
+    if tools is not None:
+        row["tools"] = _selected_tools(tools, record.input_fields)
+    return row
+
+
+def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
+    text = [pa.field("messages", MESSAGES)] if layout == "messages" else [pa.field("prompt", MESSAGES), pa.field("response", MESSAGES)]
+    fields = [
+        *text,
+        pa.field("index", pa.int64()),
+        pa.field("rollout_n", pa.int32()),
+        pa.field("data_source", pa.string()),
+        pa.field("reward", pa.float64()),
+        pa.field("num_turns", pa.int32()),
+        pa.field("truncated", pa.bool_()),
+    ]
+    if tools is not None:
+        # One type for every row group, inferred from every schema (a row may carry a subset).
+        fields.append(pa.field("tools", pa.array([tools]).type))
+    return pa.schema(fields)
+
+
+def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: float | None) -> set[tuple[int, int]]:
+    """The (index, rollout_n) of the highest-scored trajectory of each prompt (ties: the lowest
+    rollout_n), among those scored at least `min_reward`; reads three columns of every part."""
+    best: dict[int, tuple[float, int]] = {}
+    for part in parts:
+        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
+        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names)):
+            if reward is None or (min_reward is not None and reward < min_reward):
+                continue
+            current = best.get(index)
+            if current is None or reward > current[0] or (reward == current[0] and rollout_n < current[1]):
+                best[index] = (reward, rollout_n)
+    return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
+
+
+def _prompt_of(record: TrajectoryRecord) -> Any:
+    # verl's RLHFDataset hands the agent loop the chat messages as raw_prompt.
+    fields = record.input_fields
+    prompt = fields.get("raw_prompt", record.extra_fields.get("raw_prompt"))
+    if prompt is None:
+        raise GenrunError(f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages")
+    return prompt
+
+
+def _output_location(out_url: str, storage_options: dict[str, Any] | None) -> tuple[RunFolder, str]:
+    """The folder the output goes to (checked writable) and the file name in it."""
+    url = str(out_url)
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or url.endswith("/"):
+        raise GenrunError(f"output {out_url!r} names a folder; give a file name such as out.parquet")
+    if "://" not in url and os.path.isdir(url):
+        raise GenrunError(f"output {out_url!r} is a directory; give a file name such as {os.path.join(url, 'sft.parquet')}")
+    out_folder = RunFolder(parent if parent else ".", storage_options)
+    if "://" not in url and parent and os.path.isfile(parent):
+        raise GenrunError(f"cannot write {out_url!r}: {parent!r} is a file, not a folder")
+    out_folder.check_writable()
+    return out_folder, name
+
+
+def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
+    model = config["actor_rollout_ref"]["model"]
+    path = os.path.expanduser(override or model.get("tokenizer_path") or model["path"])
+    if not os.path.isdir(path):
+        where = "--tokenizer" if override else "the run's actor_rollout_ref.model.path (run.json)"
+        raise GenrunError(f"tokenizer folder {path} ({where}) does not exist here; give the run's model or tokenizer folder with --tokenizer DIR")
+    return path
+
+
+def _tokenizer(config: dict[str, Any], override: str | None):
+    from verl.utils import hf_tokenizer
+
+    trust = bool(config["actor_rollout_ref"]["model"].get("trust_remote_code", False))
+    return hf_tokenizer(_tokenizer_dir(config, override), trust_remote_code=trust)
+
+
+def _eos_ids(config: dict[str, Any], override: str | None) -> set[int]:
+    return eos_token_ids_of(_tokenizer_dir(config, override))
+
+
+def run_tool_schemas(config: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The run's tool schemas as verl's ToolAgentLoop renders them into prompts, or None when
+    the run had no tool config."""
+    multi_turn = config["actor_rollout_ref"]["rollout"].get("multi_turn") or {}
+    paths = {name: multi_turn.get(name) for name in ("tool_config_path", "function_tool_path")}
+    if not any(paths.values()):
+        return None
+    from verl.tools.tool_registry import load_all_tools
+
+    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
+    try:
+        # verl's BaseTool prints every schema it builds.
+        with contextlib.redirect_stdout(io.StringIO()):
+            tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
+    except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
+        raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
+
+
+def _selected_tools(tools: list[dict[str, Any]], input_fields: dict[str, Any]) -> list[dict[str, Any]]:
+    # verl's ToolAgentLoop offers a row only the tools its extra_info.tool_selection names.
+    selection = (input_fields.get("extra_info") or {}).get("tool_selection")
+    if not selection:
+        return tools
+    return [tool for tool in tools if tool.get("function", {}).get("name") in set(selection)]

@@ -1,0 +1,326 @@
+"""`genrun export`: committed trajectories of real runs as SFT Parquet. A sampled run of the
+bundled model (single-turn, rewards, n=2) and a tool-calling run of verl's ToolAgentLoop with the
+scripted engine; the exports are read back by `datasets`, by verl's MultiTurnSFTDataset (loss
+mask checked token by token) and by the chat template (token ids checked against the parts)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
+from flows.cli import main
+from generation_core.data import ShardPrompts
+from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.job import run_shard
+from generation_core.preflight import preflight
+from generation_core.rewards import RewardScorer
+from generation_core.run_folder import committed_parts
+from generation_core.storage import RunFolder
+from generation_core.streaming import StreamingWorker
+from tests.conftest import REPO, write_parquet
+from tests.merge_oracles import read_committed_records
+from tests.scripted_engine import ScriptedEngine
+
+pytestmark = pytest.mark.timeout(300)
+
+TOOLS = REPO / "examples" / "tool_calling" / "tools.yaml"
+TOOL_REWARD = REPO / "examples" / "tool_calling" / "reward.py"
+EXPRESSIONS = {"seven": "3+4", "twelve": "3*4", "nine": "(2+1)**2"}
+QUESTIONS = ["Say hi.", "What is 2 + 2?", "Name a color.", "Write one short sentence about the sea."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from verl.utils import hf_tokenizer
+
+    return hf_tokenizer(str(model_dir))
+
+
+def _run(plan, tokenizer, engine):
+    """Generate the plan's single shard into its folder with `engine`, as a shard job does."""
+    plan.claim_folder()
+    cfg = plan.cfg
+    [shard] = plan.shards
+    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
+    worker = StreamingWorker(cfg, engine, RewardScorer.from_config(cfg, tokenizer))
+    try:
+        return asyncio.run(run_shard(cfg, shard, plan.folder, prompts, worker))
+    finally:
+        worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tmp_path_factory, model_dir, tokenizer):
+    """The bundled model, sampled (seeded), 2 samples of 4 prompts, at most 20 tokens each (some
+    stop, some are cut), scored by the length of their text."""
+    base = tmp_path_factory.mktemp("sampled")
+    rows = [
+        {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        for i, q in enumerate(QUESTIONS)
+    ]
+    reward = base / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return len(solution_str) / 100\n")
+    plan = preflight([
+        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+        f"trainer.default_local_dir={base / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "generation.sample_seed=7",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=20",
+        "generation.save_batch_size=4",
+        f"reward.custom_reward_function.path={reward}",
+        "generation.show_progress=false",
+    ])
+    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=64, response_length=20, num_threads=2))
+    try:
+        manifest = _run(plan, tokenizer, engine)
+    finally:
+        engine.shutdown()
+    assert manifest.num_trajectories == 8
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory, model_dir, tokenizer):
+    """verl's ToolAgentLoop with the calculator, scripted (call, tool answer, final answer), 2
+    samples of 3 prompts, 3 parts; prompt 1's ground truth is wrong (reward 0, the others 1)."""
+    base = tmp_path_factory.mktemp("tools")
+    rows = [
+        {"data_source": "test/arithmetic", "prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": "13" if index == 1 else str(eval(EXPRESSIONS[word]))}, "extra_info": {"split": "test", "index": index}}
+        for index, word in enumerate(EXPRESSIONS)
+    ]
+    plan = preflight([
+        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+        f"trainer.default_local_dir={base / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}",
+        f"reward.custom_reward_function.path={TOOL_REWARD}",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=128",
+        "data.max_response_length=128",
+        "generation.save_batch_size=2",
+        "generation.show_progress=false",
+    ])
+    manifest = _run(plan, tokenizer, ScriptedEngine(tokenizer, EXPRESSIONS))
+    assert manifest.num_trajectories == 6
+    assert len(committed_parts(plan.folder)) == 3
+    return base / "run"
+
+
+def _export(run, out, *options) -> list[dict]:
+    assert main(["export", str(run), str(out), *options]) == 0
+    return pq.read_table(out).to_pylist()
+
+
+def read_committed_records_by_key(run) -> dict:
+    return {record.key: record for record in read_committed_records(RunFolder(str(run)))}
+
+
+def _ids(rendered) -> list[int]:
+    return list(rendered["input_ids"]) if not isinstance(rendered, list) else rendered
+
+
+def _model_turns(record) -> list[list[int]]:
+    """The runs of model tokens (response_mask 1) of a trajectory."""
+    turns, current = [], []
+    for token, mask in zip(record.response_ids, record.response_mask):
+        if mask:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
+def _loss_runs(item) -> list[list[int]]:
+    turns, current = [], []
+    for token, loss in zip(item["input_ids"].tolist(), item["loss_mask"].tolist()):
+        if loss:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
+def _check_sft_dataset(path, records, tokenizer, tools=None):
+    """verl's MultiTurnSFTDataset reads every row; its loss mask covers exactly each assistant
+    turn's tokens as the model generated them, then the template's end of turn."""
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
+
+    dataset = MultiTurnSFTDataset(str(path), tokenizer, OmegaConf.create({"max_length": 1024, "pad_mode": "no_padding"}))
+    assert len(dataset) == len(records)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    for position, record in enumerate(records):
+        expected = [turn + newline if turn[-1] == eos else turn + [eos] + newline for turn in _model_turns(record)]
+        assert _loss_runs(dataset[position]) == expected, (record.key, position)
+
+
+# ---- single-turn: a real model run ------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_single_turn_messages_give_back_the_token_ids(sampled_run, tokenizer, tmp_path):
+    rows = _export(sampled_run, tmp_path / "sft.parquet")
+    records = read_committed_records_by_key(sampled_run)
+    assert sorted((row["index"], row["rollout_n"]) for row in rows) == sorted(records)
+    assert {row["data_source"] for row in rows} == {"test/chat"}
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    truncated = 0
+    for row in rows:
+        record = records[(row["index"], row["rollout_n"])]
+        assert row["reward"] == record.reward_score and row["num_turns"] == record.num_turns == 2
+        assert "tools" not in row
+        messages = row["messages"]
+        assert messages[0] == {"role": "user", "content": QUESTIONS[row["index"]]}
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        assert _ids(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True)) == record.prompt_ids
+        rendered = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+        ended = record.response_ids[-1] == tokenizer.eos_token_id
+        assert row["truncated"] is (not ended)
+        # The template ends the turn with eos and a newline; a cut response lacked the eos.
+        assert rendered == record.prompt_ids + record.response_ids + ([] if ended else [tokenizer.eos_token_id]) + newline
+        truncated += row["truncated"]
+    assert 0 < truncated < len(rows), "the run has both kinds (response_length 20)"
+    _check_sft_dataset(tmp_path / "sft.parquet", [records[(r["index"], r["rollout_n"])] for r in rows], tokenizer)
+
+    from datasets import load_dataset
+
+    loaded = load_dataset("parquet", data_files=str(tmp_path / "sft.parquet"), split="train")
+    assert loaded.to_list() == rows
+
+
+def test_min_reward_and_best_of_n(sampled_run, tmp_path):
+    everything = _export(sampled_run, tmp_path / "all.parquet")
+    rewards = {(row["index"], row["rollout_n"]): row["reward"] for row in everything}
+    threshold = sorted(rewards.values())[len(rewards) // 2]
+    kept = _export(sampled_run, tmp_path / "min.parquet", "--min-reward", str(threshold))
+    assert sorted((r["index"], r["rollout_n"]) for r in kept) == sorted(k for k, v in rewards.items() if v >= threshold)
+
+    best = {}
+    for (index, n), reward in sorted(rewards.items()):
+        if index not in best or reward > rewards[(index, best[index])]:
+            best[index] = n
+    chosen = _export(sampled_run, tmp_path / "best.parquet", "--best-of-n")
+    assert sorted((r["index"], r["rollout_n"]) for r in chosen) == sorted(best.items())
+    both = _export(sampled_run, tmp_path / "both.parquet", "--best-of-n", f"--min-reward={threshold}")
+    assert sorted((r["index"], r["rollout_n"]) for r in both) == sorted((i, n) for i, n in best.items() if rewards[(i, n)] >= threshold)
+
+
+def test_prompt_response_layout(sampled_run, tmp_path):
+    messages = _export(sampled_run, tmp_path / "messages.parquet")
+    layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-response")
+    assert list(layout[0]) == ["prompt", "response", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
+    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "response")}, "messages": row["prompt"] + row["response"]} for row in layout] == [
+        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated")} | {"messages": row["messages"]} for row in messages
+    ]
+    assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["response"]] == ["assistant"] for row in layout)
+
+
+# ---- multi-turn: verl's tool loop ---------------------------------------------------------------
+
+
+def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenizer, tmp_path):
+    rows = _export(tool_run, tmp_path / "sft.parquet")
+    records = read_committed_records_by_key(tool_run)
+    engine = ScriptedEngine(tokenizer, EXPRESSIONS)
+    assert [(row["index"], row["rollout_n"]) for row in rows] == sorted(records), "shard order; sorted within each part"
+    for row in rows:
+        word = list(EXPRESSIONS)[row["index"]]
+        expression = EXPRESSIONS[word]
+        question = f"Compute {word} with the calculator."
+        assert row["messages"] == [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": engine.turn_text(question)},
+            {"role": "tool", "content": str(eval(expression))},
+            {"role": "assistant", "content": f"The answer is {eval(expression)}."},
+        ]
+        assert row["tools"] == [CALCULATOR_SCHEMA]
+        assert row["reward"] == (0.0 if row["index"] == 1 else 1.0) and row["num_turns"] == 4 and row["truncated"] is False
+        assert row["data_source"] == "test/arithmetic"
+        # The one place the token stream and the template's rendering differ: verl's builder
+        # starts the tool turn right after the call's <|im_end|>, the template puts a newline there.
+        record = records[(row["index"], row["rollout_n"])]
+        newline = tokenizer.encode("\n", add_special_tokens=False)
+        first = record.response_mask.index(0)
+        joined = record.prompt_ids + record.response_ids[:first] + newline + record.response_ids[first:] + newline
+        assert _ids(tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=True)) == joined
+    _check_sft_dataset(tmp_path / "sft.parquet", [records[(r["index"], r["rollout_n"])] for r in rows], tokenizer)
+
+
+def test_tool_run_filters(tool_run, tmp_path):
+    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "min.parquet", "--min-reward", "0.5")] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "best.parquet", "--best-of-n")] == [(0, 0), (1, 0), (2, 0)], "ties: the lowest rollout_n"
+    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "both.parquet", "--best-of-n", "--min-reward", "1")] == [(0, 0), (2, 0)]
+
+
+def test_export_to_and_from_s3(tool_run, s3_server, monkeypatch, tmp_path, capsys):
+    import s3fs
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    endpoint = s3_server["AWS_ENDPOINT_URL"]
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+    fs.put(str(tool_run), "genrun-test/runs/export-tools", recursive=True)
+    # Only the command line says where the bucket is.
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    out = "s3://genrun-test/exports/tools.parquet"
+    assert main(["export", "s3://genrun-test/runs/export-tools", out, f"storage.options.endpoint_url={endpoint}"]) == 0
+    assert f"exported 6 of 6 committed trajectories to {out}" in capsys.readouterr().out
+    local = _export(tool_run, tmp_path / "local.parquet")
+    with fs.open("genrun-test/exports/tools.parquet", "rb") as handle:
+        assert pq.read_table(handle).to_pylist() == local
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+def _refused(capsys, *arguments) -> str:
+    assert main(["export", *map(str, arguments)]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("genrun: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
+    out = tmp_path / "out.parquet"
+    assert "is not a genrun run folder" in _refused(capsys, tmp_path / "nothing-here", out)
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    shutil.copy(tool_run / "run.json", empty / "run.json")
+    assert "has no committed trajectories yet" in _refused(capsys, empty, out)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert "a-file" in _refused(capsys, tool_run, blocker / "out.parquet")
+    assert "is a directory" in _refused(capsys, tool_run, tmp_path)
+    assert "--min-reward 'high' is not a number" in _refused(capsys, tool_run, out, "--min-reward", "high")
+    assert "--layout 'chat' is not one of messages, prompt-response" in _refused(capsys, tool_run, out, "--layout=chat")
+    assert "unknown option '--best'" in _refused(capsys, tool_run, out, "--best")
+    assert "usage: genrun export RUN_DIR OUT.parquet" in _refused(capsys, tool_run)
+    assert "only storage.options.KEY=VALUE may follow" in _refused(capsys, tool_run, out, "storage.bad=1")
+    assert "no trajectory of" in _refused(capsys, tool_run, out, "--min-reward", "2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty-run"], "nothing written, no temporary files"
+
+
+def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tool_run, damaged)
+    last = committed_parts(RunFolder(str(damaged)))[-1]
+    part = damaged / last.path
+    part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "sft.parquet").write_bytes(b"the previous export")
+    assert "does not match the checksum" in _refused(capsys, damaged, out_dir / "sft.parquet")
+    assert [p.name for p in out_dir.iterdir()] == ["sft.parquet"] and (out_dir / "sft.parquet").read_bytes() == b"the previous export"
