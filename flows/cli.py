@@ -5,6 +5,9 @@
                                     shards done / running / pending with counts
     genrun merge DIR [storage.options.KEY=VALUE ...]
                                     (re)build trajectories.pkl from committed parts
+    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response]
+                  [--tokenizer DIR] [storage.options.KEY=VALUE ...]
+                                    committed trajectories as an SFT Parquet file (chat messages)
 
 Heavy imports (verl, torch, Prefect, Ray) wait until the command needs them: `genrun --help` and
 a refused input answer at once.
@@ -139,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     _setup_environment()
     try:
         argv = move_credentials_to_environment(argv)
+        if argv and argv[0] == "export":
+            from generation_core.export import export_command, parse_export_arguments
+
+            run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
+            return export_command(run_dir, out, export_options, storage_options_from(rest))
         if argv and argv[0] in ("status", "merge"):
             from generation_core.status import merge_folder, print_status
 
