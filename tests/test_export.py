@@ -324,3 +324,85 @@ def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
     (out_dir / "sft.parquet").write_bytes(b"the previous export")
     assert "does not match the checksum" in _refused(capsys, damaged, out_dir / "sft.parquet")
     assert [p.name for p in out_dir.iterdir()] == ["sft.parquet"] and (out_dir / "sft.parquet").read_bytes() == b"the previous export"
+
+
+# ---- another template family: Qwen2.5's tool turns, built by verl's Qwen builder ----------------
+
+# Qwen2.5-Instruct's chat template: tool answers become one user turn of <tool_response> blocks.
+QWEN25_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
+    """Two parallel tool answers, then a user turn, as verl's Qwen continuous-token builder
+    appends them (a newline inserted after the stopped <|im_end|>), come back as two tool
+    messages and one user message; a run of context tokens no template shape explains is kept
+    as raw text and counted."""
+    from transformers import AutoTokenizer
+    from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
+
+    from generation_core.sft_messages import MessageRebuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = QWEN25_TEMPLATE
+    tools = [CALCULATOR_SCHEMA]
+    builder = QwenContinuousTokenBuilder(tokenizer)
+    prompt = [{"role": "user", "content": "Compute seven and twelve."}]
+    prompt_ids = builder.build_initial_tokens(prompt, tools=tools)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+4"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    stream, mask = list(prompt_ids), []
+
+    def assistant(text):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        stream.extend(ids)
+        mask.extend([1] * len(ids))
+
+    def context(previous, added):
+        merged = builder.merge_context_tokens(previous, previous + added, stream, tools=tools)
+        mask.extend([0] * (len(merged.token_ids) - len(stream)))
+        stream[:] = merged.token_ids
+
+    history = [*prompt, {"role": "assistant", "content": call}]
+    assistant(call)
+    answers = [{"role": "tool", "content": "7"}, {"role": "tool", "content": "12"}]
+    context(history, answers)
+    assistant("Both done.")
+    history += [*answers, {"role": "assistant", "content": "Both done."}]
+    context(history, [{"role": "user", "content": "Now add them."}])
+    assistant("19")
+
+    rebuilder = MessageRebuilder(tokenizer, tools, eos_token_ids={tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    rebuilt = rebuilder.rebuild(prompt, stream[len(prompt_ids):], mask)
+    assert rebuilt.messages == [
+        *prompt,
+        {"role": "assistant", "content": call},
+        *answers,
+        {"role": "assistant", "content": "Both done."},
+        {"role": "user", "content": "Now add them."},
+        {"role": "assistant", "content": "19"},
+    ]
+    assert not rebuilt.truncated and rebuilt.unmatched_turns == 0
+
+    odd = tokenizer.encode("<|im_start|>observation\nsomething<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    ids = stream[len(prompt_ids):][: mask.index(0)] + odd
+    rebuilt = rebuilder.rebuild(prompt, ids, [1] * mask.index(0) + [0] * len(odd))
+    assert rebuilt.messages[-1] == {"role": "user", "content": tokenizer.decode(odd, skip_special_tokens=False)}
+    assert rebuilt.unmatched_turns == 1 and rebuilt.truncated is False
