@@ -131,12 +131,16 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_recovers(engine, pr
     assert _generate_all(engine, [prompts[0]], {"temperature": 0})[0].token_ids
 
 
-def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts):
+@pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed-steps", "plain-steps"])
+def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts, mixed_steps):
     """Three slots, nine requests of very different lengths arriving over time: slots are
     reused, the KV store grows past its first size and shifts its window left, and a longer
     prompt joins a batch whose timeline is shorter than it. Every token must still be the
-    model's greedy choice given everything before it, and its logprob the re-scored one."""
-    small = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=100, max_batch_size=3, num_threads=2))
+    model's greedy choice given everything before it, and its logprob the re-scored one; with
+    joiners prefilled in the decode step (mixed) and apart (plain, the path for models the
+    packed attention cannot drive)."""
+    small = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=100, max_batch_size=3, num_threads=2, mixed_steps=mixed_steps))
+    assert small._mixed is mixed_steps
     lengths = [100, 4, 40, 9, 70, 1, 25, 50, 12]
     requests = [(prompts[i % len(prompts)], n) for i, n in enumerate(lengths)]
 
@@ -161,6 +165,41 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         # Greedy: each chosen token's logprob is the row's best (fp32 batch kernels: 1e-3 slack).
         assert (rows.max(dim=1).values - chosen).max().item() < 1e-3
         assert (chosen - torch.tensor(out.log_probs)).abs().max().item() < 1e-3
+
+
+def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(model_dir, prompts):
+    """Requests joining a running batch one by one: with mixed steps joiners are prefilled in the
+    batch's decode pass, a pass runs at most max_step_tokens tokens (one joiner may pass it
+    alone), and every answer and logprob equals the plain engine's."""
+    staggered = prompts * 2
+    params = {"temperature": 0, "logprobs": True, "max_tokens": 16, "ignore_eos": True}
+    results = {}
+    for mixed in (True, False):
+        engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2, mixed_steps=mixed, max_step_tokens=60))
+        try:
+            outputs = _generate_all(engine, staggered, params, stagger=0.1)
+            results[mixed] = (outputs, dict(engine.stats))
+        finally:
+            engine.shutdown()
+    (mixed_out, mixed_stats), (plain_out, plain_stats) = results[True], results[False]
+    assert [o.token_ids for o in mixed_out] == [o.token_ids for o in plain_out]
+    assert max(abs(a - b) for m, p in zip(mixed_out, plain_out) for a, b in zip(m.log_probs, p.log_probs)) < 1e-4
+    assert mixed_stats["prefill_tokens"] == plain_stats["prefill_tokens"] == sum(len(p) for p in staggered)
+    assert mixed_stats["mixed_steps"] > 0 and plain_stats["mixed_steps"] == 0
+    assert mixed_stats["largest_step_tokens"] <= max(60, 8 + max(len(p) for p in staggered))
+
+
+def test_a_model_whose_attention_mixed_steps_cannot_drive_runs_plain_steps(model_dir, prompts, monkeypatch):
+    from generation_core.engines import packed_step
+
+    monkeypatch.setattr(packed_step, "agrees_with_plain_forwards", lambda *args: False)
+    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=4, num_threads=2))
+    try:
+        assert engine._mixed is False
+        assert engine.model.config._attn_implementation == "sdpa"
+        assert len(_generate_all(engine, prompts[:2], {"temperature": 0, "max_tokens": 4})[1].token_ids) == 4
+    finally:
+        engine.shutdown()
 
 
 def _per_row_reference(logits, params, generators):
@@ -295,7 +334,7 @@ def test_a_decode_loop_that_dies_fails_every_waiting_request(tiny_model_dir):
 
     engine = _tiny_engine(tiny_model_dir, max_batch_size=1)
     _slow_forward(engine)
-    original = engine._decode_step
+    original = engine._step
     steps = {"n": 0}
 
     def dies_on_the_third_step(batch):
@@ -304,7 +343,7 @@ def test_a_decode_loop_that_dies_fails_every_waiting_request(tiny_model_dir):
             raise LoopBug("injected")
         return original(batch)
 
-    engine._decode_step = dies_on_the_third_step
+    engine._step = dies_on_the_third_step
     try:
         outcomes = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 300, "ignore_eos": True}))
     finally:

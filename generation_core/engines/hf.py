@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
-from transformers.cache_utils import Cache, DynamicLayer
 from verl.workers.rollout.replica import TokenOutput
 
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
+from generation_core.engines import packed_step
+from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache
 from generation_core.engines.sampling import sample_next_tokens
+from generation_core.engines.slot_batch import KVShape, SlotBatch
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,13 @@ class EngineSettings:
     """KV of finished sequences kept for the next turn of their trajectory (prefix_cache.py), on
     the engine's device; 0: none kept, every prompt is prefilled whole. 512 MiB is ~11k tokens
     of the bundled 135M model."""
+    mixed_steps: bool = True
+    """Joiners' prompts are prefilled in the same forward pass as the running batch's decode
+    tokens (packed_step.py), when the model's attention allows it (checked at start)."""
+    max_step_tokens: int = 8192
+    """Most tokens one mixed step runs (decode tokens + joiners' new prompt tokens): joiners beyond
+    it wait for the next step (rollout.max_num_batched_tokens). A prompt is never split: one
+    longer than this still joins, alone."""
 
 
 @dataclass(eq=False)
@@ -94,6 +103,8 @@ class HFEngine:
         self.max_model_len = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.name = f"transformers engine ({path.name} on {settings.device})"
         """How errors name this engine."""
+        self._kv_shape = KVShape.of(self.config, self.model.dtype, settings.device)
+        self._mixed = settings.mixed_steps and self._mixed_steps_work()
         self._incoming: queue.Queue[_Sequence] = queue.Queue()
         self._wakeup = threading.Event()
         self._stopped = False
@@ -109,6 +120,9 @@ class HFEngine:
             "forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0,
             # prefill_tokens: prompt tokens run through the model (padding and reused tokens not counted).
             "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
+            # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
+            # tokens one pass ran.
+            "mixed_steps": 0, "largest_step_tokens": 0,
         }
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -179,7 +193,7 @@ class HFEngine:
             self._fail_waiting("shut down" if self._stopped else "stopped (its decode loop ended)")
 
     def _loop(self) -> None:
-        batch = _SlotBatch(self.settings.max_batch_size)
+        batch = SlotBatch(self.settings.max_batch_size)
         while not self._stopped:
             if not batch.live_slots() and self._incoming.empty():
                 self._wakeup.wait(timeout=0.5)
@@ -188,8 +202,7 @@ class HFEngine:
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
-                    self._admit(batch)
-                    self._decode_step(batch)
+                    self._step(batch)
             except Exception as exc:  # noqa: BLE001 - every caller in the step must hear of it
                 # The batch and the joiners (admitted from the queue, not in the batch yet); the
                 # queue waits for the next step, on a fresh batch.
@@ -199,12 +212,105 @@ class HFEngine:
                     failure = EngineStepFailed(f"{self.name}: a batch step failed with {type(exc).__name__}: {exc}")
                     failure.__cause__ = exc
                     _resolve(seq, failure)
-                batch = _SlotBatch(self.settings.max_batch_size)
+                batch = SlotBatch(self.settings.max_batch_size)
             finally:
                 self._joining = []
             self.stats["busy_seconds"] += time.perf_counter() - started
 
-    def _admit(self, batch: "_SlotBatch") -> None:
+    def _step(self, batch: "SlotBatch") -> None:
+        """One turn of the decode loop: joiners in, one token for every sequence in the batch."""
+        if self._mixed:
+            self._mixed_step(batch)
+        else:
+            self._admit(batch)
+            self._decode_step(batch)
+
+    def _mixed_steps_work(self) -> bool:
+        """Switch the model to the packed attention and check, on a scratch batch, that mixed
+        steps give the logits plain forwards give (two joiners, then a decode step with a third
+        joining); otherwise stay with plain steps."""
+        previous = self.model.config._attn_implementation
+        try:
+            packed_step.register()
+            self.model.set_attn_implementation(packed_step.PACKED_ATTENTION)
+            with torch.inference_mode():
+                if packed_step.agrees_with_plain_forwards(self.model, self._kv_shape, self.settings.device, bool(self._last_logits_only)):
+                    return True
+            logger.warning("%s: mixed prefill+decode steps disagree with plain forwards for this model; using plain steps", self.name)
+        except Exception as exc:  # noqa: BLE001 - any model the packed attention cannot drive runs plain steps
+            logger.warning("%s: mixed prefill+decode steps unavailable for this model (%s: %s); using plain steps", self.name, type(exc).__name__, exc)
+        self.model.set_attn_implementation(previous)
+        return False
+
+    def _mixed_step(self, batch: "SlotBatch") -> None:
+        """Admit joiners (up to the free slots and max_step_tokens), then one forward pass that
+        decodes every live slot and prefills every joiner's prompt (after its reused prefix)."""
+        decoding = batch.live_slots()
+        budget = self.settings.max_step_tokens - len(decoding)
+        joiners: list[tuple[_Sequence, int, KV | None]] = []
+        joining = self._joining = []
+        while len(joining) < batch.free_slots():
+            try:
+                seq = self._incoming.queue[0]
+            except IndexError:
+                break
+            prompt_len = len(seq.prompt_ids)
+            if joining and prompt_len > budget:
+                break  # waits for the next step (counted whole: a prefix it may reuse is not looked up yet)
+            self._incoming.get_nowait()
+            if seq.future.cancelled():
+                continue
+            joining.append(seq)
+            hit = self._prefix_cache.take(seq.prompt_ids) if self._prefix_cache is not None else None
+            if self._prefix_cache is not None:
+                self.stats["prefix_hits" if hit else "prefix_misses"] += 1
+            reused, prefix = hit if hit is not None else (0, None)
+            if hit is not None:
+                self.stats["prefix_reused_tokens"] += reused
+            joiners.append((seq, reused, prefix))
+            budget -= prompt_len - reused
+        if not decoding and not joiners:
+            return
+        device = self.settings.device
+        if joiners:
+            joiner_slots = batch.place(joiners, self._kv_shape)
+        else:
+            joiner_slots = []
+            batch.make_room(1, self._kv_shape)
+        ids = [batch.sequences[slot].token_ids[-1] for slot in decoding]
+        positions = [batch.end - batch.row_start[slot] for slot in decoding]
+        keep = list(range(len(decoding)))
+        layout = []
+        for slot, (seq, reused, _) in zip(joiner_slots, joiners):
+            ids.extend(seq.prompt_ids[reused:])
+            positions.extend(range(reused, len(seq.prompt_ids)))
+            keep.append(len(ids) - 1)
+            layout.append((slot, batch.row_start[slot], len(seq.prompt_ids) - reused))
+            self.stats["prefill_tokens"] += len(seq.prompt_ids) - reused
+        rows = max(decoding) + 1 if decoding else 0
+        decode_start = min((batch.row_start[slot] for slot in decoding), default=batch.end)
+        step = PackedStep(
+            batch=batch,
+            decoding=decoding,
+            decoding_index=torch.tensor(decoding, dtype=torch.long, device=device),
+            decode_rows=rows,
+            decode_start=decode_start,
+            decode_mask=batch.decode_mask(rows, decoding, decode_start, device) if decoding else None,
+            joiners=layout,
+        )
+        logits = packed_step.forward(self.model, step, ids, positions, keep, device, bool(self._last_logits_only))
+        batch.advance()
+        self.stats["forward_steps"] += 1
+        self.stats["mixed_steps"] += bool(decoding and joiners)
+        self.stats["largest_step_tokens"] = max(self.stats["largest_step_tokens"], len(ids))
+        slots = decoding + joiner_slots
+        seqs = [batch.sequences[slot] for slot in slots]
+        for row in self._sample(seqs, logits):
+            # Copied out before the slot is freed: the next joiner overwrites its columns.
+            self._finish(seqs[row], batch.kv_of(slots[row]))
+            batch.leave(slots[row])
+
+    def _admit(self, batch: "SlotBatch") -> None:
         free = batch.free_slots()
         # Taken from the queue, in no batch yet: a failure before they join fails them too (_loop).
         joining = self._joining = []
@@ -232,7 +338,7 @@ class HFEngine:
         if fresh:
             self._prefill(batch, fresh)
 
-    def _prefill(self, batch: "_SlotBatch", joining: list[_Sequence]) -> None:
+    def _prefill(self, batch: "SlotBatch", joining: list[_Sequence]) -> None:
         # The joiners' prompts are prefilled together in a cache of their own; their KV then
         # moves into free slots of the running batch (a copy of the joiners only).
         width = max(len(s.prompt_ids) for s in joining)
@@ -261,7 +367,7 @@ class HFEngine:
             else:
                 batch.join(seq, own)
 
-    def _prefill_after_prefix(self, batch: "_SlotBatch", seq: _Sequence, reused: int, prefix: KV) -> None:
+    def _prefill_after_prefix(self, batch: "SlotBatch", seq: _Sequence, reused: int, prefix: KV) -> None:
         """Prefill `seq`'s prompt after its first `reused` tokens, whose KV is `prefix`; then it
         joins the batch with the KV of its whole prompt, as a joiner prefilled whole does."""
         device = self.settings.device
@@ -299,7 +405,7 @@ class HFEngine:
             self._prefix_cache.put(tokens, kv)
         _resolve(seq, None)
 
-    def _decode_step(self, batch: "_SlotBatch") -> None:
+    def _decode_step(self, batch: "SlotBatch") -> None:
         # Every live sequence feeds its last token (joiners got their first from the prefill).
         if not batch.live_slots():
             return
@@ -341,142 +447,6 @@ class HFEngine:
         self.stats["generated_tokens"] += len(seqs)
         self.stats["finished"] += len(finished)
         return finished
-
-
-class _SlotBatch:
-    """The running decode batch: one slot per sequence in a preallocated KV store.
-
-    All slots share one column timeline: a decode step writes every slot's new key/value at
-    column `end`, in place. A sequence that joins at column `end` with a prompt of p tokens has
-    its prompt's KV copied to columns [end - p, end) of a free slot, and attends only to its own
-    columns (per-slot attention mask), so the rest of the batch is never copied when somebody
-    joins or leaves. The model sees the window [start, end), where `start` is the oldest live
-    sequence's first column; the store is shifted left (one copy) only when it runs out of room.
-    Free slots below the highest live slot ride along masked to their own current column.
-    """
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.sequences: list[_Sequence | None] = [None] * num_slots
-        self.row_start = [0] * num_slots
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.start = 0
-        self.end = 0
-        self.cache = Cache(layers=[])
-
-    # ---- membership ------------------------------------------------------------------------
-
-    def live_slots(self) -> list[int]:
-        return [slot for slot, seq in enumerate(self.sequences) if seq is not None]
-
-    def free_slots(self) -> int:
-        return sum(seq is None for seq in self.sequences)
-
-    def join(self, seq: _Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put `seq` in the lowest free slot; `kv` is its prefilled prompt, [1, heads, width, dim]
-        per layer with the prompt right-aligned (left padding)."""
-        p = len(seq.prompt_ids)
-        if not self.keys:
-            self._allocate(kv, columns=max(2 * p, 64))
-            self.start = self.end = p
-        elif self.end < p:
-            self._shift(p - self.end)
-        slot = self.sequences.index(None)
-        for layer, (k, v) in enumerate(kv):
-            self.keys[layer][slot, :, self.end - p : self.end] = k[0, :, -p:]
-            self.values[layer][slot, :, self.end - p : self.end] = v[0, :, -p:]
-        self.sequences[slot] = seq
-        self.row_start[slot] = self.end - p
-        self.start = min(self.row_start[s] for s in self.live_slots())
-
-    def kv_of(self, slot: int) -> KV:
-        """What `slot` holds, as views into the store: columns [row_start, end) of each layer."""
-        lo, hi = self.row_start[slot], self.end
-        return [(k[slot : slot + 1, :, lo:hi], v[slot : slot + 1, :, lo:hi]) for k, v in zip(self.keys, self.values)]
-
-    def leave(self, slot: int) -> None:
-        self.sequences[slot] = None
-        live = self.live_slots()
-        if not live:
-            # Empty: the next joiner starts a fresh timeline (memory is kept for it).
-            self.start = self.end = 0
-            return
-        self.start = min(self.row_start[s] for s in live)
-
-    # ---- one decode step -------------------------------------------------------------------
-
-    def step_inputs(self, device: str) -> dict[str, torch.Tensor]:
-        """Model inputs for one decode step over slots [0, highest live slot]."""
-        if self.end >= self.keys[0].shape[2]:
-            self._make_room()
-        rows = max(self.live_slots()) + 1
-        last, starts = [], []
-        for slot in range(rows):
-            seq = self.sequences[slot]
-            # A free slot attends only to the new column: no empty softmax, no effect on others.
-            last.append(seq.token_ids[-1] if seq is not None else 0)
-            starts.append(self.row_start[slot] if seq is not None else self.end)
-        starts_t = torch.tensor(starts).unsqueeze(1)
-        columns = torch.arange(self.start, self.end + 1).unsqueeze(0)
-        self.cache.layers = [_WindowLayer(self, layer, rows) for layer in range(len(self.keys))]
-        return {
-            "input_ids": torch.tensor(last).unsqueeze(1).to(device),
-            "attention_mask": (columns >= starts_t).long().to(device),
-            "position_ids": (self.end - starts_t).to(device),
-        }
-
-    def advance(self) -> None:
-        self.end += 1
-
-    # ---- storage ---------------------------------------------------------------------------
-
-    def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]], columns: int) -> None:
-        self.keys = [k.new_zeros((self.num_slots, k.shape[1], columns, k.shape[3])) for k, _ in kv]
-        self.values = [v.new_zeros((self.num_slots, v.shape[1], columns, v.shape[3])) for _, v in kv]
-
-    def _make_room(self) -> None:
-        """The next column is past the store: shift the window to column 0 when that frees at
-        least a quarter of the store, otherwise double it."""
-        capacity = self.keys[0].shape[2]
-        if self.start >= capacity // 4:
-            self._shift(-self.start)
-        else:
-            self._resize(2 * capacity, 0)
-
-    def _shift(self, by: int) -> None:
-        """Move every column by `by` (negative: left), growing the store if needed."""
-        capacity = self.keys[0].shape[2]
-        self._resize(max(capacity, self.end + by + 1), by)
-
-    def _resize(self, capacity: int, shift: int) -> None:
-        lo, hi = self.start, self.end
-        for store in (self.keys, self.values):
-            for layer, old in enumerate(store):
-                new = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
-                new[:, :, lo + shift : hi + shift] = old[:, :, lo:hi]
-                store[layer] = new
-        self.row_start = [start + shift for start in self.row_start]
-        self.start, self.end = lo + shift, hi + shift
-
-
-class _WindowLayer(DynamicLayer):
-    """One layer of the slot store as transformers sees it during a decode step: the new key and
-    value are written at column `end` in place, and attention gets the window [start, end]."""
-
-    def __init__(self, batch: _SlotBatch, layer: int, rows: int):
-        super().__init__()
-        self.batch, self.layer, self.rows = batch, layer, rows
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        b, layer, rows = self.batch, self.layer, self.rows
-        b.keys[layer][:rows, :, b.end : b.end + 1] = key_states
-        b.values[layer][:rows, :, b.end : b.end + 1] = value_states
-        return b.keys[layer][:rows, :, b.start : b.end + 1], b.values[layer][:rows, :, b.start : b.end + 1]
-
-    def get_seq_length(self) -> int:
-        return self.batch.end - self.batch.start
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,7 @@ class HFReplica(_EngineReplica):
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             max_batch_size=self.config.max_num_seqs,
+            max_step_tokens=int(self.config.max_num_batched_tokens),
             num_threads=hf_kwargs.get("num_threads"),
             device=device,
             dtype=dtype,
