@@ -1,19 +1,23 @@
-"""Publish a finished run: trajectories.zip, throughput metrics through verl's Tracking, and the
-W&B artifact (uploaded, or as references to the S3 objects)."""
+"""Publish a finished run: trajectories.zip, the run report (report.html, its plots also in W&B),
+throughput metrics through verl's Tracking, and the W&B artifact (uploaded, or as references to
+the S3 objects)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.tracking import Tracking
 
 from generation_core.errors import GenrunError
+from generation_core.report_html import Report, write_report
 from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, merged_files
 from generation_core.storage import RunFolder, redacted_options
 from generation_core.summary import throughput_metrics
@@ -46,13 +50,20 @@ def write_zip(folder: RunFolder) -> str:
     return folder.display(ZIP_FILE)
 
 
-def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> dict[str, Any]:
-    """Zip (when merged), log metrics on every configured backend, upload the W&B artifact."""
+def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_report: Callable[[Report], None] | None = None) -> dict[str, Any]:
+    """Zip (when merged), write the run report, log metrics (and the report's plots) on every
+    configured backend, upload the W&B artifact. `on_report` is handed the report (the flow
+    shows its plots as Prefect artifacts)."""
     gen = cfg.generation
     backends = list(cfg.trainer.logger)
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
     if "artifact" in summary:
         published["zip"] = write_zip(folder)
+    report = _write_report(folder)
+    if report is not None:
+        published["report"] = report.location
+        if on_report is not None:
+            on_report(report)
     tracking = Tracking(
         project_name=cfg.trainer.project_name,
         experiment_name=cfg.trainer.experiment_name,
@@ -61,6 +72,8 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> 
     )
     try:
         tracking.log(data=published["metrics"], step=0)
+        if report is not None and "wandb" in backends:
+            _log_wandb_plots(report)
         if gen.upload_artifact and "wandb" in backends:
             if "zip" not in published:
                 raise GenrunError("generation.upload_artifact needs the merged output: set generation.final_merge=true")
@@ -68,6 +81,23 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> 
     finally:
         tracking.finish()
     return published
+
+
+def _write_report(folder: RunFolder) -> Report | None:
+    """report.html in the run folder; None for a run with nothing committed (nothing to show)."""
+    try:
+        return write_report(folder)
+    except GenrunError as exc:
+        logger.warning("no run report: %s", exc)
+        return None
+
+
+def _log_wandb_plots(report: Report) -> None:
+    """The report's plots as W&B images (`report/<plot>`), in the run Tracking started."""
+    import wandb
+    from PIL import Image
+
+    wandb.log({f"report/{plot.name}": wandb.Image(Image.open(io.BytesIO(plot.png)), caption=plot.title) for plot in report.plots}, step=0)
 
 
 def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Prefect task: publish the run (generation_core.publish.publish_run: zip, metrics, W&B
-artifact) and show it in the Prefect UI (shard table and output location)."""
+"""Prefect task: publish the run (generation_core.publish.publish_run: zip, report, metrics, W&B
+artifact) and show it in the Prefect UI (shard table, output location, the report's plots)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,35 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
 from generation_core.preflight import RunPlan
 from generation_core.publish import publish_run
+from generation_core.report_html import Report
 from generation_core.run_folder import ShardManifest
 from generation_core.summary import shard_stats
 
 
 @task(name="publish", cache_policy=NO_CACHE)
 def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[ShardManifest], artifact_key: str) -> dict[str, Any]:
-    published = publish_run(plan.cfg, plan.folder, summary)
+    published = publish_run(plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key))
     create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
     lines = [
         f"# Trajectories: {summary['num_trajectories']}",
         f"- output folder: `{summary['output']}`",
         f"- merged DataProto: `{summary.get('artifact', 'not merged (generation.final_merge=false)')}`",
         f"- zip: `{published.get('zip', 'none')}`; W&B artifact: `{published.get('wandb_artifact', 'none')}`",
+        f"- report (plots, failures, trajectory viewer): `{published.get('report', 'none')}`",
         f"- generated tokens: {summary['generated_tokens']}",
         f"- fingerprint: `{summary['fingerprint']}`",
     ]
     create_markdown_artifact(key=f"{artifact_key}-output", markdown="\n".join(lines), description="Where the run's output is")
     return dict(summary, published=published)
+
+
+def report_artifacts(report: Report, artifact_key: str) -> None:
+    """The report's plots in the flow run's Artifacts tab: one image artifact per plot and one
+    markdown artifact with all of them (both inline PNG data URLs: nothing to host)."""
+    for plot in report.plots:
+        create_image_artifact(image_url=plot.data_url, key=f"{artifact_key}-{plot.name}", description=plot.title)
+    create_markdown_artifact(key=f"{artifact_key}-report", markdown=report.markdown(), description=f"Run report: {report.location}")
