@@ -61,6 +61,7 @@ class ExportSummary:
     output: str
     rows: int = 0
     committed: int = 0
+    scored: int = 0
     below_min_reward: int = 0
     not_best: int = 0
     truncated: int = 0
@@ -149,7 +150,9 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
             writer.close()
         if not summary.rows:
             # Raised inside the block: nothing is published.
-            raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed); nothing written")
+            if not summary.scored:
+                raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written")
+            raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written")
     return summary
 
 
@@ -157,6 +160,7 @@ def _part_rows(records: list[TrajectoryRecord], rebuilder: MessageRebuilder, opt
     rows = []
     for record in records:
         summary.committed += 1
+        summary.scored += record.reward_score is not None
         if options.min_reward is not None and (record.reward_score is None or record.reward_score < options.min_reward):
             summary.below_min_reward += 1
             continue
@@ -207,14 +211,18 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
     """The (index, rollout_n) of the highest-scored trajectory of each prompt (ties: the lowest
     rollout_n), among those scored at least `min_reward`; reads three columns of every part."""
     best: dict[int, tuple[float, int]] = {}
+    scored = 0
     for part in parts:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
         for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names)):
+            scored += reward is not None
             if reward is None or (min_reward is not None and reward < min_reward):
                 continue
             current = best.get(index)
             if current is None or reward > current[0] or (reward == current[0] and rollout_n < current[1]):
                 best[index] = (reward, rollout_n)
+    if not scored:
+        raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)")
     return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
 
 

@@ -16,6 +16,7 @@ from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
 from generation_core.data import ShardPrompts
 from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.job import run_shard
 from generation_core.preflight import preflight
 from generation_core.rewards import RewardScorer
@@ -113,6 +114,28 @@ def tool_run(tmp_path_factory, model_dir, tokenizer):
     manifest = _run(plan, tokenizer, ScriptedEngine(tokenizer, EXPRESSIONS))
     assert manifest.num_trajectories == 6
     assert len(committed_parts(plan.folder)) == 3
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def unscored_run(tmp_path_factory, model_dir, tokenizer):
+    """The instant engine (no model), no reward function: 3 prompts, one sample each."""
+    base = tmp_path_factory.mktemp("unscored")
+    rows = [
+        {"data_source": "test/unscored", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        for i, q in enumerate(QUESTIONS[:3])
+    ]
+    plan = preflight([
+        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+        f"trainer.default_local_dir={base / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.show_progress=false",
+    ])
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+    assert _run(plan, tokenizer, engine).num_trajectories == 3
     return base / "run"
 
 
@@ -234,7 +257,7 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
     rows = _export(tool_run, tmp_path / "sft.parquet")
     records = read_committed_records_by_key(tool_run)
     engine = ScriptedEngine(tokenizer, EXPRESSIONS)
-    assert [(row["index"], row["rollout_n"]) for row in rows] == sorted(records), "shard order; sorted within each part"
+    assert sorted((row["index"], row["rollout_n"]) for row in rows) == sorted(records)
     for row in rows:
         word = list(EXPRESSIONS)[row["index"]]
         expression = EXPRESSIONS[word]
@@ -259,9 +282,12 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
 
 
 def test_tool_run_filters(tool_run, tmp_path):
-    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "min.parquet", "--min-reward", "0.5")] == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "best.parquet", "--best-of-n")] == [(0, 0), (1, 0), (2, 0)], "ties: the lowest rollout_n"
-    assert [(r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "both.parquet", "--best-of-n", "--min-reward", "1")] == [(0, 0), (2, 0)]
+    def keys(*options):
+        return sorted((r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "out.parquet", *options))
+
+    assert keys("--min-reward", "0.5") == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert keys("--best-of-n") == [(0, 0), (1, 0), (2, 0)], "ties: the lowest rollout_n"
+    assert keys("--best-of-n", "--min-reward", "1") == [(0, 0), (2, 0)]
 
 
 def test_export_to_and_from_s3(tool_run, s3_server, monkeypatch, tmp_path, capsys):
@@ -406,3 +432,16 @@ def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
     rebuilt = rebuilder.rebuild(prompt, ids, [1] * mask.index(0) + [0] * len(odd))
     assert rebuilt.messages[-1] == {"role": "user", "content": tokenizer.decode(odd, skip_special_tokens=False)}
     assert rebuilt.unmatched_turns == 1 and rebuilt.truncated is False
+
+
+def test_a_run_without_rewards(unscored_run, model_dir, tmp_path, capsys):
+    rows = _export(unscored_run, tmp_path / "sft.parquet")
+    assert sorted(row["index"] for row in rows) == [0, 1, 2]
+    assert all(row["reward"] is None and row["data_source"] == "test/unscored" for row in rows)
+    assert "exported 3 of 3 committed trajectories" in capsys.readouterr().out
+    # The run's model folder is not needed when --tokenizer names one.
+    assert _export(unscored_run, tmp_path / "again.parquet", "--tokenizer", str(model_dir)) == rows
+    assert "does not exist here" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--tokenizer", str(tmp_path / "no-tokenizer"))
+    assert "has a reward, which --min-reward needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--min-reward", "0")
+    assert "has a reward, which --best-of-n needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--best-of-n")
+    assert not (tmp_path / "x.parquet").exists()
