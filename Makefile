@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.genrun-installed
 ARGS ?=
 
-.PHONY: setup setup-vllm demo test test-all test-remote chaos bench clean-outputs
+.PHONY: setup setup-vllm browser demo test test-all test-remote chaos bench clean-outputs
 
 setup: $(STAMP)
 	$(BIN)/python -m generation_core.bundled
@@ -26,10 +26,10 @@ demo: setup
 
 # CI's command. Tests marked `extended` (covered here by cheaper ones) run in `make test-all`;
 # tests against a real vLLM server (`vllm_server`: a 3.4 GB environment) in `make test-remote`.
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q -m "not extended and not vllm_server" tests
 
-test-all: setup setup-vllm
+test-all: setup setup-vllm browser
 	$(BIN)/python -m pytest -q tests
 
 # vLLM on the CPU (its own environment under infra/vllm_cpu/), for rollout.name=remote.
@@ -42,6 +42,14 @@ test-remote: setup setup-vllm
 # The full chaos suite: GENRUN_CHAOS_SCHEDULES seeded fault schedules (make test runs one).
 chaos: setup
 	GENRUN_CHAOS_SCHEDULES=$${GENRUN_CHAOS_SCHEDULES:-8} GENRUN_CHAOS_SEED=$${GENRUN_CHAOS_SEED:-0} $(BIN)/python -m pytest -q -s tests/chaos/test_chaos.py
+
+# Debian's Chromium, for the report's browser test (tests/test_report_browser.py drives it with
+# playwright's executable_path; playwright's own browser download is never used).
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 clean-outputs:
 	rm -rf outputs

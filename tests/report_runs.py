@@ -11,7 +11,10 @@ from generation_core.data import ShardPrompts
 from generation_core.finish import finish_run
 from generation_core.job import run_shard
 from generation_core.preflight import RunPlan, preflight
+from generation_core.records import TrajectoryRecord, records_from_parquet
 from generation_core.rewards import RewardScorer
+from generation_core.run_folder import committed_parts, read_verified_part
+from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
@@ -80,3 +83,9 @@ def tool_run(directory: Path, model_dir: Path, output: str | None = None) -> Run
             worker.shutdown()
     finish_run(plan, manifests, 1.0)
     return plan
+
+
+def committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
+    """The run's trajectories read straight from its committed parts (the tests' oracle)."""
+    records = [r for part in committed_parts(folder) for r in records_from_parquet(read_verified_part(folder, part))]
+    return sorted(records, key=lambda r: r.key)

@@ -16,13 +16,12 @@ import pytest
 from PIL import Image
 
 from flows.cli import main
-from generation_core.records import TrajectoryRecord, records_from_parquet, records_to_table
+from generation_core.records import TrajectoryRecord, records_to_table
 from generation_core.report_data import STOP_REASONS, Limits, sample_hash, stop_reasons
 from generation_core.report_html import REPORT_FILE, split_report_arguments
-from generation_core.run_folder import committed_parts, read_verified_part
 from generation_core.storage import RunFolder
 from tests.conftest import chat_rows, write_parquet
-from tests.report_runs import COMMITTED, FAILING_ROW, ROLLOUT_N, ROWS, WRONG_ROW, tool_run
+from tests.report_runs import COMMITTED, FAILING_ROW, ROLLOUT_N, ROWS, WRONG_ROW, committed_records, tool_run
 from tests.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,12 +42,6 @@ def tokenizer(model_dir):
     from verl.utils import hf_tokenizer
 
     return hf_tokenizer(str(model_dir))
-
-
-def committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
-    """The run's trajectories read straight from its committed parts (the oracle)."""
-    records = [r for part in committed_parts(folder) for r in records_from_parquet(read_verified_part(folder, part))]
-    return sorted(records, key=lambda r: r.key)
 
 
 def viewer_data(page: str) -> dict:
