@@ -239,6 +239,23 @@ def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
     assert sample_next_tokens(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6).tolist() == logits.argmax(-1).tolist()
 
 
+def test_unfiltered_sampling_draws_from_the_tempered_softmax_and_seeded_rows_stay_their_own():
+    """No top-k/top-p (the default): tokens are drawn without sorting the vocabulary; the
+    frequencies follow softmax(logits / T) and a seeded row ignores its neighbours."""
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=0.5)] * 4000
+    chosen = sample_next_tokens(logits, params, [None] * 4000)
+    observed = torch.bincount(chosen, minlength=4).float() / 4000
+    expected = (logits[0] / 0.5).softmax(-1)
+    assert (observed - expected).abs().max().item() < 0.03, (observed, expected)
+    mixed = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.0)]
+    wide = torch.randn(3, 500)
+    draws = {int(sample_next_tokens(wide, mixed, [None, torch.Generator().manual_seed(5), None])[1]) for _ in range(20)}
+    alone = int(sample_next_tokens(wide[1:2], mixed[1:2], [torch.Generator().manual_seed(5)])[0])
+    assert draws == {alone}
+
+
 # ---- nothing hangs, stop reasons, the instant engine's answers ---------------------------------
 
 

@@ -43,31 +43,48 @@ def sample_next_tokens(
         rows = logits.float()
     temperature = torch.tensor([params[i].temperature for i in sampled_rows], dtype=rows.dtype, device=device).unsqueeze(1)
     rows = rows / temperature
-    sorted_logits, sorted_ids = rows.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled_rows], device=device).unsqueeze(1)
-    remove = rank >= top_k
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p: the top token always survives.
-    mass_before = probs.cumsum(dim=-1) - probs
-    top_p = torch.tensor([params[i].top_p for i in sampled_rows], dtype=probs.dtype, device=device).unsqueeze(1)
-    remove |= mass_before >= top_p
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    filtered_probs = sorted_logits.softmax(dim=-1)
-
-    # Position (in the sorted order) of the token drawn for each sampled row.
-    picks = torch.empty(len(sampled_rows), 1, dtype=torch.long, device=device)
-    unseeded = [n for n, i in enumerate(sampled_rows) if generators[i] is None]
-    if len(unseeded) == len(sampled_rows):
-        picks = torch.multinomial(filtered_probs, 1)
-    elif unseeded:
-        unseeded_index = torch.tensor(unseeded, device=device)
-        picks[unseeded_index] = torch.multinomial(filtered_probs.index_select(0, unseeded_index), 1)
-    for n, i in enumerate(sampled_rows):
-        if generators[i] is not None:
-            picks[n] = torch.multinomial(filtered_probs[n], 1, generator=generators[i])
-    tokens = sorted_ids.gather(1, picks).squeeze(1)
+    if all(params[i].top_k <= 0 or params[i].top_k >= vocab for i in sampled_rows) and all(params[i].top_p >= 1.0 for i in sampled_rows):
+        # Nothing to filter (the default sampling): no sort over the vocabulary, which costs
+        # several times the draw itself on a CPU.
+        tokens = _draw(rows.softmax(dim=-1), [generators[i] for i in sampled_rows])
+    else:
+        tokens = _filtered_draw(rows, [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows])
     if sampled_index is None:
         return tokens
     chosen[sampled_index] = tokens
     return chosen
+
+
+def _filtered_draw(rows: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of tempered logits `rows`, after that row's top-k and top-p."""
+    device, vocab = rows.device, rows.shape[1]
+    sorted_logits, sorted_ids = rows.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
+    remove = rank >= top_k
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p: the top token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device).unsqueeze(1)
+    remove |= mass_before >= top_p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    filtered_probs = sorted_logits.softmax(dim=-1)
+
+    # Position (in the sorted order) of the token drawn for each row.
+    return sorted_ids.gather(1, _draw(filtered_probs, generators).unsqueeze(1)).squeeze(1)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One index per row of `probs`: rows without a generator in one batched draw, a seeded row
+    alone with its generator (its draw does not depend on the other rows)."""
+    picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    unseeded = [n for n, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return torch.multinomial(probs, 1).squeeze(1)
+    if unseeded:
+        unseeded_index = torch.tensor(unseeded, device=probs.device)
+        picks[unseeded_index] = torch.multinomial(probs.index_select(0, unseeded_index), 1).squeeze(1)
+    for n, generator in enumerate(generators):
+        if generator is not None:
+            picks[n] = torch.multinomial(probs[n], 1, generator=generator)[0]
+    return picks
