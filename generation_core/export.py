@@ -24,7 +24,7 @@ import contextlib
 import io
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -66,7 +66,6 @@ class ExportSummary:
     not_best: int = 0
     truncated: int = 0
     unmatched_turns: int = 0
-    columns: list[str] = field(default_factory=list)
 
     def line(self, options: ExportOptions) -> str:
         dropped = []
@@ -137,7 +136,7 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     rebuilder = MessageRebuilder(_tokenizer(config, options.tokenizer), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
-    summary = ExportSummary(out_folder.display(out_name), columns=schema.names)
+    summary = ExportSummary(out_folder.display(out_name))
     with out_folder.open_write(out_name) as sink:
         writer = pq.ParquetWriter(sink, schema, compression="zstd")
         try:
@@ -161,7 +160,7 @@ def _part_rows(records: list[TrajectoryRecord], rebuilder: MessageRebuilder, opt
     for record in records:
         summary.committed += 1
         summary.scored += record.reward_score is not None
-        if options.min_reward is not None and (record.reward_score is None or record.reward_score < options.min_reward):
+        if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
             summary.below_min_reward += 1
             continue
         if keep is not None and record.key not in keep:
@@ -216,7 +215,7 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
         for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names)):
             scored += reward is not None
-            if reward is None or (min_reward is not None and reward < min_reward):
+            if not _scored_at_least(reward, min_reward):
                 continue
             current = best.get(index)
             if current is None or reward > current[0] or (reward == current[0] and rollout_n < current[1]):
@@ -224,6 +223,13 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
     if not scored:
         raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)")
     return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
+
+
+def _scored_at_least(reward: float | None, minimum: float | None) -> bool:
+    """Scored (a NaN score is not one) and, with a minimum, at least that."""
+    if reward is None or reward != reward:
+        return False
+    return minimum is None or reward >= minimum
 
 
 def _prompt_of(record: TrajectoryRecord) -> Any:
@@ -286,7 +292,7 @@ def run_tool_schemas(config: dict[str, Any]) -> list[dict[str, Any]] | None:
             tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
     except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
         raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools] or None
 
 
 def _selected_tools(tools: list[dict[str, Any]], input_fields: dict[str, Any]) -> list[dict[str, Any]]:

@@ -280,6 +280,10 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
         assert _ids(tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=True)) == joined
     _check_sft_dataset(tmp_path / "sft.parquet", [records[(r["index"], r["rollout_n"])] for r in rows], tokenizer)
 
+    from datasets import load_dataset
+
+    assert load_dataset("parquet", data_files=str(tmp_path / "sft.parquet"), split="train").to_list() == rows
+
 
 def test_tool_run_filters(tool_run, tmp_path):
     def keys(*options):
