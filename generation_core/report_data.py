@@ -237,6 +237,8 @@ class _Collector:
             rows = np.flatnonzero(hashes < np.uint64(-self.heap[0][0]))
         else:
             rows = np.arange(table.num_rows)
+        # Only the part's lowest hashes can enter the sample: decode at most sample_size rows.
+        rows = rows[np.argsort(hashes[rows], kind="stable")[: self.sample_size]]
         if not len(rows):
             return
         for row, record in zip(rows, records_of(table.take(pa.array(rows)))):
