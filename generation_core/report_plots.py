@@ -105,7 +105,10 @@ def turns(data: ReportData) -> Plot:
     figure = _figure()
     axes = figure.add_subplot()
     axes.bar(values, counts, color=_COLORS[2], width=0.7)
-    axes.set_xticks(values, [str(v) for v in values])
+    if len(values) <= 20:
+        axes.set_xticks(values, [str(v) for v in values])
+    else:
+        axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_xlim(values.min() - 1.5, values.max() + 1.5)
     axes.set(xlabel="turns per trajectory (user, assistant and tool turns)", ylabel="trajectories", title="Turns per trajectory")
     return Plot("turns", "Turns per trajectory", _png(figure))
