@@ -155,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "report":
             from generation_core.report_html import report_command, split_report_arguments
 
-            if len(argv) < 2:
+            sample, rest = split_report_arguments(argv[1:])
+            if not rest:
                 raise GenrunError("usage: genrun report DIR [--sample N] [storage.options.KEY=VALUE ...]")
-            sample, rest = split_report_arguments(argv[2:])
-            return report_command(argv[1], storage_options_from(rest), sample)
+            return report_command(rest[0], storage_options_from(rest[1:]), sample)
         if argv and argv[0] in ("status", "merge"):
             from generation_core.status import merge_folder, print_status
 

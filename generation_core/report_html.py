@@ -35,7 +35,7 @@ class Report:
 
     def markdown(self) -> str:
         """The plots as markdown (a Prefect artifact), images inline."""
-        lines = [f"# Run report", f"`{self.location}`: {self.trajectories:,} trajectories, {self.shown:,} in its trajectory viewer", ""]
+        lines = ["# Run report", f"`{self.location}`: {self.trajectories:,} trajectories, {self.shown:,} in its trajectory viewer", ""]
         for plot in self.plots:
             lines += [f"## {plot.title}", f"![{plot.title}]({plot.data_url})", ""]
         return "\n".join(lines)

@@ -25,8 +25,9 @@ from generation_core.report_data import STOP_REASONS, ReportData, data_source_of
 
 logger = logging.getLogger(__name__)
 
-TOKEN_BUDGET = 400_000
-"""Prompt and response tokens embedded in the viewer at most (about 3 MB of page)."""
+TOKEN_BUDGET = 250_000
+"""Prompt and response tokens embedded in the viewer at most (about 20 bytes of page each with
+logprobs: about 5 MB)."""
 _REPLACEMENT = "\ufffd"
 _JOIN_AT_MOST = 4
 
