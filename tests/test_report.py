@@ -139,8 +139,10 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
 def test_the_viewer_holds_a_capped_uniform_sample(run_dir, capsys, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    code, out, _ = report(copy, capsys, "--sample", "3")
-    assert code == 0 and out.endswith(f"({COMMITTED} trajectories; the viewer holds 3)\n")
+    # --sample may come before the folder too.
+    assert main(["report", "--sample", "3", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith(f"({COMMITTED} trajectories; the viewer holds 3)\n")
     page = (copy / REPORT_FILE).read_text()
     data = viewer_data(page)
     records = committed_records(RunFolder(str(copy)))
