@@ -195,7 +195,7 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
 def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path, monkeypatch):
     from generation_core.dispatch import run_in_process
     from generation_core.preflight import preflight
-    from tests.wandb_offline import history_keys, offline_run_files
+    from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -213,6 +213,7 @@ def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path
     # An image is logged as nested keys (report/<plot>/format, .../width, ...; the PNG is a media file).
     images = {key.rsplit("/", 1)[0] for key in history_keys(run_file) if key.startswith("report/") and key.endswith("/format")}
     assert images == {"report/response-length", "report/turns", "report/stop-reasons", "report/throughput"}, "no reward in this run: no reward plot"
+    assert artifacts(run_file) == [], "images in the run's history, no artifact beside the trajectories' own"
 
 
 @pytest.mark.timeout(300)
