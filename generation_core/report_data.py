@@ -2,7 +2,7 @@
 
 Committed parts are streamed one at a time (orphans of crashed writes are never read) and each
 is reduced to a few numbers per trajectory: response length, model tokens, reward, turns, data
-source and why the response stopped. Memory grows by about 30 bytes per trajectory, plus one
+source and why the response stopped. Memory grows by about 25 bytes per trajectory, plus one
 part and the viewer's sample. The viewer's sample is the `sample_size` trajectories with the
 lowest hash of their sample id: uniform, the same on every report of the run, and chosen
 while streaming (a bounded heap), so no second pass over the parts is needed.

@@ -154,6 +154,25 @@ def test_the_viewer_holds_a_capped_uniform_sample(run_dir, capsys, tmp_path):
     assert f"<dt>trajectories</dt><dd>{COMMITTED}</dd>" in page
 
 
+def test_report_of_an_unfinished_run(run_dir, capsys, tmp_path):
+    """A run interrupted before its second shard committed anything: what is committed is shown."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "shards" / "shard-00001")
+    code, out, err = report(copy, capsys)
+    assert code == 0, err
+    assert out.endswith("(6 trajectories; the viewer holds 6)\n")
+    page = (copy / REPORT_FILE).read_text()
+    table = re.search(r'<table id="shard-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)]
+    assert [row[:7] for row in rows] == [
+        ["shard-00000", "0–3", "done", "6", "6", "0", "3"],
+        ["shard-00001", "3–6", "pending", "0", "6", "0", "0"],
+    ]
+    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [f"{i}:{n}" for i in range(3) for n in range(ROLLOUT_N)]
+    assert "No sample failed." in page
+
+
 def test_refusals_are_one_line_with_exit_2(run_dir, capsys, tmp_path):
     code, out, err = report(tmp_path / "nothing-here", capsys)
     assert (code, out) == (2, "") and err == f"genrun: error: {tmp_path / 'nothing-here'} is not a genrun run folder (no run.json)\n"
