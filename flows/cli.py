@@ -24,22 +24,20 @@ import sys
 from typing import Any
 
 from generation_core.bundled import cache_root
+from generation_core.console import setup_logging
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import mark
 
 USAGE = __doc__
+logger = logging.getLogger("genrun")
 
 
 def _setup_environment() -> None:
     # verl's RLHFDataset writes through the HF datasets cache; keep it in our cache, not $HOME's default.
     os.environ.setdefault("HF_DATASETS_CACHE", str(cache_root() / "datasets"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    level = os.environ.get("GENRUN_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "datasets", "filelock", "urllib3", "fsspec", "s3fs", "botocore", "asyncio", "ray"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # verl builds a tokenizer wiring per sample and logs its choice (and a fallback warning) each time.
-    logging.getLogger("verl.utils.tokenizer.continuous_token_wiring").setLevel(logging.ERROR)
+    # A few lines by default, everything at GENRUN_LOG_LEVEL=DEBUG (generation_core/console.py).
+    setup_logging()
 
 
 def _print_summary(summary: dict, plan) -> None:
@@ -139,6 +137,61 @@ def storage_options_from(arguments: list[str]) -> dict[str, Any]:
     return options
 
 
+def _generate(argv: list[str]) -> int:
+    """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
+    resumes); a second exits at once (generation_core/interrupt.py)."""
+    from generation_core.interrupt import STOP
+    from generation_core.lease import check_lease_free
+    from generation_core.preflight import preflight
+
+    # Every input check first, so a bad input is one line here, not a failed flow run.
+    plan = preflight(argv)
+    # The flow takes the lease; refusing here spares the Prefect and Ray startup.
+    check_lease_free(plan.folder)
+    mark("inputs_checked")
+    import ray
+    from prefect.exceptions import CancelledRun
+
+    from flows.generate import generate
+    from flows.prefect_api import prefect_api
+    from generation_core.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
+
+    STOP.install()
+    summary = None
+    temporary = "" if os.environ.get("PREFECT_API_URL") else " (a temporary server)"
+    try:
+        # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
+        with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)) as api_url:
+            mark("prefect_api_ready")
+            logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
+            if not STOP.requested():
+                # The flow gets this plan: nothing is checked or planned twice.
+                summary = generate(argv, plan=plan.to_dict())
+    except CancelledRun:
+        pass  # the flow run stopped on a Ctrl-C; said below
+    finally:
+        ray.shutdown()
+        STOP.uninstall()
+    if summary is None:
+        _print_stopped(plan)
+        return 130
+    _print_summary(summary, plan)
+    return 0
+
+
+def _print_stopped(plan) -> None:
+    from generation_core.progress import committed_counts
+
+    counts = committed_counts(plan.folder, [s.shard_id for s in plan.shards])
+    rollout_n = plan.cfg.actor_rollout_ref.rollout.n
+    total = sum((s.end - s.start) * rollout_n for s in plan.shards)
+    print(
+        f"genrun: stopped: {sum(counts.values()):,} of {total:,} trajectories committed in {plan.folder.display()}; "
+        "run the same command again to resume",
+        file=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -169,30 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 return print_status(argv[1], options)
             merge_folder(argv[1], options)
             return 0
-        from generation_core.lease import check_lease_free
-        from generation_core.preflight import preflight
-
-        # Every input check first, so a bad input is one line here, not a failed flow run.
-        plan = preflight(argv)
-        # The flow takes the lease; refusing here spares the Prefect and Ray startup.
-        check_lease_free(plan.folder)
-        mark("inputs_checked")
-        import ray
-
-        from flows.generate import generate
-        from flows.prefect_api import prefect_api
-        from generation_core.ray_setup import RAY_WORKER_ENV, start_ray
-
-        try:
-            # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
-            with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)):
-                mark("prefect_api_ready")
-                # The flow gets this plan: nothing is checked or planned twice.
-                summary = generate(argv, plan=plan.to_dict())
-        finally:
-            ray.shutdown()
-        _print_summary(summary, plan)
-        return 0
+        return _generate(argv)
     except GenrunError as exc:
         print(f"genrun: error: {exc}", file=sys.stderr)
         return 2

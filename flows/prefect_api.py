@@ -2,7 +2,9 @@
 
 Ray workers cannot use Prefect's per-process ephemeral API (each worker would start its own and
 time out), so when PREFECT_API_URL is unset we start one temporary server on 127.0.0.1 before
-Ray starts, export its URL (Ray workers inherit the environment), and stop it at the end.
+Ray starts, export its URL (Ray workers inherit the environment), and stop it at the end. It
+starts with SIGINT blocked: a Ctrl-C in the terminal reaches the whole process group, and the
+server must outlive it until the flow run is marked Cancelled (a second Ctrl-C kills it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from generation_core.errors import GenrunError
+from generation_core.interrupt import STOP, sigint_blocked
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ def prefect_api(alongside: Callable[[], None] | None = None) -> Iterator[str]:
 
     def start() -> None:
         try:
-            server.start(timeout=120)
+            with sigint_blocked():
+                server.start(timeout=120)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
 
@@ -60,13 +64,16 @@ def prefect_api(alongside: Callable[[], None] | None = None) -> Iterator[str]:
         server.stop()
         os.environ.pop("PREFECT_API_URL", None)
         raise GenrunError(f"the temporary Prefect server could not bind {url}; run the command again")
-    logger.info("started a temporary Prefect server at %s", server.api_url)
+    logger.debug("started a temporary Prefect server at %s", server.api_url)
+    process = server.server_process
+    forget = STOP.on_hard_exit(lambda: process.kill() if process is not None else None)
     try:
         yield server.api_url
     finally:
         _drain_prefect_clients()
         os.environ.pop("PREFECT_API_URL", None)
         server.stop()
+        forget()
 
 
 def _drain_prefect_clients() -> None:

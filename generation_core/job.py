@@ -35,6 +35,7 @@ from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.part_writer import PartWriter
 from generation_core.pool import attach_client
 from generation_core.preflight import RunPlan
+from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import (
@@ -57,6 +58,9 @@ logger = logging.getLogger(__name__)
 # How long a shard job waits for the driver to boot the replicas (SGLang on a large model takes
 # minutes); the driver cancels its shard jobs at once when the boot fails.
 POOL_BOOT_WAIT_SECONDS = 1800.0
+# With a progress board, the longest a shard job takes to see a stop request while it waits
+# for trajectories.
+STOP_CHECK_SECONDS = 1.0
 
 
 class TooManyFailedSamples(RuntimeError):
@@ -84,14 +88,20 @@ def finished_shard(
     return marker
 
 
-def run_shard_job(plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None) -> ShardManifest:
+def run_shard_job(
+    plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None
+) -> ShardManifest:
     """Run one shard if it needs work. `lease_generation`: the run's lease on the folder (commits
-    stop if a later run takes it)."""
+    stop if a later run takes it). `progress_board`: the run's ProgressBoard actor, which gets
+    this job's counters and may ask it to stop (ShardStopped, after committing what finished)."""
     folder = plan.folder
     fence = LeaseFence(lease_generation) if lease_generation is not None else None
     finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
         return finished.as_skipped()
+    reporter = ShardReporter.attach(progress_board, shard.shard_id)
+    if reporter.stop_requested_now():
+        raise ShardStopped(f"{shard.name}: the run is stopping; not started")
     cfg = plan.cfg
     tokenizer = _tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code)
     # Only this shard's rows, read and filtered here (never the whole dataset).
@@ -104,7 +114,7 @@ def run_shard_job(plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_
         # The driver may still be loading the model: shard jobs start beside it.
         await client.connect(wait_seconds=POOL_BOOT_WAIT_SECONDS)
         try:
-            return await generate_shard(cfg, shard, folder, prompts, worker, fence)
+            return await generate_shard(cfg, shard, folder, prompts, worker, fence, reporter)
         finally:
             await client.aclose()
 
@@ -169,10 +179,16 @@ def allowed_failures(owed: int, max_failed_fraction: float) -> int:
     return int(owed * max_failed_fraction + 1e-9)
 
 
-async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None) -> ShardManifest:
+async def generate_shard(
+    cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None,
+    reporter: ShardReporter | None = None,
+) -> ShardManifest:
     """Generate every trajectory of `shard` its checkpoint lacks; returns the manifest (the
-    caller writes it as the success marker)."""
+    caller writes it as the success marker). With a `reporter` attached to the run's progress
+    board: counters go there, and a stop request commits what has finished and raises
+    ShardStopped."""
     gen = cfg.generation
+    reporter = reporter if reporter is not None else ShardReporter(None, shard.shard_id)
     # The attempt's commit record (under a lease, the run's claim on the shard), with the digest
     # of the shard's rows (library callers' prompts may carry none); failed samples of earlier
     # attempts are pending again.
@@ -196,28 +212,45 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
     # Many failures past the allowance mean something systematic (engine down, broken loop):
     # stop after committing what succeeded rather than fail every remaining sample slowly.
     give_up_after = allowed_failures(owed_at_most, gen.max_failed_fraction) + 2 * gen.max_inflight
-    progress = tqdm(total=owed_at_most, initial=len(done), desc=shard.name, disable=not gen.show_progress, unit="traj")
+    report = reporter.report
+    report.committed_at_start = report.committed = len(set(done))
+    report.owed = owed_at_most
+    # The per-shard bar is for a process whose output someone reads (library use); on a Ray
+    # worker the driver shows the run's progress from the board instead.
+    progress = tqdm(total=owed_at_most, initial=len(done), desc=shard.name, disable=not gen.show_progress or reporter.attached, unit="traj")
     samples = pending_samples(prompts, n, done)
-    # An idle stream still wakes up in time to commit a part that reached its maximum age.
-    stream = worker.stream(samples, gen.max_inflight, idle_timeout=min(gen.pull_timeout, writer.first_part_max_seconds))
+    # An idle stream still wakes up in time to commit a part that reached its maximum age (and,
+    # with a board, to see a stop request within a second).
+    idle_timeout = min(gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else []))
+    stream = worker.stream(samples, gen.max_inflight, idle_timeout=idle_timeout)
     try:
-        async for record in stream:
-            if isinstance(record, SampleFailure):
-                writer.add_failure(record)
-                if writer.failures_this_attempt() >= give_up_after:
+        async with reporter.reporting():
+            async for record in stream:
+                if isinstance(record, SampleFailure):
+                    writer.add_failure(record)
+                    report.failed = writer.failures_this_attempt()
+                    if report.failed >= give_up_after:
+                        break
+                elif record is not None:
+                    writer.add(record)
+                    generated_now += 1
+                    tokens_now += sum(record.response_mask)
+                    progress.update(1)
+                    report.generated = generated_now
+                report.owed = (prompts.num_rows - prompts.filtered_overlong) * n
+                # In a thread: samples in flight keep talking to the engine while a row group or a
+                # part is written (an S3 upload takes tens of milliseconds).
+                if writer.row_group_ready():
+                    await asyncio.to_thread(writer.write_row_group)
+                if writer.should_commit():
+                    await asyncio.to_thread(writer.commit)
+                    report.committed = len(set(checkpoint.completed))
+                if reporter.stop:
                     break
-            elif record is not None:
-                writer.add(record)
-                generated_now += 1
-                tokens_now += sum(record.response_mask)
-                progress.update(1)
-            # In a thread: samples in flight keep talking to the engine while a row group or a
-            # part is written (an S3 upload takes tens of milliseconds).
-            if writer.row_group_ready():
-                await asyncio.to_thread(writer.write_row_group)
-            if writer.should_commit():
-                await asyncio.to_thread(writer.commit)
-        await asyncio.to_thread(writer.commit)
+            await asyncio.to_thread(writer.commit)
+            report.committed = len(set(checkpoint.completed))
+        if reporter.stop:
+            raise ShardStopped(f"{shard.name}: stopped on request with {report.committed} trajectories committed")
         # The stream has pulled every row (or gave up): the filter has decided them all.
         owed = (prompts.num_rows - prompts.filtered_overlong) * n
         allowed = allowed_failures(owed, gen.max_failed_fraction)
@@ -228,8 +261,8 @@ async def generate_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, p
                 f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
                 "The next attempt regenerates only the failed and missing samples"
             )
-    except LeaseLost:
-        raise  # another run holds the folder now: this one writes nothing more there
+    except (LeaseLost, ShardStopped):
+        raise  # another run holds the folder now, or this run is stopping: no error to record
     except Exception as exc:
         try:
             write_last_error(

@@ -1,13 +1,18 @@
 """How a run's processes join Ray: `ray.init` arguments from `ray_kwargs.ray_init`, with safe
-single-host defaults (loopback only, no dashboard, a small object store, no token auth)."""
+single-host defaults (loopback only, no dashboard, a small object store, no token auth) and
+quiet ones (Ray's INFO lines and its workers' stdout/stderr reach the terminal only at
+GENRUN_LOG_LEVEL=DEBUG; the driver shows progress from the workers' counters instead)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf
+
+from generation_core.console import debug_output
 
 # What shard jobs on Ray workers need from the driver's environment (workers of a cluster that
 # was started separately do not inherit it).
@@ -27,7 +32,9 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
         # The object store takes 30% of RAM unless capped; we only pass small manifests through it.
         init_kwargs.setdefault("object_store_memory", 256 * 1024 * 1024)
     init_kwargs.setdefault("namespace", f"genrun-{run_fingerprint[:12]}")
-    init_kwargs.setdefault("log_to_driver", os.environ.get("GENRUN_DEBUG") == "1")
+    verbose = debug_output()
+    init_kwargs.setdefault("log_to_driver", verbose)
+    init_kwargs.setdefault("logging_level", logging.DEBUG if verbose else logging.WARNING)
     env_vars = {name: os.environ[name] for name in forward_env if name in os.environ}
     if env_vars:
         runtime_env = dict(init_kwargs.get("runtime_env") or {})
@@ -51,3 +58,17 @@ def start_ray(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...
     """Join (or start) the run's Ray, unless this process has already."""
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs(cfg, run_fingerprint, forward_env))
+
+
+def describe_ray() -> str:
+    """Where this process's Ray runs, for the line that says what runs where."""
+    if not ray.is_initialized():
+        return "Ray not started"
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    nodes = len([node for node in ray.nodes() if node.get("Alive")])
+    context = ray.get_runtime_context()
+    started_here = ray._private.worker.global_worker.node is not None and ray._private.worker.global_worker.node.head
+    if started_here:
+        # Ray's own words for it (its INFO line is not shown by default).
+        return f"Ray: Started a local Ray instance ({cpus} CPUs)"
+    return f"Ray: joined the cluster at {context.gcs_address} ({nodes} node(s), {cpus} CPUs)"

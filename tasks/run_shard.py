@@ -7,11 +7,13 @@ import json
 from typing import Any
 
 from prefect import task
+from prefect.states import Cancelled
 
 from generation_core.data import ShardSpec
 from generation_core.instrumentation import mark
 from generation_core.job import run_shard_job
 from generation_core.preflight import RunPlan
+from generation_core.progress import ShardStopped
 
 
 def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
@@ -23,8 +25,15 @@ def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
 
 
 @task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
-def run_shard(plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None) -> dict[str, Any]:
-    """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict)."""
+def run_shard(plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None) -> dict[str, Any]:
+    """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict). A shard
+    stopped because the run is stopping ends Cancelled: not retried, not cached."""
     mark(f"shard_task_start {shard['shard_id']}")
-    manifest = run_shard_job(RunPlan.from_dict(json.loads(plan)), ShardSpec.from_dict(shard), balancer_name=balancer_name, lease_generation=lease_generation)
+    try:
+        manifest = run_shard_job(
+            RunPlan.from_dict(json.loads(plan)), ShardSpec.from_dict(shard),
+            balancer_name=balancer_name, lease_generation=lease_generation, progress_board=progress_board,
+        )
+    except ShardStopped as stopped:
+        return Cancelled(message=str(stopped))
     return manifest.to_dict()

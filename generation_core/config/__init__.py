@@ -62,6 +62,7 @@ OPERATIONAL_KEYS = (
     "generation.max_failed_fraction",
     "generation.reward_workers",
     "generation.show_progress",
+    "generation.progress_seconds",
     "generation.upload_artifact",
     "generation.artifact_mode",
     "data.dataloader_num_workers",
@@ -343,6 +344,7 @@ def validate_values(cfg: DictConfig) -> None:
     first = gen.get("first_part_max_seconds")
     _require(first is None or (_is_number(first) and first > 0), "generation.first_part_max_seconds", first, "must be null or a number of seconds > 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
+    _require(_is_number(gen.progress_seconds) and gen.progress_seconds > 0, "generation.progress_seconds", gen.progress_seconds, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
     threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")

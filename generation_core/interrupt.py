@@ -1,0 +1,96 @@
+"""Ctrl-C as a normal way to stop a run.
+
+The first SIGINT asks the run to stop (`STOP.requested()`): the flow stops dispatching, its
+shard jobs commit what has finished, the run's lease is released, Ray and the temporary Prefect
+server stop, and `genrun` says how many trajectories are committed and exits 130. A second
+SIGINT exits at once (130): what is committed stays committed; the lease stays behind, and the
+next run on this machine takes it over at once (its holder is gone).
+
+A terminal sends SIGINT to its whole foreground process group. Ray starts its processes with
+SIGINT blocked; the helpers genrun starts itself (the temporary Prefect server) are started
+with it blocked too (`sigint_blocked`), so they keep serving while the run winds down and are
+stopped by genrun in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+FIRST_MESSAGE = (
+    "genrun: stopping: committing the trajectories that have finished, then releasing the output folder "
+    "(Ctrl-C again to quit at once)"
+)
+SECOND_MESSAGE = "genrun: stopped at once; committed trajectories are kept, run the same command again to resume"
+
+
+class StopRequest:
+    """The process's Ctrl-C state: `install` in the main thread, `requested` anywhere."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._hard_exit: list[Callable[[], None]] = []
+        self._previous = None
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def on_hard_exit(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run `callback` (fast, no waiting) before a second Ctrl-C exits; returns its remover."""
+        self._hard_exit.append(callback)
+        return lambda: self._hard_exit.remove(callback) if callback in self._hard_exit else None
+
+    def request(self) -> None:
+        """What the first Ctrl-C does, for callers that stop a run by other means."""
+        self._event.set()
+
+    def _handle(self, signum, frame) -> None:
+        if not self._event.is_set():
+            self._event.set()
+            _say(FIRST_MESSAGE)
+            return
+        _say(SECOND_MESSAGE)
+        for callback in list(self._hard_exit):
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - exiting regardless
+                pass
+        os._exit(130)
+
+
+def _say(message: str) -> None:
+    # os.write: safe inside a signal handler, whatever the main thread was writing.
+    prefix = "\r\x1b[K" if os.isatty(2) else ""
+    os.write(2, f"{prefix}{message}\n".encode())
+
+
+STOP = StopRequest()
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread, so processes started from it ignore the terminal's Ctrl-C
+    (a blocked signal stays blocked across exec). Use in a thread of its own: the main thread
+    must keep receiving SIGINT."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

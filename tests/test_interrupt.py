@@ -1,0 +1,211 @@
+"""What a person at a terminal sees: a real `genrun` (instant engine with a delay, two shards)
+in a pseudo-terminal shows one live progress line; a Ctrl-C (the terminal's ^C, sent to the
+whole foreground process group) stops it with exit 130 and a message saying how much is
+committed, leaves the lease released and the flow run Cancelled; the same command then finishes
+with exact counts and a merged result equal to an uninterrupted run's. The uninterrupted run's
+default output holds none of the libraries' noise."""
+
+import os
+import pty
+import re
+import signal
+import sqlite3
+import threading
+import time
+
+import pytest
+import torch
+from verl.protocol import DataProto
+
+from generation_core.lease import newest_lease
+from generation_core.storage import RunFolder
+from tests.conftest import GENRUN, REPO, chat_rows, run_genrun, write_parquet
+from tests.run_folder_helpers import committed_keys
+
+pytestmark = [pytest.mark.slow]
+
+PROMPTS = 120
+N = 2
+TOTAL = PROMPTS * N
+NOISE = (
+    "dataset len",
+    "Using dataset class",
+    "docs.prefect.io",
+    "dedicated Prefect server",
+    "Starting temporary server",
+    "Finished in state",
+    "Beginning flow run",
+    "LLMServerManager",
+    "accelerator",
+    "RAY_ACCEL_ENV_VAR",
+    "(run_shard pid=",
+    "worker.py:",
+    "FutureWarning",
+    "UserWarning",
+    "DeprecationWarning",
+    "Traceback",
+)
+
+
+def _args(prompts, out):
+    return [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        # Requests take a while, so the run is still generating when the Ctrl-C comes.
+        "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=0.25",
+        f"actor_rollout_ref.rollout.n={N}",
+        "generation.num_shards=2",
+        "generation.max_inflight=2",
+        "generation.first_part_max_seconds=0.5",
+        "generation.part_max_seconds=1",
+        "generation.progress_seconds=5",
+    ]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_parquet(tmp_path_factory.mktemp("prompts") / "prompts.parquet", chat_rows(PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prompts, tmp_path_factory):
+    """A plain `genrun` run to the end, as `make demo` runs it (output not a terminal)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    env = {"PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home"))}
+    result = run_genrun(_args(prompts, out), env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+class Terminal:
+    """`genrun` in a pseudo-terminal: its session leader, with the terminal as its controlling
+    one, so ^C written to the terminal reaches its whole foreground process group."""
+
+    def __init__(self, args, env):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: become genrun
+            os.chdir(REPO)
+            os.execve(GENRUN[0], [*GENRUN, *args], env)
+        self.output = bytearray()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.returncode = None
+
+    def _read(self):
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.output.extend(chunk)
+
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    def ctrl_c(self):
+        os.write(self.fd, b"\x03")
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"genrun did not exit within {timeout} s:\n{self.text()[-3000:]}"
+            time.sleep(0.1)
+        self.reader.join(timeout=10)
+        return self.returncode
+
+    def kill(self):
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.returncode is None:
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+        os.close(self.fd)
+
+
+def _flow_run_states(prefect_home) -> list[str]:
+    """The flow runs' final states, read from the temporary server's database (it is gone)."""
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return [row[0] for row in db.execute("SELECT state_type FROM flow_run ORDER BY created")]
+
+
+def _same_dataproto(actual: DataProto, expected: DataProto):
+    assert sorted(actual.batch.keys()) == sorted(expected.batch.keys())
+    for key in expected.batch.keys():
+        assert torch.equal(actual.batch[key], expected.batch[key]), key
+    for key in expected.non_tensor_batch:
+        assert actual.non_tensor_batch[key].tolist() == expected.non_tensor_batch[key].tolist(), key
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_in_a_terminal_stops_cleanly_and_the_same_command_resumes_exactly(prompts, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    prefect_home = tmp_path / "prefect-home"
+    prefect_home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "GENRUN_LOG_LEVEL")}
+    env.update(PREFECT_HOME=str(prefect_home), TERM="xterm", PYTHONPATH=str(REPO))
+    terminal = Terminal(_args(prompts, out), env)
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "shards").exists() or not committed_keys(out):
+            assert terminal.poll() is None, f"genrun exited early:\n{terminal.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"nothing committed in time:\n{terminal.text()[-3000:]}"
+            time.sleep(0.2)
+        terminal.ctrl_c()
+        # Generous: a slow shared machine. The design's bound is 30 s.
+        assert terminal.wait(timeout=60) == 130
+    finally:
+        terminal.kill()
+    text = terminal.text()
+    print(text[-3000:])
+    # The live display: one line redrawn in place, with the counts and an ETA.
+    assert re.search(r"\r\x1b\[Ktrajectories \d+/240 \(", text), text[-2000:]
+    assert "genrun: stopping:" in text
+    stopped = re.search(r"genrun: stopped: (\d+) of 240 trajectories committed in .*; run the same command again to resume", text)
+    assert stopped, text[-2000:]
+    committed = committed_keys(out)
+    assert int(stopped.group(1)) == len(committed) > 0
+    assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
+    assert "Traceback" not in text
+    lease = newest_lease(RunFolder(str(out)))
+    assert lease is not None and lease.released, lease
+    assert not (out / "trajectories.pkl").exists()
+    assert _flow_run_states(prefect_home) == ["CANCELLED"]
+
+    # The same command, to the end: exactly what was missing is generated.
+    resumed = run_genrun(_args(prompts, out), env={"PREFECT_HOME": str(prefect_home)}, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"trajectories:  {TOTAL} ({TOTAL - len(committed)} generated by this invocation)" in resumed.stdout, resumed.stdout[-2000:]
+    keys = committed_keys(out)
+    assert len(keys) == len(set(keys)) == TOTAL
+    _same_dataproto(DataProto.load_from_disk(str(out / "trajectories.pkl")), DataProto.load_from_disk(str(uninterrupted[0] / "trajectories.pkl")))
+    assert _flow_run_states(prefect_home) == ["CANCELLED", "COMPLETED"]
+
+
+@pytest.mark.timeout(700)
+def test_default_output_is_the_few_lines_a_person_needs(uninterrupted):
+    _, result = uninterrupted
+    output = result.stdout + result.stderr
+    print(output)
+    assert [noise for noise in NOISE if noise in output] == []
+    # What runs where, progress (a plain line: not a terminal), the summary.
+    assert re.search(r"running on: Prefect API http://127\.0\.0\.1:\d+/api \(a temporary server\); Ray: Started a local Ray instance", result.stderr)
+    assert "inference: 1 instant replica(s)" in result.stderr
+    assert f"trajectories {TOTAL}/{TOTAL} (100.0%)" in result.stderr
+    assert "\r" not in output and "\x1b[" not in output
+    assert f"trajectories:  {TOTAL} ({TOTAL} generated by this invocation)" in result.stdout
+    others = [line for line in result.stderr.splitlines() if not re.match(r"\d\d:\d\d:\d\d trajectories \d+/", line)]
+    assert len(others) <= 4, result.stderr

@@ -1,0 +1,150 @@
+"""The run's progress numbers (done / total, rate, ETA, failures) from the shard jobs' reports,
+and the display: a line redrawn in place on a terminal, log lines above it, a plain log line
+every N seconds elsewhere. No Ray, no Prefect: the real run is tests/test_interrupt.py."""
+
+import asyncio
+import io
+import logging
+
+import pytest
+
+from generation_core.console import ProgressDisplay
+from generation_core.data import ShardSpec
+from generation_core.progress import ProgressBoard, RunProgress, ShardReport, ShardReporter, format_seconds
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _shards():
+    return [ShardSpec(shard_id=0, start=0, end=50), ShardSpec(shard_id=1, start=50, end=100)]
+
+
+def _report(shard_id, *, start=0, generated=0, failed=0, owed=100, attempt="a"):
+    return ShardReport(shard_id=shard_id, attempt=f"{attempt}{shard_id}", committed_at_start=start, owed=owed, generated=generated, failed=failed)
+
+
+def test_done_total_rate_and_eta_across_shards():
+    clock = Clock()
+    progress = RunProgress(_shards(), rollout_n=2, clock=clock)
+    # An earlier run committed 30 in shard 1; nobody has reported yet.
+    progress.set_baseline({0: 0, 1: 30})
+    totals = progress.totals()
+    assert (totals.done, totals.total, totals.rate, totals.eta) == (30, 200, None, None)
+
+    board = ProgressBoard()
+    # Workers start: nothing generated for 20 s (the rate ignores that wait).
+    for _ in range(20):
+        clock.now += 1
+        progress.update(board.snapshot())
+    board.report(vars(_report(0)))
+    board.report(vars(_report(1, start=30)))
+    for second in range(1, 11):
+        clock.now += 1
+        board.report(vars(_report(0, generated=5 * second, failed=1)))
+        board.report(vars(_report(1, start=30, generated=5 * second)))
+        progress.update(board.snapshot())
+    totals = progress.totals()
+    assert totals.done == 130 and totals.failed == 1 and totals.total == 200
+    assert totals.rate == pytest.approx(10.0)
+    assert totals.eta == pytest.approx((200 - 130 - 1) / 10.0)
+    assert totals.line() == "trajectories 130/200 (65.5%), 10.0/s, ETA 7s, 1 failed, shards 0/2 done"
+
+    # A shard's manifest is the last word (prompts too long for the model were not owed).
+    progress.shard_finished(0, done=96, failed=0, expected=96)
+    progress.shard_finished(1, done=100, failed=0, expected=100)
+    totals = progress.totals()
+    assert (totals.done, totals.total, totals.percent, totals.shards_done) == (196, 196, 100.0, 2)
+    assert totals.line().startswith("trajectories 196/196 (100.0%), ")
+
+
+def test_a_retried_attempt_adds_to_the_rate_and_restarts_from_its_commits():
+    clock = Clock()
+    progress = RunProgress(_shards()[:1], rollout_n=2, clock=clock)
+    board = ProgressBoard()
+    board.report(vars(_report(0, generated=40, attempt="first")))
+    clock.now += 10
+    progress.update(board.snapshot())
+    # The first attempt died with 30 committed; the retry starts from them.
+    board.report(vars(_report(0, start=30, generated=20, attempt="second")))
+    clock.now += 10
+    progress.update(board.snapshot())
+    totals = progress.totals()
+    assert totals.done == 50 and totals.generated == 60
+
+
+def test_a_reporter_without_a_board_counts_and_never_stops():
+    reporter = ShardReporter(None, 3)
+    assert not reporter.attached and not reporter.stop_requested_now()
+
+    async def run():
+        async with reporter.reporting():
+            reporter.report.generated += 1
+
+    asyncio.run(run())
+    assert reporter.report.generated == 1 and not reporter.stop
+
+
+def test_the_board_passes_the_stop_request_with_its_answers():
+    board = ProgressBoard()
+    assert board.report(vars(_report(0))) is False
+    board.request_stop()
+    assert board.report(vars(_report(0, generated=1))) is True and board.stop_requested()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_and_log_lines_go_above_it(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    stream = _Terminal()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with ProgressDisplay(stream=stream, redraw=0) as display:
+            display.show("trajectories 1/10")
+            display.show("trajectories 2/10")
+            logging.getLogger("generation_core.test").warning("a warning")
+            display.close("trajectories 10/10")
+    finally:
+        root.removeHandler(handler)
+    assert stream.getvalue() == (
+        "trajectories 1/10"
+        "\r\x1b[Ktrajectories 2/10"
+        "\r\x1b[Ka warning\ntrajectories 2/10"
+        "\r\x1b[Ktrajectories 10/10\n"
+    )
+    assert handler.stream is stream
+
+
+def test_elsewhere_a_plain_line_every_interval(caplog):
+    stream = io.StringIO()
+    display = ProgressDisplay(stream=stream, interval=3600)
+    with caplog.at_level(logging.INFO, logger="generation_core.console"):
+        display.show("trajectories 1/10")
+        display.show("trajectories 2/10")  # within the interval: not logged
+        display.close("trajectories 10/10")
+    assert [r.getMessage() for r in caplog.records] == ["trajectories 1/10", "trajectories 10/10"]
+    assert stream.getvalue() == ""
+
+
+def test_disabled_shows_nothing(caplog):
+    stream = _Terminal()
+    with caplog.at_level(logging.INFO), ProgressDisplay(stream=stream, enabled=False) as display:
+        display.show("trajectories 1/10")
+        display.close("done")
+    assert stream.getvalue() == "" and not caplog.records
+
+
+def test_seconds_read_as_a_person_reads_them():
+    assert [format_seconds(s) for s in (7, 75, 3600 * 26 + 120, None)] == ["7s", "1m15s", "26h02m", "-"]
