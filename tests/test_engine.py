@@ -175,7 +175,8 @@ def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(m
     params = {"temperature": 0, "logprobs": True, "max_tokens": 16, "ignore_eos": True}
     results = {}
     for mixed in (True, False):
-        engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2, mixed_steps=mixed, max_step_tokens=60))
+        # No prefix reuse: every prompt token is prefilled, so the counts compare.
+        engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2, mixed_steps=mixed, max_step_tokens=60, prefix_cache_bytes=0))
         try:
             outputs = _generate_all(engine, staggered, params, stagger=0.1)
             results[mixed] = (outputs, dict(engine.stats))

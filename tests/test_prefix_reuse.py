@@ -1,7 +1,7 @@
 """Prefix reuse in the transformers engine: a turn that extends a finished sequence prefills only
 its new tokens, and answers exactly what an engine without reuse answers (and the model itself);
-interleaved conversations, a byte budget that evicts, and prompts that only share part of a
-cached sequence."""
+interleaved conversations, a byte budget that evicts, prompts that only share part of a cached
+sequence, and a system prompt shared by a batch of prompts."""
 
 import asyncio
 
@@ -64,8 +64,8 @@ def _assert_same(a, b):
     assert max((abs(x - y) for x, y in zip(a.log_probs, b.log_probs)), default=0.0) < 1e-4
 
 
-def _delta(engine, before):
-    return {k: engine.stats[k] - before[k] for k in ("prefix_hits", "prefix_misses", "prefix_reused_tokens", "prefill_tokens")}
+def _delta(engine, before, keys=("prefix_hits", "prefix_misses", "prefix_reused_tokens", "prefill_tokens")):
+    return {k: engine.stats[k] - before[k] for k in keys}
 
 
 def test_a_second_turn_prefills_only_its_new_tokens_and_answers_the_same(reuse, plain, tokenizer, model_dir):
@@ -75,8 +75,10 @@ def test_a_second_turn_prefills_only_its_new_tokens_and_answers_the_same(reuse, 
     second = first + turn1.token_ids + _tool(tokenizer, "51")
     turn2 = _run(reuse, second, max_tokens=16, ignore_eos=True)
     # The KV of the first turn's last token was never computed: everything before it is reused.
+    # (The first turn may reuse the chat header it shares with prompts the module ran before.)
     reused = len(first) + len(turn1.token_ids) - 1
-    assert _delta(reuse, before) == {"prefix_hits": 1, "prefix_misses": 1, "prefix_reused_tokens": reused, "prefill_tokens": len(first) + len(second) - reused}
+    shared = _delta(reuse, before, ("shared_prefix_tokens",))["shared_prefix_tokens"]
+    assert _delta(reuse, before) == {"prefix_hits": 1, "prefix_misses": 1, "prefix_reused_tokens": reused, "prefill_tokens": len(first) - shared + len(second) - reused}
 
     plain_turn1 = _run(plain, first, max_tokens=10, ignore_eos=True)
     _assert_same(turn1, plain_turn1)
@@ -167,19 +169,50 @@ def test_the_byte_budget_evicts_and_nothing_larger_is_kept(model_dir, plain, tok
         engine.shutdown()
 
 
-def test_only_an_exact_prefix_is_reused(reuse, plain, tokenizer):
+def test_a_prompt_that_only_shares_part_of_a_sequence_reuses_that_part_and_leaves_it(reuse, plain, tokenizer):
     first = _chat(tokenizer, "Tell me about the sea.")
     turn1 = _run(reuse, first, max_tokens=12, ignore_eos=True)
     cached = first + turn1.token_ids[:-1]
     diverging = first + turn1.token_ids[:4] + _tool(tokenizer, "waves")
     assert diverging[len(first) + 4] != turn1.token_ids[4]
-    # Diverges in the middle of the cached sequence, or stops inside it: no hit, and the entry stays.
-    for prompt in (diverging, first + turn1.token_ids[:5]):
+    # Diverges in the middle of the cached sequence, or stops inside it: the common part is
+    # reused (no turn of this trajectory: not taken), and the entry stays for its own next turn.
+    for prompt, common in ((diverging, len(first) + 4), (first + turn1.token_ids[:5], len(first) + 4)):
         before = dict(reuse.stats)
         _assert_same(_run(reuse, prompt), _run(plain, prompt))
-        assert _delta(reuse, before)["prefix_hits"] == 0
+        delta = _delta(reuse, before, ("prefix_hits", "shared_prefix_hits", "shared_prefix_tokens", "prefill_tokens"))
+        assert delta == {"prefix_hits": 0, "shared_prefix_hits": 1, "shared_prefix_tokens": common, "prefill_tokens": len(prompt) - common}
     # Exactly the cached sequence: all of it but the last token is reused (that one gives the logits).
     before = dict(reuse.stats)
     _assert_same(_run(reuse, cached), _run(plain, cached))
     delta = _delta(reuse, before)
     assert delta["prefix_hits"] == 1 and delta["prefix_reused_tokens"] == len(cached) - 1 and delta["prefill_tokens"] == 1
+
+
+def test_prompts_that_start_alike_prefill_the_common_start_once(model_dir, plain, tokenizer):
+    """Eight prompts behind one long system prompt, sent at once: the first is prefilled whole,
+    the others wait one step and reuse its KV for everything they share; same answers."""
+    system = "You are a calculator assistant. Think step by step, then answer with one number. " * 3
+    prompts = []
+    for q in QUESTIONS[:4] * 2:
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        prompts.append(ids if isinstance(ids, list) else list(ids["input_ids"]))
+    engine = _engine(model_dir, 512 * 1024 * 1024, max_batch_size=8)
+    try:
+        params = {"temperature": 0, "logprobs": True, "max_tokens": 6, "ignore_eos": True}
+
+        async def main(target):
+            return await asyncio.gather(*[target.generate(f"p{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+
+        shared = asyncio.run(main(engine))
+        alone = asyncio.run(main(plain))
+        for a, b in zip(shared, alone):
+            _assert_same(a, b)
+        common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+        assert common > 40, common
+        assert engine.stats["shared_prefix_hits"] == 7
+        # Each later prompt reuses at least the part all eight share (the same question twice: all but one token).
+        assert engine.stats["shared_prefix_tokens"] >= 7 * common
+        assert engine.stats["prefill_tokens"] == sum(map(len, prompts)) - engine.stats["shared_prefix_tokens"]
+    finally:
+        engine.shutdown()

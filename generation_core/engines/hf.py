@@ -4,8 +4,10 @@ It implements the engine contract (engines/base.py): `await generate(request_id,
 sampling_params=...) -> TokenOutput`. Requests from many coroutines share one decode batch:
 a finished sequence leaves the batch at once and a waiting request joins at the next step,
 so the batch never waits for its longest member (a batch of 32 is ~7x faster per token than
-one request at a time on a 2-core CPU). A finished sequence's KV stays in a bounded prefix cache
-(prefix_cache.py): the next turn of a multi-turn trajectory prefills only its new tokens.
+one request at a time on a 2-core CPU). Joiners are prefilled inside the batch's decode pass
+(packed_step.py). A finished sequence's KV, and the KV of prompts prefilled whole, stay in a
+bounded prefix cache (prefix_cache.py): the next turn of a multi-turn trajectory prefills only
+its new tokens, and a prompt reuses the system prompt and chat header it shares with earlier ones.
 
 The decode loop runs in one background thread: torch releases the GIL inside its kernels, so
 the asyncio loop that accepts requests (a Ray actor's, or the caller's) stays responsive.
@@ -34,7 +36,7 @@ from verl.workers.rollout.replica import TokenOutput
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines import packed_step
 from generation_core.engines.packed_step import PackedStep
-from generation_core.engines.prefix_cache import KV, PrefixCache
+from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
 from generation_core.engines.slot_batch import KVShape, SlotBatch
 
@@ -56,9 +58,9 @@ class EngineSettings:
     ignore_eos: bool = False
     """Every request runs to its length limit (benchmarks: fixed lengths for side-by-side rates)."""
     prefix_cache_bytes: int = 512 * 1024 * 1024
-    """KV of finished sequences kept for the next turn of their trajectory (prefix_cache.py), on
-    the engine's device; 0: none kept, every prompt is prefilled whole. 512 MiB is ~11k tokens
-    of the bundled 135M model."""
+    """KV of finished sequences (for the next turn of their trajectory) and of prompts (for the
+    prefixes later prompts share with them) kept on the engine's device (prefix_cache.py); 0:
+    none kept, every prompt is prefilled whole. 512 MiB is ~11k tokens of the bundled 135M model."""
     mixed_steps: bool = True
     """Joiners' prompts are prefilled in the same forward pass as the running batch's decode
     tokens (packed_step.py), when the model's attention allows it (checked at start)."""
@@ -119,7 +121,11 @@ class HFEngine:
         self.stats = {
             "forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0,
             # prefill_tokens: prompt tokens run through the model (padding and reused tokens not counted).
+            # prefix_hits: prompts that extend their trajectory's previous turn (its KV reused);
+            # shared_prefix_hits: prompts that reuse a prefix they share with another (a system
+            # prompt, another sample of the same prompt); prefix_misses: all but prefix_hits.
             "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
+            "shared_prefix_hits": 0, "shared_prefix_tokens": 0,
             # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
             # tokens one pass ran.
             "mixed_steps": 0, "largest_step_tokens": 0,
@@ -257,16 +263,16 @@ class HFEngine:
             prompt_len = len(seq.prompt_ids)
             if joining and prompt_len > budget:
                 break  # waits for the next step (counted whole: a prefix it may reuse is not looked up yet)
+            if joining and self._shares_with_a_fresh_joiner(seq, joiners):
+                # Its prefix (a system prompt, the same prompt for another sample) is being
+                # prefilled in this step: next step it reuses that KV instead of computing it again.
+                break
             self._incoming.get_nowait()
             if seq.future.cancelled():
                 continue
             joining.append(seq)
-            hit = self._prefix_cache.take(seq.prompt_ids) if self._prefix_cache is not None else None
-            if self._prefix_cache is not None:
-                self.stats["prefix_hits" if hit else "prefix_misses"] += 1
-            reused, prefix = hit if hit is not None else (0, None)
-            if hit is not None:
-                self.stats["prefix_reused_tokens"] += reused
+            hit = self._look_up_prefix(seq)
+            reused, prefix = (hit.reused, hit.kv) if hit is not None else (0, None)
             joiners.append((seq, reused, prefix))
             budget -= prompt_len - reused
         if not decoding and not joiners:
@@ -300,6 +306,11 @@ class HFEngine:
         )
         logits = packed_step.forward(self.model, step, ids, positions, keep, device, bool(self._last_logits_only))
         batch.advance()
+        if self._prefix_cache is not None:
+            for slot, (seq, reused, _) in zip(joiner_slots, joiners):
+                if not reused:
+                    # Read by later prompts that start the same way; never taken.
+                    self._prefix_cache.put(seq.prompt_ids, batch.kv_of(slot), shared=True)
         self.stats["forward_steps"] += 1
         self.stats["mixed_steps"] += bool(decoding and joiners)
         self.stats["largest_step_tokens"] = max(self.stats["largest_step_tokens"], len(ids))
@@ -309,6 +320,29 @@ class HFEngine:
             # Copied out before the slot is freed: the next joiner overwrites its columns.
             self._finish(seqs[row], batch.kv_of(slots[row]))
             batch.leave(slots[row])
+
+    def _look_up_prefix(self, seq: _Sequence) -> PrefixHit | None:
+        if self._prefix_cache is None:
+            return None
+        hit = self._prefix_cache.take(seq.prompt_ids)
+        if hit is not None and hit.own:
+            self.stats["prefix_hits"] += 1
+            self.stats["prefix_reused_tokens"] += hit.reused
+            return hit
+        self.stats["prefix_misses"] += 1
+        if hit is not None:
+            self.stats["shared_prefix_hits"] += 1
+            self.stats["shared_prefix_tokens"] += hit.reused
+        return hit
+
+    def _shares_with_a_fresh_joiner(self, seq: _Sequence, joiners: list[tuple[_Sequence, int, KV | None]]) -> bool:
+        """Whether `seq` starts like a prompt that joins in this step with nothing reused (its KV
+        goes into the prefix cache after the step)."""
+        if self._prefix_cache is None:
+            return False
+        least = self._prefix_cache.min_shared_tokens
+        head = seq.prompt_ids[:least]
+        return len(head) == least and any(not reused and other.prompt_ids[:least] == head for other, reused, _ in joiners)
 
     def _admit(self, batch: "SlotBatch") -> None:
         free = batch.free_slots()
@@ -328,12 +362,10 @@ class HFEngine:
         # prefills only the new tokens, on its own: each has a prefix of its own length.
         fresh = []
         for seq in joining:
-            hit = self._prefix_cache.take(seq.prompt_ids) if self._prefix_cache is not None else None
+            hit = self._look_up_prefix(seq)
             if hit is not None:
-                self._prefill_after_prefix(batch, seq, *hit)
+                self._prefill_after_prefix(batch, seq, hit.reused, hit.kv)
                 continue
-            if self._prefix_cache is not None:
-                self.stats["prefix_misses"] += 1
             fresh.append(seq)
         if fresh:
             self._prefill(batch, fresh)
@@ -385,8 +417,6 @@ class HFEngine:
             **self._last_logits_only,
         )
         self.stats["forward_steps"] += 1
-        self.stats["prefix_hits"] += 1
-        self.stats["prefix_reused_tokens"] += reused
         self.stats["prefill_tokens"] += p - reused
         finished = self._sample([seq], out.logits[:, -1, :].float())
         kv = [(layer.keys, layer.values) for layer in cache.layers]
