@@ -10,6 +10,7 @@ import pty
 import re
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 
@@ -136,6 +137,32 @@ class Terminal:
         os.close(self.fd)
 
 
+def _left_behind(session: int, settle: float = 30.0) -> list[str]:
+    """Processes still in genrun's session (Ray, the Prefect server) once they had `settle`
+    seconds to go."""
+    deadline = time.monotonic() + settle
+    while True:
+        listing = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True, check=True).stdout
+        left = [line.strip() for line in listing.splitlines() if line.split()[1] == str(session) and line.split()[0] != str(session)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _terminal_env(prefect_home):
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "GENRUN_LOG_LEVEL")}
+    env.update(PREFECT_HOME=str(prefect_home), TERM="xterm", PYTHONPATH=str(REPO))
+    return env
+
+
+def _wait_for_a_commit(terminal, out):
+    deadline = time.monotonic() + 400
+    while not (out / "shards").exists() or not committed_keys(out):
+        assert terminal.poll() is None, f"genrun exited early:\n{terminal.text()[-3000:]}"
+        assert time.monotonic() < deadline, f"nothing committed in time:\n{terminal.text()[-3000:]}"
+        time.sleep(0.2)
+
+
 def _flow_run_states(prefect_home) -> list[str]:
     """The flow runs' final states, read from the temporary server's database (it is gone)."""
     with sqlite3.connect(prefect_home / "prefect.db") as db:
@@ -155,18 +182,16 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_and_the_same_command_resumes_exactly
     out = tmp_path / "run"
     prefect_home = tmp_path / "prefect-home"
     prefect_home.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "GENRUN_LOG_LEVEL")}
-    env.update(PREFECT_HOME=str(prefect_home), TERM="xterm", PYTHONPATH=str(REPO))
-    terminal = Terminal(_args(prompts, out), env)
+    terminal = Terminal(_args(prompts, out), _terminal_env(prefect_home))
     try:
-        deadline = time.monotonic() + 400
-        while not (out / "shards").exists() or not committed_keys(out):
-            assert terminal.poll() is None, f"genrun exited early:\n{terminal.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"nothing committed in time:\n{terminal.text()[-3000:]}"
-            time.sleep(0.2)
+        _wait_for_a_commit(terminal, out)
         terminal.ctrl_c()
+        pressed = time.monotonic()
         # Generous: a slow shared machine. The design's bound is 30 s.
         assert terminal.wait(timeout=60) == 130
+        print(f"exit 130 {time.monotonic() - pressed:.1f} s after the Ctrl-C")
+        # Ray and the temporary Prefect server were stopped, not left running.
+        assert _left_behind(terminal.pid) == []
     finally:
         terminal.kill()
     text = terminal.text()
@@ -193,6 +218,41 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_and_the_same_command_resumes_exactly
     assert len(keys) == len(set(keys)) == TOTAL
     _same_dataproto(DataProto.load_from_disk(str(out / "trajectories.pkl")), DataProto.load_from_disk(str(uninterrupted[0] / "trajectories.pkl")))
     assert _flow_run_states(prefect_home) == ["CANCELLED", "COMPLETED"]
+
+
+@pytest.mark.timeout(900)
+def test_a_second_ctrl_c_quits_at_once_and_the_next_run_still_resumes_exactly(prompts, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    prefect_home = tmp_path / "prefect-home"
+    prefect_home.mkdir()
+    terminal = Terminal(_args(prompts, out), _terminal_env(prefect_home))
+    try:
+        _wait_for_a_commit(terminal, out)
+        terminal.ctrl_c()
+        deadline = time.monotonic() + 30
+        while "genrun: stopping:" not in terminal.text():
+            assert time.monotonic() < deadline, terminal.text()[-2000:]
+            time.sleep(0.05)
+        terminal.ctrl_c()
+        pressed = time.monotonic()
+        # At once: no waiting for shards or servers (generous for a loaded machine).
+        assert terminal.wait(timeout=20) == 130
+        print(f"exit 130 {time.monotonic() - pressed:.1f} s after the second Ctrl-C")
+        # The Prefect server is killed; Ray's processes die with the process that started them.
+        assert _left_behind(terminal.pid) == []
+    finally:
+        terminal.kill()
+    text = terminal.text()
+    assert "genrun: stopped at once; committed trajectories are kept, run the same command again to resume" in text, text[-2000:]
+    committed = committed_keys(out)
+    assert len(committed) == len(set(committed)) < TOTAL
+
+    # The lease it left behind belongs to a process that is gone: the next run takes it over.
+    resumed = run_genrun(_args(prompts, out), env={"PREFECT_HOME": str(prefect_home)}, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    keys = committed_keys(out)
+    assert len(keys) == len(set(keys)) == TOTAL
+    _same_dataproto(DataProto.load_from_disk(str(out / "trajectories.pkl")), DataProto.load_from_disk(str(uninterrupted[0] / "trajectories.pkl")))
 
 
 @pytest.mark.timeout(700)
