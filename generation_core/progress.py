@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 REPORT_SECONDS = 1.0
 """How often a shard job reports to the board (and learns of a stop request)."""
+BOARD_TIMEOUT_SECONDS = 10.0
+"""The longest a shard job waits for the board's answer (a board that never started must not
+hold a shard up)."""
 RATE_WINDOW_SECONDS = 60.0
 """The rate (and so the ETA) is measured over the generation of the last minute."""
 PROGRESS_BOARD_PREFIX = "genrun_progress"
@@ -127,7 +130,7 @@ class ShardReporter:
         import ray
 
         try:
-            self.stop = self.stop or bool(ray.get(self.board.stop_requested.remote(), timeout=30))
+            self.stop = self.stop or bool(ray.get(self.board.stop_requested.remote(), timeout=BOARD_TIMEOUT_SECONDS))
         except Exception as exc:  # noqa: BLE001 - the board is cosmetic except for stopping; go on without it
             logger.warning("could not reach the progress board (%s: %s)", type(exc).__name__, exc)
         return self.stop
@@ -136,7 +139,8 @@ class ShardReporter:
         if self.board is None:
             return
         try:
-            self.stop = bool(await self.board.report.remote(asdict(self.report))) or self.stop
+            answer = await asyncio.wait_for(self.board.report.remote(asdict(self.report)), BOARD_TIMEOUT_SECONDS)
+            self.stop = bool(answer) or self.stop
         except Exception as exc:  # noqa: BLE001 - a missed report only delays the display
             logger.debug("progress report failed: %s: %s", type(exc).__name__, exc)
 
