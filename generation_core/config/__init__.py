@@ -68,6 +68,8 @@ OPERATIONAL_KEYS = (
     "data.dataloader_num_workers",
     "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.rollout.max_num_seqs",
+    # Tokens one engine step may run: which requests share a step (scheduling, as max_num_seqs).
+    "actor_rollout_ref.rollout.max_num_batched_tokens",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.agent.num_workers",
     # A metrics label (verl fills it with the model path, whose content is an input already).
