@@ -71,9 +71,8 @@ def setup_logging() -> None:
     """Configure the terminal's log output once, before Prefect or Ray is imported."""
     level = log_level()
     verbose = debug_output()
-    # Prefect reads its levels from the environment when it configures its loggers.
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # Filtered at the handler, not by lowering libraries' levels: Prefect's flow-run logs still
+    # reach its API (the UI), and Prefect leaves a root logger with a handler of ours alone.
     handler = logging.StreamHandler(sys.stderr)
     if verbose:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
