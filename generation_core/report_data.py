@@ -24,7 +24,6 @@ import heapq
 import json
 import logging
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +34,7 @@ import pyarrow.compute as pc
 from generation_core.errors import GenrunError
 from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
 from generation_core.run_folder import (
-    COMMITS_DIR, FAILURES_FILE, CommittedPartRef, DamagedPart, ShardCheckpoint, commit_file, commit_sequence,
-    read_verified_part, shard_file,
+    FAILURES_FILE, CommittedPartRef, DamagedPart, ShardCheckpoint, read_commit_records, read_verified_part, shard_file,
 )
 from generation_core.status import shard_states
 from generation_core.storage import RunFolder
@@ -55,7 +53,6 @@ _STOP_CODES = {name: code for code, name in enumerate(STOP_REASONS)}
 
 FAILURES_LISTED = 200
 """Failure log lines kept for the report's table (all of them are counted)."""
-_PARALLEL_READS = 16
 
 
 @dataclass(frozen=True)
@@ -257,13 +254,7 @@ class _Collector:
 
 
 def _commit_events(folder: RunFolder, shard: str, live_parts: set[str]) -> list[CommitEvent]:
-    sequences = sorted(seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None)
-    paths = [commit_file(shard, seq) for seq in sequences]
-    if folder.is_local or len(paths) < _PARALLEL_READS:
-        records = [folder.read_json(path) for path in paths]
-    else:
-        with ThreadPoolExecutor(_PARALLEL_READS) as pool:
-            records = list(pool.map(folder.read_json, paths))
+    _, records = read_commit_records(folder, shard)
     events = []
     for record in records:
         part = record.get("part") or {}

@@ -212,6 +212,17 @@ def legacy_checkpoint_error(folder: RunFolder, shard: str) -> GenrunError:
     )
 
 
+def read_commit_records(folder: RunFolder, shard: str) -> tuple[list[int], list[dict[str, Any]]]:
+    """Every commit record of `shard`, in sequence order: (sequence numbers, records)."""
+    sequences = sorted(seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None)
+    paths = [commit_file(shard, seq) for seq in sequences]
+    if folder.is_local or len(paths) < _PARALLEL_READS:
+        return sequences, [folder.read_json(path) for path in paths]
+    # One GET per record on S3: many at a time.
+    with ThreadPoolExecutor(_PARALLEL_READS) as pool:
+        return sequences, list(pool.map(folder.read_json, paths))
+
+
 @dataclass
 class ShardCheckpoint:
     """What a shard has committed, folded from its commit records: its parts (with checksums)
@@ -247,18 +258,10 @@ class ShardCheckpoint:
     def load(cls, folder: RunFolder, shard: str, fence: Fence | None = None) -> ShardCheckpoint:
         """The shard's committed state, folded from its commit records (empty when it has
         none). With `fence`, a run checks that no later run has claimed the shard (LeaseLost)."""
-        directory = shard_file(shard, COMMITS_DIR)
         checkpoint = cls()
-        sequences = sorted(seq for seq in map(commit_sequence, folder.list(directory)) if seq is not None)
+        sequences, records = read_commit_records(folder, shard)
         if not sequences and folder.exists(shard_file(shard, CHECKPOINT_FILE)):
             raise legacy_checkpoint_error(folder, shard)
-        paths = [commit_file(shard, seq) for seq in sequences]
-        if folder.is_local or len(paths) < _PARALLEL_READS:
-            records = [folder.read_json(path) for path in paths]
-        else:
-            # One GET per record on S3: many at a time.
-            with ThreadPoolExecutor(_PARALLEL_READS) as pool:
-                records = list(pool.map(folder.read_json, paths))
         for seq, record in zip(sequences, records):
             checkpoint._apply(seq, record)
         if sequences:
