@@ -67,13 +67,29 @@ class _ShortFormatter(logging.Formatter):
         return super().format(record)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a line is logged, not the stream of the moment
+    logging was set up: a caller that swaps stderr (pytest's capture, a redirect) and closes the
+    old one must not leave logging writing to a closed file."""
+
+    _chosen = None  # a stream set on purpose (the progress display's wrapper); None: sys.stderr
+
+    @property
+    def stream(self):
+        return self._chosen if self._chosen is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        self._chosen = None if value is None or value is sys.stderr else value
+
+
 def setup_logging() -> None:
     """Configure the terminal's log output once, before Prefect or Ray is imported."""
     level = log_level()
     verbose = debug_output()
     # Filtered at the handler, not by lowering libraries' levels: Prefect's flow-run logs still
     # reach its API (the UI), and Prefect leaves a root logger with a handler of ours alone.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     if verbose:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     else:

@@ -56,6 +56,22 @@ def prompts_file(tmp_path) -> Path:
     return write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
 
 
+@pytest.fixture
+def wandb_offline_dir(tmp_path, monkeypatch) -> Path:
+    """W&B in offline mode writing under this test's own folder. W&B keeps its settings (the
+    directory among them) in a process-wide singleton built by the first run, so it is torn
+    down after the test: the next test's WANDB_DIR would otherwise be ignored."""
+    import wandb
+
+    wandb_dir = tmp_path / "wandb-offline"
+    wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    wandb.teardown()
+    yield wandb_dir
+    wandb.teardown()
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray

@@ -211,13 +211,11 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
 
 
 @pytest.mark.timeout(600)
-def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path, monkeypatch):
+def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path, wandb_offline_dir):
     from generation_core.dispatch import run_in_process
     from generation_core.preflight import preflight
     from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
     out = tmp_path / "run"
     summary = run_in_process(preflight([
@@ -228,7 +226,7 @@ def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path
     data = viewer_data((out / REPORT_FILE).read_text())
     assert data["total"] == 5 and [t["id"] for t in data["trajectories"]] == [f"{i}:0" for i in range(5)]
     assert all(t["logprobs"] is None and t["runs"] == [[1, t["length"]]] for t in data["trajectories"]), "single-turn, no logprobs asked for"
-    (run_file,) = offline_run_files(tmp_path)
+    (run_file,) = offline_run_files(wandb_offline_dir)
     # An image is logged as nested keys (report/<plot>/format, .../width, ...; the PNG is a media file).
     images = {key.rsplit("/", 1)[0] for key in history_keys(run_file) if key.startswith("report/") and key.endswith("/format")}
     assert images == {"report/response-length", "report/turns", "report/stop-reasons", "report/throughput"}, "no reward in this run: no reward plot"

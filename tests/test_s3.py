@@ -230,12 +230,9 @@ def test_preflight_names_the_bucket_and_what_to_fix(s3_server, tmp_path, model_d
         assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
 
 
-def test_wandb_offline_artifact_and_metrics(s3_env, ray_local, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
+def test_wandb_offline_artifact_and_metrics(s3_env, ray_local, tmp_path, wandb_offline_dir):
+    wandb_dir = wandb_offline_dir
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
-    wandb_dir = tmp_path / "wandb"
-    wandb_dir.mkdir()
-    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
     summary = run_in_process(preflight(_instant(prompts, tmp_path / "run", "trainer.logger=[console,wandb]", "generation.upload_artifact=true")))
     (run_file,) = offline_run_files(wandb_dir)
     (artifact,) = artifacts(run_file)
