@@ -283,28 +283,9 @@ class HFEngine:
         else:
             joiner_slots = []
             batch.make_room(1, self._kv_shape)
-        ids = [batch.sequences[slot].token_ids[-1] for slot in decoding]
-        positions = [batch.end - batch.row_start[slot] for slot in decoding]
-        keep = list(range(len(decoding)))
-        layout = []
-        for slot, (seq, reused, _) in zip(joiner_slots, joiners):
-            ids.extend(seq.prompt_ids[reused:])
-            positions.extend(range(reused, len(seq.prompt_ids)))
-            keep.append(len(ids) - 1)
-            layout.append((slot, batch.row_start[slot], len(seq.prompt_ids) - reused))
-            self.stats["prefill_tokens"] += len(seq.prompt_ids) - reused
-        rows = max(decoding) + 1 if decoding else 0
-        decode_start = min((batch.row_start[slot] for slot in decoding), default=batch.end)
-        step = PackedStep(
-            batch=batch,
-            decoding=decoding,
-            decoding_index=torch.tensor(decoding, dtype=torch.long, device=device),
-            decode_rows=rows,
-            decode_start=decode_start,
-            decode_mask=batch.decode_mask(rows, decoding, decode_start, device) if decoding else None,
-            joiners=layout,
-        )
-        logits = packed_step.forward(self.model, step, ids, positions, keep, device, bool(self._last_logits_only))
+        packed = PackedStep.build(batch, decoding, [(slot, seq.prompt_ids, reused) for slot, (seq, reused, _) in zip(joiner_slots, joiners)], device)
+        self.stats["prefill_tokens"] += sum(len(seq.prompt_ids) - reused for seq, reused, _ in joiners)
+        logits = packed_step.forward(self.model, packed, device, bool(self._last_logits_only))
         batch.advance()
         if self._prefix_cache is not None:
             for slot, (seq, reused, _) in zip(joiner_slots, joiners):
@@ -313,7 +294,7 @@ class HFEngine:
                     self._prefix_cache.put(seq.prompt_ids, batch.kv_of(slot), shared=True)
         self.stats["forward_steps"] += 1
         self.stats["mixed_steps"] += bool(decoding and joiners)
-        self.stats["largest_step_tokens"] = max(self.stats["largest_step_tokens"], len(ids))
+        self.stats["largest_step_tokens"] = max(self.stats["largest_step_tokens"], len(packed.ids))
         slots = decoding + joiner_slots
         seqs = [batch.sequences[slot] for slot in slots]
         for row in self._sample(seqs, logits):

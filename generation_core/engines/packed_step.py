@@ -55,8 +55,46 @@ class PackedStep:
     """(slot, first prompt column, new tokens) per joiner: its new tokens are its prompt's last
     ones, ending at column `batch.end`."""
 
+    @classmethod
+    def build(cls, batch: SlotBatch, decoding: list[int], joiners: list[tuple[int, list[int], int]], device: str) -> "PackedInput":
+        """Lay out one step: every slot in `decoding` feeds its last sampled token; each joiner
+        (slot, prompt ids, tokens reused from a cached prefix) feeds its prompt after the reused
+        part. Joiners must already be placed in `batch` (SlotBatch.place)."""
+        ids = [batch.sequences[slot].token_ids[-1] for slot in decoding]
+        positions = [batch.end - batch.row_start[slot] for slot in decoding]
+        keep = list(range(len(decoding)))
+        layout = []
+        for slot, prompt_ids, reused in joiners:
+            ids.extend(prompt_ids[reused:])
+            positions.extend(range(reused, len(prompt_ids)))
+            keep.append(len(ids) - 1)
+            layout.append((slot, batch.row_start[slot], len(prompt_ids) - reused))
+        rows = max(decoding) + 1 if decoding else 0
+        decode_start = min((batch.row_start[slot] for slot in decoding), default=batch.end)
+        step = cls(
+            batch=batch,
+            decoding=decoding,
+            decoding_index=torch.tensor(decoding, dtype=torch.long, device=device),
+            decode_rows=rows,
+            decode_start=decode_start,
+            decode_mask=batch.decode_mask(rows, decoding, decode_start, device) if decoding else None,
+            joiners=layout,
+        )
+        return PackedInput(step, ids, positions, keep)
+
     def cache(self) -> Cache:
         return Cache(layers=[_PackedLayer(self, layer) for layer in range(len(self.batch.keys))])
+
+
+@dataclass
+class PackedInput:
+    """A mixed step's model input: packed token ids and positions, and the packed positions
+    whose logits are kept (each decoding slot's token, each joiner's last prompt token)."""
+
+    step: PackedStep
+    ids: list[int]
+    positions: list[int]
+    keep: list[int]
 
 
 class _PackedLayer(DynamicLayer):
@@ -121,13 +159,13 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     return out, None
 
 
-def forward(model, step: PackedStep, ids: list[int], positions: list[int], keep: list[int], device: str, accepts_logits_to_keep: bool) -> torch.Tensor:
-    """Run one mixed step: token ids and positions packed as PackedStep says; returns the float
-    logits of the packed positions `keep` (each decoding slot's token, each joiner's last)."""
-    keep_index = torch.tensor(keep, dtype=torch.long, device=device)
+def forward(model, packed: PackedInput, device: str, accepts_logits_to_keep: bool) -> torch.Tensor:
+    """Run one mixed step; returns the float logits of the packed positions `packed.keep`."""
+    step = packed.step
+    keep_index = torch.tensor(packed.keep, dtype=torch.long, device=device)
     out = model(
-        input_ids=torch.tensor([ids], device=device),
-        position_ids=torch.tensor([positions], device=device),
+        input_ids=torch.tensor([packed.ids], device=device),
+        position_ids=torch.tensor([packed.positions], device=device),
         # A 4D mask goes through transformers' mask preparation untouched; attention ignores it.
         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
         past_key_values=step.cache(),
@@ -159,19 +197,8 @@ def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logit
 
     def step(decoding: list[int], joining: list[_Probe]) -> torch.Tensor:
         slots = batch.place([(probe, 0, None) for probe in joining], shape)
-        rows = max(decoding) + 1 if decoding else 0
-        start = min((batch.row_start[s] for s in decoding), default=batch.end)
-        layout = PackedStep(
-            batch, decoding, torch.tensor(decoding, dtype=torch.long, device=device), rows, start,
-            batch.decode_mask(rows, decoding, start, device) if decoding else None,
-            [(slot, batch.row_start[slot], len(probe.prompt_ids)) for slot, probe in zip(slots, joining)],
-        )
-        ids = [batch.sequences[s].token_ids[-1] for s in decoding] + [t for probe in joining for t in probe.prompt_ids]
-        positions = [batch.end - batch.row_start[s] for s in decoding] + [i for probe in joining for i in range(len(probe.prompt_ids))]
-        keep = list(range(len(decoding)))
-        for probe in joining:
-            keep.append(keep[-1] + len(probe.prompt_ids) if keep else len(probe.prompt_ids) - 1)
-        logits = forward(model, layout, ids, positions, keep, device, accepts_logits_to_keep)
+        packed = PackedStep.build(batch, decoding, [(slot, probe.prompt_ids, 0) for slot, probe in zip(slots, joining)], device)
+        logits = forward(model, packed, device, accepts_logits_to_keep)
         batch.advance()
         return logits
 
