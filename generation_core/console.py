@@ -67,10 +67,12 @@ class _ShortFormatter(logging.Formatter):
         return super().format(record)
 
 
-class _StderrHandler(logging.StreamHandler):
+class StderrHandler(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is when a line is logged, not the stream of the moment
     logging was set up: a caller that swaps stderr (pytest's capture, a redirect) and closes the
-    old one must not leave logging writing to a closed file."""
+    old one must not leave logging writing to a closed file. Its name must not start with "_":
+    Prefect's logging setup keeps the root logger's handlers only when one of them looks like the
+    user's (prefect/logging/configuration.py), and without that its INFO lines reach the terminal."""
 
     _chosen = None  # a stream set on purpose (the progress display's wrapper); None: sys.stderr
 
@@ -89,7 +91,7 @@ def setup_logging() -> None:
     verbose = debug_output()
     # Filtered at the handler, not by lowering libraries' levels: Prefect's flow-run logs still
     # reach its API (the UI), and Prefect leaves a root logger with a handler of ours alone.
-    handler = _StderrHandler()
+    handler = StderrHandler()
     if verbose:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     else:

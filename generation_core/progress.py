@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.data import ShardSpec
+from generation_core.progress_board import ProgressBoard
 from generation_core.run_folder import ShardCheckpoint, shard_name
 from generation_core.storage import RunFolder
 
@@ -59,30 +60,6 @@ class ShardReport:
     generated: int = 0
     committed: int = 0
     failed: int = 0
-
-
-class ProgressBoard:
-    """The Ray actor shard jobs report to; the driver reads `snapshot` and may `request_stop`."""
-
-    def __init__(self) -> None:
-        self.reports: dict[int, dict[str, Any]] = {}
-        self.generated_by_attempt: dict[str, int] = {}
-        self.stop = False
-
-    def report(self, report: dict[str, Any]) -> bool:
-        """Record a shard's report; answers whether the run is stopping."""
-        self.reports[report["shard_id"]] = report
-        self.generated_by_attempt[report["attempt"]] = report["generated"]
-        return self.stop
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"reports": list(self.reports.values()), "generated": sum(self.generated_by_attempt.values())}
-
-    def request_stop(self) -> None:
-        self.stop = True
-
-    def stop_requested(self) -> bool:
-        return self.stop
 
 
 def new_board_name() -> str:

@@ -152,27 +152,25 @@ def _ids(rendered) -> list[int]:
     return list(rendered["input_ids"]) if not isinstance(rendered, list) else rendered
 
 
-def _model_turns(record) -> list[list[int]]:
-    """The runs of model tokens (response_mask 1) of a trajectory."""
-    turns, current = [], []
-    for token, mask in zip(record.response_ids, record.response_mask):
-        if mask:
+def _runs_of_ones(tokens, mask) -> list[list[int]]:
+    """The maximal runs of `tokens` whose mask is set, in order."""
+    runs, current = [], []
+    for token, keep in zip(tokens, mask):
+        if keep:
             current.append(token)
         elif current:
-            turns.append(current)
+            runs.append(current)
             current = []
-    return turns + ([current] if current else [])
+    return runs + ([current] if current else [])
+
+
+def _model_turns(record) -> list[list[int]]:
+    """The runs of model tokens (response_mask 1) of a trajectory."""
+    return _runs_of_ones(record.response_ids, record.response_mask)
 
 
 def _loss_runs(item) -> list[list[int]]:
-    turns, current = [], []
-    for token, loss in zip(item["input_ids"].tolist(), item["loss_mask"].tolist()):
-        if loss:
-            current.append(token)
-        elif current:
-            turns.append(current)
-            current = []
-    return turns + ([current] if current else [])
+    return _runs_of_ones(item["input_ids"].tolist(), item["loss_mask"].tolist())
 
 
 def _check_sft_dataset(path, records, tokenizer, tools=None):

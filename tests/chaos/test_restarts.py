@@ -263,6 +263,9 @@ def ray_head(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# CI time: make test covers a separately started Ray cluster (test_multinode) and a run killed
+# with -9 then resumed exactly (the chaos schedule's kill_run); this one adds the head's restart.
+@pytest.mark.extended
 def test_ray_head_restarted_between_runs(ray_head, restartable_prefect, tmp_path):
     server = restartable_prefect
     print(f"ray head up in {ray_head.start():.1f} s")
