@@ -16,11 +16,17 @@ REPO = Path(__file__).resolve().parent.parent
 GENRUN = [sys.executable, "-m", "flows.cli"]
 
 
+SESSION_ENV: dict[str, str] = {}
+"""The environment as the session began, before any test's monkeypatching: what session-wide
+servers start with and hand to the tests."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_environment(tmp_path_factory):
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf-datasets"))
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    SESSION_ENV.update(os.environ)
     yield
 
 
@@ -141,16 +147,18 @@ class PrefectServer:
         raise AssertionError(f"flow run {flow_run_id} did not reach {final_types}: {run['state']}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """A real Prefect server on 127.0.0.1 with its own database, stopped by PID at the end."""
+    """A real Prefect server on 127.0.0.1 with its own database, stopped by PID at the end. One
+    for the whole session (each start costs ~15 s on 2 cores): tests find their own flow runs
+    by output folder or id, never by being alone on it."""
     import time
 
     import httpx
 
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = {k: v for k, v in SESSION_ENV.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false", PYTHONPATH=str(REPO))
     log = open(home / "server.log", "w")
     process = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -84,7 +84,7 @@ def _user_plugin(site):
 
 
 @pytest.mark.slow
-def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(tmp_path, model_dir):
+def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(tmp_path, model_dir, prefect_server):
     site = tmp_path / "site"
     site.mkdir()
     _user_plugin(site)
@@ -94,7 +94,7 @@ def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(t
         row["agent_name"] = agents[position % 4]
     prompts = write_parquet(tmp_path / "mixed.parquet", rows)
     out = tmp_path / "run"
-    env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    env = dict(prefect_server.env, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     args = [
         f"data.train_files={prompts}",
         f"trainer.default_local_dir={out}",

@@ -86,7 +86,7 @@ def test_three_shards_on_ray_equal_the_in_process_run(prefect_server, ray_local,
     assert in_process["num_trajectories"] == 10
     _assert_same_dataproto(DataProto.load_from_disk(str(tmp_path / "flow" / "trajectories.pkl")), DataProto.load_from_disk(str(tmp_path / "plain" / "trajectories.pkl")))
 
-    (flow_run,) = prefect_server.api("POST", "/flow_runs/filter", json={})
+    (flow_run,) = _flow_runs_of(prefect_server, tmp_path / "flow")
     assert flow_run["state"]["type"] == "COMPLETED"
     assert sorted(_task_states(prefect_server, flow_run["id"])) == ["Completed"] * 3
     artifacts = {a["key"]: a for a in prefect_server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})}
