@@ -51,15 +51,16 @@ def _assert_same_dataproto(actual: DataProto, expected: DataProto):
         assert actual.non_tensor_batch[key].tolist() == expected.non_tensor_batch[key].tolist(), key
 
 
-def _task_states(server, flow_run_id, settle_seconds: float = 60.0):
-    """The shard task runs' state names, once none is still Running/Pending: a task on a Ray
-    worker reports its final state on its own, and that report can reach the API a moment after
-    the flow run's own final state."""
+def _task_states(server, flow_run_id, count: int, settle_seconds: float = 60.0):
+    """The shard task runs' state names, once `count` task runs exist and none is still
+    Running/Pending. A task on a Ray worker reports its states on its own, as events the server
+    records when it gets to them: a task run (a Cached one, which has no Running state) can
+    appear a moment after the flow run's own final state."""
     deadline = time.monotonic() + settle_seconds
     while True:
         runs = server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
         states = [r["state"]["name"] for r in runs if r["name"].startswith("shard-")]
-        if not {"Running", "Pending"} & set(states) or time.monotonic() > deadline:
+        if (len(states) >= count and not {"Running", "Pending"} & set(states)) or time.monotonic() > deadline:
             return states
         time.sleep(0.5)
 
@@ -88,7 +89,7 @@ def test_three_shards_on_ray_equal_the_in_process_run(prefect_server, ray_local,
 
     (flow_run,) = _flow_runs_of(prefect_server, tmp_path / "flow")
     assert flow_run["state"]["type"] == "COMPLETED"
-    assert sorted(_task_states(prefect_server, flow_run["id"])) == ["Completed"] * 3
+    assert sorted(_task_states(prefect_server, flow_run["id"], 3)) == ["Completed"] * 3
     artifacts = {a["key"]: a for a in prefect_server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})}
     progress = next(a for k, a in artifacts.items() if k.endswith("-progress"))
     assert progress["data"] == 100.0
@@ -281,14 +282,14 @@ def test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard(pr
     shards = out / "shards"
     assert (shards / "shard-00000" / "_SUCCESS.json").exists() and (shards / "shard-00002" / "_SUCCESS.json").exists()
     assert not (shards / "shard-00001" / "_SUCCESS.json").exists()
-    assert sorted(_task_states(prefect_server, flow_run["id"])) == ["Completed", "Completed", "Failed"]
+    assert sorted(_task_states(prefect_server, flow_run["id"], 3)) == ["Completed", "Completed", "Failed"]
 
     flag.unlink()
     # Exactly what the Retry button of the Prefect UI sends.
     prefect_server.api("POST", f"/flow_runs/{flow_run['id']}/set_state", json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}})
     done = prefect_server.wait_for_flow_run(flow_run["id"], {"FAILED", "CRASHED", "COMPLETED"})
     assert done["state"]["type"] == "COMPLETED", done["state"]
-    states = sorted(_task_states(prefect_server, flow_run["id"]))
+    states = sorted(_task_states(prefect_server, flow_run["id"], 6))
     # The finished shards came from Prefect's persisted results; only shard 1 executed again.
     assert states.count("Cached") == 2 and states.count("Completed") == 3 and states.count("Failed") == 1, states
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
