@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: setup
 	$(BIN)/genrun $(ARGS)
 
-# CI's command (the 25 slowest tests listed at the end, to watch the time budget). Tests marked `extended` (covered here by cheaper ones) run in `make test-all`;
+# CI's command; it lists its 25 slowest tests at the end (CI's time budget). Tests marked
+# `extended` (covered here by cheaper ones) run in `make test-all`;
 # tests against a real vLLM server (`vllm_server`: a 3.4 GB environment) in `make test-remote`.
 test: setup browser
 	$(BIN)/python -m pytest -q --durations=25 -m "not extended and not vllm_server" tests
