@@ -29,6 +29,7 @@ from prefect.states import Cancelled, State
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.console import prints_to_debug_log
 from generation_core.data import ShardSpec
 from generation_core.dispatch import boot_pool
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.5
 # After a Ctrl-C, how long running shard jobs get to commit what has finished and stop.
 STOP_GRACE_SECONDS = 15.0
+# Before Ray stops, how long the shard task runs' final states get to reach the Prefect API.
+RECORD_STATES_SECONDS = 10.0
 
 
 class ShardsFailed(RuntimeError):
@@ -93,6 +96,8 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # submitted again here, each crash taking one of the same generation.retries.
         pending: dict[PrefectFuture, tuple[ShardSpec, int]] = {}
         finished: queue.Queue[PrefectFuture] = queue.Queue()
+        # Task runs whose workers reported their own final state (see task_run_states).
+        reported: list[UUID] = []
 
         def submit(shard: ShardSpec, retries: int, needs_work: bool = True) -> None:
             task = run_shard.with_options(retries=retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
@@ -139,6 +144,10 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                 shard, retries_left = pending.pop(future)
                 future.wait()
                 state = future.state
+                if not state.is_crashed():
+                    reported.append(future.task_run_id)
+                elif not stopping:  # (after a Ctrl-C, a cancelled task that never started reads Crashed too)
+                    record_crash(future.task_run_id, state)
                 if state.is_crashed() and retries_left > 0 and not stopping:
                     logger.warning("%s: its worker died (%s); running it again (%d retries left)", shard.name, state.message, retries_left - 1)
                     time.sleep(gen.retry_delay_seconds)
@@ -154,6 +163,8 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                 logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", len(pending), STOP_GRACE_SECONDS)
         finally:
             pool.shutdown()
+        # After a Ctrl-C the exit must stay quick: the states get a moment, not the whole wait.
+        wait_until_recorded(reported, 2.0 if stopping else RECORD_STATES_SECONDS)
     if stopping or STOP.requested():
         return _stopped(plan)
     if failures:
