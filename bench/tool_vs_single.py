@@ -1,6 +1,6 @@
 """Tokens/s of the tool-calling example against single-turn generation, whole `genrun` runs side by side.
 
-    .venv/bin/python -u bench/tool_vs_single.py [--rounds 1] [--prompts 192] [--as-shipped]
+    .venv/bin/python -u bench/tool_vs_single.py [--rounds 1] [--prompts 192] [--as-shipped] [--arrival-order-too]
 
 Each round runs, one after the other on the bundled CPU model, single-turn generation on the
 bundled prompts and the tool-calling example (examples/tool_calling: verl's ToolAgentLoop with
@@ -12,6 +12,8 @@ them: `make demo` (48 prompts, response 128) against the example's 24 questions 
 (response 256): those runs are short enough that their slowest trajectory sets their length.
 Rates are the runs' own figure (model tokens / shard seconds, `this_invocation.tokens_per_second`
 in manifest.json). Also printed: how many tool trajectories had more than one model turn.
+--arrival-order-too adds, in each round, the tool example with the engine admitting requests in
+arrival order (engine_kwargs.hf.later_turns_first=false) instead of a trajectory's later turns first.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--as-shipped", action="store_true")
+    parser.add_argument("--arrival-order-too", action="store_true")
     args = parser.parse_args()
     prompts = 48 if args.as_shipped else args.prompts
     scratch = Path(tempfile.mkdtemp(prefix="genrun-tool-vs-single-"))
@@ -100,15 +103,20 @@ def main() -> None:
             "actor_rollout_ref.rollout.calculate_log_probs=true",
             "data.max_prompt_length=256", "data.max_response_length=256",
         ]
-        rates: dict[str, list[float]] = {"single": [], "tool": []}
+        rates: dict[str, list[float]] = {"single": [], "tool": [], "tool-arrival-order": []}
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}", flush=True)
             rates["single"].append(run(scratch, f"single-{round_}", single)["tokens_per_second"])
             rates["tool"].append(run(scratch, f"tool-{round_}", tool)["tokens_per_second"])
-        single_rate = sum(rates["single"]) / len(rates["single"])
-        tool_rate = sum(rates["tool"]) / len(rates["tool"])
+            if args.arrival_order_too:
+                arrival = [*tool, "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first=false"]
+                rates["tool-arrival-order"].append(run(scratch, f"tool-arrival-order-{round_}", arrival)["tokens_per_second"])
+        mean = {name: sum(values) / len(values) for name, values in rates.items() if values}
+        single_rate, tool_rate = mean["single"], mean["tool"]
         print(f"{prompts} prompts each, {'as shipped' if args.as_shipped else 'prompt 256 / response 256'}: single-turn {single_rate:.1f} tokens/s; tool example {tool_rate:.1f} tokens/s")
         print(f"tool / single-turn: {tool_rate / single_rate:.2f} (target >= {TARGET})")
+        if "tool-arrival-order" in mean:
+            print(f"tool example, arrival order: {mean['tool-arrival-order']:.1f} tokens/s = {mean['tool-arrival-order'] / single_rate:.2f} of single-turn")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

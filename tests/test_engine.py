@@ -407,3 +407,42 @@ def test_the_instant_engine_answers_per_prompt_seed_and_temperature_and_says_why
     assert full.stop_reason == "stop" and len(full.token_ids) == 8 and full.token_ids[-1] == 2
     capped = _instant(prompt, temperature=1.0, seed=0, max_tokens=3)
     assert capped.stop_reason == "length" and capped.token_ids == full.token_ids[:3]
+
+
+@pytest.mark.parametrize("later_turns_first", [True, False], ids=["later-turns-first", "arrival-order"])
+def test_a_trajectorys_next_turn_joins_before_first_turns_that_wait(model_dir, prompts, later_turns_first):
+    """One slot: while a long request holds it, first turns "b" and "c" queue, then trajectory "a"
+    (which ran before) sends its next turn under the same request id: it runs right after the long
+    request, ahead of b and c; with later_turns_first=false, in arrival order."""
+    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=256, response_length=64, max_batch_size=1, num_threads=2, later_turns_first=later_turns_first))
+    short = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    finished = []
+
+    async def turn(request_id, prompt, params):
+        output = await engine.generate(request_id, prompt_ids=prompt, sampling_params=params)
+        finished.append(request_id)
+        return output
+
+    async def until(condition):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+    async def main():
+        first = await turn("a", prompts[0], short)
+        tokens_before = engine.stats["generated_tokens"]
+        long = asyncio.create_task(turn("long", prompts[1], {"temperature": 0, "max_tokens": 60, "ignore_eos": True}))
+        await until(lambda: engine.stats["generated_tokens"] > tokens_before)  # it holds the slot
+        queued = [asyncio.create_task(turn(name, prompt, short)) for name, prompt in (("b", prompts[2]), ("c", prompts[3]))]
+        await until(lambda: engine._incoming.qsize() == 2)
+        queued.append(asyncio.create_task(turn("a", prompts[0] + first.token_ids + prompts[3][-4:], short)))
+        await until(lambda: engine._incoming.qsize() == 3)
+        assert not long.done(), "the long request ended before every other request queued: the order shows nothing"
+        await asyncio.gather(long, *queued)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert finished[:2] == ["a", "long"]
+    assert finished[2:] == (["a", "b", "c"] if later_turns_first else ["b", "c", "a"])
+    assert engine.stats["later_turns"] == (1 if later_turns_first else 0)

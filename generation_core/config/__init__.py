@@ -78,6 +78,8 @@ OPERATIONAL_KEYS = (
     # Reuse skips recomputing a prefix's KV: the same tokens (as with more or fewer threads,
     # float rounding may differ).
     "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
+    # Which waiting request joins the batch first: scheduling, as max_num_seqs.
+    "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
     "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
     # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
     # or when it is null the name the servers report: preflight).
@@ -356,6 +358,8 @@ def validate_values(cfg: DictConfig) -> None:
         prefix_bytes is None or (isinstance(prefix_bytes, int) and not isinstance(prefix_bytes, bool) and prefix_bytes >= 0),
         "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes", prefix_bytes, "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
     )
+    later_turns_first = rollout.engine_kwargs.get("hf", {}).get("later_turns_first", True)
+    _require(isinstance(later_turns_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first", later_turns_first, "must be true or false")
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
     unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
     _require(not unknown_loggers, "trainer.logger", list(cfg.trainer.logger), f"unknown backend {unknown_loggers[:1]}; known: {', '.join(_TRACKING_BACKENDS)}")

@@ -8,6 +8,7 @@ one request at a time on a 2-core CPU). Joiners are prefilled inside the batch's
 (packed_step.py). A finished sequence's KV, and the KV of prompts prefilled whole, stay in a
 bounded prefix cache (prefix_cache.py): the next turn of a multi-turn trajectory prefills only
 its new tokens, and a prompt reuses the system prompt and chat header it shares with earlier ones.
+Waiting requests join in arrival order, except that a trajectory's later turns go first (admission.py).
 
 The decode loop runs in one background thread: torch releases the GIL inside its kernels, so
 the asyncio loop that accepts requests (a Ray actor's, or the caller's) stays responsive.
@@ -35,6 +36,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines import packed_step
+from generation_core.engines.admission import AdmissionQueue, RequestIds
 from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
@@ -68,6 +70,9 @@ class EngineSettings:
     """Most tokens one mixed step runs (decode tokens + joiners' new prompt tokens): joiners beyond
     it wait for the next step (rollout.max_num_batched_tokens). A prompt is never split: one
     longer than this still joins, alone."""
+    later_turns_first: bool = True
+    """A trajectory's next turn (same request id) joins the batch before queued first turns
+    (admission.py); false: arrival order."""
 
 
 @dataclass(eq=False)
@@ -81,6 +86,8 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     stop_reason: str = STOP_LENGTH
+    later_turn: bool = False
+    """It continues a trajectory this engine served before (admission.py)."""
 
 
 class HFEngine:
@@ -107,7 +114,8 @@ class HFEngine:
         """How errors name this engine."""
         self._kv_shape = KVShape.of(self.config, self.model.dtype, settings.device)
         self._mixed = settings.mixed_steps and self._mixed_steps_work()
-        self._incoming: queue.Queue[_Sequence] = queue.Queue()
+        self._incoming = AdmissionQueue()
+        self._request_ids = RequestIds()
         self._wakeup = threading.Event()
         self._stopped = False
         # Every request whose caller awaits an answer, wherever it is (queued, joining, in the
@@ -129,6 +137,8 @@ class HFEngine:
             # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
             # tokens one pass ran.
             "mixed_steps": 0, "largest_step_tokens": 0,
+            # Requests that continued a trajectory and went ahead of queued first turns.
+            "later_turns": 0,
         }
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -151,6 +161,9 @@ class HFEngine:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
             generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
+        if self._request_ids.seen_before(request_id) and self.settings.later_turns_first:
+            seq.later_turn = True
+            self.stats["later_turns"] += 1
         with self._waiting_lock:
             if self._closed:
                 raise EngineStopped(f"{self.name} has stopped; request {request_id} was not run")
@@ -256,9 +269,8 @@ class HFEngine:
         joiners: list[tuple[_Sequence, int, KV | None]] = []
         joining = self._joining = []
         while len(joining) < batch.free_slots():
-            try:
-                seq = self._incoming.queue[0]
-            except IndexError:
+            seq = self._incoming.peek()
+            if seq is None:
                 break
             prompt_len = len(seq.prompt_ids)
             if joining and prompt_len > budget:
@@ -267,7 +279,7 @@ class HFEngine:
                 # Its prefix (a system prompt, the same prompt for another sample) is being
                 # prefilled in this step: next step it reuses that KV instead of computing it again.
                 break
-            self._incoming.get_nowait()
+            self._incoming.take(seq)
             if seq.future.cancelled():
                 continue
             joining.append(seq)
