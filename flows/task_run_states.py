@@ -39,9 +39,9 @@ def record_crash(task_run_id: UUID, state: State) -> None:
         logger.debug("could not record the crash of task run %s: %s", task_run_id, exc)
 
 
-def wait_until_recorded(task_run_ids: Iterable[UUID], timeout: float) -> list[UUID]:
+def wait_until_recorded(task_run_ids: Iterable[UUID], timeout: float) -> None:
     """Wait up to `timeout` seconds until the API shows every task run in a final state (while
-    their Ray workers live on to send it). Returns the ones it does not show so by then."""
+    their Ray workers live on to send it); the ones it does not show so by then are logged."""
     waiting = set(task_run_ids)
     started = time.monotonic()
     polls = 0
@@ -60,4 +60,3 @@ def wait_until_recorded(task_run_ids: Iterable[UUID], timeout: float) -> list[UU
         logger.debug("%d shard task run(s) not shown final by the Prefect API after %.1f s: %s", len(waiting), timeout, sorted(map(str, waiting)))
     elif polls > 1:
         logger.debug("the shard task runs' final states reached the Prefect API %.1f s after their futures ended", time.monotonic() - started)
-    return sorted(waiting)

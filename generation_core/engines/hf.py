@@ -161,7 +161,7 @@ class HFEngine:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
             generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
-        if self._request_ids.seen_before(request_id) and self.settings.later_turns_first:
+        if self.settings.later_turns_first and self._request_ids.seen_before(request_id):
             seq.later_turn = True
             self.stats["later_turns"] += 1
         with self._waiting_lock:

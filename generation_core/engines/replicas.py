@@ -149,7 +149,7 @@ class HFReplica(_EngineReplica):
             ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
             prefix_cache_bytes=hf.EngineSettings.prefix_cache_bytes if prefix_cache_bytes is None else int(prefix_cache_bytes),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
-            later_turns_first=bool(hf_kwargs.get("later_turns_first", True)),
+            later_turns_first=bool(hf_kwargs.get("later_turns_first", hf.EngineSettings.later_turns_first)),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
         replicas_on_node = self.gpus_per_node
