@@ -139,6 +139,8 @@ class HFEngine:
             "mixed_steps": 0, "largest_step_tokens": 0,
             # Requests that continued a trajectory and went ahead of queued first turns.
             "later_turns": 0,
+            # Sequences moved down into slots that others left (SlotBatch.compact).
+            "slot_moves": 0,
         }
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -238,6 +240,7 @@ class HFEngine:
 
     def _step(self, batch: "SlotBatch") -> None:
         """One turn of the decode loop: joiners in, one token for every sequence in the batch."""
+        self.stats["slot_moves"] += batch.compact()
         if self._mixed:
             self._mixed_step(batch)
         else:
