@@ -134,7 +134,8 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_recovers(engine, pr
 @pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed-steps", "plain-steps"])
 def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts, mixed_steps):
     """Three slots, nine requests of very different lengths arriving over time: slots are
-    reused, the KV store grows past its first size and shifts its window left, and a longer
+    reused, sequences move down into slots others left, the KV store grows past its first size
+    and shifts its window left, and a longer
     prompt joins a batch whose timeline is shorter than it. Every token must still be the
     model's greedy choice given everything before it, and its logprob the re-scored one; with
     joiners prefilled in the decode step (mixed) and apart (plain, the path for models the
@@ -156,6 +157,8 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         outputs = asyncio.run(main())
     finally:
         small.shutdown()
+    # Sequences were moved down into slots that shorter ones left (SlotBatch.compact).
+    assert small.stats["slot_moves"] > 0
     for (prompt, n), out in zip(requests, outputs):
         assert len(out.token_ids) == n
         with torch.no_grad():
@@ -255,6 +258,34 @@ def test_unfiltered_sampling_draws_from_the_tempered_softmax_and_seeded_rows_sta
     draws = {int(sample_next_tokens(wide, mixed, [None, torch.Generator().manual_seed(5), None])[1]) for _ in range(20)}
     alone = int(sample_next_tokens(wide[1:2], mixed[1:2], [torch.Generator().manual_seed(5)])[0])
     assert draws == {alone}
+
+
+def test_filtered_sampling_follows_the_renormalised_odds_and_never_draws_a_removed_token():
+    """top-k 3 over weights whose removed tokens sit at both ends of the vocabulary: the draws
+    follow the kept tokens' renormalised softmax, and a removed token (weight 0) never comes,
+    not even at the extremes of the uniform numbers the draw looks up."""
+    torch.manual_seed(2)
+    logits = torch.tensor([[-5.0, 1.0, 2.0, 0.5, -4.0, -6.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 20000
+    chosen = sample_next_tokens(logits, params, [None] * 20000)
+    observed = torch.bincount(chosen, minlength=6).float() / 20000
+    expected = torch.zeros(6)
+    expected[[1, 2, 3]] = logits[0, [1, 2, 3]].softmax(-1)
+    assert observed[[0, 4, 5]].sum().item() == 0, observed
+    assert (observed - expected).abs().max().item() < 0.02, (observed, expected)
+
+
+@pytest.mark.parametrize("uniform, expected", [(0.0, 1), (1.0, 2)], ids=["lowest", "highest"])
+def test_the_draw_at_the_ends_of_its_uniform_range_picks_a_kept_token(monkeypatch, uniform, expected):
+    """The draw looks a uniform number up in the row's cumulative weights: at 0 it lands on the
+    first token with weight, and where the product rounds up to the row's total (forced here
+    with 1.0) on the likeliest token, never on a removed (zero-weight) one at either end."""
+    from generation_core.engines import sampling
+
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0]])
+    monkeypatch.setattr(sampling.torch, "rand", lambda n, **kw: torch.full((n,), uniform, dtype=kw["dtype"]))
+    assert sampling._draw(probs, [None]).tolist() == [expected]
+    assert sampling._draw(probs, [torch.Generator().manual_seed(0)]).tolist() == [expected]
 
 
 # ---- nothing hangs, stop reasons, the instant engine's answers ---------------------------------

@@ -20,9 +20,9 @@ def sample_next_tokens(
 
     Everything runs on `logits.device` and the result (token ids, int64) stays there: the
     caller copies only the chosen ids, never the logits. Rows without a generator are drawn
-    with one batched `torch.multinomial`; a row with a generator (a seeded request) is drawn
-    alone with it, so its tokens do not depend on the other rows of the batch. A generator must
-    live on the logits' device.
+    together; a row with a generator (a seeded request) draws its random number alone with it,
+    so its tokens do not depend on the other rows of the batch (_draw). A generator must live on
+    the logits' device.
     """
     batch, vocab = logits.shape
     device = logits.device
@@ -75,16 +75,27 @@ def _filtered_draw(rows: torch.Tensor, params: list[SamplingParams], generators:
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One index per row of `probs`: rows without a generator in one batched draw, a seeded row
-    alone with its generator (its draw does not depend on the other rows)."""
-    picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    """One index per row of `probs` (rows of non-negative weights), by inverse CDF: a uniform
+    number per row, found in the row's cumulative sum. A seeded row's number comes from its own
+    generator, so its draw does not depend on the other rows; the others' come from one batched
+    draw. (`torch.multinomial` draws an exponential number for every vocabulary entry instead:
+    75 ms of a 400 ms decode step of 64 rows of the bundled model on 2 CPU cores.)"""
+    device = probs.device
     unseeded = [n for n, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        return torch.multinomial(probs, 1).squeeze(1)
+    uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=device)
     if unseeded:
-        unseeded_index = torch.tensor(unseeded, device=probs.device)
-        picks[unseeded_index] = torch.multinomial(probs.index_select(0, unseeded_index), 1).squeeze(1)
-    for n, generator in enumerate(generators):
-        if generator is not None:
-            picks[n] = torch.multinomial(probs[n], 1, generator=generator)[0]
+        uniform[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+    seeded = [n for n, g in enumerate(generators) if g is not None]
+    if seeded:
+        draws = [torch.rand(1, dtype=torch.float64, device=device, generator=generators[n]) for n in seeded]
+        uniform[torch.tensor(seeded, device=device)] = torch.cat(draws)
+    # Summed in float64: in float32 the sum of 49k entries drifts by ~1e-5, which would skew the
+    # odds of the rarest tokens.
+    cdf = probs.double().cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    overflow = picks >= probs.shape[1]
+    if bool(overflow.any()):
+        # The product rounded up to the row's total (no entry is above it): take the row's
+        # likeliest token, never one its filters removed.
+        picks = torch.where(overflow, probs.argmax(dim=-1), picks)
     return picks
