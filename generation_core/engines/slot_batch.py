@@ -135,7 +135,8 @@ class SlotBatch:
         [0, live) are the live ones; returns how many moved. A step runs attention over every row
         up to the highest live slot: without this, a batch that drains (the end of a run, when no
         joiner refills the slots) keeps paying for the rows its finished sequences left (a step
-        decoding 9 sequences cost 0.6 of one decoding 64). A move copies one slot's columns."""
+        decoding 9 sequences took 300 ms with 64 rows, 190 ms with 9). A move copies one slot's
+        columns."""
         live = self.live_slots()
         holes = [slot for slot in range(len(live)) if self.sequences[slot] is None]
         movers = [slot for slot in reversed(live) if slot >= len(live)]
