@@ -5,9 +5,11 @@ All slots share one column timeline: a step writes every decoding slot's new key
 [end - p + 1, end + 1) of a free slot (mixed steps: prefilled in the step it joins, beside the
 decode tokens) or [end - p, end) (a joiner prefilled apart, before the step), and attends only to
 its own columns (per-slot attention mask), so the rest of the batch is never copied when somebody
-joins or leaves. Attention sees the window [start, end], where `start` is the oldest live
-sequence's first column; the store is shifted left (one copy) only when it runs out of room.
-Free slots below the highest live slot ride along masked to the column being written.
+joins. When somebody leaves, the next step starts by moving the highest live sequence into the
+freed slot (`compact`, one slot's columns copied), so a step's rows are its live sequences.
+Attention sees the window [start, end], where `start` is the oldest live sequence's first column;
+the store is shifted left (one copy) only when it runs out of room. A row in a step that does not
+decode (a joiner, a free slot) rides along masked to the column being written.
 """
 
 from __future__ import annotations
