@@ -28,11 +28,12 @@ def _batch_with(lengths: list[int]) -> tuple[SlotBatch, list[_Seq]]:
     seqs = [_Seq(f"s{n}", list(range(length))) for n, length in enumerate(lengths)]
     slots = batch.place([(seq, 0, None) for seq in seqs], SHAPE)
     batch.advance()
-    for slot, seq in zip(slots, seqs):
+    for n, slot in enumerate(slots):
+        first = batch.row_start[slot]
+        named = 1000 * (n + 1) + torch.arange(first, batch.end, dtype=torch.float32).view(1, -1, 1)
         for layer in range(SHAPE.layers):
-            for store, sign in ((batch.keys, 1), (batch.values, -1)):
-                columns = torch.arange(batch.row_start[slot], batch.end, dtype=torch.float32)
-                store[layer][slot, :, batch.row_start[slot] : batch.end] = sign * (1000 * (slots.index(slot) + 1) + columns).view(1, -1, 1)
+            batch.keys[layer][slot, :, first : batch.end] = named
+            batch.values[layer][slot, :, first : batch.end] = -named
     return batch, seqs
 
 
