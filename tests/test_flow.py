@@ -106,7 +106,9 @@ def test_a_shard_failing_once_is_retried_and_resumes_from_its_checkpoint(prefect
     flag = tmp_path / "fail-once"
     flag.write_text("")
     trace = tmp_path / "samples.trace"
-    env = dict(prefect_server.env, GENRUN_TEST_FAIL_FLAG=str(flag), GENRUN_TEST_FAIL_INDEX="5", GENRUN_TEST_FAIL_MODE="once", GENRUN_SAMPLE_TRACE=str(trace))
+    # The worker looks for scheduled flow runs every second (Prefect's default: 10 s), so the
+    # tests do not wait on its polling.
+    env = dict(prefect_server.env, PREFECT_WORKER_QUERY_SECONDS="1", GENRUN_TEST_FAIL_FLAG=str(flag), GENRUN_TEST_FAIL_INDEX="5", GENRUN_TEST_FAIL_MODE="once", GENRUN_SAMPLE_TRACE=str(trace))
     args = _instant(
         prompts, tmp_path / "run",
         "generation.max_inflight=2", "generation.retries=1", "generation.retry_delay_seconds=0",
@@ -243,7 +245,9 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
 def deployed(prefect_server, tmp_path_factory):
     """prefect.yaml deployed against the test server, and a process worker serving the pool."""
     work = tmp_path_factory.mktemp("deployed")
-    env = dict(prefect_server.env, GENRUN_TEST_FAIL_FLAG=str(work / "fail-always"), GENRUN_TEST_FAIL_INDEX="4", GENRUN_SAMPLE_TRACE=str(work / "samples.trace"))
+    # The worker looks for scheduled flow runs every second (Prefect's default: 10 s), so the
+    # tests do not wait on its polling.
+    env = dict(prefect_server.env, PREFECT_WORKER_QUERY_SECONDS="1", GENRUN_TEST_FAIL_FLAG=str(work / "fail-always"), GENRUN_TEST_FAIL_INDEX="4", GENRUN_SAMPLE_TRACE=str(work / "samples.trace"))
     subprocess.run(["bash", "infra/create_pool.sh"], cwd=REPO, env=env, check=True, timeout=120, capture_output=True)
     deploy = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=REPO, env=env, timeout=300, capture_output=True, text=True)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
@@ -300,6 +304,45 @@ def test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard(pr
     assert data.non_tensor_batch["index"].tolist() == list(range(9))
 
 
+def test_the_nightly_config_names_its_folder_after_the_flow_runs_scheduled_date(prefect_server, deployed, tmp_path):
+    """prefect.yaml's nightly deployment (cron, folder override) as deployed, and its override
+    resolved inside a flow run scheduled for a past night (a late start, or a retry the next
+    day): `${genrun:scheduled_date}` reads the flow run's scheduled time, not the clock. The
+    config is resolved by preflight in a flow run on the real server, as the deployment's flow
+    does first; the whole run through the worker is the extended test below (CI time)."""
+    from datetime import datetime, timezone
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Scheduled
+
+    nightly = prefect_server.api("GET", "/deployments/name/generate/generate-nightly")
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
+    assert nightly["parameters"]["overrides"] == ["trainer.experiment_name=nightly-${genrun:scheduled_date}"]
+
+    @flow(name="resolve-nightly-config", persist_result=False)
+    def resolve(overrides: list[str]) -> str:
+        return preflight(overrides).cfg.trainer.experiment_name
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
+    overrides = [*nightly["parameters"]["overrides"], f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=instant"]
+    night = datetime(2024, 3, 5, 2, tzinfo=timezone.utc)
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            flow_run = client.create_flow_run(resolve, parameters={"overrides": overrides}, state=Scheduled(scheduled_time=night))
+        assert flow_run.expected_start_time.date() == night.date(), flow_run.expected_start_time
+        assert run_flow(resolve, flow_run=flow_run, parameters={"overrides": overrides}) == "nightly-2024-03-05"
+    # Outside a flow run it is the day's date (read before and after: the test may span midnight).
+    days = [datetime.now(timezone.utc).strftime("%Y-%m-%d")]
+    name = preflight(overrides).cfg.trainer.experiment_name
+    days.append(datetime.now(timezone.utc).strftime("%Y-%m-%d"))
+    assert name in [f"nightly-{day}" for day in days], name
+
+
+# CI time: the test above resolves the same override in a flow run scheduled for a past night.
+@pytest.mark.extended
 def test_the_nightly_deployment_names_its_folder_after_the_scheduled_date(prefect_server, deployed):
     """A nightly flow run scheduled for a past night (a late start, or a retry the next day)
     writes to that night's folder: prefect.yaml's `${genrun:scheduled_date}` reads the flow
