@@ -1,6 +1,7 @@
 """Tokens/s of the tool-calling example against single-turn generation, whole `genrun` runs side by side.
 
     .venv/bin/python -u bench/tool_vs_single.py [--rounds 1] [--prompts 192] [--as-shipped] [--arrival-order-too]
+        [--own-prefix-too]
 
 Each round runs, one after the other on the bundled CPU model, single-turn generation on the
 bundled prompts and the tool-calling example (examples/tool_calling: verl's ToolAgentLoop with
@@ -17,6 +18,8 @@ random numbers for the same trajectory, and the number of tool calls (which sets
 run is later turns) no longer varies from run to run (31 to 58 of 192 multi-turn unseeded).
 --arrival-order-too adds, in each round, the tool example with the engine admitting requests in
 arrival order (engine_kwargs.hf.later_turns_first=false) instead of a trajectory's later turns first.
+--own-prefix-too adds, in each round, the tool example with every sequence reading its own copy of
+the shared system prompt's KV (engine_kwargs.hf.shared_prefix_attention=false).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--as-shipped", action="store_true")
     parser.add_argument("--arrival-order-too", action="store_true")
+    parser.add_argument("--own-prefix-too", action="store_true")
     parser.add_argument("--seed", type=int, default=7, help="generation.sample_seed of every run")
     args = parser.parse_args()
     prompts = 48 if args.as_shipped else args.prompts
@@ -109,7 +113,7 @@ def main() -> None:
         ]
         seeded = f"generation.sample_seed={args.seed}"
         single, tool = [*single, seeded], [*tool, seeded]
-        rates: dict[str, list[float]] = {"single": [], "tool": [], "tool-arrival-order": []}
+        rates: dict[str, list[float]] = {"single": [], "tool": [], "tool-arrival-order": [], "tool-own-prefix": []}
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}", flush=True)
             rates["single"].append(run(scratch, f"single-{round_}", single)["tokens_per_second"])
@@ -117,12 +121,18 @@ def main() -> None:
             if args.arrival_order_too:
                 arrival = [*tool, "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first=false"]
                 rates["tool-arrival-order"].append(run(scratch, f"tool-arrival-order-{round_}", arrival)["tokens_per_second"])
+            if args.own_prefix_too:
+                own = [*tool, "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention=false"]
+                rates["tool-own-prefix"].append(run(scratch, f"tool-own-prefix-{round_}", own)["tokens_per_second"])
         mean = {name: sum(values) / len(values) for name, values in rates.items() if values}
         single_rate, tool_rate = mean["single"], mean["tool"]
         print(f"{prompts} prompts each, {'as shipped' if args.as_shipped else 'prompt 256 / response 256'}: single-turn {single_rate:.1f} tokens/s; tool example {tool_rate:.1f} tokens/s")
         print(f"tool / single-turn: {tool_rate / single_rate:.2f} (target >= {TARGET})")
         if "tool-arrival-order" in mean:
             print(f"tool example, arrival order: {mean['tool-arrival-order']:.1f} tokens/s = {mean['tool-arrival-order'] / single_rate:.2f} of single-turn")
+        if "tool-own-prefix" in mean:
+            own_rate = mean["tool-own-prefix"]
+            print(f"tool example, each sequence reading its own prefix copy: {own_rate:.1f} tokens/s = {own_rate / single_rate:.2f} of single-turn; shared prefix read once: {tool_rate / own_rate:.2f}x")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -131,19 +131,36 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_recovers(engine, pr
     assert _generate_all(engine, [prompts[0]], {"temperature": 0})[0].token_ids
 
 
-@pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed-steps", "plain-steps"])
-def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts, mixed_steps):
+@pytest.fixture(scope="module")
+def system_prompted(model_dir):
+    """Chat prompts that start with the same long system prompt (as a tool example's do), and
+    one without it: rows that read the batch's shared prefix beside one that cannot."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    system = "You are a careful assistant. Answer in one short sentence, use plain words, and check every number twice before you answer."
+    texts = ["What is 2 + 2?", "Name a color.", "Say hello to the world in a long friendly way.", "What is the capital of Italy?"]
+    encoded = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
+    encoded = [e if isinstance(e, list) else list(e["input_ids"]) for e in encoded]
+    bare = tokenizer.apply_chat_template([{"role": "user", "content": "Count to five."}], add_generation_prompt=True, tokenize=True)
+    return [*encoded, bare if isinstance(bare, list) else list(bare["input_ids"])]
+
+
+@pytest.mark.parametrize(
+    "mixed_steps,shared_prefix", [(True, False), (False, False), (True, True)], ids=["mixed-steps", "plain-steps", "mixed-steps-shared-prefix"]
+)
+def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts, system_prompted, mixed_steps, shared_prefix):
     """Three slots, nine requests of very different lengths arriving over time: slots are
     reused, sequences move down into slots others left, the KV store grows past its first size
     and shifts its window left, and a longer
     prompt joins a batch whose timeline is shorter than it. Every token must still be the
     model's greedy choice given everything before it, and its logprob the re-scored one; with
     joiners prefilled in the decode step (mixed) and apart (plain, the path for models the
-    packed attention cannot drive)."""
+    packed attention cannot drive); and with prompts that start with one long system prompt,
+    whose KV the mixed steps read once for every row that shares it (shared_prefix.py)."""
     small = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=100, max_batch_size=3, num_threads=2, mixed_steps=mixed_steps))
-    assert small._mixed is mixed_steps
+    assert small._mixed is mixed_steps and small._share_prefixes is mixed_steps
     lengths = [100, 4, 40, 9, 70, 1, 25, 50, 12]
-    requests = [(prompts[i % len(prompts)], n) for i, n in enumerate(lengths)]
+    chosen_prompts = system_prompted if shared_prefix else prompts
+    requests = [(chosen_prompts[i % len(chosen_prompts)], n) for i, n in enumerate(lengths)]
 
     async def one(i, prompt, n):
         await asyncio.sleep(0.2 * i)
@@ -159,6 +176,12 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         small.shutdown()
     # Sequences were moved down into slots that shorter ones left (SlotBatch.compact).
     assert small.stats["slot_moves"] > 0
+    # Rows read the batch's shared prefix (in the other mixed case too: a prompt sent again
+    # shares all of itself), and never in plain steps.
+    if shared_prefix:
+        assert small.stats["shared_prefix_reads"] > 0
+    if not mixed_steps:
+        assert small.stats["shared_prefix_reads"] == 0
     for (prompt, n), out in zip(requests, outputs):
         assert len(out.token_ids) == n
         with torch.no_grad():

@@ -67,3 +67,74 @@ def test_compaction_of_a_batch_without_holes_or_empty_moves_nothing():
     batch.leave(0)
     assert batch.compact() == 0 and batch.live_slots() == []
     assert SlotBatch(num_slots=4).compact() == 0
+
+
+def _prompted_batch(prompts: list[list[int]]) -> tuple[SlotBatch, list[int]]:
+    """A batch that shares prefixes, holding these prompts (prefilled), every slot decoding next."""
+    batch = SlotBatch(num_slots=6, share_prefixes=True)
+    slots = batch.place([(_Seq(f"p{n}", prompt), 0, None) for n, prompt in enumerate(prompts)], SHAPE)
+    batch.advance()
+    for slot in slots:
+        first = batch.row_start[slot]
+        for layer in range(SHAPE.layers):
+            # Column values stand for the tokens at those positions: equal prefixes, equal KV.
+            tokens = torch.tensor(batch.sequences[slot].prompt_ids, dtype=torch.float32).view(1, -1, 1)
+            batch.keys[layer][slot, :, first : batch.end] = tokens
+            batch.values[layer][slot, :, first : batch.end] = -tokens
+    return batch, slots
+
+
+def test_the_shared_prefix_is_cut_to_what_the_sharers_have_in_common_and_others_read_their_own():
+    system = list(range(100, 140))  # 40 tokens, above MIN_SHARED_TOKENS
+    batch, slots = _prompted_batch([system + [1, 2, 3], system + [4, 5], system[:36] + [9] * 8, [7] * 50])
+    batch.share_prefix(slots)
+    # The first prompt became the prefix; the second cut it to the 40 tokens they share; the
+    # third to 36; the fourth shares 0 (and the prefix has readers): it reads its own columns.
+    assert [batch.shares[s] for s in slots] == [True, True, True, False]
+    assert batch.prefix.tokens == tuple(system[:36])
+    assert batch.prefix.keys[0][0, :, 0].tolist() == system[:36]
+    assert [batch.own_start(s) - batch.row_start[s] for s in slots] == [36, 36, 36, 0]
+    # The step's mask lets each row see its own columns after the prefix it reads; the bias
+    # drops the prefix part for the row that does not read it.
+    first = min(batch.own_start(s) for s in slots)
+    mask = batch.decode_mask(4, slots, first, "cpu", additive=torch.float32)
+    for s in slots:
+        visible = (mask[s, 0, 0] == 0).nonzero().flatten() + first
+        assert visible.tolist() == list(range(batch.own_start(s), batch.end + 1))
+    assert batch.prefix_bias(4, slots, "cpu").flatten().tolist() == [0.0, 0.0, 0.0, float("-inf")]
+
+
+def test_a_prefix_nobody_reads_gives_way_to_the_next_prompt():
+    batch, slots = _prompted_batch([list(range(100, 140)), [7] * 50])
+    batch.share_prefix(slots[:1])
+    batch.leave(slots[0])
+    batch.share_prefix(slots[1:])
+    assert batch.shares[slots[1]] and batch.prefix.tokens == tuple([7] * 50)
+    # A prompt shorter than MIN_SHARED_TOKENS neither starts nor joins a prefix.
+    short, (slot,) = _prompted_batch([[3] * 10])
+    short.share_prefix([slot])
+    assert short.prefix is None and short.shares[slot] is False
+
+
+def test_cascade_attention_equals_attention_over_each_rows_whole_columns():
+    from generation_core.engines.shared_prefix import CascadeStep, SharedPrefix, cascade_decode_attention
+
+    torch.manual_seed(0)
+    rows, kv_heads, group, dim, prefix, columns = 5, 2, 3, 8, 12, 30
+    keys, values = torch.randn(rows, kv_heads, columns, dim), torch.randn(rows, kv_heads, columns, dim)
+    starts = [0, 4, 9, 2, 15]
+    reads = [True, True, False, True, False]
+    shared_k, shared_v = torch.randn(kv_heads, prefix, dim), torch.randn(kv_heads, prefix, dim)
+    for row, start in enumerate(starts):
+        if reads[row]:
+            keys[row, :, start : start + prefix], values[row, :, start : start + prefix] = shared_k, shared_v
+    query = torch.randn(rows, kv_heads * group, 1, dim)
+    cols = torch.arange(columns)
+    whole = cols.unsqueeze(0) >= torch.tensor(starts).unsqueeze(1)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=whole.view(rows, 1, 1, -1), enable_gqa=True)
+    own = cols.unsqueeze(0) >= torch.tensor([s + prefix * r for s, r in zip(starts, reads)]).unsqueeze(1)
+    mask = torch.zeros(rows, 1, 1, columns).masked_fill_(~own.view(rows, 1, 1, -1), float("-inf"))
+    bias = torch.tensor([0.0 if r else float("-inf") for r in reads]).view(rows, 1, 1)
+    step = CascadeStep(SharedPrefix(tuple(range(prefix)), [shared_k], [shared_v]), bias, sum(reads))
+    got = cascade_decode_attention(query, keys, values, mask, step, 0, None)
+    assert (got - expected).abs().max().item() < 1e-5

@@ -150,6 +150,7 @@ class HFReplica(_EngineReplica):
             prefix_cache_bytes=hf.EngineSettings.prefix_cache_bytes if prefix_cache_bytes is None else int(prefix_cache_bytes),
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
             later_turns_first=bool(hf_kwargs.get("later_turns_first", hf.EngineSettings.later_turns_first)),
+            shared_prefix_attention=bool(hf_kwargs.get("shared_prefix_attention", hf.EngineSettings.shared_prefix_attention)),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
         replicas_on_node = self.gpus_per_node

@@ -1,0 +1,116 @@
+"""Decode attention that reads a prefix many sequences share once, not once per sequence.
+
+The prompts of a dataset usually start the same way: a system prompt, few-shot turns, the chat
+header; and every turn of a multi-turn trajectory starts with its first prompt. Each slot of the
+running batch (slot_batch.py) holds its own copy of that prefix's KV, and a plain decode step
+reads every copy, for every row, every step. On a CPU, decode attention is bound by memory
+reads, so with a 160-token system prompt most of the tool example's attention time went to
+reading the same KV 64 times (bench/RESULTS.md, "A draining batch and the sampler").
+
+Here the batch keeps one copy of the longest prefix its sequences share (`SharedPrefix`), and a
+decode step splits each sharing row's attention in two (cascade attention):
+
+- the shared prefix, read once for all rows: a matmul of every row's query with its keys;
+- the row's own columns after the prefix, read from the slot store as before.
+
+Each part gives its softmax-weighted values and the log of its softmax denominator
+(log-sum-exp); the two merge exactly: out = (e^a o_a + e^b o_b) / (e^a + e^b). A row that does not
+share gets an empty prefix part (log-sum-exp -inf). The rows' own copies stay in the store
+(prefix reuse, compaction and the plain decode path read them), only attention stops reading them.
+
+CPU only: the own-columns part uses the CPU flash-attention kernel, which returns the
+log-sum-exp (`aten::_scaled_dot_product_flash_attention_for_cpu`); elsewhere the engine keeps
+reading every row's whole window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_SHARED_TOKENS = 32
+"""A prefix shorter than this is read with each row's own columns: splitting it off costs a
+matmul and a merge per layer for little less reading."""
+
+
+@dataclass
+class SharedPrefix:
+    """The KV of `tokens`, which the sharing slots' prompts all start with: per layer,
+    [heads, tokens, head_dim] keys and values, at positions 0..len(tokens)-1."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def copy_of(cls, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], slot: int, first_column: int) -> "SharedPrefix":
+        """The prefix `tokens` as `slot` holds it at columns [first_column, + len(tokens))."""
+        span = slice(first_column, first_column + len(tokens))
+        return cls(tuple(tokens), [k[slot, :, span].clone() for k in keys], [v[slot, :, span].clone() for v in values])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def common_length(self, prompt_ids: list[int]) -> int:
+        """How many of this prefix's tokens `prompt_ids` starts with."""
+        n = min(len(self.tokens), len(prompt_ids))
+        if tuple(prompt_ids[:n]) == self.tokens[:n]:
+            return n
+        low, high = 0, n  # prompt[:low] matches, prompt[:high] does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if tuple(prompt_ids[:middle]) == self.tokens[:middle]:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def shorten(self, length: int) -> None:
+        """Keep the first `length` tokens (a sequence that shares only those joined)."""
+        self.tokens = self.tokens[:length]
+        self.keys = [k[:, :length] for k in self.keys]
+        self.values = [v[:, :length] for v in self.values]
+
+
+@dataclass
+class CascadeStep:
+    """What one decode step's attention needs besides the store: the prefix, and per row (of the
+    step's decode rows) 0 where the row shares it, -inf where it does not."""
+
+    prefix: SharedPrefix
+    prefix_bias: torch.Tensor
+    """[rows, 1, 1] float: added to the prefix part's log-sum-exp."""
+    reading: int
+    """How many decoding rows read the prefix."""
+
+
+def cascade_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cascade: CascadeStep | None, layer: int, scale: float | None
+) -> torch.Tensor:
+    """query [rows, heads, 1, dim]; keys/values [rows, kv_heads, window, dim], the rows' own
+    columns (after the shared prefix for the rows that share it); mask [rows, 1, 1, window],
+    additive (0 or -inf), of the query's dtype. Returns [rows, heads, 1, dim].
+
+    The query heads of one KV head (grouped-query attention) are laid out as that head's query
+    positions, [rows, kv_heads, heads per kv head, dim], so neither part repeats the KV."""
+    rows, heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    grouped = query.reshape(rows, kv_heads, group, dim)
+    own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, keys, values, attn_mask=mask, scale=scale)
+    if cascade is None:
+        return own.reshape(rows, heads, 1, dim)
+    scale = dim**-0.5 if scale is None else scale
+    prefix_keys, prefix_values = cascade.prefix.keys[layer], cascade.prefix.values[layer]
+    # [kv_heads, rows x group, dim]: one matmul per KV head over every row's queries.
+    by_head = grouped.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim)
+    scores = torch.bmm(by_head, prefix_keys.transpose(1, 2)).mul_(scale)
+    prefix_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    prefix_out = torch.bmm(scores.sub_(prefix_lse).exp_(), prefix_values)
+    prefix_out = prefix_out.view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
+    prefix_lse = prefix_lse.view(kv_heads, rows, group).permute(1, 0, 2) + cascade.prefix_bias
+    most = torch.maximum(prefix_lse, own_lse)
+    prefix_weight, own_weight = (prefix_lse - most).exp_(), (own_lse - most).exp_()
+    merged = (prefix_out * prefix_weight.unsqueeze(-1) + own * own_weight.unsqueeze(-1)) / (prefix_weight + own_weight).unsqueeze(-1)
+    return merged.reshape(rows, heads, 1, dim)
