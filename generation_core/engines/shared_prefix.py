@@ -14,13 +14,16 @@ decode step splits each sharing row's attention in two (cascade attention):
 - the row's own columns after the prefix, read from the slot store as before.
 
 Each part gives its softmax-weighted values and the log of its softmax denominator
-(log-sum-exp); the two merge exactly: out = (e^a o_a + e^b o_b) / (e^a + e^b). A row that does not
-share gets an empty prefix part (log-sum-exp -inf). The rows' own copies stay in the store
+(log-sum-exp); the two merge exactly: out = (e^a o_a + e^b o_b) / (e^a + e^b), that is
+o_b + sigmoid(a - b) (o_a - o_b). A row that does not share gets an empty prefix part
+(log-sum-exp -inf, weight 0). The rows' own copies stay in the store
 (prefix reuse, compaction and the plain decode path read them), only attention stops reading them.
 
-CPU only: the own-columns part uses the CPU flash-attention kernel, which returns the
-log-sum-exp (`aten::_scaled_dot_product_flash_attention_for_cpu`); elsewhere the engine keeps
-reading every row's whole window.
+CPU only: both parts use the CPU flash-attention kernel, which returns the log-sum-exp
+(`aten::_scaled_dot_product_flash_attention_for_cpu`); elsewhere the engine keeps reading every
+row's whole window. Measured (bench/shared_prefix_attention.py): a decode attention call costs
+~1 ms plus ~0.012 ms per column at 64 rows, so a 160-token prefix read once saves ~1.9 ms of a
+layer's ~5.7 and the prefix part costs ~0.3.
 """
 
 from __future__ import annotations
@@ -101,16 +104,13 @@ def cascade_decode_attention(
     own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, keys, values, attn_mask=mask, scale=scale)
     if cascade is None:
         return own.reshape(rows, heads, 1, dim)
-    scale = dim**-0.5 if scale is None else scale
     prefix_keys, prefix_values = cascade.prefix.keys[layer], cascade.prefix.values[layer]
-    # [kv_heads, rows x group, dim]: one matmul per KV head over every row's queries.
-    by_head = grouped.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim)
-    scores = torch.bmm(by_head, prefix_keys.transpose(1, 2)).mul_(scale)
-    prefix_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    prefix_out = torch.bmm(scores.sub_(prefix_lse).exp_(), prefix_values)
+    # The prefix as one sequence that every row's queries attend to: [1, kv_heads, rows x group, dim].
+    by_head = grouped.permute(1, 0, 2, 3).reshape(1, kv_heads, rows * group, dim)
+    prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        by_head, prefix_keys.unsqueeze(0), prefix_values.unsqueeze(0), scale=scale
+    )
     prefix_out = prefix_out.view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
     prefix_lse = prefix_lse.view(kv_heads, rows, group).permute(1, 0, 2) + cascade.prefix_bias
-    most = torch.maximum(prefix_lse, own_lse)
-    prefix_weight, own_weight = (prefix_lse - most).exp_(), (own_lse - most).exp_()
-    merged = (prefix_out * prefix_weight.unsqueeze(-1) + own * own_weight.unsqueeze(-1)) / (prefix_weight + own_weight).unsqueeze(-1)
-    return merged.reshape(rows, heads, 1, dim)
+    prefix_weight = torch.sigmoid(prefix_lse - own_lse).unsqueeze(-1).to(own.dtype)
+    return torch.lerp(own, prefix_out, prefix_weight).reshape(rows, heads, 1, dim)
