@@ -93,7 +93,7 @@ class PrefixCache:
                 if prompt[n - 1] == entry.tokens[-1] and prompt[:n] == entry.tokens:
                     own = entry
                     continue
-            length = _common_prefix(entry.tokens, prompt, limit)
+            length = common_prefix_length(entry.tokens, prompt, limit)
             if length > common_len:
                 common, common_len = entry, length
         if own is not None:
@@ -116,7 +116,7 @@ def _cut(kv: KV, tokens: int) -> KV:
     return [(k[:, :, :tokens], v[:, :, :tokens]) for k, v in kv]
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
     """Length of the longest common prefix of `a` and `b`, at most `limit`: a binary search
     over slice comparisons (each runs in C), not a Python loop over tokens."""
     high = min(len(a), len(b), limit)

@@ -10,7 +10,8 @@ reading the same KV 64 times (bench/RESULTS.md, "A draining batch and the sample
 Here the batch keeps one copy of the longest prefix its sequences share (`SharedPrefix`), and a
 decode step splits each sharing row's attention in two (cascade attention):
 
-- the shared prefix, read once for all rows: a matmul of every row's query with its keys;
+- the shared prefix, read once for all rows: one attention call in which every row's queries
+  attend to the prefix as to a single sequence;
 - the row's own columns after the prefix, read from the slot store as before.
 
 Each part gives its softmax-weighted values and the log of its softmax denominator
@@ -32,9 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from generation_core.engines.prefix_cache import common_prefix_length
+
 MIN_SHARED_TOKENS = 32
-"""A prefix shorter than this is read with each row's own columns: splitting it off costs a
-matmul and a merge per layer for little less reading."""
+"""A prefix shorter than this is read with each row's own columns: splitting it off costs an
+attention call and a merge per layer for little less reading."""
 
 
 @dataclass
@@ -57,17 +60,7 @@ class SharedPrefix:
 
     def common_length(self, prompt_ids: list[int]) -> int:
         """How many of this prefix's tokens `prompt_ids` starts with."""
-        n = min(len(self.tokens), len(prompt_ids))
-        if tuple(prompt_ids[:n]) == self.tokens[:n]:
-            return n
-        low, high = 0, n  # prompt[:low] matches, prompt[:high] does not
-        while high - low > 1:
-            middle = (low + high) // 2
-            if tuple(prompt_ids[:middle]) == self.tokens[:middle]:
-                low = middle
-            else:
-                high = middle
-        return low
+        return common_prefix_length(self.tokens, tuple(prompt_ids), len(self.tokens))
 
     def shorten(self, length: int) -> None:
         """Keep the first `length` tokens (a sequence that shares only those joined)."""
