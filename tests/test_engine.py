@@ -31,12 +31,19 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
 
+TEXTS = ["What is 2 + 2?", "Name a color.", "Say hello to the world in a long friendly way.", "What is the capital of Italy?"]
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's token ids (a list, or in a BatchEncoding depending on the version)."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return encoded if isinstance(encoded, list) else list(encoded["input_ids"])
+
+
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    texts = ["What is 2 + 2?", "Name a color.", "Say hello to the world in a long friendly way.", "What is the capital of Italy?"]
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
-    return [e if isinstance(e, list) else list(e["input_ids"]) for e in encoded]
+    return [_chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in TEXTS]
 
 
 def _generate_all(engine, prompts, params, stagger=0.0):
@@ -137,11 +144,8 @@ def system_prompted(model_dir):
     one without it: rows that read the batch's shared prefix beside one that cannot."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     system = "You are a careful assistant. Answer in one short sentence, use plain words, and check every number twice before you answer."
-    texts = ["What is 2 + 2?", "Name a color.", "Say hello to the world in a long friendly way.", "What is the capital of Italy?"]
-    encoded = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
-    encoded = [e if isinstance(e, list) else list(e["input_ids"]) for e in encoded]
-    bare = tokenizer.apply_chat_template([{"role": "user", "content": "Count to five."}], add_generation_prompt=True, tokenize=True)
-    return [*encoded, bare if isinstance(bare, list) else list(bare["input_ids"])]
+    shared = [_chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": t}]) for t in TEXTS]
+    return [*shared, _chat_ids(tokenizer, [{"role": "user", "content": "Count to five."}])]
 
 
 @pytest.mark.parametrize(
