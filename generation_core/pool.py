@@ -1,12 +1,13 @@
 """The inference replica pool: boot once per run, attach by name from any process, tear down.
 
 Booting goes through verl's LLMServerManager, so `rollout.name=hf` (CPU or GPU), `instant`,
-`sglang` and `vllm` take one path; `remote` boots nothing. Verl's load balancer actor gets a
-name, so shard tasks running in other Ray workers attach to the pool booted by the driver
-instead of loading the model again; it hands out its replicas' server handles, and each shard
-worker routes its own requests (routing.RoutingClient) instead of asking that actor twice per
-request. Which backends a client routes over is decided in one place, `_backend_source`: the
-pool's replicas, or the remote servers.
+`sglang` and `vllm` take one path; `remote` boots nothing. In place of verl's load balancer
+actor the manager starts a named ServerRegistry (server_registry.py), so shard tasks running in
+other Ray workers attach to the pool booted by the driver instead of loading the model again;
+it hands out its replicas' server handles, and each shard worker routes its own requests
+(routing.RoutingClient) instead of asking a balancer actor twice per request. Which backends a
+client routes over is decided in one place, `_backend_source`: the pool's replicas, or the
+remote servers.
 """
 
 from __future__ import annotations
@@ -22,25 +23,17 @@ import ray
 from omegaconf import DictConfig
 from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.replica import RolloutReplicaRegistry
-from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
 from generation_core.engines.layout import REMOTE_ENGINE, check_cluster_resources, check_engine_installed, resolve_layout
 from generation_core.engines.remote import CompletionsServers, check_servers
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
 from generation_core.routing import BackendSource, RayReplicaBackend, RoutingClient
+from generation_core.server_registry import fetch_server_handles, start_server_registry
 
 logger = logging.getLogger(__name__)
 
 LOAD_BALANCER_PREFIX = "genrun_load_balancer"
-
-
-class ServerRegistry(GlobalRequestLoadBalancer):
-    """verl's balancer actor, which also hands out its server handles so that shard workers
-    can route requests themselves."""
-
-    def server_handles(self) -> dict[str, Any]:
-        return dict(self._servers)
 
 
 class PoolReplicas:
@@ -65,7 +58,7 @@ class PoolReplicas:
                         + "; the flow run's log says why the replicas did not boot (or were torn down)"
                     ) from None
                 await asyncio.sleep(0.5)
-        handles = await self._balancer.server_handles.remote()
+        handles = await fetch_server_handles(self._balancer)
         return {server_id: RayReplicaBackend(handle, self.config) for server_id, handle in handles.items()}, {}
 
     async def aclose(self) -> None:
@@ -84,11 +77,7 @@ class _NamedLoadBalancerManager(LLMServerManager):
 
     async def _init_global_load_balancer(self) -> None:
         servers = dict(zip(self.server_addresses, self.server_handles, strict=True))
-        self.global_load_balancer = (
-            ray.remote(ServerRegistry)
-            .options(name=self.balancer_name, num_cpus=0)
-            .remote(servers=servers, max_cache_size=DEFAULT_ROUTING_CACHE_SIZE)
-        )
+        self.global_load_balancer = start_server_registry(self.balancer_name, servers)
 
 
 def check_rollout_name(cfg: DictConfig) -> None:
