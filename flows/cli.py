@@ -18,10 +18,12 @@ a refused input answer at once.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, NoReturn
 
 from generation_core.bundled import cache_root
 from generation_core.console import setup_logging
@@ -247,5 +249,40 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> NoReturn:
+    """The `genrun` command: `main`, then a quick exit."""
+    try:
+        code = main()
+    except BrokenPipeError:
+        # The reader of the output went away (`genrun status DIR | head -3`): no traceback, and
+        # later writes go nowhere instead of raising again. Exit 1: the output was cut short
+        # (Python's own advice for SIGPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Exit with `code` once every cleanup has run (threads that are not daemons joined, atexit
+    handlers: logging's flush, Prefect's log and event workers, Ray's), skipping only the
+    interpreter's teardown of its modules: with torch, transformers, verl and Ray loaded that
+    took ~3 s of every run's end on 2 cores, after everything was written and stopped."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    _flush_output()
+    atexit._run_exitfuncs()  # what the interpreter itself runs before its teardown
+    _flush_output()
+    os._exit(code)
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`genrun status DIR | head`), a closed stream
+            pass
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
