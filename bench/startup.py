@@ -32,16 +32,23 @@ STAGES = [
 ]
 
 
-def run_once(scratch: Path) -> dict[str, float]:
+def run_once(scratch: Path, tree: Path | None = None) -> dict[str, float]:
+    """Seconds from the command's start to each stage of the timeline, and to its end ("done").
+    `tree`: run that checkout's code (`python -m flows.cli` with PYTHONPATH on it, which Ray's
+    workers inherit) with this tree's virtual environment, instead of the installed `genrun`."""
     timeline = scratch / "timeline.txt"
     env = genrun_env(timeline)
     # The demo's own settings: the first part is cut by age (generation.first_part_max_seconds).
-    command = [GENRUN, f"trainer.default_local_dir={scratch / 'run'}"]
+    arguments = [f"trainer.default_local_dir={scratch / 'run'}"]
+    command = [GENRUN, *arguments]
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+        command = [str(REPO / ".venv" / "bin" / "python"), "-m", "flows.cli", *arguments]
     started = time.time()
-    finished = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    finished = subprocess.run(command, cwd=tree or REPO, env=env, capture_output=True, text=True)
     total = time.time() - started
     if finished.returncode != 0:
-        sys.exit(f"the demo command failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
+        sys.exit(f"the demo command failed in {tree or REPO} ({finished.returncode}):\n{finished.stderr[-3000:]}")
     # The first shard worker / first part of any shard.
     return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
 
