@@ -130,6 +130,7 @@ class RoutingClient:
             raise
         finally:
             self._inflight[server_id] -= 1
+        output = as_token_output(output)
         # What verl's LLMServerClient adds to every output (its agent loops read them).
         global_steps = output.extra_fields.get("global_steps")
         output.extra_fields.setdefault("min_global_steps", global_steps)
@@ -225,6 +226,24 @@ class RoutingClient:
             logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._backends) - len(self._gone), len(self._backends))
         finally:
             self._down.pop(server_id, None)
+
+
+def as_token_output(output: Any) -> TokenOutput:
+    """verl's TokenOutput, what its agent loops take, for a backend's answer: our engines answer
+    with an EngineOutput (engines/base.py, which keeps verl out of their processes), verl's own
+    servers with a TokenOutput."""
+    if isinstance(output, TokenOutput):
+        return output
+    # model_construct: the engine built the fields with their types; validating every token id
+    # again would be per-turn work in the shard worker for nothing.
+    return TokenOutput.model_construct(
+        token_ids=output.token_ids,
+        log_probs=output.log_probs,
+        routed_experts=None,
+        stop_reason=output.stop_reason,
+        num_preempted=output.num_preempted,
+        extra_fields=dict(output.extra_fields),
+    )
 
 
 class RayReplicaBackend:

@@ -36,7 +36,7 @@ def stand_in_replica_class():
     from verl.workers.rollout.replica import RolloutReplica
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.engines.replicas import EngineServer
+    from generation_core.engines.server import EngineServer
 
     class StandInSGLangReplica(RolloutReplica):
         def get_ray_class_with_init_args(self):

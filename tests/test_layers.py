@@ -54,3 +54,18 @@ def test_the_library_has_no_import_cycle():
         if name not in state:
             visit(name, [])
     assert cycles == []
+
+
+def test_what_an_engine_replica_process_loads_imports_no_verl():
+    """An engine's replica process imports the server actor's module and its engine's
+    (engines/server.py): with them, anything they import. verl's import costs seconds of CPU in
+    every replica (tensordict, torch._dynamo) and none of it is used there."""
+    imports = _module_imports()
+    loaded, todo = set(), ["generation_core.engines.server", "generation_core.engines.instant", "generation_core.engines.hf"]
+    while todo:
+        name = todo.pop()
+        if name not in loaded:
+            loaded.add(name)
+            todo += [i for i in imports[name] if i in imports]
+    assert {name: sorted(i for i in imports[name] if i.split(".")[0] == "verl") for name in sorted(loaded) if any(i.split(".")[0] == "verl" for i in imports[name])} == {}
+    assert "generation_core.engines.server" in loaded and "generation_core.engines.base" in loaded

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from ray.exceptions import RayActorError
 
 from generation_core.engines.instant import InstantEngine, InstantSettings
-from generation_core.engines.replicas import EngineServer
+from generation_core.engines.server import EngineServer
 from generation_core.routing import RayReplicaBackend
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,36 +28,6 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _stub_verl_token_output() -> bool:
-    """hf.py imports verl only for its TokenOutput return type; verl's import pulls in ray
-    (77 MB), more than one device call may carry. Where verl is missing, a stand-in
-    TokenOutput with the same fields is registered instead; the engine's work is the same."""
-    try:
-        import verl.workers.rollout.replica  # noqa: F401
-        return False
-    except ImportError:
-        pass
-    import types
-    from dataclasses import dataclass, field
-    from typing import Any
-
-    @dataclass
-    class TokenOutput:
-        token_ids: list[int]
-        log_probs: list[float] | None = None
-        routed_experts: Any = None
-        stop_reason: str | None = None
-        num_preempted: int | None = None
-        extra_fields: dict[str, Any] = field(default_factory=dict)
-
-    names = ["verl", "verl.workers", "verl.workers.rollout", "verl.workers.rollout.replica"]
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules["verl.workers.rollout.replica"].TokenOutput = TokenOutput
-    return True
-
-
-VERL_STUBBED = _stub_verl_token_output()
 from generation_core.bundled import BUNDLED_PROMPTS  # noqa: E402
 from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
 
@@ -113,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_cudnn_sdp:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, cuDNN SDPA {'off' if args.no_cudnn_sdp else 'on (default)'}, verl TokenOutput {'stand-in (verl not installed)' if VERL_STUBBED else 'real'}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, cuDNN SDPA {'off' if args.no_cudnn_sdp else 'on (default)'}")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     started = time.perf_counter()
     engine = HFEngine(EngineSettings(args.model_dir, prompt_length=256, response_length=args.tokens, max_batch_size=max(args.batches), device="cuda", dtype="bfloat16"))

@@ -6,8 +6,13 @@ verl's agent loops make one call per model turn,
 instant engine, an OpenAI-compatible server) and the routing client in front of them answer that
 call. An engine turns the dict into `SamplingParams` once, where the request enters it, and sizes
 the response with `response_budget`, the default verl's own servers apply, and says why it
-ended in `TokenOutput.stop_reason` with SGLang's names (verl's sglang server passes them on):
-`STOP_EOS` or `STOP_LENGTH`.
+ended in `stop_reason` with SGLang's names (verl's sglang server passes them on): `STOP_EOS` or
+`STOP_LENGTH`.
+
+Our engines answer with an `EngineOutput`, the fields of verl's TokenOutput that they fill, and
+the routing client (routing.py), in the shard worker, hands verl's agent loops a TokenOutput made
+from it. So this module, and the engines, import no verl: an engine's replica process loads only
+what its engine needs (verl's import alone is ~6 CPU-seconds: tensordict, torch._dynamo).
 
 An engine that fails under a request raises `EngineStepFailed` (its step failed) or
 `EngineStopped` (it shut down first); both name the engine, and both are transient: the
@@ -16,10 +21,8 @@ request may succeed when sent again (request_retry.is_transient).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
-
-from verl.workers.rollout.replica import TokenOutput
 
 
 STOP_EOS = "stop"
@@ -38,6 +41,20 @@ class EngineStopped(ConnectionError):
     replica, or this one restarted, may answer it."""
 
 
+@dataclass
+class EngineOutput:
+    """One model turn's answer: verl's TokenOutput fields that an engine fills (routing.py turns it
+    into a TokenOutput for the agent loops)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+    """The sampled tokens' log-probabilities, when the request asked for them."""
+    stop_reason: str | None = None
+    """STOP_EOS or STOP_LENGTH (a remote server's own finish_reason as it sent it)."""
+    num_preempted: int | None = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A token-in/token-out inference engine, as verl's replica servers expose one."""
@@ -45,8 +62,8 @@ class Engine(Protocol):
     stats: dict[str, Any]
     """Counters since the engine started (a replica's `health()` reports them)."""
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
-        """One model turn. `kwargs` carry what verl adds for other engines (multimodal data,
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> EngineOutput:
+        """One model turn (an engine may answer with verl's TokenOutput as well). `kwargs` carry what verl adds for other engines (multimodal data,
         priority); an engine takes what it serves and ignores the rest."""
         ...
 

@@ -1,7 +1,7 @@
 """A transformers inference engine with continuous batching, for CPU (and plain GPU) runs.
 
 It implements the engine contract (engines/base.py): `await generate(request_id, prompt_ids=...,
-sampling_params=...) -> TokenOutput`. Requests from many coroutines share one decode batch:
+sampling_params=...) -> EngineOutput`. Requests from many coroutines share one decode batch:
 a finished sequence leaves the batch at once and a waiting request joins at the next step,
 so the batch never waits for its longest member (a batch of 32 is ~7x faster per token than
 one request at a time on a 2-core CPU). Joiners are prefilled inside the batch's decode pass
@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
-from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
+from generation_core.engines.base import EngineOutput, STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
 from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
+from generation_core.engines.server import cpu_threads_per_replica
 from generation_core.engines.slot_batch import KVShape, SlotBatch
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class HFEngine:
 
     # ---- public contract --------------------------------------------------------------------
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         if self.settings.ignore_eos:
             params = dataclasses.replace(params, ignore_eos=True)
@@ -166,7 +166,7 @@ class HFEngine:
             raise ValueError(f"request {request_id}: empty prompt")
         max_tokens = self._max_tokens(len(prompt_ids), params)
         if max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
+            return EngineOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
         loop = asyncio.get_running_loop()
         generator = None
         if params.seed is not None and not params.greedy:
@@ -187,7 +187,7 @@ class HFEngine:
         finally:
             with self._waiting_lock:
                 self._waiting.discard(seq)
-        return TokenOutput(
+        return EngineOutput(
             token_ids=seq.token_ids,
             log_probs=seq.log_probs if params.logprobs else None,
             stop_reason=seq.stop_reason,
@@ -491,6 +491,13 @@ class HFEngine:
         self.stats["generated_tokens"] += len(seqs)
         self.stats["finished"] += len(finished)
         return finished
+
+
+def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> HFEngine:
+    """The engine as its replica's server actor builds it (replicas.HFReplica): unless the
+    settings name a thread count, it takes its share of the CPUs of the node it runs on, which
+    need not be the driver's."""
+    return HFEngine(dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)))
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

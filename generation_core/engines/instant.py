@@ -27,9 +27,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.base import STOP_EOS, STOP_LENGTH, SamplingParams, response_budget
+from generation_core.engines.base import EngineOutput, STOP_EOS, STOP_LENGTH, SamplingParams, response_budget
 
 
 @dataclass
@@ -64,7 +63,7 @@ class InstantEngine:
         self.settings = settings
         self.stats = {"requests": 0, "generated_tokens": 0}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         if self.settings.delay_seconds:
             await asyncio.sleep(self.settings.delay_seconds)
@@ -78,7 +77,7 @@ class InstantEngine:
             stop_reason = STOP_EOS
         self.stats["requests"] += 1
         self.stats["generated_tokens"] += len(tokens)
-        return TokenOutput(token_ids=tokens, log_probs=[-1.0] * len(tokens) if params.logprobs else None, stop_reason=stop_reason, num_preempted=0)
+        return EngineOutput(token_ids=tokens, log_probs=[-1.0] * len(tokens) if params.logprobs else None, stop_reason=stop_reason, num_preempted=0)
 
     def shutdown(self) -> None:
         return None

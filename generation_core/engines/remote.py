@@ -27,9 +27,8 @@ from typing import Any
 
 import httpx
 from omegaconf import DictConfig
-from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.engines.base import STOP_LENGTH, SamplingParams, response_budget
+from generation_core.engines.base import EngineOutput, STOP_LENGTH, SamplingParams, response_budget
 from generation_core.engines.layout import remote_settings, remote_urls
 from generation_core.errors import GenrunError
 
@@ -79,8 +78,8 @@ def completion_request(model: str, prompt_ids: list[int], params: SamplingParams
     return body
 
 
-def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> TokenOutput:
-    """A /v1/completions answer -> TokenOutput (ids, and logprobs when asked)."""
+def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> EngineOutput:
+    """A /v1/completions answer -> EngineOutput (ids, and logprobs when asked)."""
     try:
         choice = payload["choices"][0]
     except (KeyError, IndexError, TypeError):
@@ -103,7 +102,7 @@ def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> TokenOutpu
         # A logprob of -inf comes back as null from some servers.
         log_probs = [-math.inf if v is None else float(v) for v in values]
     # The server's finish_reason as it is: "stop" / "length" (engines/base.py's names), or its own.
-    return TokenOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason=choice.get("finish_reason"))
+    return EngineOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason=choice.get("finish_reason"))
 
 
 class CompletionsServer:
@@ -132,11 +131,11 @@ class CompletionsServer:
         self.probe_interval = probe_interval
         self.stats = {"requests": 0, "generated_tokens": 0}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> TokenOutput:
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), params.max_tokens)
         if max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
+            return EngineOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
         if self.model is None:
             raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
         body = completion_request(self.model, prompt_ids, params, max_tokens)

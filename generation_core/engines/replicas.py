@@ -3,88 +3,28 @@
 Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them
 and the routing client (routing.py) call their server actors exactly as it calls `sglang` and
 `vllm` replicas: the CPU tests exercise the same pool and client code as production GPU runs.
-An EngineServer serves the engine contract (engines/base.py) of the engine it holds.
+Each replica's server is an EngineServer actor (server.py); the replica hands it a builder that
+makes the engine in the actor's process, a function of the engine's own module, so that the
+replica process imports that engine and nothing of verl.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
-import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Callable
 
 import ray
-import torch
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
-from generation_core.instrumentation import mark
-from generation_core.request_batching import serve_batch
-
-logger = logging.getLogger(__name__)
+from generation_core.engines.server import EngineServer
 
 ENGINE_RESTARTS = 3
-
-
-class EngineServer:
-    """Ray actor body: one engine, many concurrent `generate` calls (an async actor)."""
-
-    def __init__(self, build_engine: Callable[[], Engine]):
-        # Runs again when Ray restarts a crashed engine actor.
-        _run_at_normal_priority()
-        self.engine = build_engine()
-        mark("replica_ready")
-
-    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-
-    async def serve_batch(self, requests: list[dict]):
-        """Many `generate` calls in one Ray call, answered as they finish (request_batching.py)."""
-        async for answers in serve_batch(self.generate, requests):
-            yield answers
-
-    def health(self) -> dict:
-        return dict(self.engine.stats, pid=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0), torch_threads=torch.get_num_threads())
-
-    # verl's replica API: weights never change during generation, so these are no-ops.
-    async def wake_up(self):
-        return None
-
-    async def sleep(self):
-        return None
-
-    async def clear_kv_cache(self):
-        return None
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-
-
-def _run_at_normal_priority() -> None:
-    """Ray starts its worker processes at nice 15, the engine's actor included: on a busy machine
-    the engine, whose batch steps are the run's throughput, would lose the CPU to the shard
-    workers, Prefect and Ray's daemons. Back to nice 0 where the process may (root, or
-    CAP_SYS_NICE); otherwise it stays where Ray put it, level with the shard workers."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, AttributeError):  # AttributeError: no setpriority on this platform
-        logger.info("the engine process keeps nice %d (raising its priority needs CAP_SYS_NICE)", os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0)
-
-
-def cpu_threads_per_replica(replicas_on_node: int) -> int:
-    """Torch threads of one CPU engine replica: the CPUs this process may use (its affinity
-    mask, which containers and taskset narrow) shared by the replicas of its node; more threads
-    than cores only make the replicas preempt each other mid-matmul."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable // max(1, replicas_on_node))
 
 
 class _EngineReplica(RolloutReplica):
@@ -153,9 +93,7 @@ class HFReplica(_EngineReplica):
             shared_prefix_attention=bool(hf_kwargs.get("shared_prefix_attention", hf.EngineSettings.shared_prefix_attention)),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
-        replicas_on_node = self.gpus_per_node
-        # Sized where it runs: the actor's node, not the driver's.
-        return lambda: hf.HFEngine(dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)))
+        return functools.partial(hf.engine_on_this_node, settings, replicas_on_node=self.gpus_per_node)
 
 
 class InstantReplica(_EngineReplica):
@@ -173,7 +111,7 @@ class InstantReplica(_EngineReplica):
             delay_seconds=float(instant_kwargs.get("delay_seconds", 0.0)),
             vocab_size=int(model_config.get("vocab_size", 1000)),
         )
-        return lambda: instant.InstantEngine(settings)
+        return functools.partial(instant.InstantEngine, settings)
 
 
 GENRUN_ENGINES = {"hf": HFReplica, "instant": InstantReplica}
