@@ -239,7 +239,7 @@ def as_token_output(output: Any) -> TokenOutput:
     return TokenOutput.model_construct(
         token_ids=output.token_ids,
         log_probs=output.log_probs,
-        routed_experts=None,
+        routed_experts=output.routed_experts,
         stop_reason=output.stop_reason,
         num_preempted=output.num_preempted,
         extra_fields=dict(output.extra_fields),

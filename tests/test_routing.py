@@ -122,6 +122,32 @@ def test_the_global_steps_fields_verl_adds_are_set():
     assert out.extra_fields == {"served_by": "a", "min_global_steps": None, "max_global_steps": None}
 
 
+def test_an_engine_output_reads_as_verls_token_output_and_reaches_the_agent_loop_as_one():
+    """Our engines answer with EngineOutput (their processes import no verl): it has exactly
+    TokenOutput's fields and defaults (an agent loop reads either), and the client turns it into
+    a TokenOutput with every value kept."""
+    import dataclasses
+
+    from generation_core.engines.base import EngineOutput
+
+    fields = {f.name: f for f in dataclasses.fields(EngineOutput)}
+    assert list(fields) == list(TokenOutput.model_fields)
+    bare = EngineOutput(token_ids=[1])
+    assert all(getattr(bare, name) == info.get_default(call_default_factory=True) for name, info in TokenOutput.model_fields.items() if name != "token_ids")
+
+    class EngineBackend(FakeBackend):
+        async def generate(self, request_id, **kwargs):
+            return EngineOutput(token_ids=[4, 5], log_probs=[-0.5, -0.25], stop_reason="length", num_preempted=0, extra_fields={"k": 1})
+
+    client, _ = _client(EngineBackend("a"))
+    out = asyncio.run(_generate(client, "r"))
+    assert isinstance(out, TokenOutput)
+    assert out.model_dump() == {
+        "token_ids": [4, 5], "log_probs": [-0.5, -0.25], "routed_experts": None, "stop_reason": "length", "num_preempted": 0,
+        "extra_fields": {"k": 1, "min_global_steps": None, "max_global_steps": None},
+    }
+
+
 def test_full_determinism_routes_by_hash_of_the_request_id():
     backends = [FakeBackend(name) for name in ("a", "b", "c")]
     client, _ = _client(*backends, full_determinism=True)

@@ -9,7 +9,7 @@ the response with `response_budget`, the default verl's own servers apply, and s
 ended in `stop_reason` with SGLang's names (verl's sglang server passes them on): `STOP_EOS` or
 `STOP_LENGTH`.
 
-Our engines answer with an `EngineOutput`, the fields of verl's TokenOutput that they fill, and
+Our engines answer with an `EngineOutput`, a plain dataclass with verl's TokenOutput's fields, and
 the routing client (routing.py), in the shard worker, hands verl's agent loops a TokenOutput made
 from it. So this module, and the engines, import no verl: an engine's replica process loads only
 what its engine needs (verl's import alone is ~6 CPU-seconds: tensordict, torch._dynamo).
@@ -43,12 +43,15 @@ class EngineStopped(ConnectionError):
 
 @dataclass
 class EngineOutput:
-    """One model turn's answer: verl's TokenOutput fields that an engine fills (routing.py turns it
-    into a TokenOutput for the agent loops)."""
+    """One model turn's answer, with verl's TokenOutput's fields (names, defaults), so that an agent
+    loop reads it as one when an engine is its client directly (library use, tests); the routing
+    client (routing.py) hands the agent loops a TokenOutput made from it."""
 
     token_ids: list[int]
     log_probs: list[float] | None = None
     """The sampled tokens' log-probabilities, when the request asked for them."""
+    routed_experts: Any = None
+    """MoE routing per token (verl's routing replay); our engines never fill it."""
     stop_reason: str | None = None
     """STOP_EOS or STOP_LENGTH (a remote server's own finish_reason as it sent it)."""
     num_preempted: int | None = None
