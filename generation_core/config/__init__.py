@@ -82,6 +82,8 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
     # Reading a shared prefix once computes the same attention in another order (float rounding).
     "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention",
+    # Weight-first linear layers compute the same products in another call (float rounding).
+    "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear",
     "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
     # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
     # or when it is null the name the servers report: preflight).
@@ -364,6 +366,8 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(later_turns_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first", later_turns_first, "must be true or false")
     shared_prefix = rollout.engine_kwargs.get("hf", {}).get("shared_prefix_attention", True)
     _require(isinstance(shared_prefix, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention", shared_prefix, "must be true or false")
+    weight_first = rollout.engine_kwargs.get("hf", {}).get("weight_first_linear", True)
+    _require(isinstance(weight_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear", weight_first, "must be true or false")
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
     unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
     _require(not unknown_loggers, "trainer.logger", list(cfg.trainer.logger), f"unknown backend {unknown_loggers[:1]}; known: {', '.join(_TRACKING_BACKENDS)}")

@@ -91,6 +91,7 @@ class HFReplica(_EngineReplica):
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
             later_turns_first=bool(hf_kwargs.get("later_turns_first", hf.EngineSettings.later_turns_first)),
             shared_prefix_attention=bool(hf_kwargs.get("shared_prefix_attention", hf.EngineSettings.shared_prefix_attention)),
+            weight_first_linear=bool(hf_kwargs.get("weight_first_linear", hf.EngineSettings.weight_first_linear)),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
         return functools.partial(hf.engine_on_this_node, settings, replicas_on_node=self.gpus_per_node)
