@@ -37,6 +37,22 @@ def model_dir() -> Path:
     return prepare_bundled_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised two-layer Llama: loads and decodes in milliseconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def chat_rows(count: int, first_index: int = 0) -> list[dict]:
     topics = ["the sea", "a cat", "rain", "mountains", "coffee", "a robot", "the moon", "trees"]
     return [

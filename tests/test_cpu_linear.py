@@ -65,7 +65,7 @@ def test_only_plain_float_linears_on_the_cpu_are_replaced_once_and_can_be_restor
         torch.testing.assert_close(weight_first, model(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_llama_gives_the_same_logits_and_greedy_tokens(tmp_path):
+def test_a_llama_gives_the_same_logits_and_greedy_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -78,20 +78,6 @@ def test_a_llama_gives_the_same_logits_and_greedy_tokens(tmp_path):
         assert use_weight_first_linears(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; lm_head
         torch.testing.assert_close(model(ids).logits, plain, rtol=1e-4, atol=1e-5)
         assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), plain_tokens)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("weight_first", [True, False], ids=["weight-first", "nn-linear"])

@@ -318,21 +318,6 @@ def test_the_draw_at_the_ends_of_its_uniform_range_picks_a_kept_token(monkeypatc
 # ---- nothing hangs, stop reasons, the instant engine's answers ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A randomly initialised two-layer Llama: loads and decodes in milliseconds."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def _tiny_engine(path, max_batch_size=4):
     return HFEngine(EngineSettings(str(path), prompt_length=64, response_length=400, max_batch_size=max_batch_size, num_threads=1))
 
