@@ -107,7 +107,7 @@ class ShardReporter:
         import ray
 
         try:
-            self.stop = self.stop or bool(ray.get(self.board.stop_requested.remote(), timeout=BOARD_TIMEOUT_SECONDS))
+            self.stop = self.stop or bool(ray.get(self.board.stop_requested.remote(self.report.shard_id), timeout=BOARD_TIMEOUT_SECONDS))
         except Exception as exc:  # noqa: BLE001 - the board is cosmetic except for stopping; go on without it
             logger.warning("could not reach the progress board (%s: %s)", type(exc).__name__, exc)
         return self.stop

@@ -16,6 +16,9 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.reports: dict[int, dict[str, Any]] = {}
         self.generated_by_attempt: dict[str, int] = {}
+        self.started: set[int] = set()
+        """Shards whose job has asked whether to start (`stop_requested`): from then on the
+        job answers a stop request itself, by committing what finished."""
         self.stop = False
 
     def report(self, report: dict[str, Any]) -> bool:
@@ -27,8 +30,16 @@ class ProgressBoard:
     def snapshot(self) -> dict[str, Any]:
         return {"reports": list(self.reports.values()), "generated": sum(self.generated_by_attempt.values())}
 
-    def request_stop(self) -> None:
+    def request_stop(self) -> list[int]:
+        """Stop the run; answers the shards whose jobs have started. The flag and the answer
+        are one actor call, so a job that did not make the list sees the flag when it asks,
+        before it generates anything: only those jobs may be cancelled from outside (a
+        cancelled job that was generating would lose what had finished but was not committed)."""
         self.stop = True
+        return sorted(self.started)
 
-    def stop_requested(self) -> bool:
+    def stop_requested(self, shard_id: int | None = None) -> bool:
+        """Whether the run is stopping; a job about to start says which shard it runs."""
+        if shard_id is not None:
+            self.started.add(shard_id)
         return self.stop

@@ -98,12 +98,16 @@ class RunWatch:
         except Exception as exc:  # noqa: BLE001 - progress reporting must never fail a run
             logger.warning("could not update the run's progress (%s: %s)", type(exc).__name__, exc)
 
-    def stop(self) -> None:
-        """Ask every shard job to commit what has finished and stop."""
+    def stop(self) -> set[int]:
+        """Ask every shard job to commit what has finished and stop. Answers the shards whose
+        jobs had started by then: they stop themselves, after their last commit, and must not
+        be cancelled; any other job sees the request before it generates anything."""
         try:
-            ray.get(self.board.request_stop.remote(), timeout=30)
+            return set(ray.get(self.board.request_stop.remote(), timeout=30))
         except Exception as exc:  # noqa: BLE001 - shard jobs are then stopped by Ray's shutdown
             logger.warning("could not pass the stop request to the shard jobs (%s: %s)", type(exc).__name__, exc)
+            # The jobs cannot hear it either: those seen generating are left to the grace period.
+            return self.reported_shards()
 
     def close(self) -> ProgressTotals:
         """The final numbers: shown once more, sent to `on_update`, the board stopped."""

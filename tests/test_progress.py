@@ -99,6 +99,20 @@ def test_the_board_passes_the_stop_request_with_its_answers():
     assert board.report(vars(_report(0, generated=1))) is True and board.stop_requested()
 
 
+def test_the_stop_request_answers_the_shards_whose_jobs_started_and_later_jobs_stop_before_generating():
+    """The driver cancels only the jobs `request_stop` does not name: a job that has started
+    commits what finished itself (a cancelled one would lose it), whether or not its first
+    report has reached the board yet."""
+    board = ProgressBoard()
+    assert board.stop_requested(0) is False  # shard 0's job starts; no report yet
+    assert board.stop_requested(2) is False
+    board.report(vars(_report(2, generated=3)))
+    assert board.request_stop() == [0, 2]
+    # Shard 1's job starts after the request: it is told to stop before it generates.
+    assert board.stop_requested(1) is True
+    assert board.request_stop() == [0, 1, 2]
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True
