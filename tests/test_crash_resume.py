@@ -18,9 +18,10 @@ from generation_core.preflight import preflight
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 from tests.run_folder_helpers import checkpoint_dict, committed_keys, has_committed_part
 
-# In make test-all (CI time budget): make test's chaos schedule kills and resumes the whole run
-# (also exactly after a part write) and checks it against an undisturbed run; this one does it
-# with the real model, n=4 and logprobs.
+# In make test-all (CI time budget). make test covers it cheaper: test_interrupt quits a run at
+# once mid-generation (the state kill -9 leaves) and resumes it against an undisturbed run;
+# test_commit_records crashes between a part and its record; this one kills -9 with the real
+# model, n=4 and logprobs.
 pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 MAX_INFLIGHT = 4

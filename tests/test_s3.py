@@ -96,7 +96,7 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
         preflight([*_instant(prompts, url, "generation.num_shards=3"), "actor_rollout_ref.rollout.temperature=0.3"])
 
 
-# The local kill -9 test (real model) and the chaos suite cover kill + resume in make test; the
+# test_interrupt's run quit at once then resumed covers kill + resume in make test; the
 # S3 commit path is covered there by the injected PUT failures below.
 @pytest.mark.extended
 def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, tmp_path):

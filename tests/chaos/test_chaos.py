@@ -4,14 +4,20 @@ bad inputs, each refused in one line. Prints one summary line.
 
     GENRUN_CHAOS_SCHEDULES=8 .venv/bin/python -m pytest -q -s tests/chaos/test_chaos.py   # make chaos
 
-CI runs one schedule (GENRUN_CHAOS_SCHEDULES defaults to 1; GENRUN_CHAOS_SEED picks the first
-seed, by default one that holds every kind of fault: test_schedules.py). A schedule fails when
-one of its faults found no target, when the invocation with only survivable faults did not
-finish, or when a second run on the busy folder was not refused. The engine is `instant` with a
-delay per request: its tokens are a function of the prompt and the sample's seed
-(generation.sample_seed), so the comparison with the reference is exact, the two rollouts of a
-prompt differ (a rollout-number mix-up shows), and requests stay in flight long enough to be
-killed.
+Marked extended (CI time: ~5 minutes of 2 cores): make test runs each fault on its own instead
+(a run quit at once, the state kill -9 leaves, then resumed: test_interrupt; a killed shard
+worker: test_flow; a killed replica: test_replica_failover; a crash between a part and its
+record: test_commit_records; a full disk: test_storage_faults; damaged parts:
+test_part_integrity; a second run: test_lease; bad inputs: test_cli_errors). `make test-all`
+runs one schedule (GENRUN_CHAOS_SCHEDULES defaults to 1; GENRUN_CHAOS_SEED picks the first
+seed, by default one that holds every kind of fault: test_schedules.py), `make chaos` eight.
+
+A schedule fails when one of its faults found no target, when the invocation with only
+survivable faults did not finish, or when a second run on the busy folder was not refused. The
+engine is `instant` with a delay per request: its tokens are a function of the prompt and the
+sample's seed (generation.sample_seed), so the comparison with the reference is exact, the two
+rollouts of a prompt differ (a rollout-number mix-up shows), and requests stay in flight long
+enough to be killed.
 """
 
 from __future__ import annotations
@@ -31,14 +37,14 @@ from tests.conftest import REPO, chat_rows, write_parquet
 from tests.run_folder_helpers import committed_keys
 
 SCHEDULES = int(os.environ.get("GENRUN_CHAOS_SCHEDULES", "1"))
-# The seed of the one schedule CI runs: it holds every kind of fault (test_schedules.py), with
+# The seed of the one schedule make test-all runs: it holds every kind of fault (test_schedules.py), with
 # its first damage landing on an unfinished shard (a same-size corruption of a finished shard
 # would cost one more run).
 CI_SEED = 3580
 FIRST_SEED = int(os.environ.get("GENRUN_CHAOS_SEED", str(CI_SEED)))
 BAD_INPUTS_PER_SCHEDULE = 3
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600 + 540 * SCHEDULES)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.extended, pytest.mark.timeout(600 + 540 * SCHEDULES)]
 
 PROMPTS, N, SHARDS = 24, 2, 2
 EXPECTED = sorted(f"{i}:{n}" for i in range(PROMPTS) for n in range(N))
