@@ -1,9 +1,10 @@
 """What a person at a terminal sees: a real `genrun` (instant engine with a delay, two shards)
 in a pseudo-terminal shows one live progress line; a Ctrl-C (the terminal's ^C, sent to the
 whole foreground process group) stops it with exit 130 and a message saying how much is
-committed, leaves the lease released and the flow run Cancelled; the same command then finishes
-with exact counts and a merged result equal to an uninterrupted run's, and its default output
-(not a terminal) holds none of the libraries' noise."""
+committed, leaves the lease released and the flow run Cancelled; a second Ctrl-C quits at once,
+and the same command then takes the folder over and finishes with exact counts and a merged
+result equal to an uninterrupted run's, its default output (not a terminal) holding none of the
+libraries' noise."""
 
 import contextlib
 import json
