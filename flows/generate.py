@@ -135,8 +135,8 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                     # A first Ctrl-C: no new shard starts; running shard jobs commit what has
                     # finished and stop (ShardStopped: their task runs end Cancelled).
                     stopping, stop_deadline = True, time.monotonic() + STOP_GRACE_SECONDS
-                    started = watch.stop()
-                    _cancel({f: s for f, s in pending.items() if s[0].shard_id not in started})
+                    started_shards = watch.stop()
+                    _cancel({f: s for f, s in pending.items() if s[0].shard_id not in started_shards})
                 try:
                     future = finished.get(timeout=TICK_SECONDS)
                 except queue.Empty:

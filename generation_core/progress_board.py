@@ -38,8 +38,7 @@ class ProgressBoard:
         self.stop = True
         return sorted(self.started)
 
-    def stop_requested(self, shard_id: int | None = None) -> bool:
-        """Whether the run is stopping; a job about to start says which shard it runs."""
-        if shard_id is not None:
-            self.started.add(shard_id)
+    def stop_requested(self, shard_id: int) -> bool:
+        """Whether the run is stopping; asked by a job about to start, naming its shard."""
+        self.started.add(shard_id)
         return self.stop

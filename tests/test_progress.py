@@ -96,7 +96,7 @@ def test_the_board_passes_the_stop_request_with_its_answers():
     board = ProgressBoard()
     assert board.report(vars(_report(0))) is False
     board.request_stop()
-    assert board.report(vars(_report(0, generated=1))) is True and board.stop_requested()
+    assert board.report(vars(_report(0, generated=1))) is True and board.stop_requested(0)
 
 
 def test_the_stop_request_answers_the_shards_whose_jobs_started_and_later_jobs_stop_before_generating():
