@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core import bundled
+from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
 
@@ -472,7 +473,8 @@ def versions() -> dict[str, str]:
 def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
     """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
     dataset content, the digests of the other OUTPUT_FILES (by config key, as preflight computes
-    them) and the versions of the code that produces it. A file given by its digest enters by
+    them, with the user code they reach), the versions of the code that produces it and genrun's
+    output format (build.OUTPUT_FORMAT_VERSION). A file given by its digest enters by
     its content, not its path: the same model or dataset elsewhere (another machine's cache, a
     copy) is the same run."""
     files = dict(files or {})
@@ -485,7 +487,12 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
             node = node.get(part) or {} if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(leaf, None)
-    payload = json.dumps({"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}, sort_keys=True, default=str)
+    inputs = {"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}
+    if OUTPUT_FORMAT_VERSION > 1:
+        # genrun's own output format (build.py states the rule); format 1 is left out so that
+        # folders written before the constant existed keep their fingerprint and resume.
+        inputs["output_format"] = OUTPUT_FORMAT_VERSION
+    payload = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
