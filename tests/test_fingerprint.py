@@ -256,3 +256,22 @@ def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path
     assert f"written by {describe_build(older)}; attempts also by {describe_build(genrun_build())}" in lines
     warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 1 and "commit 000000000000" in warnings[0] and "the output format is the same" in warnings[0]
+
+
+def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tmp_path, prompts_file, model_dir, caplog):
+    """A folder genrun wrote before it recorded builds (same fingerprint recipe, no user code)
+    still resumes, with one warning line; one whose output format differs is refused naming it."""
+    out = tmp_path / "run"
+    plan, run_json = _claimed(prompts_file, out)
+    earlier = json.loads(run_json)
+    del earlier["build"]
+    (out / "run.json").write_text(json.dumps(earlier))
+    with caplog.at_level("WARNING", logger="generation_core.preflight"):
+        assert preflight(_args(prompts_file, out)).fingerprint == plan.fingerprint
+    warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
+    assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]
+    # Another output format: another fingerprint, refused with what to do.
+    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record()["build"], output_format=0))))
+    with pytest.raises(GenrunError, match="genrun's output format changed .*To start fresh") as refused:
+        preflight(_args(prompts_file, out))
+    assert "\n" not in str(refused.value)
