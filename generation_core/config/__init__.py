@@ -3,11 +3,13 @@
 The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
 meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file
 sets generation defaults and adds the `generation.*` and `storage.*` sections. Overrides use
-Hydra's syntax; an unknown key is an error naming the closest valid key.
+Hydra's syntax; an unknown key is an error naming the closest valid key, and so is a key added
+with `+` where nothing would read it (FREE_FORM_SECTIONS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -16,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import hydra.utils
 import verl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -307,10 +310,6 @@ def _read_when_added(cfg: DictConfig, key: str) -> bool:
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else None
     if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
-        import dataclasses
-
-        import hydra.utils
-
         try:
             target = hydra.utils.get_class(node._target_)
         except Exception:  # noqa: BLE001 - hydra wraps import errors in several types; then nothing is known
