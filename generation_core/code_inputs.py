@@ -101,6 +101,8 @@ class CodeWalk:
         parts = name.split(".")
         for depth in range(1, len(parts) + 1):
             module_name = ".".join(parts[:depth])
+            if module_name in self.found.sources:
+                continue  # hashed and walked already
             origin, locations = _find(module_name, search or [])
             if origin is None:
                 if locations is None:
@@ -114,6 +116,8 @@ class CodeWalk:
                 self._add_distribution(parts[0])
 
     def _add_distribution(self, top_level: str) -> None:
+        if top_level.lower() in self._already_versioned:
+            return  # verl's own tools and loops: its version is in the fingerprint (and no scan of every distribution)
         if self._distributions is None:
             self._distributions = metadata.packages_distributions()
         for dist_name in self._distributions.get(top_level, []):
