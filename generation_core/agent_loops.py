@@ -15,7 +15,7 @@ import io
 import logging
 import os
 from collections.abc import Iterable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -27,16 +27,20 @@ logger = logging.getLogger(__name__)
 PLUGIN_GROUP = "verl.plugins"
 
 
+def plugin_entry_points() -> list[EntryPoint]:
+    """The `verl.plugins` entry points verl imports in every process (VERL_USE_EXTERNAL_PLUGINS:
+    auto, none, or a list of names)."""
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none":
+        return []
+    allowed = None if policy == "auto" else {name.strip() for name in policy.split(",") if name.strip()}
+    return [entry_point for entry_point in entry_points(group=PLUGIN_GROUP) if allowed is None or entry_point.name in allowed]
+
+
 def load_plugin_entry_points() -> None:
     """Import every `verl.plugins` entry point verl would import, failing loudly: verl itself logs
     a failed plugin at debug level only, and its agent loops would then silently be missing."""
-    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
-    if policy == "none":
-        return
-    allowed = None if policy == "auto" else {name.strip() for name in policy.split(",") if name.strip()}
-    for entry_point in entry_points(group=PLUGIN_GROUP):
-        if allowed is not None and entry_point.name not in allowed:
-            continue
+    for entry_point in plugin_entry_points():
         try:
             entry_point.load()
         except Exception as exc:  # noqa: BLE001 - any import error of user code is reported, not raised

@@ -33,7 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 from verl.utils import hf_tokenizer
 
 from generation_core import bundled
-from generation_core.agent_loops import check_agent_loops, check_tools, existing_config_file
+from generation_core.agent_loops import check_agent_loops, check_tools, existing_config_file, plugin_entry_points
+from generation_core.build import genrun_build, other_build_warning
+from generation_core.code_inputs import CodeWalk
 from generation_core.config import OUTPUT_FILES, finalize_run_location, fingerprint, load_config, versions
 from generation_core.data import ShardSpec, check_overlong_sample, plan_shards
 from generation_core.dataset_files import DatasetFiles, inspect_dataset
@@ -42,7 +44,7 @@ from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
-from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets
+from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets, read_run_record
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,8 @@ class RunPlan:
             # Which recipe computed it: a later genrun tells this folder's owner what changed.
             "fingerprint_version": FINGERPRINT_VERSION,
             "versions": versions(),
+            # The genrun that took the folder (build.py: each shard's attempt records its own too).
+            "build": genrun_build(),
             "pad_token_id": self.pad_token_id,
             "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
             "dataset": self.dataset.to_dict(),
@@ -219,9 +223,35 @@ def _agent_loops_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+def user_code_digest(cfg: DictConfig) -> str | None:
+    """The user code the run calls beyond the files OUTPUT_FILES hashes (code_inputs.CodeWalk):
+    the local modules the reward file, function tools and custom dataset class import, and the
+    modules of the tool classes, agent-loop classes and `verl.plugins` entry points. None when
+    there is none. check_run_code has imported them (their files are read from sys.modules)."""
+    walk = CodeWalk(already_versioned=versions())
+    for key in ("reward.custom_reward_function.path", "actor_rollout_ref.rollout.multi_turn.function_tool_path", "data.custom_cls.path"):
+        path = OmegaConf.select(cfg, key)
+        if path and os.path.isfile(os.path.expanduser(path)):
+            walk.add_file(os.path.expanduser(path))
+    tool_config = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    if tool_config:
+        tools = OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config)).get("tools") or []
+        for tool in tools:
+            if isinstance(tool, DictConfig) and isinstance(tool.get("class_name"), str):
+                walk.add_module(tool.class_name.rpartition(".")[0], named=True)
+    loops = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
+    if loops:
+        for entry in OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops)):
+            walk.add_module(entry._target_.rpartition(".")[0], named=True)
+    for entry_point in plugin_entry_points():
+        walk.add_entry_point(entry_point)
+    return walk.found.digest()
+
+
 def output_file_digests(cfg: DictConfig) -> dict[str, str]:
     """Digests of the files config.OUTPUT_FILES declares, by config key (the dataset's is
-    dataset_files.inspect_dataset's); a key left unset is absent."""
+    dataset_files.inspect_dataset's), and of the user code they reach (`user code`); a key left
+    unset is absent."""
     digests = {}
     for key, kind in OUTPUT_FILES.items():
         path = OmegaConf.select(cfg, key)
@@ -235,6 +265,9 @@ def output_file_digests(cfg: DictConfig) -> dict[str, str]:
             digests[key] = _agent_loops_digest(path)
         else:
             digests[key] = hashlib.sha256(Path(existing_config_file(key, os.path.expanduser(path))).read_bytes()).hexdigest()
+    code = user_code_digest(cfg)
+    if code is not None:
+        digests["user code"] = code
     return digests
 
 
@@ -265,5 +298,8 @@ def preflight(overrides: list[str]) -> RunPlan:
     plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, dataset.files)
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
-    check_run_folder(plan.folder, run_fingerprint)
+    if check_run_folder(plan.folder, run_fingerprint):
+        warning = other_build_warning(plan.folder.display(), read_run_record(plan.folder).get("build"))
+        if warning:
+            logger.warning(warning)
     return plan

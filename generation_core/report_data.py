@@ -305,7 +305,7 @@ def collect_report_data(folder: RunFolder, run: dict[str, Any], eos_token_ids: f
         failures.extend(logged[: max(FAILURES_LISTED - len(failures), 0)])
         state = dict(states.get(name, {"shard": name}))
         state.update(range=spec["range"], parts=len(checkpoint.parts), generated_tokens=checkpoint.generated_tokens,
-                     response_tokens=checkpoint.response_tokens, attempts=checkpoint.attempts)
+                     response_tokens=checkpoint.response_tokens, attempts=checkpoint.attempts, builds=checkpoint.builds)
         shards.append(state)
     stats = collector.stats()
     if not len(stats):

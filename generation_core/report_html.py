@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from generation_core.build import describe_build, same_build
 from generation_core.errors import GenrunError
 from generation_core.report_data import FAILURES_LISTED, ReportData, collect_report_data
 from generation_core.report_plots import Plot, all_plots
@@ -69,9 +70,16 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
         ("prompt / response length", f"{data.limits.prompt_length} / {data.limits.response_length}"),
         ("dataset", ", ".join(f["url"] for f in (run.get("dataset") or {}).get("files", [])) or "?"),
         ("created", str(run.get("created", "?"))),
-        ("genrun", str((run.get("versions") or {}).get("genrun", "?"))),
+        ("genrun", describe_build(run.get("build")) if run.get("build") else str((run.get("versions") or {}).get("genrun", "?"))),
         ("fingerprint", str(run.get("fingerprint", ""))[:16]),
     ]
+    # Attempts run by another build than the one that took the folder (build.py: same output format).
+    later = []
+    for build in (b for shard in data.shards for b in shard.get("builds", [])):
+        if not same_build(build, run.get("build")) and not any(same_build(build, seen) for seen in later):
+            later.append(build)
+    if later:
+        facts.append(("attempts also by", "; ".join(describe_build(b) for b in later)))
     return facts
 
 

@@ -19,8 +19,8 @@ Nothing else spells these names.
 Commit records. A shard's progress is an append-only sequence `commits/<seq:010d>.json`, each
 record created under a name that must be free (`RunFolder.create_exclusive`: a hard link on
 local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. Kinds:
-- `attempt`: an attempt starts (`attempt` number, `lease`, optional `rows_digest`); the failed
-  list starts empty again;
+- `attempt`: an attempt starts (`attempt` number, `lease`, optional `rows_digest`, the genrun
+  `build` that runs it); the failed list starts empty again;
 - `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
   sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
   since the previous commit; `part` is null when a commit holds only failures);
@@ -73,6 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
+from generation_core.build import genrun_build, refusal_hint
 from generation_core.errors import GenrunError
 from generation_core.storage import RunFolder, WriteConflict, redacted_options
 
@@ -243,6 +244,8 @@ class ShardCheckpoint:
     """The highest run-lease generation among its records (None: written without a lease)."""
     rows_digest: str | None = None
     """The digest of the shard's dataset rows, as the first attempt that gave one recorded it."""
+    builds: list[dict[str, Any]] = field(default_factory=list)
+    """The genrun builds (build.genrun_build) that ran its attempts, each once, in order."""
 
     def __post_init__(self) -> None:
         # Not part of the view: the number the next commit record takes, each part's samples,
@@ -288,7 +291,8 @@ class ShardCheckpoint:
                     "belong to other prompts. Restore the dataset, or write to another trainer.default_local_dir"
                 )
             try:
-                checkpoint._commit(folder, shard, {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest}, fence)
+                attempt = {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest, "build": genrun_build()}
+                checkpoint._commit(folder, shard, attempt, fence)
                 return checkpoint
             except CheckpointConflict:
                 continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
@@ -340,6 +344,8 @@ class ShardCheckpoint:
             self.failed = []
             if self.rows_digest is None:
                 self.rows_digest = record.get("rows_digest")
+            if record.get("build") and record["build"] not in self.builds:
+                self.builds.append(record["build"])
         elif kind == "part":
             if record.get("part") is not None:
                 part = _from_dict(PartEntry, record["part"])
@@ -537,7 +543,8 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
     if written_by == FINGERPRINT_VERSION:
         what = (
             f"holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, this one is {run_fingerprint[:12]}): "
-            f"the config, dataset or versions changed (its config is in {folder.display(RUN_FILE)}). Nothing was changed there."
+            f"the config, dataset, user code or versions changed (its config is in {folder.display(RUN_FILE)}){refusal_hint(existing.get('build'))}. "
+            "Nothing was changed there."
         )
     else:
         what = (

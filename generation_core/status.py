@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from generation_core.build import describe_build, other_build_warning, same_build
 from generation_core.finish import merge_repairing, padding_of
 from generation_core.lease import RunLease, describe_holder
 from generation_core.merge import merge_output
@@ -18,17 +19,17 @@ def shard_states(folder: RunFolder, run: dict[str, Any]) -> list[dict[str, Any]]
         expected = (shard["range"][1] - shard["range"][0]) * run["rollout_n"]
         marker = read_marker(folder, name)
         if marker is not None:
-            done, failed, state = marker.num_trajectories, marker.failures, "done"
+            done, failed, state, builds = marker.num_trajectories, marker.failures, "done", []
         else:
             checkpoint = ShardCheckpoint.load(folder, name)
-            done, failed = len(checkpoint.completed), len(checkpoint.failed)
+            done, failed, builds = len(checkpoint.completed), len(checkpoint.failed), checkpoint.builds
             state = "partial" if done or failed else "pending"
         error = None
         if state != "done":
             last_error = read_last_error(folder, name)
             if last_error is not None:
                 state, error = "failed", last_error["error"]
-        states.append({"shard": name, "state": state, "committed": done, "failed_samples": failed, "expected": expected, "error": error})
+        states.append({"shard": name, "state": state, "committed": done, "failed_samples": failed, "expected": expected, "error": error, "builds": builds})
     return states
 
 
@@ -37,6 +38,12 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     run = read_run_record(folder)
     states = shard_states(folder, run)
     print(f"run {run['fingerprint'][:12]} at {folder.display()}")
+    # Builds of unfinished shards' attempts (a finished shard's are in its commit records: the report reads them).
+    later = [b for s in states for b in s["builds"] if not same_build(b, run.get("build"))]
+    print(f"written by {describe_build(run.get('build'))}" + "".join(f"; attempts also by {describe_build(b)}" for b in _distinct(later)))
+    warning = other_build_warning(folder.display(), run.get("build"))
+    if warning:
+        print(f"warning: {warning}")
     holder = describe_holder(folder)
     if holder:
         print(f"in use by a running genrun: {holder}")
@@ -55,6 +62,10 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     output = merged_files(folder)
     print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
     return 0
+
+
+def _distinct(builds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [b for position, b in enumerate(builds) if not any(same_build(b, earlier) for earlier in builds[:position])]
 
 
 def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> None:

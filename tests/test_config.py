@@ -1,4 +1,5 @@
 import pytest
+from omegaconf import OmegaConf
 
 from generation_core.config import OPERATIONAL_KEYS, default_request_timeout, fingerprint, finalize_run_location, load_config
 from generation_core.errors import GenrunError
@@ -15,11 +16,51 @@ def test_defaults_are_the_bundled_cpu_run():
 
 
 def test_overrides_use_hydra_syntax():
-    cfg = load_config(["generation.num_shards=3", "trainer.logger=[console,wandb]", "storage.options.endpoint_url=http://127.0.0.1:9000", "+generation.note=hello"])
+    cfg = load_config(["generation.num_shards=3", "trainer.logger=[console,wandb]", "storage.options.endpoint_url=http://127.0.0.1:9000", "+reward.custom_reward_function.reward_kwargs.judge=small"])
     assert cfg.generation.num_shards == 3
     assert list(cfg.trainer.logger) == ["console", "wandb"]
     assert cfg.storage.options.endpoint_url == "http://127.0.0.1:9000"
-    assert cfg.generation.note == "hello"
+    assert cfg.reward.custom_reward_function.reward_kwargs.judge == "small"
+
+
+@pytest.mark.parametrize(
+    "override, closest",
+    [
+        ("+generation.num_shard=4", "'generation.num_shards'"),
+        ("+train_tasks=[a.parquet,b.parquet]", "'data.train_files'"),
+        ("+generation.note=hello", "'generation'"),
+        ("+actor_rollout_ref.rollout.engine_kwargs.hf.num_thread=2", "'actor_rollout_ref.rollout.engine_kwargs.hf.num_threads'"),
+    ],
+)
+def test_a_key_added_where_nothing_reads_it_is_refused_naming_the_closest_key(override, closest):
+    """`+generation.num_shard=4` ran one shard and `+train_tasks=[...]` the bundled prompts, exit 0."""
+    with pytest.raises(GenrunError, match="no such config key, and nothing would read it") as refused:
+        load_config([override])
+    assert closest in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_keys_added_in_free_form_sections_are_accepted():
+    """What another library, the user's reward function or a custom engine reads (each `+` key
+    the README, examples and tests use among them)."""
+    added = {
+        "+storage.options.client_kwargs.region_name=eu-west-1": "storage.options.client_kwargs.region_name",
+        "+data.storage_options.endpoint_url=http://127.0.0.1:9000": "data.storage_options.endpoint_url",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.HF_HOME=/tmp/hf": "ray_kwargs.ray_init.runtime_env.env_vars.HF_HOME",
+        "+reward.custom_reward_function.reward_kwargs.judge=small": "reward.custom_reward_function.reward_kwargs.judge",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static=0.8": "actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static",
+        "+actor_rollout_ref.rollout.engine_kwargs.my_engine.depth=2": "actor_rollout_ref.rollout.engine_kwargs.my_engine.depth",
+        "+actor_rollout_ref.rollout.custom.critique_turns=2": "actor_rollout_ref.rollout.custom.critique_turns",
+        "+data.apply_chat_template_kwargs.enable_thinking=false": "data.apply_chat_template_kwargs.enable_thinking",
+        "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my_pkg.Manager": "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
+        "+data.cache_dir=/tmp/verl": "data.cache_dir",
+    }
+    cfg = load_config([*added, "+generation.num_shards=2"])
+    for key in added.values():
+        assert OmegaConf.select(cfg, key) is not None, key
+    assert cfg.generation.num_shards == 2, "+ on a key that exists sets it"
+    # verl's older top-level reward section: its kwargs reach the function too.
+    legacy = load_config(["custom_reward_function.path=/r.py", "+custom_reward_function.reward_kwargs.judge=small"])
+    assert legacy.reward.custom_reward_function.reward_kwargs.judge == "small"
 
 
 @pytest.mark.parametrize(

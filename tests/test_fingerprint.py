@@ -130,3 +130,148 @@ def test_a_folder_of_an_earlier_fingerprint_recipe_says_so(tmp_path, prompts_fil
     assert "Finish it with that genrun version" in message and "To start fresh, set another trainer.default_local_dir" in message
     assert "\n" not in message
     assert json.loads((out / "run.json").read_text()) == earlier, "nothing changed"
+
+
+def _user_code(root, package):
+    """A user's tree: a tool class, an agent loop with a helper, a verl.plugins entry point
+    (installed as a dist-info only, as test_custom_loops does), and a reward file that imports a
+    helper beside it and installed packages."""
+    import textwrap
+
+    src = root / "src"
+    (src / package).mkdir(parents=True)
+    (src / package / "__init__.py").write_text("")
+    (src / package / "tools.py").write_text("from examples.tool_calling.calculator import CalculatorTool\n\n\nclass MyTool(CalculatorTool):\n    pass\n")
+    (src / package / "loop_helper.py").write_text("TURNS = 1\n")
+    (src / package / "loops.py").write_text(textwrap.dedent(f"""
+        from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+        from . import loop_helper
+
+
+        class MyLoop(SingleTurnAgentLoop):
+            turns = loop_helper.TURNS
+    """))
+    (src / package / "plugin.py").write_text(textwrap.dedent(f"""
+        from verl.experimental.agent_loop.agent_loop import register
+        from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+
+        @register("{package}_plugin")
+        class PluginLoop(SingleTurnAgentLoop):
+            pass
+    """))
+    dist = src / f"{package}_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[verl.plugins]\n{package} = {package}.plugin\n")
+    reward = root / "reward"
+    reward.mkdir()
+    (reward / f"{package}_scoring.py").write_text("def bonus():\n    return 1.0\n")
+    (reward / "reward.py").write_text(
+        f"import json\n\nimport numpy\nimport verl\n\nfrom generation_core import errors\nfrom {package}_scoring import bonus\n\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return bonus()\n"
+    )
+    tools = root / "tools.yaml"
+    tools.write_text(f"tools:\n  - class_name: {package}.tools.MyTool\n    config:\n      type: native\n")
+    loops = root / "loops.yaml"
+    loops.write_text(f"- name: {package}_loop\n  _target_: {package}.loops.MyLoop\n")
+    return src, reward, (
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+        f"reward.custom_reward_function.path={reward / 'reward.py'}",
+    )
+
+
+def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prompts_file, model_dir, monkeypatch):
+    """A changed tool class module, a helper the reward file imports, a plugin agent loop and a
+    module an agent loop imports each change the fingerprint (each left it unchanged: the same
+    command resumed the old folder, mixing old and new trajectories); an unchanged tree gives the
+    same fingerprint twice, and an edit undone gives the first one back (content, not time)."""
+    import uuid
+
+    from generation_core.build import genrun_build
+    from generation_core.config import fingerprint, load_config
+    from generation_core.preflight import check_run_code, output_file_digests
+
+    package = f"user_code_{uuid.uuid4().hex[:8]}"
+    src, reward, extra = _user_code(tmp_path, package)
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.syspath_prepend(str(reward))  # where the reward file's own import finds its helper
+    plan = preflight(_args(prompts_file, tmp_path / "run", *extra))
+    assert plan.run_record()["build"] == genrun_build()
+
+    def fingerprint_now():
+        cfg = load_config(_args(prompts_file, tmp_path / "run", *extra))
+        check_run_code(cfg, {cfg.actor_rollout_ref.rollout.agent.default_agent_loop})
+        return fingerprint(cfg, "dataset", output_file_digests(cfg))
+
+    first = fingerprint_now()
+    assert fingerprint_now() == first, "an unchanged tree"
+    assert preflight(_args(prompts_file, tmp_path / "run", *extra)).fingerprint == plan.fingerprint
+    for changed in (src / package / "tools.py", reward / f"{package}_scoring.py", src / package / "plugin.py", src / package / "loop_helper.py"):
+        source = changed.read_text()
+        changed.write_text(source + "# changed\n")
+        assert fingerprint_now() != first, f"{changed.name} changed"
+        changed.write_text(source)
+        assert fingerprint_now() == first, f"{changed.name} restored"
+
+
+def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
+    """Installed packages, the standard library and genrun's own modules are not read (they are
+    versioned, and a walk through torch would cost seconds); a local module is, by name, once."""
+    from generation_core.code_inputs import CodeWalk
+
+    (tmp_path / "helper_for_walk.py").write_text("import os\nimport torch\nfrom generation_core.config import load_config\n")
+    user_file = tmp_path / "user.py"
+    user_file.write_text("import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core import preflight\n")
+    walk = CodeWalk()
+    walk.add_file(user_file)
+    assert sorted(walk.found.sources) == ["helper_for_walk"]
+    assert walk.found.distributions == {}
+    # A named class in an installed package enters by its distribution (unless already versioned).
+    walk.add_module("pyarrow.parquet", named=True)
+    assert walk.found.distributions.get("pyarrow")
+    assert "pyarrow" not in str(walk.found.sources)
+    versioned = CodeWalk(already_versioned=["verl"])
+    versioned.add_module("verl.tools.base_tool", named=True)
+    assert versioned.found.digest() is None, "verl's version is in the fingerprint already"
+
+
+def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path, capsys):
+    from flows.cli import main
+    from generation_core.build import describe_build, genrun_build
+    from generation_core.run_folder import ShardCheckpoint
+    from generation_core.storage import RunFolder
+
+    folder = RunFolder(str(tmp_path / "run"))
+    older = dict(genrun_build(), commit="0" * 40, dirty=False)
+    folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
+                                 "build": older, "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}}})
+    ShardCheckpoint.start_attempt(folder, "shard-00000")
+    ShardCheckpoint.load(folder, "shard-00000").commit_part(folder, "shard-00000", None, [], failed=["0:0"])
+    assert ShardCheckpoint.load(folder, "shard-00000").builds == [genrun_build()]
+    assert main(["status", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"written by {describe_build(older)}; attempts also by {describe_build(genrun_build())}" in lines
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and "commit 000000000000" in warnings[0] and "the output format is the same" in warnings[0]
+
+
+def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tmp_path, prompts_file, model_dir, caplog):
+    """A folder genrun wrote before it recorded builds (same fingerprint recipe, no user code)
+    still resumes, with one warning line; one whose output format differs is refused naming it."""
+    out = tmp_path / "run"
+    plan, run_json = _claimed(prompts_file, out)
+    earlier = json.loads(run_json)
+    del earlier["build"]
+    (out / "run.json").write_text(json.dumps(earlier))
+    with caplog.at_level("WARNING", logger="generation_core.preflight"):
+        assert preflight(_args(prompts_file, out)).fingerprint == plan.fingerprint
+    warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
+    assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]
+    # Another output format: another fingerprint, refused with what to do.
+    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record()["build"], output_format=0))))
+    with pytest.raises(GenrunError, match="genrun's output format changed .*To start fresh") as refused:
+        preflight(_args(prompts_file, out))
+    assert "\n" not in str(refused.value)

@@ -94,6 +94,11 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
     page = (run_dir / REPORT_FILE).read_text()
     assert not re.search(r'(src|href)="(https?:|//)|@import|<link', page), "self-contained: nothing is fetched"
 
+    # The genrun build that wrote it (run.json; every attempt record names the same one).
+    from generation_core.build import describe_build, genrun_build
+
+    assert f"<dt>genrun</dt><dd>{describe_build(genrun_build())}</dd>" in page and "attempts also by" not in page
+
     # Plots: every one drawn, each a real PNG.
     images = re.findall(r'<figure><img alt="([^"]+)" src="data:image/png;base64,([^"]+)">', page)
     assert [alt for alt, _ in images] == PLOTS

@@ -3,11 +3,13 @@
 The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
 meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file
 sets generation defaults and adds the `generation.*` and `storage.*` sections. Overrides use
-Hydra's syntax; an unknown key is an error naming the closest valid key.
+Hydra's syntax; an unknown key is an error naming the closest valid key, and so is a key added
+with `+` where nothing would read it (FREE_FORM_SECTIONS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -16,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import hydra.utils
 import verl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -23,6 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core import bundled
+from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
 
@@ -145,6 +149,23 @@ def _scheduled_date() -> str:
 # Mappings that pass through to another library, which owns their keys.
 OPEN_MAPPINGS = ("storage.options", "data.storage_options", "ray_kwargs.ray_init")
 
+# Where a key added with `+` is read although the defaults do not list it: OPEN_MAPPINGS, these
+# sections (free-form by design: an engine's own kwargs, the reward function's kwargs, verl's
+# extension point for custom agent-loop settings), a mapping that is empty in the defaults
+# (apply_chat_template_kwargs, override_config, engine_kwargs.sglang, ...), a field of the verl
+# dataclass a section's `_target_` names, and ADDED_DATA_KEYS. Anywhere else nothing reads an
+# added key: `+generation.num_shard=4` would run one shard, so it is refused.
+FREE_FORM_SECTIONS = (
+    "actor_rollout_ref.rollout.engine_kwargs",
+    "reward.custom_reward_function.reward_kwargs",
+    "custom_reward_function.reward_kwargs",
+    "actor_rollout_ref.rollout.custom",
+)
+# genrun's own engines read exactly the keys genrun.yaml lists.
+CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant"))
+# data.* keys verl's RLHFDataset (which each shard builds) reads with a default, absent from the defaults.
+ADDED_DATA_KEYS = ("data.cache_dir", "data.chat_template_func", "data.filter_prompts", "data.need_tools_kwargs")
+
 _BUNDLED = {
     "bundled_prompts": lambda: str(bundled.BUNDLED_PROMPTS),
     "bundled_model": lambda: str(bundled.bundled_model_dir()),
@@ -199,6 +220,8 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
         cfg.reward.custom_reward_function.path = legacy_reward.path
         if legacy_reward.get("name"):
             cfg.reward.custom_reward_function.name = legacy_reward.name
+        if legacy_reward.get("reward_kwargs") is not None:
+            cfg.reward.custom_reward_function.reward_kwargs = legacy_reward.reward_kwargs
     # verl's trainers run tool_agent when multi_turn is enabled; keep that meaning here, unless
     # the user chose another agent loop.
     agent = cfg.actor_rollout_ref.rollout.agent
@@ -245,8 +268,15 @@ def _apply_override(cfg: DictConfig, override, known_keys: list[str]) -> None:
             raise GenrunError(f"cannot delete {key!r}: no such key{_suggest(key, known_keys)}")
         del node[leaf]
         return
-    if not (override.is_add() or override.is_force_add()) and key not in known_keys and not _in_open_dict(cfg, key):
+    added = override.is_add() or override.is_force_add()
+    if not added and key not in known_keys and not _in_open_dict(cfg, key):
         raise GenrunError(f"unknown config key {key!r}{_suggest(key, known_keys)} (prefix with + to add a new key)")
+    if added and key not in known_keys and not _in_open_dict(cfg, key) and not _read_when_added(cfg, key):
+        raise GenrunError(
+            f"+{key}: no such config key, and nothing would read it (keys are added only under storage.options, data.storage_options, "
+            "ray_kwargs.ray_init, actor_rollout_ref.rollout.engine_kwargs.<engine>, reward.custom_reward_function.reward_kwargs, "
+            f"actor_rollout_ref.rollout.custom){_suggest(key, known_keys, leaf_cutoff=0.6, alternatives=2)}"
+        )
     value = override.value()
     try:
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
@@ -257,24 +287,57 @@ def _apply_override(cfg: DictConfig, override, known_keys: list[str]) -> None:
 def _in_open_dict(cfg: DictConfig, key: str) -> bool:
     """True for a new key under a mapping that is free-form by design (`storage.options`,
     `engine_kwargs`, ...): such mappings are empty in the defaults."""
+    if any(key.startswith(mapping + ".") for mapping in OPEN_MAPPINGS):
+        return True  # at any depth (ray_init.runtime_env.env_vars.X), also while it is null (data.storage_options)
     parts = key.split(".")
     for depth in range(len(parts) - 1, 0, -1):
-        if ".".join(parts[:depth]) in OPEN_MAPPINGS:
-            return True  # also while it is null (data.storage_options)
         node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
         if isinstance(node, DictConfig):
-            return len(node) == 0 or ".".join(parts[:depth]) in OPEN_MAPPINGS
+            return len(node) == 0
     return False
 
 
-def _suggest(key: str, known_keys: list[str]) -> str:
+def _read_when_added(cfg: DictConfig, key: str) -> bool:
+    """True for a key added with `+` that something reads (FREE_FORM_SECTIONS says where)."""
+    if key in ADDED_DATA_KEYS:
+        return True
+    if any(key.startswith(section + ".") for section in CLOSED_SECTIONS):
+        return False
+    if any(key == section or key.startswith(section + ".") for section in FREE_FORM_SECTIONS):
+        return True
+    # A field verl's dataclass for the section has but its generated YAML leaves out
+    # (e.g. actor_rollout_ref.rollout.agent.agent_loop_manager_class): verl reads it.
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else None
+    if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
+        try:
+            target = hydra.utils.get_class(node._target_)
+        except Exception:  # noqa: BLE001 - hydra wraps import errors in several types; then nothing is known
+            return False
+        return dataclasses.is_dataclass(target) and leaf in {f.name for f in dataclasses.fields(target)}
+    return False
+
+
+# Sections a user sets, preferred when a name matches keys in several (e.g. tiled_mlp.num_shards).
+_USER_SECTIONS = ("generation.", "data.", "trainer.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.", "reward.", "storage.")
+
+
+def _user_rank(key: str) -> tuple[int, int]:
+    """Lower for the key a user more likely means: an earlier _USER_SECTIONS entry, then the shorter."""
+    section = next((rank for rank, prefix in enumerate(_USER_SECTIONS) if key.startswith(prefix)), len(_USER_SECTIONS))
+    return section, len(key)
+
+
+def _suggest(key: str, known_keys: list[str], leaf_cutoff: float = 0.75, alternatives: int = 1) -> str:
     close = difflib.get_close_matches(key, known_keys, n=1, cutoff=0.6)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known_keys}
-        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
-        close = [by_leaf[leaf_match[0]]] if leaf_match else []
-    return f"; did you mean {close[0]!r}?" if close else ""
+        by_leaf: dict[str, str] = {}
+        for known in sorted(known_keys, key=_user_rank, reverse=True):
+            by_leaf[known.rsplit(".", 1)[-1]] = known
+        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=alternatives, cutoff=leaf_cutoff)
+        close = [by_leaf[match] for match in leaf_match]
+    return f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ""
 
 
 def _flat_keys(node: Any, prefix: str = "") -> list[str]:
@@ -409,7 +472,8 @@ def versions() -> dict[str, str]:
 def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
     """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
     dataset content, the digests of the other OUTPUT_FILES (by config key, as preflight computes
-    them) and the versions of the code that produces it. A file given by its digest enters by
+    them, with the user code they reach), the versions of the code that produces it and genrun's
+    output format (build.OUTPUT_FORMAT_VERSION). A file given by its digest enters by
     its content, not its path: the same model or dataset elsewhere (another machine's cache, a
     copy) is the same run."""
     files = dict(files or {})
@@ -422,7 +486,12 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
             node = node.get(part) or {} if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(leaf, None)
-    payload = json.dumps({"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}, sort_keys=True, default=str)
+    inputs = {"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}
+    if OUTPUT_FORMAT_VERSION > 1:
+        # genrun's own output format (build.py states the rule); format 1 is left out so that
+        # folders written before the constant existed keep their fingerprint and resume.
+        inputs["output_format"] = OUTPUT_FORMAT_VERSION
+    payload = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
