@@ -124,6 +124,24 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     assert done.started == [] and again.last_attempt.skipped
 
 
+def test_an_agent_loop_that_never_returns_fails_its_sample_at_the_deadline_and_frees_its_slot(tmp_path):
+    cfg = _cfg("generation.max_inflight=1", "generation.max_failed_fraction=0.5", "generation.sample_timeout_seconds=0.5")
+    worker = ScriptedWorker(delays={102: 10**6})  # asyncio.sleep for ever
+    # What StreamingWorker.__init__ (which ScriptedWorker skips) takes from the config.
+    worker.sample_timeout = cfg.generation.sample_timeout_seconds
+    shard = ShardSpec(0, 0, 5)
+    manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), worker))
+    assert worker.started == [(100 + p, 0) for p in range(5)], "one slot: the samples after 102 ran only because its deadline freed it"
+    assert worker.inflight == 0, "the hung sample was cancelled"
+    assert manifest.num_trajectories == 4 and manifest.failed_samples == ["102:0"]
+    [failure] = [json.loads(line) for line in (tmp_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()]
+    assert failure["error"] == (
+        "SampleTimedOut: sample 102:0 did not finish within generation.sample_timeout_seconds=0.5 s (an agent loop, tool or "
+        "reward function that does not return?) and was cancelled; raise generation.sample_timeout_seconds if its samples need longer"
+    )
+    assert "in run_one" in failure["traceback"] and "asyncio.sleep" in failure["traceback"], "where it was waiting"
+
+
 def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_retries_them(tmp_path):
     cfg = _cfg("generation.save_batch_size=3", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2", "generation.max_failed_fraction=0.1")
     folder = RunFolder(str(tmp_path))
