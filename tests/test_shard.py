@@ -11,6 +11,7 @@ from generation_core.config import load_config
 from generation_core.data import ShardSpec
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
+from tests.sample_deadline import failure_log
 from generation_core.records import TrajectoryRecord
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
@@ -134,7 +135,7 @@ def test_an_agent_loop_that_never_returns_fails_its_sample_at_the_deadline_and_f
     assert worker.started == [(100 + p, 0) for p in range(5)], "one slot: the samples after 102 ran only because its deadline freed it"
     assert worker.inflight == 0, "the hung sample was cancelled"
     assert manifest.num_trajectories == 4 and manifest.failed_samples == ["102:0"]
-    [failure] = [json.loads(line) for line in (tmp_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()]
+    [failure] = failure_log(tmp_path / "shards" / "shard-00000")
     assert failure["error"] == (
         "SampleTimedOut: sample 102:0 did not finish within generation.sample_timeout_seconds=0.5 s (an agent loop, tool or "
         "reward function that does not return?) and was cancelled; raise generation.sample_timeout_seconds if its samples need longer"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from generation_core.rewards import RewardScorer
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
-from tests import hanging
+from tests import sample_deadline
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
 
@@ -214,7 +215,7 @@ HANGING_REWARDS = {
         "    return 1.0\n"
     ),
     "sync-never-returns": (
-        "from tests.hanging import RELEASE\n\n"
+        "from tests.sample_deadline import RELEASE\n\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
         "    if ground_truth == '12':\n"
         "        RELEASE.wait()\n"
@@ -229,15 +230,20 @@ ONE_AT_A_TIME = "generation.max_inflight=1"
 
 @pytest.fixture
 def hang_until_the_end():
-    hanging.RELEASE.clear()
+    """Threads that wait for RELEASE are let go at the end of the test, or after 60 s: without a
+    deadline asyncio.run would join such a thread for ever, past pytest-timeout."""
+    sample_deadline.RELEASE.clear()
+    backstop = threading.Timer(60, sample_deadline.RELEASE.set)
+    backstop.daemon = True
+    backstop.start()
     yield
-    hanging.RELEASE.set()
+    backstop.cancel()
+    sample_deadline.RELEASE.set()
 
 
 def _the_deadline_failed_sample_1(manifest, folder_path, where: str) -> None:
     assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"], "the other samples commit, the shard finishes"
-    [line] = (folder_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
-    failure = json.loads(line)
+    [failure] = sample_deadline.failure_log(folder_path / "shards" / "shard-00000")
     assert failure["error"].startswith("SampleTimedOut: sample 1:0 did not finish within generation.sample_timeout_seconds=3 s"), failure["error"]
     assert where in failure["traceback"], "the failure shows where the sample was waiting"
 
@@ -258,9 +264,9 @@ def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(model_d
     """The tool's thread never returns: its sample fails at the deadline, the event loop goes on
     with the others, and the shard's asyncio.run returns without waiting for that thread."""
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: tests.hanging.CalculatorThatHangsInAThread\n    config:\n      type: native\n")
+    tools.write_text("tools:\n  - class_name: tests.sample_deadline.CalculatorThatHangsInAThread\n    config:\n      type: native\n")
     cfg = tool_config(model_dir, *DEADLINE, ONE_AT_A_TIME, tools=tools)
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
     manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "tool_agent_loop.py")
-    assert not hanging.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"
+    assert not sample_deadline.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"
