@@ -21,6 +21,7 @@ from generation_core.lease import LeaseLost, RunLease
 from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, shard_file
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
+from tests.merge_oracles import read_committed_records
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -286,6 +287,32 @@ def test_a_conditional_write_of_a_large_body_keeps_its_condition(s3_server, tmp_
     assert folder.read_versioned("a.json").version == version
     _refused(write, folder, "a.json", b"x" * (11 * 2**20), stale)
     assert folder.read_bytes("a.json") == stored, "a large conditional write replaced the file unconditionally"
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_record_whose_answer_s3fs_lost_keeps_its_part_and_the_shard_finishes(s3_server, tmp_path, monkeypatch):
+    """The record of the first part lands, its answer is lost and s3fs retries it on its own: the
+    retry is refused, and that refusal is our own record, not another writer's. Before, the shard
+    took it for a conflict, deleted the part the record lists and failed."""
+    import botocore.exceptions
+
+    folder = _s3_folder(s3_server, tmp_path, "commit-lost")
+    client = folder.fs.s3
+    real_put, fired = client.put_object, []
+
+    @functools.wraps(real_put)
+    async def put_object(**kwargs):
+        answer = await real_put(**kwargs)
+        if kwargs["Key"].endswith(f"/{COMMITS_DIR}/0000000001.json") and not fired:
+            fired.append(kwargs["Key"])
+            raise botocore.exceptions.ReadTimeoutError(endpoint_url=s3_server["AWS_ENDPOINT_URL"])
+        return answer
+
+    monkeypatch.setattr(client, "put_object", put_object)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert fired and manifest.num_trajectories == 6 and manifest.failures == 0
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "every listed part is there"
 
 
 @pytest.mark.timeout(60)
