@@ -13,9 +13,12 @@ write that fails publishes nothing and leaves the previous file (or its absence)
   a file only if it is still the version the caller read (S3: `If-None-Match: *` / `If-Match`
   on the ETag; local disk: the comparison and the rename under an exclusive flock of the
   directory, against a sha256 of the content). Both are idempotent: when an attempt stored the
-  object but its answer was lost, the retry is refused by the condition and then finds exactly
-  its own bytes in place, which counts as success. Callers put a token of their own in the data
-  (a lease's owner id, a checkpoint's lease generation) so that no one else's object can match.
+  object but its answer was lost, the retry (ours, s3fs's or botocore's, which we cannot see)
+  is refused by the condition, and every refusal compares the stored bytes with ours: exactly
+  our bytes in place count as success. Callers put a token of their own in the data (a lease's
+  owner id, a commit record's random token) so that no one else's object can match. On S3 a
+  conditional write is always one PUT (up to S3's 5 GiB limit, refused above it): s3fs's
+  multipart upload, past 100 MB, would drop an `If-Match` condition and write unconditionally.
 
 Transient errors (throttling, 5xx, dropped connections, timeouts) are retried with backoff.
 They are recognised by the exception's type and, for S3, by botocore's error code and HTTP
@@ -62,6 +65,9 @@ _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 # A conditional write refused: the object is not (or no longer) the version it was based on.
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _CONFLICT_STATUS = frozenset({409, 412})
+# S3's largest single PUT. A conditional write is sent as one PUT whatever its size: s3fs uploads
+# a body past 2 x `chunksize` as a multipart upload and drops the condition on the way.
+SINGLE_PUT_LIMIT = 5 * 2**30
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -172,23 +178,22 @@ class RunFolder:
 
     def _conditional(self, what: str, relative: str, data: bytes, put: Callable[[], T]) -> tuple[T | None, str | None]:
         """`put` (a conditional write of `data`) with retries of transient errors. Returns
-        (put's result, None), or (None, the object's version) when a retry was refused because
-        an earlier attempt, whose answer was lost, had stored exactly `data` already."""
-        attempts = 0
-
-        def attempt() -> T:
-            nonlocal attempts
-            attempts += 1
-            return put()
-
+        (put's result, None), or (None, the object's version) when the write was refused because
+        an earlier attempt, whose answer was lost, had stored exactly `data` already. Every
+        refusal is compared, also that of a first attempt of ours: s3fs and botocore retry a
+        request whose connection dropped on their own, and their retry is what was refused."""
+        if len(data) >= SINGLE_PUT_LIMIT:
+            raise GenrunError(
+                f"{what}: {len(data)} bytes is more than one S3 PUT takes (5 GiB), and a multipart upload would drop the "
+                "condition that keeps two writers apart; conditional writes are for small records"
+            )
         try:
-            return self._with_retries(what, attempt), None
+            return self._with_retries(what, put), None
         except (FileExistsError, WriteConflict):
-            if attempts > 1:
-                current = self.read_versioned(relative)
-                if current.data == data:
-                    logger.info("%s: an earlier attempt stored it (its answer was lost)", what)
-                    return None, current.version
+            current = self.read_versioned(relative)
+            if current.data == data:
+                logger.info("%s: an earlier attempt stored it (its answer was lost)", what)
+                return None, current.version
             raise
 
     def __repr__(self) -> str:
@@ -253,7 +258,8 @@ class RunFolder:
             except FileExistsError:
                 return False
         try:
-            self._conditional(f"creating {self.display(relative)}", relative, data, lambda: self.fs.pipe_file(target, data, mode="create"))
+            # `chunksize`: one PUT below SINGLE_PUT_LIMIT, as in put_if_version.
+            self._conditional(f"creating {self.display(relative)}", relative, data, lambda: self.fs.pipe_file(target, data, mode="create", chunksize=SINGLE_PUT_LIMIT))
             return True
         except FileExistsError:
             return False
@@ -271,7 +277,8 @@ class RunFolder:
 
         def put() -> dict[str, Any] | None:
             try:
-                return self.fs.pipe_file(target, data, **condition)
+                # `chunksize`: one PUT below SINGLE_PUT_LIMIT, which keeps the condition.
+                return self.fs.pipe_file(target, data, chunksize=SINGLE_PUT_LIMIT, **condition)
             except OSError as exc:
                 # If-None-Match on a file that exists (s3fs: FileExistsError), If-Match on one
                 # that changed (412) or was removed (NoSuchKey).

@@ -11,6 +11,14 @@ Agent loops are built the way verl's `_run_agent_loop` builds them, with two sho
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
 through `hydra.utils.instantiate`, which cost ~7 ms per sample (most of the orchestration time);
 and every agent loop of a worker shares one Continuous Token builder (see `_shared_token_builder`).
+
+Each sample has a deadline (`generation.sample_timeout_seconds`, from its start to its score): a
+sample past it is cancelled and handed on as a failure naming the sample, the deadline and the
+setting, and its slot goes to the next sample at once, whether or not the cancelled code stops.
+What awaits (an async tool or reward function, a thread awaited through asyncio.to_thread or the
+reward pool) is bounded; the thread itself runs on, since Python cannot stop a thread, and the
+shard's event loop does not wait for it at its end (`_set_aside_default_executor`). A synchronous
+call that blocks the event loop itself stops every sample of the shard and cannot be bounded here.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import asyncio
 import hashlib
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,14 +38,53 @@ import verl.experimental.agent_loop.agent_loop as verl_agent_loop
 from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
+from generation_core.config import default_sample_timeout
 from generation_core.instrumentation import SampleTrace
-from generation_core.records import SampleFailure, TrajectoryRecord
+from generation_core.records import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
 from generation_core.request_retry import RetryingClient
 from generation_core.rewards import RewardScorer
 
 logger = logging.getLogger(__name__)
 
 SampleKey = tuple[int, int]
+
+
+class SampleTimedOut(TimeoutError):
+    """A sample ran past generation.sample_timeout_seconds (an agent loop, tool or reward
+    function that does not return)."""
+
+
+def _set_aside_default_executor(loop: asyncio.AbstractEventLoop) -> None:
+    """After a sample was cancelled at its deadline: a thread it started through asyncio.to_thread
+    may never return, and asyncio.run joins the default executor's threads at its end, which
+    would hold the finished shard there forever. The loop gets a fresh default executor; the old
+    one is shut down without waiting (work already in it still runs to its end)."""
+    # asyncio has no public way to read the default executor; None: no thread was ever started.
+    previous = getattr(loop, "_default_executor", None)
+    if previous is None:
+        return
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio"))
+    previous.shutdown(wait=False)
+
+
+def _where_it_waits(task: asyncio.Task) -> str:
+    """The chain of coroutines a pending task is suspended in, outermost first, as a traceback
+    reads (Task.get_stack shows only the outermost one)."""
+    frames = []
+    awaited: Any = task.get_coro()
+    while awaited is not None and len(frames) < 200:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame, frame.f_lineno))
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return "Waiting at the deadline (most recent call last):\n" + "".join(traceback.StackSummary.extract(frames).format())
+
+
+def _retrieve_outcome(task: asyncio.Task) -> None:
+    """Done-callback of a sample cancelled at its deadline: nobody awaits it any more."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a sample cancelled at its deadline ended with %r", task.exception())
 
 
 def sample_seed(base: int, key: SampleKey) -> int:
@@ -69,6 +118,8 @@ def _agent_loop_worker(cfg: DictConfig, client) -> AgentLoopWorker:
 class StreamingWorker:
     postprocess_seconds: float = 0.0
     """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
+    sample_timeout: float = float("inf")
+    """generation.sample_timeout_seconds: a sample's deadline from its start to its score."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         gen = cfg.generation
@@ -86,6 +137,9 @@ class StreamingWorker:
             logprobs=rollout.calculate_log_probs,
         )
         self.sample_seed = gen.sample_seed
+        # load_config fills the default in; a config assembled otherwise gets the same one.
+        timeout = gen.get("sample_timeout_seconds")
+        self.sample_timeout = float(timeout) if timeout is not None else default_sample_timeout(cfg)
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
 
@@ -136,10 +190,12 @@ class StreamingWorker:
         self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float
     ) -> AsyncIterator[TrajectoryRecord | SampleFailure | None]:
         """Yield each finished record as it completes, or a SampleFailure for a sample whose
-        agent loop raised (after the engine-request retries); yield None after `idle_timeout`
-        seconds without a completion so the caller can flush what it holds."""
+        agent loop raised (after the engine-request retries) or that ran past its deadline
+        (`sample_timeout`); yield None after `idle_timeout` seconds without either so the caller
+        can flush what it holds."""
         pending_samples = iter(samples)
         inflight: dict[asyncio.Task, SampleKey] = {}
+        deadlines: dict[asyncio.Task, float] = {}
 
         def refill() -> None:
             while len(inflight) < max_inflight:
@@ -147,18 +203,29 @@ class StreamingWorker:
                     key, kwargs = next(pending_samples)
                 except StopIteration:
                     return
-                inflight[asyncio.ensure_future(self.run_one(key, kwargs))] = key
+                task = asyncio.ensure_future(self.run_one(key, kwargs))
+                inflight[task] = key
+                deadlines[task] = time.monotonic() + self.sample_timeout
 
         refill()
         trace = SampleTrace()
         try:
             while inflight:
-                done, _ = await asyncio.wait(inflight, timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
+                wait = min(idle_timeout, max(0.0, min(deadlines.values()) - time.monotonic()))
+                done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                now = time.monotonic()
+                expired = [task for task in inflight if task not in done and deadlines[task] <= now]
+                if not done and not expired:
                     yield None
                     continue
+                for task in expired:
+                    # Its slot is free now, whether or not the cancelled code ever stops.
+                    key = inflight.pop(task)
+                    del deadlines[task]
+                    yield self._timed_out(key, task)
                 for task in done:
                     key = inflight.pop(task)
+                    del deadlines[task]
                     try:
                         record = task.result()
                     except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's
@@ -174,6 +241,22 @@ class StreamingWorker:
                 task.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
+
+    def _timed_out(self, key: SampleKey, task: asyncio.Task) -> SampleFailure:
+        """Cancel a sample past its deadline; its failure carries where it was waiting."""
+        where = _where_it_waits(task)
+        task.cancel()
+        task.add_done_callback(_retrieve_outcome)
+        _set_aside_default_executor(asyncio.get_running_loop())
+        message = (
+            f"sample {key[0]}:{key[1]} did not finish within generation.sample_timeout_seconds={self.sample_timeout:g} s "
+            "(an agent loop, tool or reward function that does not return?) and was cancelled; raise "
+            "generation.sample_timeout_seconds if its samples need longer"
+        )
+        logger.warning("%s", message)
+        failure = SampleFailure.from_exception(key, SampleTimedOut(message))
+        failure.traceback = where[-TRACEBACK_CHARS:]
+        return failure
 
     @staticmethod
     def record_from_output(key: SampleKey, output, kwargs: dict[str, Any]) -> TrajectoryRecord:

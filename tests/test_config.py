@@ -1,7 +1,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from generation_core.config import OPERATIONAL_KEYS, default_request_timeout, fingerprint, finalize_run_location, load_config
+from generation_core.config import OPERATIONAL_KEYS, default_request_timeout, default_sample_timeout, fingerprint, finalize_run_location, load_config
 from generation_core.errors import GenrunError
 
 
@@ -177,3 +177,20 @@ def test_request_timeout_defaults_to_a_finite_value_from_the_response_budget():
     assert load_config(["generation.request_timeout=42"]).generation.request_timeout == 42
     with pytest.raises(GenrunError, match="request_timeout=0"):
         load_config(["generation.request_timeout=0"])
+
+
+@pytest.mark.timeout(120)
+def test_the_sample_deadline_defaults_to_every_turns_request_attempts_and_is_operational():
+    """turns x (request_retries + 2) x request_timeout: every turn keeps all its request
+    attempts, and one request_timeout more for its tools (the last turn's: the reward)."""
+    defaults = load_config([])
+    assert defaults.generation.sample_timeout_seconds == default_sample_timeout(defaults) == 1 * (3 + 2) * 856
+    turns = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "generation.request_timeout=10"])
+    assert turns.generation.sample_timeout_seconds == 3 * 5 * 10
+    unlimited = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "generation.request_retries=0", "generation.request_timeout=10"])
+    assert unlimited.generation.sample_timeout_seconds == 16 * 2 * 10, "no turn limit: a finite allowance of turns"
+    assert load_config(["generation.sample_timeout_seconds=7.5"]).generation.sample_timeout_seconds == 7.5
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(GenrunError, match=f"generation.sample_timeout_seconds='?{bad}'?: must be null .* or a number of seconds > 0"):
+            load_config([f"generation.sample_timeout_seconds={bad}"])
+    assert fingerprint(load_config(["generation.sample_timeout_seconds=5"]), "data") == fingerprint(defaults, "data"), "a resumed run may change it"

@@ -7,6 +7,7 @@ under the next number (storage.RunFolder.create_exclusive) and the new holder cl
 first, which is what closes the window."""
 
 import asyncio
+import functools
 import json
 import threading
 from dataclasses import asdict
@@ -14,11 +15,13 @@ from dataclasses import asdict
 import pytest
 
 from generation_core.data import ShardSpec
+from generation_core.errors import GenrunError
 from generation_core.job import run_shard
 from generation_core.lease import LeaseLost, RunLease
 from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, shard_file
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
+from tests.merge_oracles import read_committed_records
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -200,6 +203,128 @@ def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_ours(s3_serv
     new_version = folder.put_if_version("a.json", b"two", version)
     current = folder.read_versioned("a.json")
     assert fired and current.data == b"two" and current.version == new_version
+
+
+def _s3_folder(s3_server, tmp_path, name: str) -> RunFolder:
+    return _folder((f"s3://genrun-test/{name}-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}))
+
+
+# The three conditional writes: (folder, name, data, version read before) -> its answer.
+CONDITIONAL_WRITES = {
+    "create_exclusive": lambda folder, name, data, version: folder.create_exclusive(name, data),
+    "put_if_version-absent": lambda folder, name, data, version: folder.put_if_version(name, data, None),
+    "put_if_version-version": lambda folder, name, data, version: folder.put_if_version(name, data, version),
+}
+
+
+def _refused(write: str, folder: RunFolder, name: str, data: bytes, version: str | None) -> None:
+    if write == "create_exclusive":
+        assert CONDITIONAL_WRITES[write](folder, name, data, version) is False
+    else:
+        with pytest.raises(WriteConflict):
+            CONDITIONAL_WRITES[write](folder, name, data, version)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("write", list(CONDITIONAL_WRITES))
+def test_a_conditional_write_that_s3fs_retried_on_its_own_is_recognised_as_ours(s3_server, tmp_path, monkeypatch, write):
+    """The PUT lands and its answer is lost inside s3fs: s3fs's own retry loop (not RunFolder's)
+    sends it again, the condition refuses the retry, and RunFolder sees a refusal of its first
+    attempt. The stored bytes are ours (a token in them says so): the write succeeded."""
+    import botocore.exceptions
+
+    folder = _s3_folder(s3_server, tmp_path, "s3fs-retry")
+    version = folder.put_if_version("a.json", b"before", None) if write == "put_if_version-version" else None
+    client = folder.fs.s3
+    real_put, fired = client.put_object, []
+
+    @functools.wraps(real_put)
+    async def put_object(**kwargs):
+        answer = await real_put(**kwargs)
+        if not fired:
+            fired.append(kwargs["Key"])
+            raise botocore.exceptions.ReadTimeoutError(endpoint_url=s3_server["AWS_ENDPOINT_URL"])  # s3fs retries this itself
+        return answer
+
+    monkeypatch.setattr(client, "put_object", put_object)
+    ours = b'{"token": "ours-1f3a"}'
+    answer = CONDITIONAL_WRITES[write](folder, "a.json", ours, version)
+    current = folder.read_versioned("a.json")
+    assert fired and current.data == ours
+    assert answer is True if write == "create_exclusive" else answer == current.version
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("write", ["create_exclusive", "put_if_version-absent"])
+def test_a_create_that_finds_exactly_its_own_bytes_succeeds_and_other_bytes_are_refused(s3_server, tmp_path, write):
+    """A create whose first attempt landed but whose answer was lost, on any layer: the object
+    holds our bytes (with our token) and the create is ours; anyone else's bytes refuse it."""
+    folder = _s3_folder(s3_server, tmp_path, "own-bytes")
+    ours, theirs = b'{"token": "ours-1f3a"}', b'{"token": "theirs-9c0d"}'
+    folder.put_atomic("ours.json", ours)
+    folder.put_atomic("theirs.json", theirs)
+    answer = CONDITIONAL_WRITES[write](folder, "ours.json", ours, None)
+    assert answer is True if write == "create_exclusive" else answer == folder.read_versioned("ours.json").version
+    _refused(write, folder, "theirs.json", ours, None)
+    assert folder.read_bytes("ours.json") == ours and folder.read_bytes("theirs.json") == theirs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("write", list(CONDITIONAL_WRITES))
+def test_a_conditional_write_of_a_large_body_keeps_its_condition(s3_server, tmp_path, monkeypatch, write):
+    """s3fs sends a body of 2 x chunksize (100 MiB) or more as a multipart upload, which drops
+    If-Match (and a put's If-None-Match). The test lowers s3fs's default chunksize to 5 MiB (S3's
+    smallest part) so that an 11 MiB body would go multipart, instead of sending 100 MiB."""
+    import s3fs
+
+    defaults = s3fs.S3FileSystem._pipe_file.__defaults__
+    assert defaults[0] == 50 * 2**20, f"s3fs's _pipe_file defaults changed ({defaults}): revisit storage.SINGLE_PUT_LIMIT and this test"
+    monkeypatch.setattr(s3fs.S3FileSystem._pipe_file, "__defaults__", (5 * 2**20, *defaults[1:]))
+    folder = _s3_folder(s3_server, tmp_path, "large")
+    stored = b"s" * (11 * 2**20)
+    stale = folder.put_if_version("a.json", b"before", None)
+    version = folder.put_if_version("a.json", stored, stale)
+    assert folder.read_versioned("a.json").version == version
+    _refused(write, folder, "a.json", b"x" * (11 * 2**20), stale)
+    assert folder.read_bytes("a.json") == stored, "a large conditional write replaced the file unconditionally"
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_record_whose_answer_s3fs_lost_keeps_its_part_and_the_shard_finishes(s3_server, tmp_path, monkeypatch):
+    """The record of the first part lands, its answer is lost and s3fs retries it on its own: the
+    retry is refused, and that refusal is our own record, not another writer's. Before, the shard
+    took it for a conflict, deleted the part the record lists and failed."""
+    import botocore.exceptions
+
+    folder = _s3_folder(s3_server, tmp_path, "commit-lost")
+    client = folder.fs.s3
+    real_put, fired = client.put_object, []
+
+    @functools.wraps(real_put)
+    async def put_object(**kwargs):
+        answer = await real_put(**kwargs)
+        if kwargs["Key"].endswith(f"/{COMMITS_DIR}/0000000001.json") and not fired:
+            fired.append(kwargs["Key"])
+            raise botocore.exceptions.ReadTimeoutError(endpoint_url=s3_server["AWS_ENDPOINT_URL"])
+        return answer
+
+    monkeypatch.setattr(client, "put_object", put_object)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert fired and manifest.num_trajectories == 6 and manifest.failures == 0
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "every listed part is there"
+
+
+@pytest.mark.timeout(60)
+def test_a_conditional_write_larger_than_one_put_is_refused_loudly(s3_server, tmp_path, monkeypatch):
+    import generation_core.storage as storage
+
+    monkeypatch.setattr(storage, "SINGLE_PUT_LIMIT", 1024)
+    folder = _s3_folder(s3_server, tmp_path, "too-large")
+    for write in CONDITIONAL_WRITES:
+        with pytest.raises(GenrunError, match="more than one S3 PUT takes"):
+            CONDITIONAL_WRITES[write](folder, "a.json", b"x" * 1024, None)
+    assert not folder.exists("a.json")
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from generation_core.config import load_config
 from generation_core.data import ShardSpec
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
+from tests.sample_deadline import failure_log
 from generation_core.records import TrajectoryRecord
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
@@ -122,6 +123,24 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     done = ScriptedWorker()
     again = asyncio.run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), done))
     assert done.started == [] and again.last_attempt.skipped
+
+
+def test_an_agent_loop_that_never_returns_fails_its_sample_at_the_deadline_and_frees_its_slot(tmp_path):
+    cfg = _cfg("generation.max_inflight=1", "generation.max_failed_fraction=0.5", "generation.sample_timeout_seconds=0.5")
+    worker = ScriptedWorker(delays={102: 10**6})  # asyncio.sleep for ever
+    # What StreamingWorker.__init__ (which ScriptedWorker skips) takes from the config.
+    worker.sample_timeout = cfg.generation.sample_timeout_seconds
+    shard = ShardSpec(0, 0, 5)
+    manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), worker))
+    assert worker.started == [(100 + p, 0) for p in range(5)], "one slot: the samples after 102 ran only because its deadline freed it"
+    assert worker.inflight == 0, "the hung sample was cancelled"
+    assert manifest.num_trajectories == 4 and manifest.failed_samples == ["102:0"]
+    [failure] = failure_log(tmp_path / "shards" / "shard-00000")
+    assert failure["error"] == (
+        "SampleTimedOut: sample 102:0 did not finish within generation.sample_timeout_seconds=0.5 s (an agent loop, tool or "
+        "reward function that does not return?) and was cancelled; raise generation.sample_timeout_seconds if its samples need longer"
+    )
+    assert "in run_one" in failure["traceback"] and "asyncio.sleep" in failure["traceback"], "where it was waiting"
 
 
 def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_retries_them(tmp_path):

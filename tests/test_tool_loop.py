@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from generation_core.rewards import RewardScorer
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
+from tests import sample_deadline
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
 
@@ -50,10 +52,10 @@ def tool_rows(words=("seven", "twelve", "nine")):
     ]
 
 
-def tool_config(model_dir, *extra):
+def tool_config(model_dir, *extra, tools=TOOLS):
     cfg = load_config([
         "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"data.tool_config_path={TOOLS}",
+        f"data.tool_config_path={tools}",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "generation.show_progress=false",
         "generation.request_backoff_seconds=0",
@@ -200,3 +202,71 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     manifest = _run_shard(strict, tokenizer, data_file, other, healthy, reward=False)
     assert manifest.num_trajectories == 3 and manifest.failures == 0
     assert len(healthy.calls) == 2 and all("twelve" in tokenizer.decode(call) for call in healthy.calls)
+
+
+# --- a sample that never finishes: generation.sample_timeout_seconds (issue 31, item 9) ----------
+
+HANGING_REWARDS = {
+    "async-sleeps-forever": (
+        "import asyncio\n\n"
+        "async def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    if ground_truth == '12':\n"
+        "        await asyncio.Event().wait()\n"
+        "    return 1.0\n"
+    ),
+    "sync-never-returns": (
+        "from tests.sample_deadline import RELEASE\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    if ground_truth == '12':\n"
+        "        RELEASE.wait()\n"
+        "    return 1.0\n"
+    ),
+}
+# Short, and yet long enough for the healthy samples (milliseconds each) on a loaded machine.
+DEADLINE = ["generation.sample_timeout_seconds=3", "generation.max_failed_fraction=0.5"]
+# One sample at a time: the samples after the hung one run only if its deadline frees its slot.
+ONE_AT_A_TIME = "generation.max_inflight=1"
+
+
+@pytest.fixture
+def hang_until_the_end():
+    """Threads that wait for RELEASE are let go at the end of the test, or after 60 s: without a
+    deadline asyncio.run would join such a thread for ever, past pytest-timeout."""
+    sample_deadline.RELEASE.clear()
+    backstop = threading.Timer(60, sample_deadline.RELEASE.set)
+    backstop.daemon = True
+    backstop.start()
+    yield
+    backstop.cancel()
+    sample_deadline.RELEASE.set()
+
+
+def _the_deadline_failed_sample_1(manifest, folder_path, where: str) -> None:
+    assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"], "the other samples commit, the shard finishes"
+    [failure] = sample_deadline.failure_log(folder_path / "shards" / "shard-00000")
+    assert failure["error"].startswith("SampleTimedOut: sample 1:0 did not finish within generation.sample_timeout_seconds=3 s"), failure["error"]
+    assert where in failure["traceback"], "the failure shows where the sample was waiting"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reward", list(HANGING_REWARDS))
+def test_a_reward_function_that_never_returns_fails_its_sample_at_the_deadline(model_dir, tokenizer, tmp_path, hang_until_the_end, reward):
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(HANGING_REWARDS[reward])
+    cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", *DEADLINE, ONE_AT_A_TIME)
+    data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
+    manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS))
+    _the_deadline_failed_sample_1(manifest, tmp_path / "run", "in score")
+
+
+@pytest.mark.timeout(120)
+def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(model_dir, tokenizer, tmp_path, hang_until_the_end):
+    """The tool's thread never returns: its sample fails at the deadline, the event loop goes on
+    with the others, and the shard's asyncio.run returns without waiting for that thread."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: tests.sample_deadline.CalculatorThatHangsInAThread\n    config:\n      type: native\n")
+    cfg = tool_config(model_dir, *DEADLINE, ONE_AT_A_TIME, tools=tools)
+    data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
+    manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
+    _the_deadline_failed_sample_1(manifest, tmp_path / "run", "tool_agent_loop.py")
+    assert not sample_deadline.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"

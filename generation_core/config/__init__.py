@@ -63,6 +63,7 @@ OPERATIONAL_KEYS = (
     "generation.request_retries",
     "generation.request_backoff_seconds",
     "generation.request_timeout",
+    "generation.sample_timeout_seconds",
     "generation.max_failed_fraction",
     "generation.reward_workers",
     "generation.show_progress",
@@ -129,6 +130,24 @@ REQUEST_TIMEOUT_SECONDS_PER_TOKEN = 2.0
 def default_request_timeout(response_length: int) -> float:
     """generation.request_timeout when left null: base + per-token allowance x response budget."""
     return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
+
+
+# Model turns the default sample deadline allows when multi_turn has no assistant-turn limit:
+# the deadline must be finite, and a run whose samples take more turns sets one.
+UNLIMITED_TURNS_ALLOWANCE = 16
+
+
+def default_sample_timeout(cfg: DictConfig) -> float:
+    """generation.sample_timeout_seconds when left null: every model turn may use all of its
+    request attempts (request_retries + 1, each up to request_timeout) and one request_timeout
+    more for its tool calls (the last one's for the reward function). The deadline is there for
+    code nothing else bounds (a tool or reward function that never returns), never to cut a
+    sample short that the request retries would have carried through."""
+    rollout, gen = cfg.actor_rollout_ref.rollout, cfg.generation
+    multi_turn = rollout.multi_turn
+    turns = (multi_turn.max_assistant_turns or UNLIMITED_TURNS_ALLOWANCE) if multi_turn.enable else 1
+    request_timeout = gen.request_timeout if gen.request_timeout is not None else default_request_timeout(rollout.response_length)
+    return float(turns * (gen.request_retries + 2) * request_timeout)
 
 
 def _scheduled_date() -> str:
@@ -200,6 +219,8 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     if cfg.generation.request_timeout is None:
         # Filled in so run.json and every shard worker see the timeout that applies.
         cfg.generation.request_timeout = default_request_timeout(cfg.actor_rollout_ref.rollout.response_length)
+    if cfg.generation.sample_timeout_seconds is None:
+        cfg.generation.sample_timeout_seconds = default_sample_timeout(cfg)
     return cfg
 
 
@@ -389,6 +410,10 @@ def validate_values(cfg: DictConfig) -> None:
     _require(isinstance(gen.request_retries, int) and not isinstance(gen.request_retries, bool) and gen.request_retries >= 0, "generation.request_retries", gen.request_retries, "must be an integer >= 0")
     _require(_is_number(gen.request_backoff_seconds) and gen.request_backoff_seconds >= 0, "generation.request_backoff_seconds", gen.request_backoff_seconds, "must be a number of seconds >= 0")
     _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (derived from the response budget) or a number of seconds > 0")
+    _require(
+        gen.sample_timeout_seconds is None or (_is_number(gen.sample_timeout_seconds) and gen.sample_timeout_seconds > 0),
+        "generation.sample_timeout_seconds", gen.sample_timeout_seconds, "must be null (derived from turns, request_retries and request_timeout) or a number of seconds > 0",
+    )
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(
