@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from verl.protocol import DataProto
 
 from generation_core.errors import GenrunError
-from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table
+from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table, scored_mask
 from generation_core.run_folder import (
     CHUNK_INDEX_FILE,
     MERGED_FILE,
@@ -242,7 +242,8 @@ def scan_run(folder: RunFolder) -> MergeInput:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
-        scores_missing += table.column("reward_score").null_count
+        # NaN is no score (records.score_or_none): rm_scores only when every trajectory is scored.
+        scores_missing += pc.sum(pc.invert(scored_mask(table.column("reward_score")))).as_py() or 0
         for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist()):
             extra = json.loads(text)
             extra_keys.update(extra)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 PART_SCHEMA = pa.schema(
@@ -59,7 +60,8 @@ class TrajectoryRecord:
     response_logprobs: list[float] | None
     """The engine's log-probability of each response token (0 on mask-0 positions); None when not asked for."""
     reward_score: float | None
-    """The trajectory's reward, when the agent loop or a reward function produced one."""
+    """The trajectory's reward, when the agent loop or a reward function produced one; None
+    otherwise. A NaN score means no score (`score_or_none`): it is stored and read as None."""
     num_turns: int
     """Chat turns including user, assistant and tool turns (verl's `__num_turns__`)."""
     input_fields: dict[str, Any] = field(default_factory=dict)
@@ -68,6 +70,10 @@ class TrajectoryRecord:
     """The agent loop's `extra_fields` (turn_scores, tool_rewards, raw_prompt, ...)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """verl's AgentLoopMetrics for this trajectory (timings in seconds)."""
+
+    def __post_init__(self) -> None:
+        # Every record, built by an agent loop or read from a part (older parts may hold NaN).
+        self.reward_score = score_or_none(self.reward_score)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -149,6 +155,20 @@ _PARQUET_OPTIONS = dict(
     use_dictionary=False,
     column_encoding={column: "BYTE_STREAM_SPLIT" for column in _BYTE_STREAM_SPLIT},
 )
+
+
+def score_or_none(score: Any) -> float | None:
+    """The one rule for rewards everywhere: a NaN score is no score (None). Parts written before
+    the rule may hold NaN; every reader goes through this (or `scored_mask`)."""
+    if score is None:
+        return None
+    score = float(score)
+    return None if score != score else score
+
+
+def scored_mask(column: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """Per row of a `reward_score` column, whether it holds a score (not null, not NaN)."""
+    return pc.and_kleene(pc.is_valid(column), pc.invert(pc.is_nan(column))).fill_null(False)
 
 
 def records_to_table(records: list[TrajectoryRecord]) -> pa.Table:
