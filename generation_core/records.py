@@ -9,7 +9,10 @@ instead of building a record per row.
 
 from __future__ import annotations
 
+import base64
 import copy
+import datetime
+import decimal
 import io
 import json
 import traceback
@@ -65,7 +68,8 @@ class TrajectoryRecord:
     num_turns: int
     """Chat turns including user, assistant and tool turns (verl's `__num_turns__`)."""
     input_fields: dict[str, Any] = field(default_factory=dict)
-    """The dataset row's non-tensor fields as verl passes them to the agent loop (data_source, reward_model, ...)."""
+    """The dataset row's non-tensor fields as verl passes them to the agent loop (data_source, reward_model, ...).
+    Stored as JSON: timestamps and dates as ISO 8601 text, decimals as their digits, binary as base64."""
     extra_fields: dict[str, Any] = field(default_factory=dict)
     """The agent loop's `extra_fields` (turn_scores, tool_rewards, raw_prompt, ...)."""
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -136,6 +140,15 @@ def _json_default(value: Any) -> Any:
         return value.item()
     if isinstance(value, set | tuple):
         return list(value)
+    # Dataset columns JSON has no type for (Parquet timestamp, date, time, decimal, binary) are
+    # carried as text, so such a column never fails a shard after its samples were generated:
+    # ISO 8601, the decimal's digits, base64.
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
     raise TypeError(f"cannot store a {type(value).__name__} in a trajectory record")
 
 

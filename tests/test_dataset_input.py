@@ -363,3 +363,45 @@ def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp
     markers = [json.loads((tmp_path / "out" / "shards" / s.name / "_SUCCESS.json").read_text()) for s in plan.shards]
     assert [m["filtered_overlong"] for m in markers] == [1, 2, 1], "rows 2 | 7, 12 | 17: each shard counts its own"
     assert json.loads((tmp_path / "out" / "run.json").read_text())["dataset"]["num_rows"] == 20
+
+
+def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, model_dir, tokenizer):
+    """A timestamp, a date, a decimal and a binary column (no JSON type) are carried as ISO text,
+    the decimal's digits and base64: the shard commits (it used to fail at the part write,
+    after generating every sample) and the merged DataProto holds the values."""
+    import asyncio
+    import datetime
+    import decimal
+
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.job import run_shard
+    from generation_core.merge import merge_run
+    from generation_core.preflight import preflight
+    from generation_core.streaming import StreamingWorker
+
+    table = pa.Table.from_pylist(chat_rows(2))
+    table = table.append_column("when", pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2025, 1, 1)], pa.timestamp("us")))
+    table = table.append_column("day", pa.array([datetime.date(2024, 1, 2), datetime.date(2024, 2, 3)], pa.date32()))
+    table = table.append_column("price", pa.array([decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal128(10, 2)))
+    table = table.append_column("blob", pa.array([b"\x00\x01", b"hi"], pa.binary()))
+    pq.write_table(table, tmp_path / "typed.parquet")
+    plan = preflight([
+        f"data.train_files={tmp_path / 'typed.parquet'}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
+    ])
+    plan.claim_folder()
+    [shard] = plan.shards
+    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    worker = StreamingWorker(plan.cfg, InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)))
+    try:
+        manifest = asyncio.run(run_shard(plan.cfg, shard, plan.folder, prompts, worker))
+    finally:
+        worker.shutdown()
+    assert (manifest.num_trajectories, manifest.failures) == (2, 0)
+    merged = merge_run(plan.folder, prompt_length=64, response_length=16, pad_token_id=tokenizer.pad_token_id)
+    assert {key: merged.non_tensor_batch[key].tolist() for key in ("when", "day", "price", "blob")} == {
+        "when": ["2024-01-02T03:04:05", "2025-01-01T00:00:00"],
+        "day": ["2024-01-02", "2024-02-03"],
+        "price": ["1.50", "-2.25"],
+        "blob": ["AAE=", "aGk="],
+    }
