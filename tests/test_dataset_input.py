@@ -405,3 +405,44 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
         "price": ["1.50", "-2.25"],
         "blob": ["AAE=", "aGk="],
     }
+
+
+def test_a_file_changed_after_planning_is_refused_by_the_shard_that_reads_it(tmp_path):
+    """A shard starts long after preflight: a file cut, replaced (same rows, other content) or
+    with rows added meanwhile is refused with one line before the shard generates anything,
+    instead of a shard that reads fewer (or other) rows and finishes as done."""
+    import json
+
+    files = _three_files(tmp_path)
+    cfg = _cfg(str(tmp_path / "data"))
+    dataset = inspect_dataset(cfg).files
+    assert read_rows(dataset, 5, 15, {}).num_rows == 10
+    # Cut: the last rows of b.parquet are gone.
+    _write(files[1], _rich_rows(3, 7), 3)
+    with pytest.raises(GenrunError, match=r"b\.parquet changed since the run was planned \(\d+ bytes, planned \d+\); restore the file"):
+        read_rows(dataset, 5, 15, {})
+    # Other rows of the same count and, where possible, the same size: the footer tells.
+    _write(files[1], [dict(row, difficulty=row["difficulty"] + 1) for row in _rich_rows(5, 7)], 3)
+    with pytest.raises(GenrunError, match=r"b\.parquet changed since the run was planned"):
+        read_rows(dataset, 5, 15, {})
+    # Shards whose rows lie in unchanged files still read theirs.
+    assert read_rows(dataset, 0, 7, {}).num_rows == 7
+    # JSON: checked whole.
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rich_rows(4)))
+    json_dataset = inspect_dataset(_cfg(str(path))).files
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rich_rows(3)))
+    with pytest.raises(GenrunError, match=r"rows\.jsonl changed since the run was planned"):
+        read_rows(json_dataset, 0, 4, {})
+
+
+def test_the_merge_refuses_a_shard_that_does_not_account_for_its_rows():
+    """committed + failed + filtered (x n) must be the shard's rows x n, else nothing is merged."""
+    from generation_core.merge import check_shard_counts
+    from generation_core.run_folder import ShardManifest
+
+    whole = ShardManifest("shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2)
+    check_shard_counts([whole], rollout_n=2)
+    short = ShardManifest("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
+    with pytest.raises(GenrunError, match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed"):
+        check_shard_counts([whole, short], rollout_n=2)
