@@ -446,3 +446,61 @@ def test_the_merge_refuses_a_shard_that_does_not_account_for_its_rows():
     short = ShardManifest("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
     with pytest.raises(GenrunError, match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed"):
         check_shard_counts([whole, short], rollout_n=2)
+
+
+def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_place(tmp_path, model_dir, tokenizer):
+    """One ground truth changed in an uncompressed Parquet: same size, same footer (statistics
+    included), so neither the sampled fingerprint nor the planned-file check can tell. The
+    finished shard's rows are read again at resume and the digest its first attempt recorded
+    refuses them, naming the shard and what to do; recheck_finished_rows=false gives that up."""
+    import asyncio
+
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.job import check_finished_rows, run_shard
+    from generation_core.preflight import preflight
+    from generation_core.streaming import StreamingWorker
+
+    rows = chat_rows(6)
+    for i, row in enumerate(rows):
+        row["reward_model"] = {"style": "rule", "ground_truth": f"GT{i:02d}"}
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, compression="none")
+    overrides = [
+        f"data.train_files={path}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
+        "generation.num_shards=2",
+    ]
+    plan = preflight(overrides)
+    plan.claim_folder()
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+
+    def run(shard):
+        worker = StreamingWorker(plan.cfg, engine)
+        try:
+            return asyncio.run(run_shard(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
+        finally:
+            worker.shutdown()
+
+    for shard in plan.shards:
+        assert run(shard).num_trajectories == 3
+    check_finished_rows(plan, plan.shards)  # unchanged rows: reused
+
+    # GT04 -> GT03 in place: shard 1's rows (3..5) change; min and max (GT00, GT05) stay. The
+    # rows digest covers the buffers a shard's rows are sliced from, here the file's one row
+    # group: shard 0 reads as changed too (refused on the safe side).
+    data = path.read_bytes()
+    assert data.count(b"GT04") == 1
+    path.write_bytes(data.replace(b"GT04", b"GT03"))
+    assert inspect_dataset(plan.cfg).files == plan.dataset, "the planned size, footer and row counts cannot tell"
+    assert read_rows(plan.dataset, 3, 6, {}).column("reward_model").to_pylist()[1]["ground_truth"] == "GT03"
+    with pytest.raises(GenrunError, match=r"the dataset rows of finished shard-00000 \(and shard-00001\) changed since it was generated .*Restore the dataset as it was, or write to another trainer.default_local_dir"):
+        check_finished_rows(plan, plan.shards)
+    with pytest.raises(GenrunError, match="the dataset rows of finished shard-00001 changed"):
+        run(plan.shards[1])
+    path.write_bytes(data)
+    check_finished_rows(plan, plan.shards)  # restored: reused
+    path.write_bytes(data.replace(b"GT04", b"GT03"))
+    # The opt-out: the finished shard is reused as it is.
+    plan.cfg.generation.recheck_finished_rows = False
+    check_finished_rows(plan, plan.shards)
+    assert run(plan.shards[1]).last_attempt.skipped

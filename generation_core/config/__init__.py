@@ -54,6 +54,7 @@ OPERATIONAL_KEYS = (
     "generation.merge_chunk_size",
     "generation.merge_max_file_bytes",
     "generation.retries",
+    "generation.recheck_finished_rows",
     "generation.retry_delay_seconds",
     "generation.lease_seconds",
     "generation.request_retries",
@@ -327,6 +328,7 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(gen.request_backoff_seconds) and gen.request_backoff_seconds >= 0, "generation.request_backoff_seconds", gen.request_backoff_seconds, "must be a number of seconds >= 0")
     _require(gen.request_timeout is None or (_is_number(gen.request_timeout) and gen.request_timeout > 0), "generation.request_timeout", gen.request_timeout, "must be null (derived from the response budget) or a number of seconds > 0")
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
+    _require(isinstance(gen.recheck_finished_rows, bool), "generation.recheck_finished_rows", gen.recheck_finished_rows, "must be true or false")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(
         gen.merge_chunk_size is None or (isinstance(gen.merge_chunk_size, int) and not isinstance(gen.merge_chunk_size, bool) and gen.merge_chunk_size >= 1),
