@@ -42,10 +42,10 @@ from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import (
+    COMMITS_DIR,
     FAILURES_FILE,
     AttemptStats,
     ShardCheckpoint,
-    COMMITS_DIR,
     ShardManifest,
     read_marker,
     repair_shard,
@@ -125,7 +125,9 @@ def check_finished_rows(plan: RunPlan, shards: list[ShardSpec]) -> None:
         raise _finished_rows_changed(plan.folder, shard, current, recorded, [other.name for other, _, _ in found[1:]])
 
 
-def _finished_rows_changed(folder: RunFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] = ()) -> GenrunError:
+def _finished_rows_changed(folder: RunFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> GenrunError:
+    """The refusal: names the (first) shard, its digests and where the recorded one is."""
+    others = others or []
     more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
     return GenrunError(
         f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
