@@ -3,6 +3,7 @@
     .venv/bin/python bench/scale.py                      # 10k and 1M prompts, checkpoint bytes over 100k
     .venv/bin/python bench/scale.py --sizes 10000 1000000 3000000 10000000
     .venv/bin/python bench/scale.py --skip-checkpoint    # only the time-to-first-part runs
+    .venv/bin/python bench/scale.py --skip-first-part --skip-checkpoint --recheck-rows 10000000
 
 Every run is `genrun` as a user starts it (its own temporary Prefect server and Ray), on the
 instant engine (no model: what is measured is the pipeline), 16 shards, parts cut at 1,000
@@ -20,6 +21,12 @@ trajectories (generation.save_batch_size=1000, as the issue's "before" figures w
    defaults (parts by size and age), instant engine answering 256 tokens with logprobs; bytes of
    its commit records against bytes of its parts, and what that gives in files per 1M
    trajectories.
+3. (`--recheck-rows N`) What a resume pays to re-check its finished shards' rows
+   (job.check_finished_rows, generation.recheck_finished_rows): a Parquet file of N prompts,
+   16 shards planned by preflight, each shard's rows digest recorded as its first attempt
+   records it (timed: the digests every shard computes anyway), then the resume's check of all
+   16 finished shards, timed in this process (no genrun subprocess: the check is the driver's
+   first step on resume), with this process's peak RSS.
 """
 
 from __future__ import annotations
@@ -191,11 +198,52 @@ def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
     }
 
 
+def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
+    """Phase 3: the resume-time re-read of every finished shard's rows."""
+    import resource
+
+    sys.path.insert(0, str(REPO))
+    from generation_core.bundled import prepare_bundled_model
+    from generation_core.data import read_rows, rows_digest
+    from generation_core.dataset_files import data_storage_options
+    from generation_core.job import RECHECK_THREADS, check_finished_rows
+    from generation_core.preflight import preflight
+    from generation_core.run_folder import ShardCheckpoint
+
+    started = time.time()
+    dataset = write_dataset(scratch / "prompts.parquet", prompts)
+    written = time.time() - started
+    plan = preflight([
+        f"data.train_files=[{dataset}]",
+        f"trainer.default_local_dir={scratch / 'run'}",
+        f"actor_rollout_ref.model.path={prepare_bundled_model()}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"generation.num_shards={SHARDS}",
+    ])
+    plan.claim_folder()
+    options = data_storage_options(plan.cfg)
+    started = time.time()
+    for shard in plan.shards:
+        ShardCheckpoint.start_attempt(plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options)))
+    recorded = time.time() - started
+    started = time.time()
+    check_finished_rows(plan, plan.shards)
+    return {
+        "dataset_mib": dataset.stat().st_size / 2**20,
+        "dataset_written_s": written,
+        "digests_recorded_one_by_one_s": recorded,
+        "recheck_all_finished_shards_s": time.time() - started,
+        "threads": RECHECK_THREADS,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
     parser.add_argument("--skip-checkpoint", action="store_true")
     parser.add_argument("--skip-first-part", action="store_true")
+    parser.add_argument("--recheck-rows", type=int, default=0, metavar="N", help="phase 3 at N prompts (0: skipped)")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="genrun-scale-") as tmp:
@@ -223,6 +271,11 @@ def main() -> None:
             per_million = 1_000_000 * figures["part_bytes_per_trajectory"] / (64 << 20)
             print(f"  files per 1M trajectories at 64 MiB parts: {per_million:.0f} parts (+ as many commit records)")
             print(f"  checkpoint bytes / part bytes: {figures['ratio']:.4%} (target <= 2%)")
+        if args.recheck_rows:
+            figures = recheck_rows(tmp / "recheck", args.recheck_rows)
+            print(f"\nre-checking the rows of {SHARDS} finished shards, {args.recheck_rows:,} prompts:")
+            for key, value in figures.items():
+                print(f"  {key}: {value:,.1f}" if isinstance(value, float) else f"  {key}: {value:,}")
 
 
 if __name__ == "__main__":

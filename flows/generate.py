@@ -36,7 +36,7 @@ from generation_core.dispatch import boot_pool
 from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.instrumentation import mark
 from generation_core.interrupt import STOP
-from generation_core.job import finished_shard
+from generation_core.job import check_finished_rows, finished_shard
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.pool import new_balancer_name
 from generation_core.preflight import RunPlan, preflight
@@ -112,10 +112,14 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
             pending[future] = (shard, retries)
             future.add_done_callback(finished.put)
 
+        # Prefect's cached result may stand in for a shard only when the shard job would find
+        # nothing to do (the job decides again, reading every part, when it runs), and only while
+        # the shard's rows are those it was generated from (read again here: a cached result
+        # never reaches the job's own check).
+        markers = {shard.shard_id: finished_shard(plan.folder, shard, verify="size", fence=fence) for shard in plan.shards}
+        check_finished_rows(plan, [shard for shard in plan.shards if markers[shard.shard_id] is not None])
         for shard in plan.shards:
-            # Prefect's cached result may stand in for a shard only when the shard job would
-            # find nothing to do (the job decides again, reading every part, when it runs).
-            marker = finished_shard(plan.folder, shard, verify="size", fence=fence)
+            marker = markers[shard.shard_id]
             if marker is not None:
                 cached.add(shard.shard_id)
                 watch.shard_finished(marker)

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,9 +25,13 @@ import torch
 from omegaconf import DictConfig
 
 from generation_core.dataset_files import (
+    DataFile,
     DatasetFiles,
+    check_planned,
     data_storage_options,
+    footer_bytes,
     open_input,
+    planned_digest,
     read_json_table,
     storage_errors,
 )
@@ -84,23 +89,37 @@ def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
 def read_rows(dataset: DatasetFiles, start: int, end: int, storage_options: dict[str, Any]) -> pa.Table:
     """Dataset rows [start, end) as one Arrow table: from each overlapping Parquet file only the
     row groups that intersect the range (streamed in batches, so a large row group is decoded
-    up to the range's end and kept only where it overlaps); JSON files are read whole."""
+    up to the range's end and kept only where it overlaps); JSON files are read whole. Each file
+    must still be the one the run was planned from (size, footer or content digest, row count:
+    `check_planned`), and the rows read must be the range's: a file replaced or cut since
+    preflight is refused here, before the shard generates anything."""
     tables = []
     for data_file, lo, hi in dataset.pieces(start, end):
         with storage_errors(data_file.url):
             if data_file.is_parquet:
-                tables.append(_read_parquet_rows(data_file.url, lo, hi, storage_options))
+                tables.append(_read_parquet_rows(data_file, lo, hi, storage_options))
             else:
-                tables.append(read_json_table(data_file.url, storage_options).slice(lo, hi - lo))
+                tables.append(read_json_table(data_file.url, storage_options, planned=data_file).slice(lo, hi - lo))
     if not tables:
         raise GenrunError(f"dataset rows [{start}, {end}) lie outside the dataset's {dataset.num_rows} rows")
+    planned, read = min(end, dataset.num_rows) - start, sum(t.num_rows for t in tables)
+    if read != planned:
+        raise GenrunError(
+            f"dataset rows [{start}, {end}): {read} read, {planned} planned; the input files changed since the run was planned: "
+            "restore them and run the same command again, or run the command again to plan the changed dataset as a new run"
+        )
     metadata = tables[0].schema.metadata
     return pa.concat_tables([t.replace_schema_metadata(metadata) for t in tables])
 
 
-def _read_parquet_rows(url: str, lo: int, hi: int, storage_options: dict[str, Any]) -> pa.Table:
-    with open_input(url, storage_options) as handle:
+def _read_parquet_rows(data_file: DataFile, lo: int, hi: int, storage_options: dict[str, Any]) -> pa.Table:
+    with open_input(data_file.url, storage_options) as handle:
+        size = handle.seek(0, os.SEEK_END)
+        # The size first: the footer of a cut file is not there to read.
+        check_planned(data_file, size)
+        footer = footer_bytes(handle, size)
         parquet = pq.ParquetFile(handle)
+        check_planned(data_file, size, planned_digest(footer), parquet.metadata.num_rows)
         groups, first_row, offset = [], None, 0
         for group in range(parquet.metadata.num_row_groups):
             rows = parquet.metadata.row_group(group).num_rows

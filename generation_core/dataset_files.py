@@ -15,6 +15,7 @@ and `agent_name` when present, plus a sampled content hash for the fingerprint. 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -60,10 +61,15 @@ SAMPLE_SLICE_BYTES = 4096
 
 @dataclass(frozen=True)
 class DataFile:
-    """One input file: its URL (as fsspec opens it) and its row count."""
+    """One input file: its URL (as fsspec opens it), its row count and, to tell that it is still
+    the file the run was planned from (`check_planned`), its size and `planned_digest`."""
 
     url: str
     rows: int
+    size: int | None = None
+    """Bytes, at planning (None: a plan written before genrun recorded it)."""
+    digest: str | None = None
+    """sha256 of the Parquet footer (row groups, offsets, statistics) or of a JSON file whole."""
 
     @property
     def is_parquet(self) -> bool:
@@ -79,11 +85,14 @@ class DatasetFiles:
     num_rows: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"files": [{"url": f.url, "rows": f.rows} for f in self.files], "num_rows": self.num_rows}
+        return {"files": [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest} for f in self.files], "num_rows": self.num_rows}
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> DatasetFiles:
-        return cls(tuple(DataFile(str(f["url"]), int(f["rows"])) for f in payload["files"]), int(payload["num_rows"]))
+        return cls(
+            tuple(DataFile(str(f["url"]), int(f["rows"]), f.get("size"), f.get("digest")) for f in payload["files"]),
+            int(payload["num_rows"]),
+        )
 
     def pieces(self, start: int, end: int) -> Iterator[tuple[DataFile, int, int]]:
         """(file, first row, end row) in file-local numbers for every file overlapping the
@@ -185,8 +194,9 @@ def open_input(url: str, options: dict[str, Any]):
     return fs.open(path, "rb")
 
 
-def read_json_table(url: str, options: dict[str, Any]) -> pa.Table:
-    """A JSON/JSONL input file, whole (refused above JSON_MAX_BYTES)."""
+def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None) -> pa.Table:
+    """A JSON/JSONL input file, whole (refused above JSON_MAX_BYTES); with `planned`, refused
+    when it is not the file the run was planned from (check_planned)."""
     fs, path = _filesystem(url, options)
     size = fs.size(path)
     if size > JSON_MAX_BYTES:
@@ -197,7 +207,11 @@ def read_json_table(url: str, options: dict[str, Any]) -> pa.Table:
             "and set data.train_files to the Parquet file"
         )
     with fs.open(path, "rb") as handle:
-        return pa_json.read_json(handle)
+        content = handle.read()
+    table = pa_json.read_json(io.BytesIO(content))
+    if planned is not None:
+        check_planned(planned, size, planned_digest(content), table.num_rows)
+    return table
 
 
 def check_chat_column(url: str, schema: pa.Schema, prompt_key: str) -> None:
@@ -275,7 +289,33 @@ def check_unique_indices(files: list[DataFile], indices: list[np.ndarray]) -> No
     raise GenrunError(f"data file {where(position)}: extra_info.index {value} repeats (also in {where(first)}); ids must be unique")
 
 
-def _footer_bytes(handle, size: int) -> bytes:
+def planned_digest(footer_or_content: bytes) -> str:
+    """DataFile.digest of a file's Parquet footer (`footer_bytes`) or a JSON file's bytes."""
+    return hashlib.sha256(footer_or_content).hexdigest()
+
+
+def check_planned(data_file: DataFile, size: int, digest: str | None = None, rows: int | None = None) -> None:
+    """Refuse a file that is not the one the run was planned from: shards of a long run start
+    hours after preflight, and a file replaced or cut meanwhile would give a shard other rows
+    (or fewer) than its range, which it would commit as if they were the planned ones. `digest`
+    and `rows` None: not checked (yet)."""
+    changes = []
+    if data_file.size is not None and size != data_file.size:
+        changes.append(f"{size} bytes, planned {data_file.size}")
+    if rows is not None and rows != data_file.rows:
+        changes.append(f"{rows} rows, planned {data_file.rows}")
+    if digest is not None and data_file.digest is not None and digest != data_file.digest and not changes:
+        changes.append("its Parquet footer differs" if data_file.is_parquet else "its content differs")
+    if changes:
+        raise GenrunError(
+            f"data file {data_file.url} changed since the run was planned ({'; '.join(changes)}); restore the file as it was and "
+            "run the same command again to resume, or run the command again on the new file to plan a new run "
+            "(a changed dataset has another fingerprint, so its output goes to another folder)"
+        )
+
+
+def footer_bytes(handle, size: int) -> bytes:
+    """A Parquet file's footer (its metadata), read from an open binary `handle` of `size` bytes."""
     handle.seek(size - 8)
     footer_len = int.from_bytes(handle.read(8)[:4], "little")
     handle.seek(max(size - 8 - footer_len, 0))
@@ -315,7 +355,9 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     take = rows if cap is None else max(min(rows, cap - used), 0)
                     indices.append(_read_indices(url, parquet, take))
                     names = _agent_names(parquet.read(columns=["agent_name"]) if take and "agent_name" in schema.names else None, take)
-                    content = _footer_bytes(handle, size) + _sampled_content(fs, path, size)
+                    footer = footer_bytes(handle, size)
+                    content = footer + _sampled_content(fs, path, size)
+                    file_digest = planned_digest(footer)
             else:
                 table = read_json_table(url, options)
                 schema, rows = table.schema, table.num_rows
@@ -324,9 +366,10 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                 indices.append(_read_indices(url, table, take))
                 names = _agent_names(table if "agent_name" in schema.names else None, take)
                 content = fs.cat_file(path)
+                file_digest = planned_digest(content)
         agent_names |= names
         reference = reference or (url, schema)
-        files.append(DataFile(url, rows))
+        files.append(DataFile(url, rows, size, file_digest))
         used += take
         digest.update(json.dumps({"size": size, "rows": rows, "schema": schema.remove_metadata().to_string()}).encode())
         digest.update(hashlib.sha256(content).digest())

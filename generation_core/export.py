@@ -12,7 +12,8 @@ end-of-sequence token, which rendering the messages adds) and, when the run had 
 (their schemas, as the agent loop rendered them into the prompt; verl's `data.tools_key`).
 
 Filters: `--min-reward X` keeps trajectories scored at least X; `--best-of-n` keeps the
-highest-scored trajectory of each prompt (ties: the lowest rollout_n), which needs a first pass
+highest-scored trajectory of each prompt (ties: the lowest rollout_n; a prompt with no scored
+trajectory has no best and is left out, counted apart), which needs a first pass
 over the parts' index/rollout_n/reward columns. Rows come out shard by shard, sorted by
 (index, rollout_n) within each part. The output file appears whole or not at all
 (RunFolder.open_write), also when the export fails half way.
@@ -32,7 +33,7 @@ import pyarrow.parquet as pq
 
 from generation_core.agent_loops import existing_config_file
 from generation_core.errors import GenrunError
-from generation_core.records import TrajectoryRecord, read_part_table, records_from_parquet
+from generation_core.records import TrajectoryRecord, read_part_table, records_from_parquet, score_or_none
 from generation_core.run_folder import CommittedPartRef, committed_parts, read_run_record, read_verified_part
 from generation_core.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.storage import RunFolder
@@ -64,6 +65,8 @@ class ExportSummary:
     scored: int = 0
     below_min_reward: int = 0
     not_best: int = 0
+    unscored_prompts: int = 0
+    """Trajectories of prompts none of whose trajectories is scored: --best-of-n has no best there."""
     truncated: int = 0
     unmatched_turns: int = 0
 
@@ -73,6 +76,8 @@ class ExportSummary:
             dropped.append(f"{self.below_min_reward} below --min-reward {options.min_reward:g} or unscored")
         if options.best_of_n:
             dropped.append(f"{self.not_best} not the best of their prompt")
+            if self.unscored_prompts:
+                dropped.append(f"{self.unscored_prompts} of prompts with no scored trajectory, which have no best")
         text = f"exported {self.rows} of {self.committed} committed trajectories to {self.output}"
         text += f" ({'; '.join(dropped)})" if dropped else ""
         text += f"; {self.truncated} cut at the length limit (truncated=true)"
@@ -136,13 +141,14 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     rebuilder = MessageRebuilder(_tokenizer(config, options.tokenizer), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
+    keep_prompts = {index for index, _ in keep} if keep is not None else None
     summary = ExportSummary(out_folder.display(out_name))
     with out_folder.open_write(out_name) as sink:
         writer = pq.ParquetWriter(sink, schema, compression="zstd")
         try:
             for part in parts:
                 records = sorted(records_from_parquet(read_verified_part(folder, part)), key=lambda r: r.key)
-                rows = _part_rows(records, rebuilder, options, keep, tools, summary)
+                rows = _part_rows(records, rebuilder, options, keep, keep_prompts, tools, summary)
                 if rows:
                     writer.write_table(pa.Table.from_pylist(rows, schema=schema))
         finally:
@@ -155,13 +161,18 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     return summary
 
 
-def _part_rows(records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, tools, summary: ExportSummary) -> list[dict[str, Any]]:
+def _part_rows(
+    records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, keep_prompts, tools, summary: ExportSummary
+) -> list[dict[str, Any]]:
     rows = []
     for record in records:
         summary.committed += 1
         summary.scored += record.reward_score is not None
         if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
             summary.below_min_reward += 1
+            continue
+        if keep is not None and record.index not in keep_prompts:
+            summary.unscored_prompts += 1
             continue
         if keep is not None and record.key not in keep:
             summary.not_best += 1
@@ -214,6 +225,7 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
     for part in parts:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
         for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names)):
+            reward = score_or_none(reward)
             scored += reward is not None
             if not _scored_at_least(reward, min_reward):
                 continue
@@ -226,8 +238,8 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
 
 
 def _scored_at_least(reward: float | None, minimum: float | None) -> bool:
-    """Scored (a NaN score is not one) and, with a minimum, at least that."""
-    if reward is None or reward != reward:
+    """Scored and, with a minimum, at least that (rewards come through score_or_none: NaN is None)."""
+    if reward is None:
         return False
     return minimum is None or reward >= minimum
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from generation_core.errors import GenrunError
-from generation_core.merge import Padding, merge_output
+from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.preflight import RunPlan
 from generation_core.lease import LeaseFence
 from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, mark_for_repair
@@ -22,8 +22,10 @@ def padding_of(rollout: Any, pad_token_id: int) -> Padding:
 
 
 def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
-    """Merge (when configured) and write the run's manifest.json; returns the summary. `fence`:
+    """Check that every shard accounts for its planned rows (merge.check_shard_counts), merge
+    (when configured) and write the run's manifest.json; returns the summary. `fence`:
     the run's lease, for the checkpoint a damaged part found by the merge is dropped from."""
+    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n)
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)

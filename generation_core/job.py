@@ -22,6 +22,7 @@ import os
 import resource
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import ray
@@ -29,7 +30,9 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from generation_core.agent_loops import check_agent_loops
-from generation_core.data import ShardPrompts, ShardSpec
+from generation_core.data import ShardPrompts, ShardSpec, read_rows, rows_digest
+from generation_core.dataset_files import data_storage_options
+from generation_core.errors import GenrunError
 from generation_core.instrumentation import mark
 from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.part_writer import PartWriter
@@ -39,6 +42,7 @@ from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import (
+    COMMITS_DIR,
     FAILURES_FILE,
     AttemptStats,
     ShardCheckpoint,
@@ -61,6 +65,11 @@ POOL_BOOT_WAIT_SECONDS = 1800.0
 # With a progress board, the longest a shard job takes to see a stop request while it waits
 # for trajectories.
 STOP_CHECK_SECONDS = 1.0
+
+
+# Finished shards whose rows are read again at once when a run resumes (check_finished_rows):
+# object stores answer many range requests in parallel; each thread holds one shard's rows.
+RECHECK_THREADS = 8
 
 
 class TooManyFailedSamples(RuntimeError):
@@ -88,6 +97,45 @@ def finished_shard(
     return marker
 
 
+def check_finished_rows(plan: RunPlan, shards: list[ShardSpec]) -> None:
+    """Refuse to reuse a finished shard whose dataset rows changed since it was generated.
+
+    The fingerprint samples the dataset (dataset_files.SAMPLE_SLICES) and can miss an in-place
+    edit that keeps every size and statistic (one ground truth changed in an uncompressed file);
+    each shard's first attempt recorded the exact digest of its rows (data.rows_digest). Before a
+    resume skips finished `shards`, their rows are read again (Arrow only: no tokenizer, no
+    filter) and digested, RECHECK_THREADS shards at a time; a shard recorded without a digest
+    is not checked. `generation.recheck_finished_rows=false` skips this (bench/RESULTS.md: what
+    it costs; README, Resume: what is given up)."""
+    if not shards or not plan.cfg.generation.recheck_finished_rows:
+        return
+    options = data_storage_options(plan.cfg)
+
+    def changed(shard: ShardSpec) -> tuple[ShardSpec, str, str] | None:
+        recorded = ShardCheckpoint.load(plan.folder, shard.name).rows_digest
+        if recorded is None:
+            return None
+        current = rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
+        return None if current == recorded else (shard, current, recorded)
+
+    with ThreadPoolExecutor(min(RECHECK_THREADS, len(shards)), thread_name_prefix="recheck-rows") as pool:
+        found = [result for result in pool.map(changed, shards) if result is not None]
+    if found:
+        shard, current, recorded = found[0]
+        raise _finished_rows_changed(plan.folder, shard, current, recorded, [other.name for other, _, _ in found[1:]])
+
+
+def _finished_rows_changed(folder: RunFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> GenrunError:
+    """The refusal: names the (first) shard, its digests and where the recorded one is."""
+    others = others or []
+    more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
+    return GenrunError(
+        f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
+        f"{recorded[:12]} in {folder.display(shard_file(shard.name, COMMITS_DIR))}): its trajectories belong to other prompts "
+        "and are not reused. Restore the dataset as it was, or write to another trainer.default_local_dir"
+    )
+
+
 def run_shard_job(
     plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None
 ) -> ShardManifest:
@@ -98,6 +146,7 @@ def run_shard_job(
     fence = LeaseFence(lease_generation) if lease_generation is not None else None
     finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
+        check_finished_rows(plan, [shard])
         return finished.as_skipped()
     reporter = ShardReporter.attach(progress_board, shard.shard_id)
     if reporter.stop_requested_now():
@@ -151,9 +200,13 @@ def _where_this_runs() -> dict:
 
 async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None = None) -> ShardManifest:
     """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
-    decision, then the same generation, then the marker."""
+    decision, then the same generation, then the marker; a finished shard's rows are checked
+    against its recorded digest with the digest `prompts` carries (check_finished_rows)."""
     finished = finished_shard(folder, shard, fence=fence)
     if finished is not None:
+        recorded, current = ShardCheckpoint.load(folder, shard.name).rows_digest, getattr(prompts, "rows_digest", None)
+        if cfg.generation.recheck_finished_rows and recorded is not None and current is not None and current != recorded:
+            raise _finished_rows_changed(folder, shard, current, recorded)
         return finished.as_skipped()
     manifest = await generate_shard(cfg, shard, folder, prompts, worker, fence)
     write_marker(folder, manifest, fence)

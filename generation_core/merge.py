@@ -33,11 +33,12 @@ from tensordict import TensorDict
 from verl.protocol import DataProto
 
 from generation_core.errors import GenrunError
-from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table
+from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table, scored_mask
 from generation_core.run_folder import (
     CHUNK_INDEX_FILE,
     MERGED_FILE,
     CommittedPartRef,
+    ShardManifest,
     chunk_file_name,
     committed_parts,
     read_verified_part,
@@ -50,6 +51,25 @@ logger = logging.getLogger(__name__)
 # Keys verl's _postprocess always emits among the non-tensor fields, present or not.
 _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"}
 _TOKEN_COLUMNS = ["index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns"]
+
+
+def check_shard_counts(manifests: list[ShardManifest], rollout_n: int) -> None:
+    """Refuse to merge a run a shard of which does not account for every trajectory its range
+    owes: committed + failed + filtered (overlong rows x n) must equal its rows x n. A shard
+    that read fewer rows than planned (an input file cut or replaced under it) would otherwise
+    be merged as complete, with trajectories missing."""
+    for manifest in manifests:
+        start, end = manifest.range
+        planned = (end - start) * rollout_n
+        filtered = manifest.filtered_overlong * rollout_n
+        accounted = manifest.num_trajectories + manifest.failures + filtered
+        if accounted != planned:
+            raise GenrunError(
+                f"{manifest.shard} accounts for {accounted} of the {planned} trajectories of its rows [{start}, {end}) x n={rollout_n} "
+                f"({manifest.num_trajectories} committed, {manifest.failures} failed, {filtered} filtered as overlong): its input changed "
+                "since the run was planned; nothing merged. Restore the input files and run the command again with another "
+                "trainer.default_local_dir"
+            )
 
 
 @dataclass(frozen=True)
@@ -242,7 +262,8 @@ def scan_run(folder: RunFolder) -> MergeInput:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
-        scores_missing += table.column("reward_score").null_count
+        # NaN is no score (records.score_or_none): rm_scores only when every trajectory is scored.
+        scores_missing += pc.sum(pc.invert(scored_mask(table.column("reward_score")))).as_py() or 0
         for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist()):
             extra = json.loads(text)
             extra_keys.update(extra)

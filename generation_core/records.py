@@ -9,7 +9,10 @@ instead of building a record per row.
 
 from __future__ import annotations
 
+import base64
 import copy
+import datetime
+import decimal
 import io
 import json
 import traceback
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 PART_SCHEMA = pa.schema(
@@ -59,15 +63,21 @@ class TrajectoryRecord:
     response_logprobs: list[float] | None
     """The engine's log-probability of each response token (0 on mask-0 positions); None when not asked for."""
     reward_score: float | None
-    """The trajectory's reward, when the agent loop or a reward function produced one."""
+    """The trajectory's reward, when the agent loop or a reward function produced one; None
+    otherwise. A NaN score means no score (`score_or_none`): it is stored and read as None."""
     num_turns: int
     """Chat turns including user, assistant and tool turns (verl's `__num_turns__`)."""
     input_fields: dict[str, Any] = field(default_factory=dict)
-    """The dataset row's non-tensor fields as verl passes them to the agent loop (data_source, reward_model, ...)."""
+    """The dataset row's non-tensor fields as verl passes them to the agent loop (data_source, reward_model, ...).
+    Stored as JSON: timestamps and dates as ISO 8601 text, decimals as their digits, binary as base64."""
     extra_fields: dict[str, Any] = field(default_factory=dict)
     """The agent loop's `extra_fields` (turn_scores, tool_rewards, raw_prompt, ...)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """verl's AgentLoopMetrics for this trajectory (timings in seconds)."""
+
+    def __post_init__(self) -> None:
+        # Every record, built by an agent loop or read from a part (older parts may hold NaN).
+        self.reward_score = score_or_none(self.reward_score)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -130,6 +140,15 @@ def _json_default(value: Any) -> Any:
         return value.item()
     if isinstance(value, set | tuple):
         return list(value)
+    # Dataset columns JSON has no type for (Parquet timestamp, date, time, decimal, binary) are
+    # carried as text, so such a column never fails a shard after its samples were generated:
+    # ISO 8601, the decimal's digits, base64.
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
     raise TypeError(f"cannot store a {type(value).__name__} in a trajectory record")
 
 
@@ -149,6 +168,20 @@ _PARQUET_OPTIONS = dict(
     use_dictionary=False,
     column_encoding={column: "BYTE_STREAM_SPLIT" for column in _BYTE_STREAM_SPLIT},
 )
+
+
+def score_or_none(score: Any) -> float | None:
+    """The one rule for rewards everywhere: a NaN score is no score (None). Parts written before
+    the rule may hold NaN; every reader goes through this (or `scored_mask`)."""
+    if score is None:
+        return None
+    score = float(score)
+    return None if score != score else score
+
+
+def scored_mask(column: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """Per row of a `reward_score` column, whether it holds a score (not null, not NaN)."""
+    return pc.and_kleene(pc.is_valid(column), pc.invert(pc.is_nan(column))).fill_null(False)
 
 
 def records_to_table(records: list[TrajectoryRecord]) -> pa.Table:

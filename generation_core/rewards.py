@@ -21,6 +21,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
+from generation_core.records import score_or_none
 
 
 class RewardFunctionError(RuntimeError):
@@ -29,7 +30,8 @@ class RewardFunctionError(RuntimeError):
 
 @dataclass
 class RewardResult:
-    score: float
+    score: float | None
+    """None when the function returned NaN: a NaN score is no score (records.score_or_none)."""
     extra_info: dict[str, Any]
 
 
@@ -99,6 +101,6 @@ def _as_result(result: Any) -> RewardResult:
     else:
         score, extra_info = result, {"acc": result}
     try:
-        return RewardResult(float(score), extra_info)
+        return RewardResult(score_or_none(score), extra_info)
     except (TypeError, ValueError):
         raise RewardFunctionError(f"reward function returned {score!r}, not a number") from None

@@ -363,3 +363,144 @@ def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp
     markers = [json.loads((tmp_path / "out" / "shards" / s.name / "_SUCCESS.json").read_text()) for s in plan.shards]
     assert [m["filtered_overlong"] for m in markers] == [1, 2, 1], "rows 2 | 7, 12 | 17: each shard counts its own"
     assert json.loads((tmp_path / "out" / "run.json").read_text())["dataset"]["num_rows"] == 20
+
+
+def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, model_dir, tokenizer):
+    """A timestamp, a date, a decimal and a binary column (no JSON type) are carried as ISO text,
+    the decimal's digits and base64: the shard commits (it used to fail at the part write,
+    after generating every sample) and the merged DataProto holds the values."""
+    import asyncio
+    import datetime
+    import decimal
+
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.job import run_shard
+    from generation_core.merge import merge_run
+    from generation_core.preflight import preflight
+    from generation_core.streaming import StreamingWorker
+
+    table = pa.Table.from_pylist(chat_rows(2))
+    table = table.append_column("when", pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2025, 1, 1)], pa.timestamp("us")))
+    table = table.append_column("day", pa.array([datetime.date(2024, 1, 2), datetime.date(2024, 2, 3)], pa.date32()))
+    table = table.append_column("price", pa.array([decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal128(10, 2)))
+    table = table.append_column("blob", pa.array([b"\x00\x01", b"hi"], pa.binary()))
+    pq.write_table(table, tmp_path / "typed.parquet")
+    plan = preflight([
+        f"data.train_files={tmp_path / 'typed.parquet'}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
+    ])
+    plan.claim_folder()
+    [shard] = plan.shards
+    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    worker = StreamingWorker(plan.cfg, InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)))
+    try:
+        manifest = asyncio.run(run_shard(plan.cfg, shard, plan.folder, prompts, worker))
+    finally:
+        worker.shutdown()
+    assert (manifest.num_trajectories, manifest.failures) == (2, 0)
+    merged = merge_run(plan.folder, prompt_length=64, response_length=16, pad_token_id=tokenizer.pad_token_id)
+    assert {key: merged.non_tensor_batch[key].tolist() for key in ("when", "day", "price", "blob")} == {
+        "when": ["2024-01-02T03:04:05", "2025-01-01T00:00:00"],
+        "day": ["2024-01-02", "2024-02-03"],
+        "price": ["1.50", "-2.25"],
+        "blob": ["AAE=", "aGk="],
+    }
+
+
+def test_a_file_changed_after_planning_is_refused_by_the_shard_that_reads_it(tmp_path):
+    """A shard starts long after preflight: a file cut, replaced (same rows, other content) or
+    with rows added meanwhile is refused with one line before the shard generates anything,
+    instead of a shard that reads fewer (or other) rows and finishes as done."""
+    import json
+
+    files = _three_files(tmp_path)
+    cfg = _cfg(str(tmp_path / "data"))
+    dataset = inspect_dataset(cfg).files
+    assert read_rows(dataset, 5, 15, {}).num_rows == 10
+    # Cut: the last rows of b.parquet are gone.
+    _write(files[1], _rich_rows(3, 7), 3)
+    with pytest.raises(GenrunError, match=r"b\.parquet changed since the run was planned \(\d+ bytes, planned \d+\); restore the file"):
+        read_rows(dataset, 5, 15, {})
+    # Other rows of the same count and, where possible, the same size: the footer tells.
+    _write(files[1], [dict(row, difficulty=row["difficulty"] + 1) for row in _rich_rows(5, 7)], 3)
+    with pytest.raises(GenrunError, match=r"b\.parquet changed since the run was planned"):
+        read_rows(dataset, 5, 15, {})
+    # Shards whose rows lie in unchanged files still read theirs.
+    assert read_rows(dataset, 0, 7, {}).num_rows == 7
+    # JSON: checked whole.
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rich_rows(4)))
+    json_dataset = inspect_dataset(_cfg(str(path))).files
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rich_rows(3)))
+    with pytest.raises(GenrunError, match=r"rows\.jsonl changed since the run was planned"):
+        read_rows(json_dataset, 0, 4, {})
+
+
+def test_the_merge_refuses_a_shard_that_does_not_account_for_its_rows():
+    """committed + failed + filtered (x n) must be the shard's rows x n, else nothing is merged."""
+    from generation_core.merge import check_shard_counts
+    from generation_core.run_folder import ShardManifest
+
+    whole = ShardManifest("shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2)
+    check_shard_counts([whole], rollout_n=2)
+    short = ShardManifest("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
+    with pytest.raises(GenrunError, match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed"):
+        check_shard_counts([whole, short], rollout_n=2)
+
+
+def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_place(tmp_path, model_dir, tokenizer):
+    """One ground truth changed in an uncompressed Parquet: same size, same footer (statistics
+    included), so neither the sampled fingerprint nor the planned-file check can tell. The
+    finished shard's rows are read again at resume and the digest its first attempt recorded
+    refuses them, naming the shard and what to do; recheck_finished_rows=false gives that up."""
+    import asyncio
+
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.job import check_finished_rows, run_shard
+    from generation_core.preflight import preflight
+    from generation_core.streaming import StreamingWorker
+
+    rows = chat_rows(6)
+    for i, row in enumerate(rows):
+        row["reward_model"] = {"style": "rule", "ground_truth": f"GT{i:02d}"}
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, compression="none")
+    overrides = [
+        f"data.train_files={path}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
+        "generation.num_shards=2",
+    ]
+    plan = preflight(overrides)
+    plan.claim_folder()
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+
+    def run(shard):
+        worker = StreamingWorker(plan.cfg, engine)
+        try:
+            return asyncio.run(run_shard(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
+        finally:
+            worker.shutdown()
+
+    for shard in plan.shards:
+        assert run(shard).num_trajectories == 3
+    check_finished_rows(plan, plan.shards)  # unchanged rows: reused
+
+    # GT04 -> GT03 in place: shard 1's rows (3..5) change; min and max (GT00, GT05) stay. The
+    # rows digest covers the buffers a shard's rows are sliced from, here the file's one row
+    # group: shard 0 reads as changed too (refused on the safe side).
+    data = path.read_bytes()
+    assert data.count(b"GT04") == 1
+    path.write_bytes(data.replace(b"GT04", b"GT03"))
+    assert inspect_dataset(plan.cfg).files == plan.dataset, "the planned size, footer and row counts cannot tell"
+    assert read_rows(plan.dataset, 3, 6, {}).column("reward_model").to_pylist()[1]["ground_truth"] == "GT03"
+    with pytest.raises(GenrunError, match=r"the dataset rows of finished shard-00000 \(and shard-00001\) changed since it was generated .*Restore the dataset as it was, or write to another trainer.default_local_dir"):
+        check_finished_rows(plan, plan.shards)
+    with pytest.raises(GenrunError, match="the dataset rows of finished shard-00001 changed"):
+        run(plan.shards[1])
+    path.write_bytes(data)
+    check_finished_rows(plan, plan.shards)  # restored: reused
+    path.write_bytes(data.replace(b"GT04", b"GT03"))
+    # The opt-out: the finished shard is reused as it is.
+    plan.cfg.generation.recheck_finished_rows = False
+    check_finished_rows(plan, plan.shards)
+    assert run(plan.shards[1]).last_attempt.skipped

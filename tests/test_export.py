@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
@@ -20,7 +22,10 @@ from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.job import run_shard
 from generation_core.preflight import preflight
 from generation_core.rewards import RewardScorer
-from generation_core.run_folder import committed_parts
+from generation_core.merge import scan_run
+from generation_core.records import read_part_table, score_or_none, scored_mask
+from generation_core.report_data import collect_report_data
+from generation_core.run_folder import committed_parts, read_run_record, read_verified_part
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet
@@ -136,6 +141,33 @@ def unscored_run(tmp_path_factory, model_dir, tokenizer):
     ])
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     assert _run(plan, tokenizer, engine).num_trajectories == 3
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory, model_dir, tokenizer):
+    """The instant engine, 3 prompts x 2 samples, a reward function that returns NaN for prompt
+    0 (no score) and 1 + the prompt's index for the others."""
+    base = tmp_path_factory.mktemp("nan")
+    rows = [
+        {"data_source": "test/nan", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        for i, q in enumerate(QUESTIONS[:3])
+    ]
+    reward = base / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return float('nan') if extra_info['index'] == 0 else 1.0 + extra_info['index']\n")
+    plan = preflight([
+        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+        f"trainer.default_local_dir={base / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        f"reward.custom_reward_function.path={reward}",
+        "generation.show_progress=false",
+    ])
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+    assert _run(plan, tokenizer, engine).num_trajectories == 6
     return base / "run"
 
 
@@ -447,3 +479,29 @@ def test_a_run_without_rewards(unscored_run, model_dir, tmp_path, capsys):
     assert "has a reward, which --min-reward needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--min-reward", "0")
     assert "has a reward, which --best-of-n needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--best-of-n")
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_a_nan_reward_is_no_reward_everywhere(nan_run, tmp_path, capsys):
+    """One rule (NaN = no score): stored as null, exported as null, no rm_scores in the merge, the
+    report's viewer shows no reward, and --best-of-n leaves the unscored prompt out, saying so."""
+    folder = RunFolder(str(nan_run))
+    stored = [table.column("reward_score") for table in (read_part_table(read_verified_part(folder, part)) for part in committed_parts(folder))]
+    assert sum(column.null_count for column in stored) == 2
+    rows = _export(nan_run, tmp_path / "sft.parquet")
+    assert {row["index"]: row["reward"] for row in rows} == {0: None, 1: 2.0, 2: 3.0}
+    assert not scan_run(folder).layout.with_rm_scores
+    report = collect_report_data(folder, read_run_record(folder), frozenset(), sample_size=10)
+    assert {record.index: record.reward_score for record in report.sample} == {0: None, 1: 2.0, 2: 3.0}
+    assert int(np.isnan(report.stats.reward).sum()) == 2
+    capsys.readouterr()
+    best = _export(nan_run, tmp_path / "best.parquet", "--best-of-n")
+    assert sorted((row["index"], row["rollout_n"]) for row in best) == [(1, 0), (2, 0)]
+    line = capsys.readouterr().out
+    assert "2 not the best of their prompt" in line and "2 of prompts with no scored trajectory" in line
+
+
+def test_a_nan_in_a_part_written_before_the_rule_reads_as_no_score():
+    """Parts may hold NaN (written by an older genrun): every reader goes through the rule."""
+    table = pa.table({"reward_score": pa.array([1.0, float("nan"), None])})
+    assert scored_mask(table.column("reward_score")).to_pylist() == [True, False, False]
+    assert [score_or_none(value) for value in table.column("reward_score").to_pylist()] == [1.0, None, None]

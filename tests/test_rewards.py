@@ -11,7 +11,7 @@ import pytest
 from generation_core.config import load_config
 from generation_core.errors import GenrunError
 from generation_core.preflight import preflight
-from generation_core.rewards import RewardScorer
+from generation_core.rewards import RewardScorer, _as_result
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,3 +88,9 @@ def test_the_reward_files_content_is_in_the_fingerprint(tmp_path, prompts_file, 
         preflight(args)
     assert "\n" not in str(refused.value)
     assert (out / "run.json").read_bytes() == run_json, "a refused run changes nothing"
+
+
+def test_a_nan_score_is_no_score():
+    """NaN from a reward function is no score (None), as a missing one: one rule everywhere."""
+    assert _as_result(float("nan")).score is None and _as_result({"score": float("nan"), "acc": 0}).score is None
+    assert _as_result(0.5).score == 0.5

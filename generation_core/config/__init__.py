@@ -58,6 +58,7 @@ OPERATIONAL_KEYS = (
     "generation.merge_chunk_size",
     "generation.merge_max_file_bytes",
     "generation.retries",
+    "generation.recheck_finished_rows",
     "generation.retry_delay_seconds",
     "generation.lease_seconds",
     "generation.request_retries",
@@ -415,6 +416,7 @@ def validate_values(cfg: DictConfig) -> None:
         "generation.sample_timeout_seconds", gen.sample_timeout_seconds, "must be null (derived from turns, request_retries and request_timeout) or a number of seconds > 0",
     )
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
+    _require(isinstance(gen.recheck_finished_rows, bool), "generation.recheck_finished_rows", gen.recheck_finished_rows, "must be true or false")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(
         gen.merge_chunk_size is None or (isinstance(gen.merge_chunk_size, int) and not isinstance(gen.merge_chunk_size, bool) and gen.merge_chunk_size >= 1),
