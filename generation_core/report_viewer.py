@@ -152,5 +152,7 @@ def viewer_payload(data: ReportData, tokenizer, token_budget: int = TOKEN_BUDGET
 
 
 def payload_json(payload: dict[str, Any]) -> str:
-    """JSON safe inside a <script> element (no `</` or comment openers)."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON safe inside a <script> element: `<`, `>` and `&` as JSON's own \\u escapes, so no
+    `</script>`, `<!--` or `-->` can end or change the element and the text is still valid JSON."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
