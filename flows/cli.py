@@ -145,9 +145,12 @@ def _generate(argv: list[str]) -> int:
     from generation_core.interrupt import STOP
     from generation_core.lease import check_lease_free
     from generation_core.preflight import preflight
+    from generation_core.secrets import overrides_without_secrets
 
     # Every input check first, so a bad input is one line here, not a failed flow run.
     plan = preflight(argv)
+    # What reads this process's command line (W&B keeps it with the run) sees no secret.
+    sys.argv[1:] = overrides_without_secrets(sys.argv[1:])
     # The flow takes the lease; refusing here spares the Prefect and Ray startup.
     check_lease_free(plan.folder)
     mark("inputs_checked")
@@ -167,8 +170,9 @@ def _generate(argv: list[str]) -> int:
             mark("prefect_api_ready")
             logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
             if not STOP.requested():
-                # The flow gets this plan: nothing is checked or planned twice.
-                summary = generate(argv, plan=plan.to_dict())
+                # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
+                # parameters, which Prefect stores: secrets masked (generation_core.secrets).
+                summary = generate(overrides_without_secrets(argv), plan=plan.to_dict())
     except CancelledRun:
         pass  # the flow run stopped on a Ctrl-C; said below
     finally:
