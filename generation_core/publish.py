@@ -60,7 +60,8 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
     if "artifact" in summary:
         published["zip"] = write_zip(folder)
-    report = _write_report(folder)
+    # The run itself loaded its model folder's code when its config said so; the report may too.
+    report = _write_report(folder, bool(cfg.actor_rollout_ref.model.trust_remote_code))
     if report is not None:
         published["report"] = report.location
         if on_report is not None:
@@ -84,10 +85,10 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_
     return published
 
 
-def _write_report(folder: RunFolder) -> Report | None:
+def _write_report(folder: RunFolder, trust_remote_code: bool) -> Report | None:
     """report.html in the run folder; None for a run with nothing committed (nothing to show)."""
     try:
-        return write_report(folder)
+        return write_report(folder, trust_remote_code=trust_remote_code)
     except GenrunError as exc:
         logger.warning("no run report: %s", exc)
         return None

@@ -198,7 +198,7 @@ def test_refusals_are_one_line_with_exit_2(run_dir, capsys, tmp_path):
     assert (code, out) == (2, "")
     assert err == f"genrun: error: {empty} has no committed trajectories yet: nothing to report (`genrun status {empty}` shows its shards)\n"
     assert not (empty / REPORT_FILE).exists()
-    assert main(["report"]) == 2 and capsys.readouterr().err == "genrun: error: usage: genrun report DIR [--sample N] [storage.options.KEY=VALUE ...]\n"
+    assert main(["report"]) == 2 and capsys.readouterr().err == "genrun: error: usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]\n"
     assert main(["report", str(run_dir), "--sample", "-1"]) == 2
     assert capsys.readouterr().err == "genrun: error: --sample takes a positive number of trajectories (got '-1')\n"
 
