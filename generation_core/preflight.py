@@ -43,7 +43,7 @@ from generation_core.errors import GenrunError
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
 from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets
-from generation_core.secrets import from_environment, keep_in_environment, split_secrets, with_secrets
+from generation_core.secrets import SECRETS_ENV, from_environment, keep_in_environment, masked_paths, split_secrets, with_secrets
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -78,9 +78,18 @@ class RunPlan:
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
         """The secrets to_dict masked come back from this process's environment (the driver's
-        own, or the runtime env Ray gives the run's workers: generation_core.secrets)."""
+        own, or the runtime env Ray gives the run's workers: generation_core.secrets); a
+        placeholder left in their place would be sent as the secret, so it is refused."""
+        config = with_secrets(payload["config"], from_environment())
+        missing = masked_paths(config)
+        if missing:
+            raise GenrunError(
+                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from its environment. "
+                f"Ray workers get it from the driver's runtime env; set it in the environment of the cluster's workers, or set those keys "
+                "from the environment in the overrides (key='${oc.env:NAME}')"
+            )
         return cls(
-            cfg=OmegaConf.create(with_secrets(payload["config"], from_environment())),
+            cfg=OmegaConf.create(config),
             fingerprint=payload["fingerprint"],
             shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
             pad_token_id=int(payload["pad_token_id"]),

@@ -95,6 +95,11 @@ def with_secrets(container: Any, secrets: list[tuple[Path, Any]]) -> Any:
     return container
 
 
+def masked_paths(container: Any) -> list[str]:
+    """Where `container` still holds the placeholder: secrets this process was not given."""
+    return [".".join(map(str, path)) for path, value in split_secrets(container)[1] if value == PLACEHOLDER]
+
+
 def keep_in_environment(secrets: list[tuple[Path, Any]]) -> None:
     """Hold the config's secrets in this process's environment, where Ray's runtime env picks
     them up for the run's workers (and nothing else writes them)."""

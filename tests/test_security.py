@@ -141,6 +141,7 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
 
     from generation_core.preflight import RunPlan, preflight
     from generation_core.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
+    from generation_core.errors import GenrunError
     from generation_core.secrets import SECRETS_ENV
     from tests.conftest import chat_rows, write_parquet
 
@@ -151,7 +152,8 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     assert SECRETS_ENV in ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)["runtime_env"]["env_vars"], "the run's workers get them"
     worker_env = os.environ[SECRETS_ENV]
     monkeypatch.delenv(SECRETS_ENV)
-    assert OmegaConf.to_container(RunPlan.from_dict(json.loads(sent)).cfg) != OmegaConf.to_container(plan.cfg)
+    with pytest.raises(GenrunError, match=r"not given the run's secrets \(actor_rollout_ref.rollout.engine_kwargs.remote.api_key, "):
+        RunPlan.from_dict(json.loads(sent))  # rather than send the placeholder as the key
     monkeypatch.setenv(SECRETS_ENV, worker_env)
     assert OmegaConf.to_container(RunPlan.from_dict(json.loads(sent)).cfg) == OmegaConf.to_container(plan.cfg)
 
