@@ -192,7 +192,7 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
         written = [p for root in (tmp_path, ray_tmp) for p in Path(root).rglob("*") if p.is_file() and p.name != "judge_reward.py"]
         names = {p.name for p in written}
         assert {"run.json", "manifest.json", "trajectories.zip", "report.html", "prefect.db"} <= names, sorted(names)
-        leaks = {f"{p}: {text}" for p in written for text in SECRET_TEXTS if text.encode() in p.read_bytes()}
+        leaks = {f"{p}: {text}" for p in written for text in SECRET_TEXTS if any(text.encode() in data for data in _contents(p))}
         leaks |= {f"terminal: {text}" for text in SECRET_TEXTS if text in result.stdout + result.stderr}
         assert not leaks, sorted(leaks)
         # The places that would hold the secrets were searched: they hold the masked config.
@@ -200,8 +200,20 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
         assert f"trainer.default_local_dir={out}".encode() in database and b"<redacted>" in database, "the flow run's parameters are in it"
         assert any(p.suffix == ".wandb" and b"<redacted>" in p.read_bytes() for p in written), "the W&B run's config is in it"
         assert any(str(p).startswith(ray_tmp) and p.suffix == ".log" for p in written), "Ray's session logs are searched"
+        assert any(b"<redacted>" in member for p in written if p.suffix == ".zip" for member in _contents(p)[1:]), "the zip's run.json is searched"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _contents(path) -> list[bytes]:
+    """A file's bytes, and a zip's members uncompressed (trajectories.zip deflates run.json)."""
+    import zipfile
+
+    data = [path.read_bytes()]
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            data += [archive.read(name) for name in archive.namelist()]
+    return data
 
 
 def _run_without_inherited_env(run_genrun, args, env):
