@@ -5,12 +5,15 @@
                                     shards done / running / pending with counts
     genrun merge DIR [storage.options.KEY=VALUE ...]
                                     (re)build trajectories.pkl from committed parts
-    genrun report DIR [--sample N] [storage.options.KEY=VALUE ...]
+    genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     write DIR/report.html: plots, shard table, failures,
                                     a trajectory viewer (N trajectories at most, default 500)
     genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response]
-                  [--tokenizer DIR] [storage.options.KEY=VALUE ...]
+                  [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages)
+
+Reading a run folder runs no code from it: a tokenizer that is code in the run's model folder
+runs only with --trust-remote-code (the run's own trust_remote_code setting is not followed).
 
 Heavy imports (verl, torch, Prefect, Ray) wait until the command needs them: `genrun --help` and
 a refused input answer at once.
@@ -145,9 +148,12 @@ def _generate(argv: list[str]) -> int:
     from generation_core.interrupt import STOP
     from generation_core.lease import check_lease_free
     from generation_core.preflight import preflight
+    from generation_core.secrets import overrides_without_secrets
 
     # Every input check first, so a bad input is one line here, not a failed flow run.
     plan = preflight(argv)
+    # What reads this process's command line (W&B keeps it with the run) sees no secret.
+    sys.argv[1:] = overrides_without_secrets(sys.argv[1:])
     # The flow takes the lease; refusing here spares the Prefect and Ray startup.
     check_lease_free(plan.folder)
     mark("inputs_checked")
@@ -167,8 +173,9 @@ def _generate(argv: list[str]) -> int:
             mark("prefect_api_ready")
             logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
             if not STOP.requested():
-                # The flow gets this plan: nothing is checked or planned twice.
-                summary = generate(argv, plan=plan.to_dict())
+                # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
+                # parameters, which Prefect stores: secrets masked (generation_core.secrets).
+                summary = generate(overrides_without_secrets(argv), plan=plan.to_dict())
     except CancelledRun:
         pass  # the flow run stopped on a Ctrl-C; said below
     finally:
@@ -211,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             from generation_core.report_html import report_command, split_report_arguments
 
             sample, rest = split_report_arguments(argv[1:])
+            trust_remote_code = "--trust-remote-code" in rest
+            rest = [argument for argument in rest if argument != "--trust-remote-code"]
             if not rest:
-                raise GenrunError("usage: genrun report DIR [--sample N] [storage.options.KEY=VALUE ...]")
-            return report_command(rest[0], storage_options_from(rest[1:]), sample)
+                raise GenrunError("usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]")
+            return report_command(rest[0], storage_options_from(rest[1:]), sample, trust_remote_code)
         if argv and argv[0] in ("status", "merge"):
             from generation_core.status import merge_folder, print_status
 

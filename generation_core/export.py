@@ -41,7 +41,7 @@ from generation_core.storage import RunFolder
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("messages", "prompt-response")
-USAGE = "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response] [--tokenizer DIR] [storage.options.KEY=VALUE ...]"
+USAGE = "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
 
@@ -55,6 +55,8 @@ class ExportOptions:
     layout: str = "messages"
     tokenizer: str | None = None
     """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
+    trust_remote_code: bool = False
+    """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
 
 
 @dataclass
@@ -113,6 +115,8 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
                 options.tokenizer = value
         elif argument == "--best-of-n":
             options.best_of_n = True
+        elif argument == "--trust-remote-code":
+            options.trust_remote_code = True
         elif argument.startswith("-"):
             raise GenrunError(f"unknown option {argument!r}; {USAGE}")
         elif argument.lstrip("+").startswith("storage."):
@@ -137,8 +141,8 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
     out_folder, out_name = _output_location(out_url, storage_options)
-    tools = run_tool_schemas(config)
-    rebuilder = MessageRebuilder(_tokenizer(config, options.tokenizer), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
+    tools = run_tool_schemas(config, options.trust_remote_code)
+    rebuilder = MessageRebuilder(_tokenizer(config, options), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
     keep_prompts = {index for index, _ in keep} if keep is not None else None
@@ -277,27 +281,42 @@ def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
     return path
 
 
-def _tokenizer(config: dict[str, Any], override: str | None):
+def _tokenizer(config: dict[str, Any], options: ExportOptions):
+    """The run's tokenizer; code from its folder runs only with the user's --trust-remote-code
+    (run.json's trust_remote_code is not followed: reading a folder runs no code it names)."""
     from verl.utils import hf_tokenizer
 
-    trust = bool(config["actor_rollout_ref"]["model"].get("trust_remote_code", False))
-    return hf_tokenizer(_tokenizer_dir(config, override), trust_remote_code=trust)
+    path = _tokenizer_dir(config, options.tokenizer)
+    try:
+        return hf_tokenizer(path, trust_remote_code=options.trust_remote_code)
+    except ValueError as exc:
+        # transformers' refusal to run a folder's code without trust_remote_code=True.
+        if options.trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise GenrunError(
+            f"the tokenizer in {path} is code from that folder, which genrun export runs only when asked: add --trust-remote-code "
+            "if you trust it, or give a tokenizer folder with --tokenizer DIR"
+        ) from None
 
 
 def _eos_ids(config: dict[str, Any], override: str | None) -> set[int]:
     return eos_token_ids_of(_tokenizer_dir(config, override))
 
 
-def run_tool_schemas(config: dict[str, Any]) -> list[dict[str, Any]] | None:
+def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) -> list[dict[str, Any]] | None:
     """The run's tool schemas as verl's ToolAgentLoop renders them into prompts, or None when
-    the run had no tool config."""
+    the run had no tool config. The tool classes (code run.json names) are built only with the
+    user's --trust-remote-code; otherwise the schemas come from the tool config's `tool_schema`
+    entries, as verl validates them, and a tool whose schema only its code knows is refused."""
     multi_turn = config["actor_rollout_ref"]["rollout"].get("multi_turn") or {}
     paths = {name: multi_turn.get(name) for name in ("tool_config_path", "function_tool_path")}
     if not any(paths.values()):
         return None
+    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
+    if not trust_remote_code:
+        return _declared_tool_schemas(resolved)
     from verl.tools.tool_registry import load_all_tools
 
-    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
     try:
         # verl's BaseTool prints every schema it builds.
         with contextlib.redirect_stdout(io.StringIO()):
@@ -305,6 +324,26 @@ def run_tool_schemas(config: dict[str, Any]) -> list[dict[str, Any]] | None:
     except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
         raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools] or None
+
+
+def _declared_tool_schemas(paths: dict[str, str | None]) -> list[dict[str, Any]] | None:
+    """The schemas a tool config declares, read without importing a tool class."""
+    from omegaconf import OmegaConf
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    needs_code = f"function_tool_path={paths['function_tool_path']}" if paths["function_tool_path"] else None
+    declared = (OmegaConf.load(paths["tool_config_path"]).get("tools") or []) if paths["tool_config_path"] else []
+    schemas = []
+    for tool in declared:
+        if tool.get("tool_schema") is None:
+            needs_code = needs_code or f"{tool.get('class_name')} in {paths['tool_config_path']} (no tool_schema)"
+            continue
+        schemas.append(OpenAIFunctionToolSchema.model_validate(OmegaConf.to_container(tool.tool_schema, resolve=True)).model_dump(exclude_unset=True, exclude_none=True))
+    if needs_code:
+        raise GenrunError(
+            f"the run's tool schemas come from code ({needs_code}), which genrun export runs only when asked: add --trust-remote-code if you trust it"
+        )
+    return schemas or None
 
 
 def _selected_tools(tools: list[dict[str, Any]], input_fields: dict[str, Any]) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ from generation_core.errors import GenrunError
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
 from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets, read_run_record
+from generation_core.secrets import SECRETS_ENV, from_environment, keep_in_environment, masked_paths, split_secrets, with_secrets
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -66,9 +67,10 @@ class RunPlan:
         self.folder = RunFolder(self.cfg.trainer.default_local_dir, OmegaConf.to_container(self.cfg.storage.options))
 
     def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
-        """JSON-ready. Without shards for a shard job, which is handed its own ShardSpec."""
+        """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
+        shard job, which is handed its own ShardSpec."""
         return {
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": split_secrets(OmegaConf.to_container(self.cfg, resolve=True))[0],
             "fingerprint": self.fingerprint,
             "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
             "pad_token_id": self.pad_token_id,
@@ -77,8 +79,19 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
+        """The secrets to_dict masked come back from this process's environment (the driver's
+        own, or the runtime env Ray gives the run's workers: generation_core.secrets); a
+        placeholder left in their place would be sent as the secret, so it is refused."""
+        config = with_secrets(payload["config"], from_environment())
+        missing = masked_paths(config)
+        if missing:
+            raise GenrunError(
+                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from its environment. "
+                f"Ray workers get it from the driver's runtime env; set it in the environment of the cluster's workers, or set those keys "
+                "from the environment in the overrides (key='${oc.env:NAME}')"
+            )
         return cls(
-            cfg=OmegaConf.create(payload["config"]),
+            cfg=OmegaConf.create(config),
             fingerprint=payload["fingerprint"],
             shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
             pad_token_id=int(payload["pad_token_id"]),
@@ -296,6 +309,8 @@ def preflight(overrides: list[str]) -> RunPlan:
     run_fingerprint = fingerprint(cfg, dataset.digest, files)
     finalize_run_location(cfg, run_fingerprint)
     plan = RunPlan(cfg, run_fingerprint, shards, tokenizer.pad_token_id, dataset.files)
+    # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
+    keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
     if check_run_folder(plan.folder, run_fingerprint):

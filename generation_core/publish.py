@@ -19,7 +19,8 @@ from verl.utils.tracking import Tracking
 from generation_core.errors import GenrunError
 from generation_core.report_html import Report, write_report
 from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, merged_files
-from generation_core.storage import RunFolder, redacted_options
+from generation_core.secrets import without_secrets
+from generation_core.storage import RunFolder
 from generation_core.summary import throughput_metrics
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
     if "artifact" in summary:
         published["zip"] = write_zip(folder)
-    report = _write_report(folder)
+    # The run itself loaded its model folder's code when its config said so; the report may too.
+    report = _write_report(folder, bool(cfg.actor_rollout_ref.model.trust_remote_code))
     if report is not None:
         published["report"] = report.location
         if on_report is not None:
@@ -83,10 +85,10 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_
     return published
 
 
-def _write_report(folder: RunFolder) -> Report | None:
+def _write_report(folder: RunFolder, trust_remote_code: bool) -> Report | None:
     """report.html in the run folder; None for a run with nothing committed (nothing to show)."""
     try:
-        return write_report(folder)
+        return write_report(folder, trust_remote_code=trust_remote_code)
     except GenrunError as exc:
         logger.warning("no run report: %s", exc)
         return None
@@ -104,17 +106,17 @@ def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
     """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
     rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
     keep = ("name", "temperature", "top_p", "top_k", "n", "prompt_length", "response_length", "calculate_log_probs", "max_num_seqs")
-    return {
+    return without_secrets({
         "model": cfg.actor_rollout_ref.model.path,
         "rollout": {key: rollout[key] for key in keep},
         "agent_loop": rollout["agent"]["default_agent_loop"],
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "generation": OmegaConf.to_container(cfg.generation, resolve=True),
-        "storage_options": redacted_options(OmegaConf.to_container(cfg.storage.options, resolve=True)),
+        "storage_options": OmegaConf.to_container(cfg.storage.options, resolve=True),
         "output": cfg.trainer.default_local_dir,
         # verl's Tracking reads trainer.wandb_proxy from here.
         "trainer": {key: cfg.trainer.get(key) for key in ("project_name", "experiment_name", "wandb_proxy") if key in cfg.trainer},
-    }
+    })
 
 
 def _log_wandb_artifact(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any]) -> str:

@@ -13,16 +13,21 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.console import debug_output
+from generation_core.secrets import SECRETS_ENV
 
 # What shard jobs on Ray workers need from the driver's environment (workers of a cluster that
-# was started separately do not inherit it).
-RAY_WORKER_ENV = ("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH")
+# was started separately do not inherit it): the config's secrets among them, which the plan
+# sent to a shard task (a Prefect parameter) holds masked.
+RAY_WORKER_ENV = ("PREFECT_API_URL", "HF_DATASETS_CACHE", "PYTHONPATH", SECRETS_ENV)
 
 
 def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...] = ()) -> dict[str, Any]:
     """ray.init arguments from `ray_kwargs.ray_init`, with safe single-host defaults."""
     # Single-host runs need no token auth; a cluster passes its own settings via ray_init.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's runtime env agent logs each runtime env it creates, env_vars and all, at INFO into
+    # the session's logs: the Ray that genrun starts (its processes inherit this) logs warnings only.
+    os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")
     init_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.ray_kwargs.ray_init).items() if v is not None}
     if "address" not in init_kwargs:
         init_kwargs.setdefault("_node_ip_address", "127.0.0.1")

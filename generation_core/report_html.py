@@ -137,7 +137,8 @@ def _viewer_section(payload: dict[str, Any], sample_size: int) -> str:
     else:
         how = f"All {total:,} trajectories."
     if not payload["decoded"]:
-        how += " The run's tokenizer was not found on the machine that wrote this report: tokens are shown as ids."
+        how += (" The run's tokenizer was not loaded (not on the machine that wrote this report, or it is code from the model folder, which runs "
+                "only with genrun report DIR --trust-remote-code): tokens are shown as ids.")
     filters = (
         '<label>reward ≥<input id="f-reward-min" type="number" step="any"></label><label>reward ≤<input id="f-reward-max" type="number" step="any"></label>'
         '<label>data source<select id="f-source"><option value="">all</option></select></label>'
@@ -166,10 +167,11 @@ def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sa
     )
 
 
-def write_report(folder: RunFolder, sample_size: int = SAMPLE_SIZE) -> Report:
-    """Collect, draw and write report.html into the run folder (one atomic put)."""
+def write_report(folder: RunFolder, sample_size: int = SAMPLE_SIZE, trust_remote_code: bool = False) -> Report:
+    """Collect, draw and write report.html into the run folder (one atomic put). Code from the
+    run's model folder runs only with `trust_remote_code` (the user's --trust-remote-code)."""
     run = read_run_record(folder)
-    tokenizer = load_tokenizer(run)
+    tokenizer = load_tokenizer(run, trust_remote_code)
     data = collect_report_data(folder, run, eos_token_ids(run, tokenizer), sample_size)
     plots = all_plots(data)
     payload = viewer_payload(data, tokenizer)
@@ -194,8 +196,8 @@ def split_report_arguments(arguments: list[str]) -> tuple[int, list[str]]:
     return sample, rest
 
 
-def report_command(url: str, storage_options: dict[str, Any], sample_size: int = SAMPLE_SIZE) -> int:
+def report_command(url: str, storage_options: dict[str, Any], sample_size: int = SAMPLE_SIZE, trust_remote_code: bool = False) -> int:
     """`genrun report DIR`: write the report and say where it is."""
-    report = write_report(RunFolder(url, storage_options), sample_size)
+    report = write_report(RunFolder(url, storage_options), sample_size, trust_remote_code)
     print(f"report: {report.location} ({report.trajectories:,} trajectories; the viewer holds {report.shown:,})")
     return 0

@@ -32,9 +32,12 @@ _REPLACEMENT = "\ufffd"
 _JOIN_AT_MOST = 4
 
 
-def load_tokenizer(run: dict[str, Any]):
-    """The run's tokenizer (run.json's model path), or None when that path is not readable
-    here (a report made on another machine than the run): the viewer then shows token ids."""
+def load_tokenizer(run: dict[str, Any], trust_remote_code: bool = False):
+    """The run's tokenizer (run.json's model path), or None, and the viewer shows token ids,
+    when that path is not readable here (a report made on another machine than the run) or its
+    tokenizer is code from the model folder. Such code runs only when the user passes
+    `--trust-remote-code` on the command line: run.json's own trust_remote_code is not followed,
+    as reading a folder must run no code it names."""
     from transformers import AutoTokenizer
 
     model = run["config"]["actor_rollout_ref"]["model"]
@@ -42,7 +45,14 @@ def load_tokenizer(run: dict[str, Any]):
     if not Path(path).is_dir():
         logger.warning("report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path)
         return None
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        # transformers' refusal to run a folder's code without trust_remote_code=True.
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        logger.warning("report: the run's tokenizer (%s) is code from its folder, which runs only with `genrun report DIR --trust-remote-code`; the viewer shows token ids instead of text", path)
+        return None
 
 
 def eos_token_ids(run: dict[str, Any], tokenizer) -> frozenset[int]:
@@ -152,5 +162,7 @@ def viewer_payload(data: ReportData, tokenizer, token_budget: int = TOKEN_BUDGET
 
 
 def payload_json(payload: dict[str, Any]) -> str:
-    """JSON safe inside a <script> element (no `</` or comment openers)."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON safe inside a <script> element: `<`, `>` and `&` as JSON's own \\u escapes, so no
+    `</script>`, `<!--` or `-->` can end or change the element and the text is still valid JSON."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")

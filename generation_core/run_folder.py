@@ -75,7 +75,8 @@ from typing import Any, Protocol
 
 from generation_core.build import genrun_build, refusal_hint
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder, WriteConflict, redacted_options
+from generation_core.secrets import without_secrets
+from generation_core.storage import RunFolder, WriteConflict
 
 logger = logging.getLogger(__name__)
 
@@ -570,15 +571,9 @@ def read_run_record(folder: RunFolder) -> dict[str, Any]:
 
 
 def config_without_secrets(container: dict[str, Any]) -> dict[str, Any]:
-    """The resolved config with storage options and remote-server settings masked: run.json,
-    logs and trackers never hold credentials."""
-    container = json.loads(json.dumps(container))
-    container["storage"]["options"] = redacted_options(container["storage"]["options"])
-    if isinstance(container.get("data", {}).get("storage_options"), dict):
-        container["data"]["storage_options"] = redacted_options(container["data"]["storage_options"])
-    engine_kwargs = container["actor_rollout_ref"]["rollout"]["engine_kwargs"]
-    engine_kwargs["remote"] = redacted_options(engine_kwargs.get("remote") or {})
-    return container
+    """The resolved config with every secret masked (generation_core.secrets): run.json, logs
+    and trackers never hold credentials."""
+    return without_secrets(container)
 
 
 # --- committed parts and their verification -----------------------------------------------------

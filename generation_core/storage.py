@@ -530,15 +530,3 @@ def _remove_quietly(path: str) -> None:
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     protocol = fs.protocol
     return tuple(protocol) if isinstance(protocol, tuple | list) else (protocol,)
-
-
-SECRET_OPTION_MARKERS = ("key", "secret", "token", "password", "credential")
-
-
-def redacted_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Storage options safe to log or store: anything that looks like a credential is masked,
-    also in nested mappings (s3fs passes `client_kwargs` such as aws_secret_access_key to boto)."""
-    return {
-        name: "<redacted>" if any(m in name.lower() for m in SECRET_OPTION_MARKERS) else redacted_options(value) if isinstance(value, dict) else value
-        for name, value in options.items()
-    }

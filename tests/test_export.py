@@ -505,3 +505,78 @@ def test_a_nan_in_a_part_written_before_the_rule_reads_as_no_score():
     table = pa.table({"reward_score": pa.array([1.0, float("nan"), None])})
     assert scored_mask(table.column("reward_score")).to_pylist() == [True, False, False]
     assert [score_or_none(value) for value in table.column("reward_score").to_pylist()] == [1.0, None, None]
+
+
+MARKER_CODE = """
+import pathlib
+pathlib.Path(MARKER).write_text("ran")
+from BASE_MODULE import BASE_CLASS
+
+
+class MarkerCLASS(BASE_CLASS):
+    pass
+"""
+MARKER_TOOLS = """
+tools:
+  - class_name: marker_tool.MarkerTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: lookup
+        description: Look a word up.
+        parameters: {type: object, properties: {word: {type: string, description: the word}}, required: [word]}
+"""
+
+
+def _folder_naming_code(run, model_dir, base) -> tuple:
+    """A copy of `run` whose run.json says trust_remote_code: true and names a model folder whose
+    tokenizer is code (auto_map) and a tool class; each writes its marker file when imported."""
+    import json
+
+    markers = (base / "tokenizer-code-ran", base / "tool-code-ran")
+    model = base / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, model / name)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config.update(tokenizer_class="MarkerTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_marker.MarkerTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    code = MARKER_CODE.replace("BASE_MODULE", "transformers").replace("BASE_CLASS", "PreTrainedTokenizerFast")
+    (model / "tokenization_marker.py").write_text(code.replace("MARKER", repr(str(markers[0]))).replace("CLASS(", "Tokenizer("))
+    code = MARKER_CODE.replace("BASE_MODULE", "verl.tools.base_tool").replace("BASE_CLASS", "BaseTool")
+    (base / "marker_tool.py").write_text(code.replace("MARKER", repr(str(markers[1]))).replace("CLASS(", "Tool("))
+    (base / "tools.yaml").write_text(MARKER_TOOLS)
+    folder = base / "run"
+    shutil.copytree(run, folder)
+    record = json.loads((folder / "run.json").read_text())
+    record["config"]["actor_rollout_ref"]["model"].update(path=str(model), trust_remote_code=True)
+    record["config"]["actor_rollout_ref"]["rollout"]["multi_turn"]["tool_config_path"] = str(base / "tools.yaml")
+    (folder / "run.json").write_text(json.dumps(record))
+    return folder, markers
+
+
+def test_reading_a_folder_runs_no_code_it_names_unless_asked(unscored_run, model_dir, tmp_path, capsys, monkeypatch):
+    """run.json may name code (a tokenizer's auto_map, tool classes) and say trust_remote_code:
+    genrun report and export run none of it without --trust-remote-code on their command line:
+    the report shows token ids (saying why, once), export takes the tool schemas the tool config
+    declares and refuses a tokenizer that is code, in one line."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder, markers = _folder_naming_code(unscored_run, model_dir, tmp_path)
+
+    assert main(["report", str(folder)]) == 0
+    assert not markers[0].exists(), "the report ran the tokenizer's code"
+    err = capsys.readouterr().err
+    assert err.count("--trust-remote-code") == 1, err
+    assert '"decoded":false' in (folder / "report.html").read_text()
+    assert "is code from that folder" in _refused(capsys, folder, tmp_path / "x.parquet")
+    declared = _export(folder, tmp_path / "declared.parquet", "--tokenizer", str(model_dir))
+    assert declared[0]["tools"][0]["function"]["name"] == "lookup"
+    assert not [m.name for m in markers if m.exists()], "no code from the folder ran"
+
+    assert main(["export", str(folder), str(tmp_path / "trusted.parquet"), "--trust-remote-code"]) == 0
+    assert pq.read_table(tmp_path / "trusted.parquet").to_pylist() == declared, "the declared schemas are the ones the tool classes build"
+    assert main(["report", str(folder), "--trust-remote-code"]) == 0
+    assert '"decoded":true' in (folder / "report.html").read_text()
+    assert all(m.exists() for m in markers), "asked for, the code ran"

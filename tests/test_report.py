@@ -87,6 +87,20 @@ def test_sample_argument_is_read_and_checked():
             split_report_arguments(bad)
 
 
+def test_viewer_data_holding_html_markup_stays_valid_json_inside_its_script_element():
+    """Text with `<!--`, `</script>` and `&` (a model may write any of them) neither ends the
+    viewer's <script> element nor breaks its JSON: the viewer would go blank."""
+    from generation_core.report_html import _viewer_section
+
+    nasty = "a <!-- comment --> then </script><script>alert(1)</script> & &amp; <\\!-- -->"
+    payload = {"total": 1, "trajectories": [{"id": "0:0", "text": nasty}], "pieces": {"7": "</SCRIPT>"}, "stop_reasons": {}, "decoded": True}
+    section = _viewer_section(payload, 500)
+    script = re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', section, re.S).group(1)
+    assert json.loads(script) == payload
+    assert "</script" not in script.lower() and "<!--" not in script and "&" not in script
+    assert section.lower().count("</script>") == 2, "only the two elements' own end tags"
+
+
 def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
     code, out, err = report(run_dir, capsys)
     assert code == 0, err
@@ -189,7 +203,7 @@ def test_refusals_are_one_line_with_exit_2(run_dir, capsys, tmp_path):
     assert (code, out) == (2, "")
     assert err == f"genrun: error: {empty} has no committed trajectories yet: nothing to report (`genrun status {empty}` shows its shards)\n"
     assert not (empty / REPORT_FILE).exists()
-    assert main(["report"]) == 2 and capsys.readouterr().err == "genrun: error: usage: genrun report DIR [--sample N] [storage.options.KEY=VALUE ...]\n"
+    assert main(["report"]) == 2 and capsys.readouterr().err == "genrun: error: usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]\n"
     assert main(["report", str(run_dir), "--sample", "-1"]) == 2
     assert capsys.readouterr().err == "genrun: error: --sample takes a positive number of trajectories (got '-1')\n"
 

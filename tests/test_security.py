@@ -86,6 +86,146 @@ def test_run_json_holds_no_credentials(tmp_path):
     assert options["endpoint_url"] == "http://127.0.0.1:9000", "what is not a credential is kept"
 
 
+# One secret in each place a config holds one: a remote server's key, s3fs' client_kwargs, a
+# reward judge's key, Ray workers' environment and the input bucket's options.
+CONFIG_SECRETS = {
+    "actor_rollout_ref.rollout.engine_kwargs.remote.api_key": "sk-remote-5e1f0c8a",
+    "+storage.options.client_kwargs.aws_secret_access_key": "s3-client-secret-77d2b1",
+    "+reward.custom_reward_function.reward_kwargs.judge_api_key": "judge-key-a93c44",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.GENRUN_TEST_JUDGE_TOKEN": "ray-env-token-0b6e21",
+    # A mapping at once: move_credentials_to_environment refuses data.storage_options.token=...
+    "data.storage_options": "{token: input-token-c4d5e6, endpoint_url: null}",
+}
+SECRET_TEXTS = ["sk-remote-5e1f0c8a", "s3-client-secret-77d2b1", "judge-key-a93c44", "ray-env-token-0b6e21", "input-token-c4d5e6"]
+
+# 1.0 only where the shard worker's config and environment hold the judge's secrets again
+# (compared by digest: this file is no place for the secrets' text either).
+SECRET_CHECKING_REWARD = """
+import hashlib, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, judge_api_key=None, **kwargs):
+    seen = hashlib.sha256(f"{judge_api_key}|{os.environ.get('GENRUN_TEST_JUDGE_TOKEN')}".encode()).hexdigest()
+    return 1.0 if seen == "EXPECTED" else 0.0
+"""
+
+
+def _secret_overrides(tmp_path) -> list[str]:
+    import hashlib
+
+    expected = hashlib.sha256(b"judge-key-a93c44|ray-env-token-0b6e21").hexdigest()
+    reward = tmp_path / "judge_reward.py"
+    reward.write_text(SECRET_CHECKING_REWARD.replace("EXPECTED", expected))
+    return [f"{key}={value}" for key, value in CONFIG_SECRETS.items()] + [f"reward.custom_reward_function.path={reward}"]
+
+
+def test_the_config_secrets_rule():
+    from generation_core.secrets import PLACEHOLDER, is_secret_name, overrides_without_secrets, split_secrets, with_secrets
+
+    secret = ["key", "secret", "token", "api_key", "aws_secret_access_key", "aws_access_key_id", "awsSessionToken", "hf_token", "password", "Authorization", "credentials"]
+    not_secret = ["prompt_key", "image_key", "endpoint_url", "profile", "anon", "tokenizer", "max_token_len_per_gpu", "num_key_value_heads", "profile_token_start"]
+    assert [name for name in secret if not is_secret_name(name)] == []
+    assert [name for name in not_secret if is_secret_name(name)] == []
+    config = {"a": {"api_key": "K", "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": "E"}}, "data": {"prompt_key": "prompt"}}
+    masked, secrets = split_secrets(config)
+    assert masked == {"a": {"api_key": PLACEHOLDER, "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": PLACEHOLDER}}, "data": {"prompt_key": "prompt"}}
+    assert with_secrets(masked, secrets) == config
+    assert overrides_without_secrets(["x.api_key=K", "+ray.env_vars.A=E", "data.storage_options={key: K}", "n=2"]) == [
+        f"x.api_key={PLACEHOLDER}", f"+ray.env_vars.A={PLACEHOLDER}", f"data.storage_options={PLACEHOLDER}", "n=2"]
+
+
+def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(tmp_path, model_dir, monkeypatch):
+    """What crosses to a shard task (a Prefect parameter) is masked; the worker's plan, built
+    from it in an environment that has the run's secrets (Ray's runtime env), holds them all:
+    the S3 client kwargs reach s3fs, the judge's key the reward function."""
+    from omegaconf import OmegaConf
+
+    from generation_core.preflight import RunPlan, preflight
+    from generation_core.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
+    from generation_core.errors import GenrunError
+    from generation_core.secrets import SECRETS_ENV
+    from tests.conftest import chat_rows, write_parquet
+
+    prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
+    plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}", *_secret_overrides(tmp_path)])
+    sent = json.dumps(plan.to_dict(with_shards=False))
+    assert not [text for text in SECRET_TEXTS if text in sent]
+    assert SECRETS_ENV in ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)["runtime_env"]["env_vars"], "the run's workers get them"
+    worker_env = os.environ[SECRETS_ENV]
+    monkeypatch.delenv(SECRETS_ENV)
+    with pytest.raises(GenrunError, match=r"not given the run's secrets \(actor_rollout_ref.rollout.engine_kwargs.remote.api_key, "):
+        RunPlan.from_dict(json.loads(sent))  # rather than send the placeholder as the key
+    monkeypatch.setenv(SECRETS_ENV, worker_env)
+    assert OmegaConf.to_container(RunPlan.from_dict(json.loads(sent)).cfg) == OmegaConf.to_container(plan.cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_offline_dir):
+    """One secret in each of the five places, one run through the CLI with its temporary Prefect
+    server, W&B (offline) and its own Ray: no file under this test's folder (the run folder with
+    its run.json, zip, manifest and report, the Prefect server's database and result storage, the
+    W&B run, Ray's session logs) nor the terminal holds any secret's text, and the run still works:
+    its reward function on the shard worker saw the judge's key and the Ray env var (rewards 1.0).
+    A run of its own: the five secrets need a flow run with a real Prefect database (about 40 s)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from generation_core.storage import RunFolder
+    from tests.conftest import chat_rows, run_genrun, write_parquet
+    from tests.report_runs import committed_records
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
+    out = tmp_path / "run"
+    # Ray's session folder (socket paths must stay short, so not under tmp_path); removed below.
+    ray_tmp = tempfile.mkdtemp(prefix="gr-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), RAY_TMPDIR=ray_tmp)
+    args = [
+        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
+        "generation.show_progress=false", "trainer.logger=[console,wandb]", *_secret_overrides(tmp_path),
+    ]
+    try:
+        result = _run_without_inherited_env(run_genrun, args, env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [r.reward_score for r in committed_records(RunFolder(str(out)))] == [1.0, 1.0], "the worker got the secrets back"
+        written = [p for root in (tmp_path, ray_tmp) for p in Path(root).rglob("*") if p.is_file() and p.name != "judge_reward.py"]
+        names = {p.name for p in written}
+        assert {"run.json", "manifest.json", "trajectories.zip", "report.html", "prefect.db"} <= names, sorted(names)
+        leaks = {f"{p}: {text}" for p in written for text in SECRET_TEXTS if any(text.encode() in data for data in _contents(p))}
+        leaks |= {f"terminal: {text}" for text in SECRET_TEXTS if text in result.stdout + result.stderr}
+        assert not leaks, sorted(leaks)
+        # The places that would hold the secrets were searched: they hold the masked config.
+        database = next(p for p in written if p.name == "prefect.db").read_bytes()
+        assert f"trainer.default_local_dir={out}".encode() in database and b"<redacted>" in database, "the flow run's parameters are in it"
+        assert any(p.suffix == ".wandb" and b"<redacted>" in p.read_bytes() for p in written), "the W&B run's config is in it"
+        assert any(str(p).startswith(ray_tmp) and p.suffix == ".log" for p in written), "Ray's session logs are searched"
+        assert any(b"<redacted>" in member for p in written if p.suffix == ".zip" for member in _contents(p)[1:]), "the zip's run.json is searched"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _contents(path) -> list[bytes]:
+    """A file's bytes, and a zip's members uncompressed (trajectories.zip deflates run.json)."""
+    import zipfile
+
+    data = [path.read_bytes()]
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            data += [archive.read(name) for name in archive.namelist()]
+    return data
+
+
+def _run_without_inherited_env(run_genrun, args, env):
+    """run_genrun merges os.environ under `env`: PREFECT_API_URL of a session server must not
+    reach this run (it starts its own temporary server, whose database is under tmp_path)."""
+    saved = {k: os.environ.pop(k) for k in ("PREFECT_API_URL", "RAY_ADDRESS") if k in os.environ}
+    try:
+        return run_genrun(args, env=env, timeout=540)
+    finally:
+        os.environ.update(saved)
+
+
 # --- part files ------------------------------------------------------------------------------
 
 
