@@ -223,6 +223,27 @@ def read_commit_records(folder: RunFolder, shard: str) -> tuple[list[int], list[
         return sequences, list(pool.map(folder.read_json, paths))
 
 
+def highest_recorded_lease(folder: RunFolder) -> int:
+    """The highest lease generation in the shards' newest commit records (0: none): a lease taken
+    after lease/ was removed must number above it. One listing per shard and one read of its
+    newest record (a record of a lower lease never follows a higher one)."""
+
+    def newest_of(shard: str) -> int:
+        sequences = [seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None]
+        if not sequences:
+            return 0
+        try:
+            return int(folder.read_json(commit_file(shard, max(sequences))).get("lease") or 0)
+        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            return 0  # unreadable: the fold refuses it where it matters
+
+    shards = folder.list(SHARDS_DIR)
+    if folder.is_local or len(shards) < _PARALLEL_READS:
+        return max(map(newest_of, shards), default=0)
+    with ThreadPoolExecutor(_PARALLEL_READS) as pool:
+        return max(pool.map(newest_of, shards), default=0)
+
+
 @dataclass
 class ShardCheckpoint:
     """What a shard has committed, folded from its commit records: its parts (with checksums)
@@ -268,7 +289,13 @@ class ShardCheckpoint:
             checkpoint.next_seq = sequences[-1] + 1
         if fence is not None and checkpoint.lease is not None and checkpoint.lease > fence.generation:
             fence.check(folder)
-            raise CheckpointConflict(f"{folder.display(directory)} belongs to a later run (lease {checkpoint.lease}); this run (lease {fence.generation}) stops")
+            # No later lease file, yet a later lease wrote here: lease/ lost its newest files.
+            # RunLease.acquire numbers past every recorded lease when lease/ is incomplete.
+            raise CheckpointConflict(
+                f"{folder.display(shard_file(shard, COMMITS_DIR))} holds records of lease {checkpoint.lease}, later than this run's "
+                f"lease {fence.generation}, but {folder.display(LEASE_DIR)} has no such lease file; this run stops. Remove all of "
+                f"{folder.display(LEASE_DIR)} (only if no run is writing there) and run the same command again"
+            )
         return checkpoint
 
     @classmethod
@@ -518,6 +545,14 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
     """True when the folder already belongs to this run (a resume), False when it holds no run;
     refuses a folder of another run or of an earlier folder format, changing nothing."""
     if not folder.exists(RUN_FILE):
+        if folder.list(SHARDS_DIR):
+            # Shard progress without the run.json that says which run it belongs to (run.json is
+            # written before any shard): adopting it could mix another run's trajectories in.
+            raise GenrunError(
+                f"output folder {folder.display()} holds {folder.display(SHARDS_DIR)} but no {RUN_FILE}, so nothing says which run "
+                "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
+                "trainer.experiment_name, when that folder is derived from it), or delete that folder"
+            )
         return False
     existing = folder.read_json(RUN_FILE)
     written_by = existing.get("fingerprint_version", 1)

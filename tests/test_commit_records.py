@@ -328,3 +328,17 @@ def test_the_first_rows_digest_is_kept_and_a_changed_one_refused(tmp_path):
     with pytest.raises(GenrunError, match=f"the dataset rows of {SHARD.name} changed since its first attempt"):
         ShardCheckpoint.start_attempt(folder, SHARD.name, rows_digest="b" * 64)
     assert len(_commit_sizes(tmp_path)) == 3, "the refused attempt wrote nothing"
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_with_shards_and_no_run_json_is_refused(tmp_path):
+    """Shard progress that no run.json names belongs to nobody this run can check (issue 31,
+    item 15): refused, nothing written."""
+    run_dir = tmp_path / "orphaned"
+    folder = RunFolder(str(run_dir))
+    ShardCheckpoint.start_attempt(folder, SHARD.name)
+    before = _files(run_dir)
+    with pytest.raises(GenrunError, match=rf"output folder {run_dir} holds {run_dir}/shards but no run.json.*Set another trainer.default_local_dir") as refused:
+        check_run_folder(folder, "a" * 64)
+    assert "\n" not in str(refused.value)
+    assert _files(run_dir) == before, "nothing written"
