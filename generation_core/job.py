@@ -241,13 +241,13 @@ async def generate_shard(
                 # In a thread: samples in flight keep talking to the engine while a row group or a
                 # part is written (an S3 upload takes tens of milliseconds).
                 if writer.row_group_ready():
-                    await asyncio.to_thread(writer.write_row_group)
+                    await to_thread_to_the_end(writer.write_row_group)
                 if writer.should_commit():
-                    await asyncio.to_thread(writer.commit)
+                    await to_thread_to_the_end(writer.commit)
                     report.committed = len(set(checkpoint.completed))
                 if reporter.stop:
                     break
-            await asyncio.to_thread(writer.commit)
+            await to_thread_to_the_end(writer.commit)
             report.committed = len(set(checkpoint.completed))
         if reporter.stop:
             raise ShardStopped(f"{shard.name}: stopped on request with {report.committed} trajectories committed")
@@ -310,6 +310,25 @@ async def generate_shard(
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         ),
     )
+
+
+async def to_thread_to_the_end(function) -> None:
+    """`function` in a thread, awaited to its end even when the awaiting task is cancelled (the
+    flow's stop fallback cancels shard jobs): a commit then either completes with its samples or
+    never starts, and the `writer.discard()` that follows the cancellation never runs beside
+    it. The cancellation is raised once the thread is done."""
+    running = asyncio.ensure_future(asyncio.to_thread(function))
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        while not running.done():
+            try:
+                await asyncio.shield(running)
+            except asyncio.CancelledError:
+                continue  # cancelled again: the thread still has to end first
+        if not running.cancelled() and running.exception() is not None:
+            logger.warning("a write cancelled with its shard failed: %s", running.exception())
+        raise
 
 
 def engine_counters(worker: StreamingWorker) -> dict[str, int]:

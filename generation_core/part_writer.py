@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import threading
 import time
 from contextlib import ExitStack
 
@@ -173,6 +174,10 @@ class PartWriter:
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
         self.stage_seconds = {"serialization": 0.0, "storage": 0.0}
+        # Held by each write and by `discard`: a discard (the attempt ends, perhaps cancelled
+        # while a commit runs in a thread) waits for the commit in flight instead of emptying
+        # the sample list it is recording.
+        self._writing = threading.RLock()
 
     def add(self, record: TrajectoryRecord) -> None:
         if not self.has_uncommitted():
@@ -221,6 +226,10 @@ class PartWriter:
     def write_row_group(self) -> None:
         """Write the pending records into the open part (opening it first). On a storage error
         the uncommitted part is discarded (the attempt ends; its samples are pending again)."""
+        with self._writing:
+            self._write_row_group()
+
+    def _write_row_group(self) -> None:
         if not self.pending:
             return
         try:
@@ -250,6 +259,10 @@ class PartWriter:
     def discard(self) -> None:
         """Drop what is not committed (the attempt ends in an error): the open part leaves no
         file and no upload behind; its samples and the uncommitted failures are pending again."""
+        with self._writing:
+            self._discard()
+
+    def _discard(self) -> None:
         part, self.part = self.part, None
         self.pending, self.pending_bytes = [], 0
         self.part_keys, self.new_failures = [], []
@@ -259,6 +272,10 @@ class PartWriter:
             part.discard()
 
     def commit(self) -> None:
+        with self._writing:
+            self._commit()
+
+    def _commit(self) -> None:
         if not self.has_uncommitted():
             return
         if self.fence is not None:

@@ -271,6 +271,8 @@ class ShardCheckpoint:
         self.next_seq = 0
         self.part_samples: dict[str, list[str]] = {}
         self.ignored: list[int] = []
+        self.rejected_parts: list[str] = []
+        """Parts whose record's count differs from its sample keys (never read)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -368,9 +370,20 @@ class ShardCheckpoint:
             if self.rows_digest is None:
                 self.rows_digest = record.get("rows_digest")
         elif kind == "part":
-            if record.get("part") is not None:
-                part = _from_dict(PartEntry, record["part"])
-                samples = sample_keys(record.get("samples") or [])
+            part = _from_dict(PartEntry, record["part"]) if record.get("part") is not None else None
+            samples = sample_keys(record.get("samples") or [])
+            if part is not None and part.count != len(samples):
+                # A record that does not say which samples its part holds (a commit that raced
+                # the attempt's discard in genrun 0.1.0 could list none): folding it would
+                # count trajectories no key names, or keys of trajectories that are not there. The part is left unread (an
+                # orphan) and its samples stay pending, so nothing is lost or duplicated.
+                logger.warning(
+                    "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, its samples "
+                    "will be generated again", seq, part.name, part.count, len(samples),
+                )
+                self.rejected_parts.append(part.name)
+                part = None
+            if part is not None:
                 self.parts.append(part)
                 self.part_samples[part.name] = samples
                 self.completed.extend(samples)

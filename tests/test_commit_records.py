@@ -34,6 +34,8 @@ from generation_core.run_folder import (
     ShardCheckpoint,
     check_run_folder,
     commit_file,
+    read_commit_records,
+    sample_keys,
     shard_file,
 )
 from generation_core.storage import RunFolder
@@ -342,3 +344,68 @@ def test_a_folder_with_shards_and_no_run_json_is_refused(tmp_path):
         check_run_folder(folder, "a" * 64)
     assert "\n" not in str(refused.value)
     assert _files(run_dir) == before, "nothing written"
+
+
+# --- a commit racing the attempt's discard (issue 31, item 10) -------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_path, monkeypatch):
+    """The flow's stop fallback cancels a shard job while a commit runs in its thread: the
+    commit completes with its samples before the attempt's discard runs (which would empty the
+    sample list the record is being written from), and the resume is exact."""
+    import threading
+
+    folder = RunFolder(str(tmp_path))
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    in_commit, discarded = threading.Event(), threading.Event()
+    real_discard = part_writer.PartWriter.discard
+
+    def discard(self):
+        real_discard(self)
+        discarded.set()
+
+    def failpoint(name):
+        # The commit thread, between its part and its record: the task awaiting it is cancelled.
+        if name == "after_part_write" and not in_commit.is_set():
+            in_commit.set()
+            running["loop"].call_soon_threadsafe(running["task"].cancel)
+            discarded.wait(2)  # today's discard runs now; a shielded commit waits it out
+
+    monkeypatch.setattr(part_writer.PartWriter, "discard", discard)
+    monkeypatch.setattr(part_writer, "failpoint", failpoint)
+
+    running = {}
+
+    async def cancelled_shard():
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.ensure_future(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        with pytest.raises(asyncio.CancelledError):
+            await running["task"]
+
+    asyncio.run(cancelled_shard())
+    assert in_commit.is_set() and discarded.is_set()
+    _, records = read_commit_records(folder, SHARD.name)
+    parts = [record for record in records if record["kind"] == "part" and record["part"]]
+    assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], "the record lists its part's samples"
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert manifest.num_trajectories == 6
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
+
+
+@pytest.mark.timeout(60)
+def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_path, caplog):
+    """A record listing a part with fewer sample keys than trajectories (what the race above
+    wrote): the fold leaves the part unread and its samples pending, and says so."""
+    folder = RunFolder(str(tmp_path))
+    checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
+    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"])
+    # Hand-written: the part holds 102 and 103, the record names none of them.
+    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00001-bbbbbbbb.parquet", [102, 103]), [], ["104:0"])
+    with caplog.at_level("WARNING"):
+        folded = ShardCheckpoint.load(folder, SHARD.name)
+    assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
+    assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
+    assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
+    manifest = asyncio.run(run_shard(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert manifest.num_trajectories == 6
+    assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
