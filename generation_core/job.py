@@ -7,7 +7,7 @@ intact), attaches to the booted replica pool, resumes from the checkpoint, strea
 into parts and writes the success marker last. It receives its `ShardSpec` and never plans.
 
 A sample whose agent loop still fails after the engine-request retries is never committed: it is
-written to `failures.jsonl` (with its error) and the shard carries on. Once the stream ends the
+written to the shard's failure log (failures/, with its error) and the shard carries on. Once the stream ends the
 shard fails if more than `generation.max_failed_fraction` of its trajectories failed; otherwise
 its marker counts the failures. Failed samples are pending for every later attempt or run, which
 regenerates exactly them.
@@ -39,7 +39,7 @@ from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import (
-    FAILURES_FILE,
+    FAILURES_DIR,
     AttemptStats,
     ShardCheckpoint,
     ShardManifest,
@@ -258,7 +258,7 @@ async def generate_shard(
             raise TooManyFailedSamples(
                 f"{shard.name}: {len(checkpoint.failed)} of {owed} trajectories failed, more than "
                 f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
-                f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
+                f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_DIR))}/. "
                 "The next attempt regenerates only the failed and missing samples"
             )
     except (LeaseLost, ShardStopped):

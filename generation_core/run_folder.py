@@ -6,7 +6,9 @@ lease/00000001.json           who holds the folder (lease.py)
 shards/shard-00003/
   batch-00000-<uid>.parquet   immutable part: unpadded trajectories
   commits/0000000000.json     numbered commit records, each created exclusively (ShardCheckpoint)
-  failures.jsonl              samples that failed after retries, with the error
+  failures/0000000004.jsonl   samples that failed after retries, with the error: one file per
+                              commit record that counts failures, named by its number
+                              (failures.jsonl: one file rewritten at every commit, earlier versions)
   last_error.json             the last failed attempt's error (until the shard finishes)
   _SUCCESS.json               ShardManifest, written last
 trajectories.pkl              merged DataProto, or trajectories.json + trajectories-NNNNN.pkl chunks
@@ -87,7 +89,9 @@ CHECKPOINT_FILE = "checkpoint.json"
 COMMITS_DIR = "commits"
 SUCCESS_FILE = "_SUCCESS.json"
 LAST_ERROR_FILE = "last_error.json"
+FAILURES_DIR = "failures"
 FAILURES_FILE = "failures.jsonl"
+"""The failure log of earlier versions (one file rewritten whole at every commit): read, never written."""
 MERGED_FILE = "trajectories.pkl"
 CHUNK_INDEX_FILE = "trajectories.json"
 CHUNK_FILE_PREFIX = "trajectories-"
@@ -106,6 +110,11 @@ def shard_file(shard: str, name: str = "") -> str:
 def new_part_name(number: int) -> str:
     # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
     return f"batch-{number:05d}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+def failures_file(shard: str, seq: int) -> str:
+    """`shards/<shard>/failures/<seq:010d>.jsonl`: the failures commit record `seq` counts."""
+    return shard_file(shard, f"{FAILURES_DIR}/{seq:010d}.jsonl")
 
 
 def commit_file(shard: str, seq: int) -> str:
@@ -488,26 +497,22 @@ def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
     return folder.read_json(path) if folder.exists(path) else None
 
 
-def append_failure_log(folder: RunFolder, shard: str, lines: str, fence: Fence | None = None) -> None:
-    """Add `lines` to the shard's failure log, which keeps every failure of every attempt. S3
-    cannot append: the file is read and rewritten whole. With a fence the rewrite is
-    conditional on the version read (lines another writer added meanwhile are never dropped)
-    and a run that lost the lease writes nothing."""
-    path = shard_file(shard, FAILURES_FILE)
-    for _ in range(_CONFLICT_RETRIES):
-        if fence is not None:
-            fence.check(folder)
-        stored = folder.read_versioned(path)
-        text = (stored.data or b"") + lines.encode()
-        if fence is None:
-            folder.put_atomic(path, text)
-            return
-        try:
-            folder.put_if_version(path, text, stored.version)
-            return
-        except WriteConflict:
-            continue
-    raise CheckpointConflict(f"could not add to {folder.display(path)}: it kept changing under this run")
+def write_failure_log(folder: RunFolder, shard: str, seq: int, lines: str, fence: Fence | None = None) -> None:
+    """The failure log lines of the samples commit record `seq` counted as failed, in a file of
+    their own: nothing is ever rewritten (S3 cannot append), so the bytes a shard writes grow with
+    its failures, not with their square. Only the writer of record `seq` writes its file; with a
+    fence, not after a later run took the folder over."""
+    if fence is not None:
+        fence.check(folder)
+    folder.put_atomic(failures_file(shard, seq), lines.encode())
+
+
+def read_failure_log(folder: RunFolder, shard: str) -> list[dict[str, Any]]:
+    """Every failure the shard logged, oldest first: the earlier versions' failures.jsonl, then
+    one file per commit record that counted failures."""
+    paths = [shard_file(shard, FAILURES_FILE)] if folder.exists(shard_file(shard, FAILURES_FILE)) else []
+    paths += [shard_file(shard, f"{FAILURES_DIR}/{name}") for name in folder.list(shard_file(shard, FAILURES_DIR)) if name.endswith(".jsonl")]
+    return [json.loads(line) for path in paths for line in folder.read_bytes(path).decode().splitlines() if line.strip()]
 
 
 # --- run.json ---------------------------------------------------------------------------------

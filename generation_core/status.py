@@ -7,7 +7,7 @@ from typing import Any
 from generation_core.finish import merge_repairing, padding_of
 from generation_core.lease import RunLease, describe_holder
 from generation_core.merge import merge_output
-from generation_core.run_folder import FAILURES_FILE, ShardCheckpoint, merged_files, read_last_error, read_marker, read_run_record, shard_file
+from generation_core.run_folder import FAILURES_DIR, ShardCheckpoint, merged_files, read_last_error, read_marker, read_run_record, shard_file
 from generation_core.storage import RunFolder
 
 
@@ -41,7 +41,7 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     if holder:
         print(f"in use by a running genrun: {holder}")
     for s in states:
-        detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_FILE)}" if s["failed_samples"] else ""
+        detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_DIR)}/" if s["failed_samples"] else ""
         detail += f"  last error: {s['error']}" if s["error"] else ""
         print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}

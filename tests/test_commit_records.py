@@ -409,3 +409,55 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
     manifest = asyncio.run(run_shard(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert manifest.num_trajectories == 6
     assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
+
+
+# --- the failure log (issue 31, item 12) -----------------------------------------------------------
+
+
+def _failure_log_bytes_written(folder: RunFolder, commits: int, monkeypatch) -> int:
+    """Bytes written into shard-00000's failure log over `commits` commits of one failure each."""
+    from generation_core.records import SampleFailure
+
+    written = []
+    for name in ("put_atomic", "put_if_version", "create_exclusive"):
+        real = getattr(folder, name)
+
+        def counting(relative, data, *args, _real=real):
+            if "/failures" in relative:
+                written.append(len(data))
+            return _real(relative, data, *args)
+
+        monkeypatch.setattr(folder, name, counting)
+    writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.start_attempt(folder, SHARD.name))
+    for index in range(commits):
+        writer.add_failure(SampleFailure(index, 0, "RuntimeError: boom", "Traceback ...\n" * 10))
+        writer.commit()
+    return sum(written)
+
+
+@pytest.mark.timeout(60)
+def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path, monkeypatch):
+    """Each commit with failures writes its own lines once (S3 cannot append: a log rewritten
+    whole at every commit writes O(k^2) bytes); errors and tracebacks are capped; status and the
+    report see every failure once, those of an earlier version's failures.jsonl included."""
+    small = _failure_log_bytes_written(RunFolder(str(tmp_path / "k")), 20, monkeypatch)
+    large = _failure_log_bytes_written(RunFolder(str(tmp_path / "4k")), 80, monkeypatch)
+    print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
+    assert large <= 4.2 * small, "linear in the commits, not quadratic"
+
+    from generation_core.records import SampleFailure
+    from generation_core.report_data import _failures
+    from generation_core.run_folder import FAILURES_FILE, read_failure_log
+
+    folder = RunFolder(str(tmp_path / "4k"))
+    # An earlier version's log, kept beside the new files.
+    folder.put_atomic(shard_file(SHARD.name, FAILURES_FILE), b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n')
+    writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.load(folder, SHARD.name))
+    writer.add_failure(SampleFailure(500, 0, "E" * 50_000, "T" * 50_000 + "the raising frame"))
+    writer.commit()
+    logged = read_failure_log(folder, SHARD.name)
+    assert [entry["index"] for entry in logged] == [999, *range(80), 500], "every failure once, oldest first"
+    huge = logged[-1]
+    assert len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
+    assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [(999, "old"), (0, "RuntimeError: boom")]
+    assert len(_failures(folder, SHARD.name, set())) == 82

@@ -16,7 +16,7 @@ import pytest
 from generation_core.data import ShardSpec
 from generation_core.job import run_shard
 from generation_core.lease import LeaseLost, RunLease
-from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, shard_file
+from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, read_failure_log, shard_file
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -115,7 +115,7 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         assert len(in_flight) == 1
         expected = {name: data for name, data in stall.after_takeover.items() if name not in in_flight}
         assert _snapshot(folder) == expected, "the old run changed the folder after the new one started"
-        assert not folder.exists(shard_file(SHARD.name, "failures.jsonl")) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
+        assert not read_failure_log(folder, SHARD.name) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
         manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
         assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [f"{100 + p}:0" for p in range(6)]
