@@ -32,7 +32,9 @@ Every record also holds its `seq`, `lease` (the writer's lease generation, null 
 depends on its own part only (~400 bytes, plus ~20 per run of consecutive indices and per
 failed sample), never on the shard's size.
 `ShardCheckpoint.load` lists the records and folds them in sequence order into one view; a part
-no record lists (a crash between the part and its record) is an orphan and is never read.
+no record lists (a crash between the part and its record) is an orphan and is never read. The
+next attempt that holds the lease removes orphans and temporary files once its attempt record
+is created (`remove_unlisted_files`).
 
 No compaction is needed: records are per part, never rewritten, and a shard has one per part
 plus one per attempt. At the defaults 1M trajectories of the bundled demo (~290 bytes each in a
@@ -325,11 +327,14 @@ class ShardCheckpoint:
                     f"{checkpoint.rows_digest[:12]} in {folder.display(shard_file(shard, COMMITS_DIR))}): its committed trajectories "
                     "belong to other prompts. Restore the dataset, or write to another trainer.default_local_dir"
                 )
+            started = time.time()
             try:
                 checkpoint._commit(folder, shard, {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest}, fence)
-                return checkpoint
             except CheckpointConflict:
                 continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
+            if fence is not None:
+                remove_unlisted_files(folder, shard, checkpoint, older_than=started)
+            return checkpoint
         raise CheckpointConflict(f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run")
 
     def commit_part(self, folder: RunFolder, shard: str, part: PartEntry | None, samples: list[str], failed: list[str] = (), fence: Fence | None = None) -> None:
@@ -495,6 +500,46 @@ def write_last_error(folder: RunFolder, shard: str, payload: dict[str, Any]) -> 
 def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
     path = shard_file(shard, LAST_ERROR_FILE)
     return folder.read_json(path) if folder.exists(path) else None
+
+
+def _modified(entry: dict[str, Any]) -> float | None:
+    """A listing entry's modification time (local disk: `mtime`; S3: `LastModified`), or None."""
+    modified = entry.get("mtime", entry.get("LastModified"))
+    if hasattr(modified, "timestamp"):
+        return modified.timestamp()
+    return float(modified) if isinstance(modified, int | float) else None
+
+
+def remove_unlisted_files(folder: RunFolder, shard: str, checkpoint: ShardCheckpoint, *, older_than: float) -> list[str]:
+    """Remove what a killed writer left in the shard's folder: parts that no live record lists
+    and temporary files (`.tmp-*`, local disk), both older than `older_than`; returns their
+    names. Called by an attempt under the lease right after its attempt record: no writer of an
+    earlier lease can list a part any more (its commit would need a number the claim took),
+    and the age spares whatever this run is writing now. Parts a `repair` record dropped stay
+    (the damaged file is the evidence of what was lost)."""
+    keep = {part.name for part in checkpoint.parts} | {str(entry.get("name")) for entry in checkpoint.repaired_parts}
+    removed = []
+    for directory in (shard_file(shard), shard_file(shard, COMMITS_DIR), shard_file(shard, FAILURES_DIR)):
+        try:
+            entries = folder.fs.ls(folder.path(directory), detail=True)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            # Only tidying: what stays is never read, and the next attempt tries again.
+            logger.warning("%s: could not list %s to remove what a killed writer left (%s)", shard, folder.display(directory), exc)
+            continue
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            modified = _modified(entry)
+            if entry.get("type") == "directory" or modified is None or modified >= older_than:
+                continue
+            orphan_part = directory == shard_file(shard) and name.startswith("batch-") and name.endswith(".parquet") and name not in keep
+            if orphan_part or name.startswith(".tmp-"):
+                folder.remove(f"{directory}/{name}")
+                removed.append(f"{directory}/{name}")
+    if removed:
+        logger.info("%s: removed %d file(s) no commit record lists, left by a killed writer: %s", shard, len(removed), ", ".join(removed))
+    return removed
 
 
 def write_failure_log(folder: RunFolder, shard: str, seq: int, lines: str, fence: Fence | None = None) -> None:

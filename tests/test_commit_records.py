@@ -461,3 +461,31 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
     assert len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
     assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [(999, "old"), (0, "RuntimeError: boom")]
     assert len(_failures(folder, SHARD.name, set())) == 82
+
+
+# --- what a killed writer leaves (issue 31, item 14) -----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_next_attempt_under_the_lease_removes_orphan_parts_and_temporary_files(tmp_path):
+    """kill -9 between a part and its record leaves an orphan part, and one during a write a
+    `.tmp-*` file: the next attempt that holds the lease removes both once its attempt record
+    exists, and keeps every listed part and whatever is newer than its start."""
+    run_dir = tmp_path / "run"
+    folder = RunFolder(str(run_dir))
+    checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
+    listed = _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101])
+    checkpoint.commit_part(folder, SHARD.name, listed, ["100:0", "101:0"])
+    shard_dir = run_dir / "shards" / SHARD.name
+    left = [shard_dir / "batch-00001-bbbbbbbb.parquet", shard_dir / ".tmp-0123abcd-batch-00001-cccccccc.parquet", shard_dir / COMMITS_DIR / ".tmp-4567ef01-0000000002.json"]
+    for path in left:
+        path.write_bytes(b"left by a killed writer")
+        os.utime(path, (os.path.getmtime(path) - 600,) * 2)
+    newer = shard_dir / "batch-00002-dddddddd.parquet"
+    newer.write_bytes(b"written after the attempt started")
+    os.utime(newer, (os.path.getmtime(newer) + 600,) * 2)
+    with RunLease.acquire(folder, seconds=60) as lease:
+        resumed = ShardCheckpoint.start_attempt(folder, SHARD.name, lease.fence())
+    assert [path.name for path in left if path.exists()] == [], "orphan part and temporary files removed"
+    assert (shard_dir / listed.name).exists() and newer.exists(), "listed parts and newer files stay"
+    assert [p.name for p in resumed.parts] == [listed.name] and resumed.completed == ["100:0", "101:0"]
