@@ -26,7 +26,10 @@ local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. K
 - `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
   sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
   since the previous commit; `part` is null when a commit holds only failures);
-- `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost).
+- `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost);
+- `done`: the shard finished (`trajectories`, `failures`); its success marker `_SUCCESS.json`
+  (the ShardManifest) follows and names this record (`done_record`). Created exclusively like
+  every record, so a run that lost the folder cannot finish a shard the new holder claimed.
 Every record also holds its `seq`, `lease` (the writer's lease generation, null without one),
 `time` and a random `token` (a retried create recognises its own bytes). A record's size
 depends on its own part only (~400 bytes, plus ~20 per run of consecutive indices and per
@@ -68,6 +71,7 @@ that wrote it, or start a new output folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -284,6 +288,10 @@ class ShardCheckpoint:
         self.ignored: list[int] = []
         self.rejected_parts: list[str] = []
         """Parts whose record's count differs from its sample keys (never read)."""
+        self.done_seq: int | None = None
+        """The number of the `done` record that finished the shard, while no attempt or repair
+        followed it (None: not finished, or finished by a version that wrote no done record)."""
+        self.has_done_record = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -378,7 +386,11 @@ class ShardCheckpoint:
         if lease is not None:
             self.lease = lease
         kind = record.get("kind")
-        if kind == "attempt":
+        if kind != "done":
+            self.done_seq = None  # work after the shard was finished: its marker is stale
+        if kind == "done":
+            self.done_seq, self.has_done_record = seq, True
+        elif kind == "attempt":
             self.attempts = max(self.attempts, int(record.get("attempt") or 0))
             self.failed = []
             if self.rows_digest is None:
@@ -457,6 +469,9 @@ class ShardManifest:
     last_attempt: AttemptStats = field(default_factory=AttemptStats)
     filtered_overlong: int = 0
     """Rows of the shard's range dropped as longer than data.max_prompt_length (never generated)."""
+    done_record: int | None = None
+    """The number of the shard's `done` commit record this marker belongs to (None: a marker of
+    a version that wrote none)."""
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> "ShardManifest":
@@ -480,14 +495,30 @@ class ShardManifest:
         return round(self.last_attempt.generated_tokens / seconds, 2) if seconds else 0.0
 
 
-def read_marker(folder: RunFolder, shard: str) -> ShardManifest | None:
+def read_marker(folder: RunFolder, shard: str, checkpoint: ShardCheckpoint | None = None) -> ShardManifest | None:
+    """The shard's success marker while it stands for the shard's state, else None: it must
+    belong to the `done` record that ends the shard's records (`checkpoint`: the shard's records,
+    folded, when the caller has them). A marker of a version that wrote no done records stands
+    while the shard has none (its folder is read as that version left it)."""
     path = shard_file(shard, SUCCESS_FILE)
-    return ShardManifest.from_dict(folder.read_json(path)) if folder.exists(path) else None
+    if not folder.exists(path):
+        return None
+    marker = ShardManifest.from_dict(folder.read_json(path))
+    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
+    if not checkpoint.has_done_record:
+        return marker
+    return marker if checkpoint.done_seq is not None and marker.done_record == checkpoint.done_seq else None
 
 
 def write_marker(folder: RunFolder, manifest: ShardManifest, fence: Fence | None = None) -> None:
-    """The shard's success marker, written last. With `fence`, not by a run that lost the folder
-    (its last commit was refused already; this covers a takeover right after it)."""
+    """Finish the shard: its `done` commit record, created exclusively under the next number
+    (with `fence`, refused once a later run claimed the shard: LeaseLost), then the success
+    marker that names it. A marker that a run which lost the folder still writes after its
+    fence check names a done record that is not the shard's last: read_marker ignores it and
+    the shard is finished again."""
+    checkpoint = ShardCheckpoint.load(folder, manifest.shard, fence)
+    checkpoint._commit(folder, manifest.shard, {"kind": "done", "trajectories": manifest.num_trajectories, "failures": manifest.failures}, fence)
+    manifest.done_record = checkpoint.done_seq
     if fence is not None:
         fence.check(folder)
     folder.put_json(shard_file(manifest.shard, SUCCESS_FILE), manifest.to_dict())
@@ -775,6 +806,46 @@ def mark_for_repair(folder: RunFolder, damaged: DamagedPart, fence: Fence | None
 
 
 # --- merged output ------------------------------------------------------------------------------
+
+
+class FencedRunFolder(RunFolder):
+    """The run folder as the run's finishing steps write it (merge, manifest.json, zip, report):
+    the same storage, with the lease checked immediately before each write publishes (before an
+    atomic put, a create, a removal, and at the end of a streamed write, before its file
+    appears). A run that lost the folder (LeaseLost) publishes nothing over the new holder's
+    output; a streamed file it was writing is discarded."""
+
+    def __init__(self, folder: RunFolder, fence: Fence):
+        self.__dict__.update(folder.__dict__)  # the same filesystem, credentials and retry policy
+        self.fence = fence
+
+    def put_atomic(self, relative: str, data: bytes) -> None:
+        self.fence.check(self)
+        super().put_atomic(relative, data)
+
+    def create_exclusive(self, relative: str, data: bytes) -> bool:
+        self.fence.check(self)
+        return super().create_exclusive(relative, data)
+
+    def put_if_version(self, relative: str, data: bytes, version: str | None) -> str:
+        self.fence.check(self)
+        return super().put_if_version(relative, data, version)
+
+    def remove(self, relative: str) -> None:
+        self.fence.check(self)
+        super().remove(relative)
+
+    @contextlib.contextmanager
+    def open_write(self, relative: str):
+        with super().open_write(relative) as handle:
+            yield handle
+            self.fence.check(self)  # raised inside the block: the writer discards the file
+
+
+def fenced(folder: RunFolder, fence: Fence | None) -> RunFolder:
+    """`folder` whose writes check `fence` first (FencedRunFolder); `folder` itself without one."""
+    return folder if fence is None or isinstance(folder, FencedRunFolder) else FencedRunFolder(folder, fence)
+
 
 
 def merged_files(folder: RunFolder) -> list[str]:

@@ -251,7 +251,7 @@ def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
     manifest = asyncio.run(run_shard(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
-    assert len(_commit_sizes(tmp_path)) == 2, "one attempt record, one part record"
+    assert len(_commit_sizes(tmp_path)) == 3, "one attempt record, one part record, the done record"
 
 
 @pytest.mark.timeout(120)
