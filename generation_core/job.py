@@ -2,9 +2,10 @@
 
 `run_shard_job(plan, shard, ...)` runs in any process of the run's Ray job (a Prefect task on a
 Ray worker, or the in-process dispatcher): it decides from the run folder alone whether the shard
-has anything left to do (`finished_shard`: success marker, no recorded failures, committed parts
-intact), attaches to the booted replica pool, resumes from the checkpoint, streams trajectories
-into parts and writes the success marker last. It receives its `ShardSpec` and never plans.
+has anything left to do (`finished_shard`: a success marker that names the shard's last commit
+record, its `done` record; no recorded failures; committed parts intact), attaches to the booted
+replica pool, resumes from the checkpoint, streams trajectories into parts and finishes the shard
+last (`write_marker`: the done record, created exclusively under the lease, then the marker). It receives its `ShardSpec` and never plans.
 
 A sample whose agent loop still fails after the engine-request retries is never committed: it is
 written to the shard's failure log (failures/, with its error) and the shard carries on. Once the stream ends the
@@ -80,10 +81,11 @@ def finished_shard(
     the run's lease; a run that lost it repairs nothing (LeaseLost)."""
     if verify == "sha256":
         repair_shard(folder, shard.name, fence=fence)
-    marker = read_marker(folder, shard.name)
+    checkpoint = ShardCheckpoint.load(folder, shard.name)
+    marker = read_marker(folder, shard.name, checkpoint)
     if marker is None or marker.failures:
         return None
-    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence):
+    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
         return None
     return marker
 

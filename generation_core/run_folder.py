@@ -10,7 +10,7 @@ shards/shard-00003/
                               commit record that counts failures, named by its number
                               (failures.jsonl: one file rewritten at every commit, earlier versions)
   last_error.json             the last failed attempt's error (until the shard finishes)
-  _SUCCESS.json               ShardManifest, written last
+  _SUCCESS.json               ShardManifest, written last, after the `done` commit record it names
 trajectories.pkl              merged DataProto, or trajectories.json + trajectories-NNNNN.pkl chunks
 trajectories.zip              upload artifact
 manifest.json                 the run summary
@@ -82,7 +82,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from generation_core.errors import GenrunError
-from generation_core.storage import RunFolder, WriteConflict, redacted_options
+from generation_core.storage import RunFolder, redacted_options
 
 logger = logging.getLogger(__name__)
 
@@ -400,9 +400,10 @@ class ShardCheckpoint:
             samples = sample_keys(record.get("samples") or [])
             if part is not None and part.count != len(samples):
                 # A record that does not say which samples its part holds (a commit that raced
-                # the attempt's discard in genrun 0.1.0 could list none): folding it would
-                # count trajectories no key names, or keys of trajectories that are not there. The part is left unread (an
-                # orphan) and its samples stay pending, so nothing is lost or duplicated.
+                # the attempt's discard in genrun 0.1.0 could list none): folding it would count
+                # trajectories no key names, or keys of trajectories that are not there. The part
+                # is left unread (an orphan) and its samples stay pending: nothing is lost or
+                # duplicated.
                 logger.warning(
                     "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, its samples "
                     "will be generated again", seq, part.name, part.count, len(samples),
@@ -784,11 +785,12 @@ def drop_damaged_parts(
     return checkpoint
 
 
-def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None) -> int:
+def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None, checkpoint: ShardCheckpoint | None = None) -> int:
     """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
     `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
-    corruption needs the full check). `fence`: the run's lease, when the caller holds one."""
-    checkpoint = ShardCheckpoint.load(folder, shard)
+    corruption needs the full check). `fence`: the run's lease, when the caller holds one.
+    `checkpoint`: the shard's records as the caller just loaded them."""
+    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
     if not checkpoint.parts:
         return 0
     sizes = folder.list_sizes(shard_file(shard)) if size_only else None
@@ -845,7 +847,6 @@ class FencedRunFolder(RunFolder):
 def fenced(folder: RunFolder, fence: Fence | None) -> RunFolder:
     """`folder` whose writes check `fence` first (FencedRunFolder); `folder` itself without one."""
     return folder if fence is None or isinstance(folder, FencedRunFolder) else FencedRunFolder(folder, fence)
-
 
 
 def merged_files(folder: RunFolder) -> list[str]:
