@@ -5,13 +5,14 @@ Ray worker, or the in-process dispatcher): it decides from the run folder alone 
 has anything left to do (`finished_shard`: a success marker that names the shard's last commit
 record, its `done` record; no recorded failures; committed parts intact), attaches to the booted
 replica pool, resumes from the checkpoint, streams trajectories into parts and finishes the shard
-last (`write_marker`: the done record, created exclusively under the lease, then the marker). It receives its `ShardSpec` and never plans.
+last (`write_marker`: the done record, created exclusively under the lease, then the marker). It
+receives its `ShardSpec` and never plans.
 
 A sample whose agent loop still fails after the engine-request retries is never committed: it is
-written to the shard's failure log (failures/, with its error) and the shard carries on. Once the stream ends the
-shard fails if more than `generation.max_failed_fraction` of its trajectories failed; otherwise
-its marker counts the failures. Failed samples are pending for every later attempt or run, which
-regenerates exactly them.
+written to the shard's failure log (failures/, with its error) and the shard carries on. Once the
+stream ends the shard fails if more than `generation.max_failed_fraction` of its trajectories
+failed; otherwise its marker counts the failures. Failed samples are pending for every later
+attempt or run, which regenerates exactly them.
 """
 
 from __future__ import annotations
