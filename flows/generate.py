@@ -179,7 +179,7 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
     manifests.sort(key=lambda m: m.shard_id)
     summary = merge(plan, manifests, time.perf_counter() - started, fence)
     mark("merged")
-    return publish(plan, summary, manifests, artifact_key)
+    return publish(plan, summary, manifests, artifact_key, fence)
 
 
 def _cancel(futures: dict[PrefectFuture, Any]) -> None:

@@ -38,5 +38,5 @@ def run_in_process(plan: RunPlan) -> dict[str, Any]:
         finally:
             pool.shutdown()
         summary = finish_run(plan, manifests, time.perf_counter() - started, lease.fence())
-        summary["published"] = publish_run(plan.cfg, plan.folder, summary)
+        summary["published"] = publish_run(plan.cfg, plan.folder, summary, fence=lease.fence())
     return summary

@@ -9,7 +9,7 @@ from generation_core.errors import GenrunError
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.preflight import RunPlan
 from generation_core.lease import LeaseFence
-from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, mark_for_repair
+from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
 
@@ -23,17 +23,20 @@ def padding_of(rollout: Any, pad_token_id: int) -> Padding:
 
 def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
     """Check that every shard accounts for its planned rows (merge.check_shard_counts), merge
-    (when configured) and write the run's manifest.json; returns the summary. `fence`:
-    the run's lease, for the checkpoint a damaged part found by the merge is dropped from."""
+    (when configured) and write the run's manifest.json; returns the summary. `fence`: the run's
+    lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
+    and a damaged part found by the merge is dropped under it."""
     check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n)
     summary = summarize(plan, manifests, elapsed)
+    # Every file below is published only while the run still holds the folder.
+    folder = fenced(plan.folder, fence)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
-        merged = merge_repairing(plan.folder, lambda: merge_output(plan.folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
-        summary["artifact"] = plan.folder.display(merged.entry_file)
+        merged = merge_repairing(folder, lambda: merge_output(folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
+        summary["artifact"] = folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
-    plan.folder.put_json(MANIFEST_FILE, summary)
+    folder.put_json(MANIFEST_FILE, summary)
     return summary
 
 

@@ -2,15 +2,17 @@
 
 `run_shard_job(plan, shard, ...)` runs in any process of the run's Ray job (a Prefect task on a
 Ray worker, or the in-process dispatcher): it decides from the run folder alone whether the shard
-has anything left to do (`finished_shard`: success marker, no recorded failures, committed parts
-intact), attaches to the booted replica pool, resumes from the checkpoint, streams trajectories
-into parts and writes the success marker last. It receives its `ShardSpec` and never plans.
+has anything left to do (`finished_shard`: a success marker that names the shard's last commit
+record, its `done` record; no recorded failures; committed parts intact), attaches to the booted
+replica pool, resumes from the checkpoint, streams trajectories into parts and finishes the shard
+last (`write_marker`: the done record, created exclusively under the lease, then the marker). It
+receives its `ShardSpec` and never plans.
 
 A sample whose agent loop still fails after the engine-request retries is never committed: it is
-written to `failures.jsonl` (with its error) and the shard carries on. Once the stream ends the
-shard fails if more than `generation.max_failed_fraction` of its trajectories failed; otherwise
-its marker counts the failures. Failed samples are pending for every later attempt or run, which
-regenerates exactly them.
+written to the shard's failure log (failures/, with its error) and the shard carries on. Once the
+stream ends the shard fails if more than `generation.max_failed_fraction` of its trajectories
+failed; otherwise its marker counts the failures. Failed samples are pending for every later
+attempt or run, which regenerates exactly them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import (
     COMMITS_DIR,
-    FAILURES_FILE,
+    FAILURES_DIR,
     AttemptStats,
     ShardCheckpoint,
     ShardManifest,
@@ -89,10 +91,11 @@ def finished_shard(
     the run's lease; a run that lost it repairs nothing (LeaseLost)."""
     if verify == "sha256":
         repair_shard(folder, shard.name, fence=fence)
-    marker = read_marker(folder, shard.name)
+    checkpoint = ShardCheckpoint.load(folder, shard.name)
+    marker = read_marker(folder, shard.name, checkpoint)
     if marker is None or marker.failures:
         return None
-    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence):
+    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
         return None
     return marker
 
@@ -294,13 +297,13 @@ async def generate_shard(
                 # In a thread: samples in flight keep talking to the engine while a row group or a
                 # part is written (an S3 upload takes tens of milliseconds).
                 if writer.row_group_ready():
-                    await asyncio.to_thread(writer.write_row_group)
+                    await to_thread_to_the_end(writer.write_row_group)
                 if writer.should_commit():
-                    await asyncio.to_thread(writer.commit)
+                    await to_thread_to_the_end(writer.commit)
                     report.committed = len(set(checkpoint.completed))
                 if reporter.stop:
                     break
-            await asyncio.to_thread(writer.commit)
+            await to_thread_to_the_end(writer.commit)
             report.committed = len(set(checkpoint.completed))
         if reporter.stop:
             raise ShardStopped(f"{shard.name}: stopped on request with {report.committed} trajectories committed")
@@ -311,7 +314,7 @@ async def generate_shard(
             raise TooManyFailedSamples(
                 f"{shard.name}: {len(checkpoint.failed)} of {owed} trajectories failed, more than "
                 f"generation.max_failed_fraction={gen.max_failed_fraction} allows "
-                f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_FILE))}. "
+                f"({allowed}); errors in {folder.display(shard_file(shard.name, FAILURES_DIR))}/. "
                 "The next attempt regenerates only the failed and missing samples"
             )
     except (LeaseLost, ShardStopped):
@@ -363,6 +366,25 @@ async def generate_shard(
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         ),
     )
+
+
+async def to_thread_to_the_end(function) -> None:
+    """`function` in a thread, awaited to its end even when the awaiting task is cancelled (the
+    flow's stop fallback cancels shard jobs): a commit then either completes with its samples or
+    never starts, and the `writer.discard()` that follows the cancellation never runs beside
+    it. The cancellation is raised once the thread is done."""
+    running = asyncio.ensure_future(asyncio.to_thread(function))
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        while not running.done():
+            try:
+                await asyncio.shield(running)
+            except asyncio.CancelledError:
+                continue  # cancelled again: the thread still has to end first
+        if not running.cancelled() and running.exception() is not None:
+            logger.warning("a write cancelled with its shard failed: %s", running.exception())
+        raise
 
 
 def engine_counters(worker: StreamingWorker) -> dict[str, int]:

@@ -17,7 +17,10 @@ boot id) is another machine's and expires by time. Taking over a free lease crea
 number, never touches the old file: a run that lost its lease (its heartbeat stalled past
 expiry and another run took over) sees a newer number at its next commit (`LeaseFence.check`)
 and stops instead of writing; its checkpoint writes are conditional too (part_writer.py), so
-one in flight when the new run starts on the shard is refused.
+one in flight when the new run starts on the shard is refused. The shards' commit records carry
+their writer's generation: when lease/ lacks the previous holder's file (a refusal allows
+removing lease/), a new lease numbers above every generation they record too, so removing
+lease/ and running the same command resumes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 
 from generation_core.errors import GenrunError
-from generation_core.run_folder import LEASE_DIR, lease_file, lease_generation
+from generation_core.run_folder import LEASE_DIR, highest_recorded_lease, lease_file, lease_generation
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
@@ -168,6 +171,18 @@ def _wait_if_dying(folder: RunFolder, newest: LeaseRecord | None) -> LeaseRecord
             return latest
 
 
+def _next_generation(folder: RunFolder, newest: LeaseRecord | None) -> int:
+    """The generation a new lease takes: above the newest lease file and, when lease/ does not
+    hold the previous holder's file beside it (removed by hand, as a refusal allows, or a first
+    resume), above every lease recorded in the shards' commit records too: a lease numbered
+    below them would find every unfinished shard claimed by a "later" run. A healthy folder
+    keeps the two newest files (`_remove_older`), so a resume pays for the scan at most once."""
+    generation = newest.generation if newest is not None else 0
+    if generation == 0 or not folder.exists(lease_file(generation - 1)):
+        generation = max(generation, highest_recorded_lease(folder))
+    return generation + 1
+
+
 def describe_holder(folder: RunFolder) -> str | None:
     """Who holds the folder now (for `genrun status`), or None when it is free."""
     record = newest_lease(folder)
@@ -197,7 +212,7 @@ class RunLease:
                 logger.warning("taking over the lease of a run that stopped without releasing it (%s; %s)", why_free, _describe(newest, now))
         boot_id, pid_namespace = this_machine()
         record = LeaseRecord(
-            generation=(newest.generation if newest else 0) + 1,
+            generation=_next_generation(folder, newest),
             # The token that makes this lease file ours alone (create_exclusive's retry after a
             # lost answer recognises it).
             owner=uuid.uuid4().hex,

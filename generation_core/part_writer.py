@@ -5,8 +5,9 @@ Exactly-once on local disk and S3 alike: a part is written whole under a fresh n
 (`RunFolder.open_write`: a temporary file renamed at the end on local disk, a multipart upload
 completed at the end on S3), then its commit record is created under the next free number
 (run_folder.py). A crash between the two leaves an orphan part that no record lists and nobody
-reads. The failure log follows the record that counts its samples (a crash in between loses
-only the error text of samples that are pending again anyway).
+reads. The failure log follows the record that counts its samples, in a file named by that
+record's number (a crash in between loses only the error text of samples that are pending again
+anyway); errors and tracebacks are capped at FAILURE_TEXT_CHARS.
 
 Parts are few and large. Records stream into the open part as row groups (a few MiB or
 ROW_GROUP_RECORDS records each, `records.part_parquet_writer`), counted and sha256-hashed as
@@ -30,6 +31,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import threading
 import time
 from contextlib import ExitStack
 
@@ -47,9 +49,10 @@ from generation_core.run_folder import (
     CheckpointConflict,
     PartEntry,
     ShardCheckpoint,
-    append_failure_log,
+    FAILURES_DIR,
     new_part_name,
     shard_file,
+    write_failure_log,
 )
 from generation_core.storage import RunFolder
 
@@ -61,6 +64,8 @@ DEFAULT_PART_MAX_SECONDS = 60.0
 # waiting: what a shard worker holds as Python objects is bounded by one row group.
 ROW_GROUP_RECORDS = 512
 ROW_GROUP_BYTES = 4 << 20
+# The longest error text and traceback a failure log line keeps.
+FAILURE_TEXT_CHARS = 2000
 
 
 def _raw_bytes(record: TrajectoryRecord) -> int:
@@ -173,6 +178,10 @@ class PartWriter:
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
         self.stage_seconds = {"serialization": 0.0, "storage": 0.0}
+        # Held by each write and by `discard`: a discard (the attempt ends, perhaps cancelled
+        # while a commit runs in a thread) waits for the commit in flight instead of emptying
+        # the sample list it is recording.
+        self._writing = threading.RLock()
 
     def add(self, record: TrajectoryRecord) -> None:
         if not self.has_uncommitted():
@@ -221,6 +230,10 @@ class PartWriter:
     def write_row_group(self) -> None:
         """Write the pending records into the open part (opening it first). On a storage error
         the uncommitted part is discarded (the attempt ends; its samples are pending again)."""
+        with self._writing:
+            self._write_row_group()
+
+    def _write_row_group(self) -> None:
         if not self.pending:
             return
         try:
@@ -250,6 +263,10 @@ class PartWriter:
     def discard(self) -> None:
         """Drop what is not committed (the attempt ends in an error): the open part leaves no
         file and no upload behind; its samples and the uncommitted failures are pending again."""
+        with self._writing:
+            self._discard()
+
+    def _discard(self) -> None:
         part, self.part = self.part, None
         self.pending, self.pending_bytes = [], 0
         self.part_keys, self.new_failures = [], []
@@ -259,6 +276,10 @@ class PartWriter:
             part.discard()
 
     def commit(self) -> None:
+        with self._writing:
+            self._commit()
+
+    def _commit(self) -> None:
         if not self.has_uncommitted():
             return
         if self.fence is not None:
@@ -284,8 +305,9 @@ class PartWriter:
         if entry is not None:
             logger.info("%s: committed %s (%d trajectories, %d bytes, %d in shard)", self.shard, entry.name, entry.count, entry.bytes, len(self.checkpoint.completed))
         if failure_lines:
-            append_failure_log(self.folder, self.shard, failure_lines, self.fence)
-            logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard, len(self.new_failures), self.folder.display(shard_file(self.shard)))
+            # Named by the record that counts these failures: written once, never rewritten.
+            write_failure_log(self.folder, self.shard, self.checkpoint.next_seq - 1, failure_lines, self.fence)
+            logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard, len(self.new_failures), self.folder.display(shard_file(self.shard, FAILURES_DIR)))
         self.part_keys = []
         self.part_response_tokens = self.part_generated_tokens = 0
         self.new_failures = []
@@ -315,7 +337,20 @@ class PartWriter:
         """The failure log's lines for the buffered failures, counted in the commit record."""
         now = time.time()
         lines = [
-            to_json({"sample": sample_key_text(f.key), "index": f.index, "rollout_n": f.rollout_n, "error": f.error, "traceback": f.traceback, "attempt": self.checkpoint.attempts, "time": round(now, 3)})
+            to_json({
+                "sample": sample_key_text(f.key), "index": f.index, "rollout_n": f.rollout_n, "error": _capped(f.error, keep="head"),
+                "traceback": _capped(f.traceback, keep="tail"), "attempt": self.checkpoint.attempts, "time": round(now, 3),
+            })
             for f in self.new_failures
         ]
         return "".join(line + "\n" for line in lines)
+
+
+def _capped(text: str | None, *, keep: str) -> str | None:
+    """At most FAILURE_TEXT_CHARS of an error or traceback: a huge message (a model's whole
+    output in an exception) costs its shard's log once, bounded. A traceback keeps its end,
+    where the raising frame and the error are."""
+    if text is None or len(text) <= FAILURE_TEXT_CHARS:
+        return text
+    cut = len(text) - FAILURE_TEXT_CHARS
+    return f"{text[:FAILURE_TEXT_CHARS]}... [{cut} more characters]" if keep == "head" else f"[{cut} characters before] ...{text[-FAILURE_TEXT_CHARS:]}"

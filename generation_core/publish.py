@@ -18,7 +18,7 @@ from verl.utils.tracking import Tracking
 
 from generation_core.errors import GenrunError
 from generation_core.report_html import Report, write_report
-from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, merged_files
+from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, Fence, fenced, merged_files
 from generation_core.secrets import without_secrets
 from generation_core.storage import RunFolder
 from generation_core.summary import throughput_metrics
@@ -51,10 +51,17 @@ def write_zip(folder: RunFolder) -> str:
     return folder.display(ZIP_FILE)
 
 
-def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_report: Callable[[Report], None] | None = None) -> dict[str, Any]:
+def publish_run(
+    cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_report: Callable[[Report], None] | None = None, fence: Fence | None = None
+) -> dict[str, Any]:
     """Zip (when merged), write the run report, log metrics (and the report's plots) on every
     configured backend, upload the W&B artifact. `on_report` is handed the report (the flow
-    shows its plots as Prefect artifacts)."""
+    shows its plots as Prefect artifacts). `fence`: the run's lease, checked immediately before
+    each step publishes (the zip and the report as their files appear): a run that lost the
+    folder publishes nothing more (LeaseLost)."""
+    folder = fenced(folder, fence)
+    check = (lambda: fence.check(folder)) if fence is not None else (lambda: None)
+    check()
     gen = cfg.generation
     backends = list(cfg.trainer.logger)
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
@@ -73,12 +80,14 @@ def publish_run(cfg: DictConfig, folder: RunFolder, summary: dict[str, Any], on_
         config=_config_for_tracking(cfg),
     )
     try:
+        check()
         tracking.log(data=published["metrics"], step=0)
         if report is not None and "wandb" in backends:
             _log_wandb_plots(report)
         if gen.upload_artifact and "wandb" in backends:
             if "zip" not in published:
                 raise GenrunError("generation.upload_artifact needs the merged output: set generation.final_merge=true")
+            check()
             published["wandb_artifact"] = _log_wandb_artifact(cfg, folder, summary)
     finally:
         tracking.finish()

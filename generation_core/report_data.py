@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from generation_core.errors import GenrunError
 from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
 from generation_core.run_folder import (
-    FAILURES_FILE, CommittedPartRef, DamagedPart, ShardCheckpoint, read_commit_records, read_verified_part, shard_file,
+    CommittedPartRef, DamagedPart, ShardCheckpoint, read_commit_records, read_failure_log, read_verified_part, shard_file,
 )
 from generation_core.status import shard_states
 from generation_core.storage import RunFolder
@@ -266,14 +266,8 @@ def _commit_events(folder: RunFolder, shard: str, live_parts: set[str]) -> list[
 
 
 def _failures(folder: RunFolder, shard: str, committed: set[str]) -> list[FailureEntry]:
-    path = shard_file(shard, FAILURES_FILE)
-    if not folder.exists(path):
-        return []
     entries = []
-    for line in folder.read_bytes(path).decode().splitlines():
-        if not line.strip():
-            continue
-        failure = json.loads(line)
+    for failure in read_failure_log(folder, shard):
         index, rollout_n = int(failure["index"]), int(failure["rollout_n"])
         entries.append(FailureEntry(shard, index, rollout_n, str(failure.get("error", "")), str(failure.get("traceback", "")), f"{index}:{rollout_n}" in committed))
     return entries

@@ -121,7 +121,7 @@ def _failures_section(data: ReportData) -> str:
         status = "generated on a later attempt" if failure.recovered else "not generated"
         trace = f"<details><summary>traceback</summary><pre>{_e(failure.traceback)}</pre></details>" if failure.traceback else ""
         rows.append(f"<tr><td>{_e(failure.shard)}</td><td class=mono>{failure.index}:{failure.rollout_n}</td><td>{_e(status)}</td><td><code>{_e(failure.error)}</code>{trace}</td></tr>")
-    more = f"<p class=note>The first {len(data.failures):,} of {data.failure_count:,} are listed; every shard's failures.jsonl has all of them.</p>" if data.failure_count > len(data.failures) else ""
+    more = f"<p class=note>The first {len(data.failures):,} of {data.failure_count:,} are listed; every shard's failures/ folder has all of them.</p>" if data.failure_count > len(data.failures) else ""
     return (
         f'<section id="failures"><h2>Failures</h2><p>{data.failure_count:,} failure log line(s) (every attempt\'s; a sample a later attempt generated counts too).</p>'
         f'<table><thead><tr><th class=num>count</th><th>error</th></tr></thead><tbody>{kinds}</tbody></table><h3>Samples</h3>'

@@ -6,9 +6,11 @@ lease/00000001.json           who holds the folder (lease.py)
 shards/shard-00003/
   batch-00000-<uid>.parquet   immutable part: unpadded trajectories
   commits/0000000000.json     numbered commit records, each created exclusively (ShardCheckpoint)
-  failures.jsonl              samples that failed after retries, with the error
+  failures/0000000004.jsonl   samples that failed after retries, with the error: one file per
+                              commit record that counts failures, named by its number
+                              (failures.jsonl: one file rewritten at every commit, earlier versions)
   last_error.json             the last failed attempt's error (until the shard finishes)
-  _SUCCESS.json               ShardManifest, written last
+  _SUCCESS.json               ShardManifest, written last, after the `done` commit record it names
 trajectories.pkl              merged DataProto, or trajectories.json + trajectories-NNNNN.pkl chunks
 trajectories.zip              upload artifact
 manifest.json                 the run summary
@@ -24,13 +26,18 @@ local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. K
 - `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
   sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
   since the previous commit; `part` is null when a commit holds only failures);
-- `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost).
+- `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost);
+- `done`: the shard finished (`trajectories`, `failures`); its success marker `_SUCCESS.json`
+  (the ShardManifest) follows and names this record (`done_record`). Created exclusively like
+  every record, so a run that lost the folder cannot finish a shard the new holder claimed.
 Every record also holds its `seq`, `lease` (the writer's lease generation, null without one),
 `time` and a random `token` (a retried create recognises its own bytes). A record's size
 depends on its own part only (~400 bytes, plus ~20 per run of consecutive indices and per
 failed sample), never on the shard's size.
 `ShardCheckpoint.load` lists the records and folds them in sequence order into one view; a part
-no record lists (a crash between the part and its record) is an orphan and is never read.
+no record lists (a crash between the part and its record) is an orphan and is never read. The
+next attempt that holds the lease removes orphans and temporary files once its attempt record
+is created (`remove_unlisted_files`).
 
 No compaction is needed: records are per part, never rewritten, and a shard has one per part
 plus one per attempt. At the defaults 1M trajectories of the bundled demo (~290 bytes each in a
@@ -64,6 +71,7 @@ that wrote it, or start a new output folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -76,7 +84,7 @@ from typing import Any, Protocol
 from generation_core.build import genrun_build, refusal_hint
 from generation_core.errors import GenrunError
 from generation_core.secrets import without_secrets
-from generation_core.storage import RunFolder, WriteConflict
+from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +97,9 @@ CHECKPOINT_FILE = "checkpoint.json"
 COMMITS_DIR = "commits"
 SUCCESS_FILE = "_SUCCESS.json"
 LAST_ERROR_FILE = "last_error.json"
+FAILURES_DIR = "failures"
 FAILURES_FILE = "failures.jsonl"
+"""The failure log of earlier versions (one file rewritten whole at every commit): read, never written."""
 MERGED_FILE = "trajectories.pkl"
 CHUNK_INDEX_FILE = "trajectories.json"
 CHUNK_FILE_PREFIX = "trajectories-"
@@ -108,6 +118,11 @@ def shard_file(shard: str, name: str = "") -> str:
 def new_part_name(number: int) -> str:
     # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
     return f"batch-{number:05d}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+def failures_file(shard: str, seq: int) -> str:
+    """`shards/<shard>/failures/<seq:010d>.jsonl`: the failures commit record `seq` counts."""
+    return shard_file(shard, f"{FAILURES_DIR}/{seq:010d}.jsonl")
 
 
 def commit_file(shard: str, seq: int) -> str:
@@ -225,6 +240,27 @@ def read_commit_records(folder: RunFolder, shard: str) -> tuple[list[int], list[
         return sequences, list(pool.map(folder.read_json, paths))
 
 
+def highest_recorded_lease(folder: RunFolder) -> int:
+    """The highest lease generation in the shards' newest commit records (0: none): a lease taken
+    after lease/ was removed must number above it. One listing per shard and one read of its
+    newest record (a record of a lower lease never follows a higher one)."""
+
+    def newest_of(shard: str) -> int:
+        sequences = [seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None]
+        if not sequences:
+            return 0
+        try:
+            return int(folder.read_json(commit_file(shard, max(sequences))).get("lease") or 0)
+        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            return 0  # unreadable: the fold refuses it where it matters
+
+    shards = folder.list(SHARDS_DIR)
+    if folder.is_local or len(shards) < _PARALLEL_READS:
+        return max(map(newest_of, shards), default=0)
+    with ThreadPoolExecutor(_PARALLEL_READS) as pool:
+        return max(pool.map(newest_of, shards), default=0)
+
+
 @dataclass
 class ShardCheckpoint:
     """What a shard has committed, folded from its commit records: its parts (with checksums)
@@ -254,6 +290,12 @@ class ShardCheckpoint:
         self.next_seq = 0
         self.part_samples: dict[str, list[str]] = {}
         self.ignored: list[int] = []
+        self.rejected_parts: list[str] = []
+        """Parts whose record's count differs from its sample keys (never read)."""
+        self.done_seq: int | None = None
+        """The number of the `done` record that finished the shard, while no attempt or repair
+        followed it (None: not finished, or finished by a version that wrote no done record)."""
+        self.has_done_record = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -272,7 +314,13 @@ class ShardCheckpoint:
             checkpoint.next_seq = sequences[-1] + 1
         if fence is not None and checkpoint.lease is not None and checkpoint.lease > fence.generation:
             fence.check(folder)
-            raise CheckpointConflict(f"{folder.display(directory)} belongs to a later run (lease {checkpoint.lease}); this run (lease {fence.generation}) stops")
+            # No later lease file, yet a later lease wrote here: lease/ lost its newest files.
+            # RunLease.acquire numbers past every recorded lease when lease/ is incomplete.
+            raise CheckpointConflict(
+                f"{folder.display(shard_file(shard, COMMITS_DIR))} holds records of lease {checkpoint.lease}, later than this run's "
+                f"lease {fence.generation}, but {folder.display(LEASE_DIR)} has no such lease file; this run stops. Remove all of "
+                f"{folder.display(LEASE_DIR)} (only if no run is writing there) and run the same command again"
+            )
         return checkpoint
 
     @classmethod
@@ -291,12 +339,15 @@ class ShardCheckpoint:
                     f"{checkpoint.rows_digest[:12]} in {folder.display(shard_file(shard, COMMITS_DIR))}): its committed trajectories "
                     "belong to other prompts. Restore the dataset, or write to another trainer.default_local_dir"
                 )
+            started = time.time()
             try:
                 attempt = {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest, "build": genrun_build()}
                 checkpoint._commit(folder, shard, attempt, fence)
-                return checkpoint
             except CheckpointConflict:
                 continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
+            if fence is not None:
+                remove_unlisted_files(folder, shard, checkpoint, older_than=started)
+            return checkpoint
         raise CheckpointConflict(f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run")
 
     def commit_part(self, folder: RunFolder, shard: str, part: PartEntry | None, samples: list[str], failed: list[str] = (), fence: Fence | None = None) -> None:
@@ -340,7 +391,11 @@ class ShardCheckpoint:
         if lease is not None:
             self.lease = lease
         kind = record.get("kind")
-        if kind == "attempt":
+        if kind != "done":
+            self.done_seq = None  # work after the shard was finished: its marker is stale
+        if kind == "done":
+            self.done_seq, self.has_done_record = seq, True
+        elif kind == "attempt":
             self.attempts = max(self.attempts, int(record.get("attempt") or 0))
             self.failed = []
             if self.rows_digest is None:
@@ -348,9 +403,21 @@ class ShardCheckpoint:
             if record.get("build") and record["build"] not in self.builds:
                 self.builds.append(record["build"])
         elif kind == "part":
-            if record.get("part") is not None:
-                part = _from_dict(PartEntry, record["part"])
-                samples = sample_keys(record.get("samples") or [])
+            part = _from_dict(PartEntry, record["part"]) if record.get("part") is not None else None
+            samples = sample_keys(record.get("samples") or [])
+            if part is not None and part.count != len(samples):
+                # A record that does not say which samples its part holds (a commit that raced
+                # the attempt's discard in genrun 0.1.0 could list none): folding it would count
+                # trajectories no key names, or keys of trajectories that are not there. The part
+                # is left unread (an orphan) and its samples stay pending: nothing is lost or
+                # duplicated.
+                logger.warning(
+                    "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, its samples "
+                    "will be generated again", seq, part.name, part.count, len(samples),
+                )
+                self.rejected_parts.append(part.name)
+                part = None
+            if part is not None:
                 self.parts.append(part)
                 self.part_samples[part.name] = samples
                 self.completed.extend(samples)
@@ -410,6 +477,9 @@ class ShardManifest:
     last_attempt: AttemptStats = field(default_factory=AttemptStats)
     filtered_overlong: int = 0
     """Rows of the shard's range dropped as longer than data.max_prompt_length (never generated)."""
+    done_record: int | None = None
+    """The number of the shard's `done` commit record this marker belongs to (None: a marker of
+    a version that wrote none)."""
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> "ShardManifest":
@@ -433,14 +503,30 @@ class ShardManifest:
         return round(self.last_attempt.generated_tokens / seconds, 2) if seconds else 0.0
 
 
-def read_marker(folder: RunFolder, shard: str) -> ShardManifest | None:
+def read_marker(folder: RunFolder, shard: str, checkpoint: ShardCheckpoint | None = None) -> ShardManifest | None:
+    """The shard's success marker while it stands for the shard's state, else None: it must
+    belong to the `done` record that ends the shard's records (`checkpoint`: the shard's records,
+    folded, when the caller has them). A marker of a version that wrote no done records stands
+    while the shard has none (its folder is read as that version left it)."""
     path = shard_file(shard, SUCCESS_FILE)
-    return ShardManifest.from_dict(folder.read_json(path)) if folder.exists(path) else None
+    if not folder.exists(path):
+        return None
+    marker = ShardManifest.from_dict(folder.read_json(path))
+    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
+    if not checkpoint.has_done_record:
+        return marker
+    return marker if checkpoint.done_seq is not None and marker.done_record == checkpoint.done_seq else None
 
 
 def write_marker(folder: RunFolder, manifest: ShardManifest, fence: Fence | None = None) -> None:
-    """The shard's success marker, written last. With `fence`, not by a run that lost the folder
-    (its last commit was refused already; this covers a takeover right after it)."""
+    """Finish the shard: its `done` commit record, created exclusively under the next number
+    (with `fence`, refused once a later run claimed the shard: LeaseLost), then the success
+    marker that names it. A marker that a run which lost the folder still writes after its
+    fence check names a done record that is not the shard's last: read_marker ignores it and
+    the shard is finished again."""
+    checkpoint = ShardCheckpoint.load(folder, manifest.shard, fence)
+    checkpoint._commit(folder, manifest.shard, {"kind": "done", "trajectories": manifest.num_trajectories, "failures": manifest.failures}, fence)
+    manifest.done_record = checkpoint.done_seq
     if fence is not None:
         fence.check(folder)
     folder.put_json(shard_file(manifest.shard, SUCCESS_FILE), manifest.to_dict())
@@ -455,26 +541,62 @@ def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
     return folder.read_json(path) if folder.exists(path) else None
 
 
-def append_failure_log(folder: RunFolder, shard: str, lines: str, fence: Fence | None = None) -> None:
-    """Add `lines` to the shard's failure log, which keeps every failure of every attempt. S3
-    cannot append: the file is read and rewritten whole. With a fence the rewrite is
-    conditional on the version read (lines another writer added meanwhile are never dropped)
-    and a run that lost the lease writes nothing."""
-    path = shard_file(shard, FAILURES_FILE)
-    for _ in range(_CONFLICT_RETRIES):
-        if fence is not None:
-            fence.check(folder)
-        stored = folder.read_versioned(path)
-        text = (stored.data or b"") + lines.encode()
-        if fence is None:
-            folder.put_atomic(path, text)
-            return
+def _modified(entry: dict[str, Any]) -> float | None:
+    """A listing entry's modification time (local disk: `mtime`; S3: `LastModified`), or None."""
+    modified = entry.get("mtime", entry.get("LastModified"))
+    if hasattr(modified, "timestamp"):
+        return modified.timestamp()
+    return float(modified) if isinstance(modified, int | float) else None
+
+
+def remove_unlisted_files(folder: RunFolder, shard: str, checkpoint: ShardCheckpoint, *, older_than: float) -> list[str]:
+    """Remove what a killed writer left in the shard's folder: parts that no live record lists
+    and temporary files (`.tmp-*`, local disk), both older than `older_than`; returns their
+    names. Called by an attempt under the lease right after its attempt record: no writer of an
+    earlier lease can list a part any more (its commit would need a number the claim took),
+    and the age spares whatever this run is writing now. Parts a `repair` record dropped stay
+    (the damaged file is the evidence of what was lost)."""
+    keep = {part.name for part in checkpoint.parts} | {str(entry.get("name")) for entry in checkpoint.repaired_parts}
+    removed = []
+    for directory in (shard_file(shard), shard_file(shard, COMMITS_DIR), shard_file(shard, FAILURES_DIR)):
         try:
-            folder.put_if_version(path, text, stored.version)
-            return
-        except WriteConflict:
+            entries = folder.fs.ls(folder.path(directory), detail=True)
+        except FileNotFoundError:
             continue
-    raise CheckpointConflict(f"could not add to {folder.display(path)}: it kept changing under this run")
+        except OSError as exc:
+            # Only tidying: what stays is never read, and the next attempt tries again.
+            logger.warning("%s: could not list %s to remove what a killed writer left (%s)", shard, folder.display(directory), exc)
+            continue
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            modified = _modified(entry)
+            if entry.get("type") == "directory" or modified is None or modified >= older_than:
+                continue
+            orphan_part = directory == shard_file(shard) and name.startswith("batch-") and name.endswith(".parquet") and name not in keep
+            if orphan_part or name.startswith(".tmp-"):
+                folder.remove(f"{directory}/{name}")
+                removed.append(f"{directory}/{name}")
+    if removed:
+        logger.info("%s: removed %d file(s) no commit record lists, left by a killed writer: %s", shard, len(removed), ", ".join(removed))
+    return removed
+
+
+def write_failure_log(folder: RunFolder, shard: str, seq: int, lines: str, fence: Fence | None = None) -> None:
+    """The failure log lines of the samples commit record `seq` counted as failed, in a file of
+    their own: nothing is ever rewritten (S3 cannot append), so the bytes a shard writes grow with
+    its failures, not with their square. Only the writer of record `seq` writes its file; with a
+    fence, not after a later run took the folder over."""
+    if fence is not None:
+        fence.check(folder)
+    folder.put_atomic(failures_file(shard, seq), lines.encode())
+
+
+def read_failure_log(folder: RunFolder, shard: str) -> list[dict[str, Any]]:
+    """Every failure the shard logged, oldest first: the earlier versions' failures.jsonl, then
+    one file per commit record that counted failures."""
+    paths = [shard_file(shard, FAILURES_FILE)] if folder.exists(shard_file(shard, FAILURES_FILE)) else []
+    paths += [shard_file(shard, f"{FAILURES_DIR}/{name}") for name in folder.list(shard_file(shard, FAILURES_DIR)) if name.endswith(".jsonl")]
+    return [json.loads(line) for path in paths for line in folder.read_bytes(path).decode().splitlines() if line.strip()]
 
 
 # --- run.json ---------------------------------------------------------------------------------
@@ -525,6 +647,14 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
     """True when the folder already belongs to this run (a resume), False when it holds no run;
     refuses a folder of another run or of an earlier folder format, changing nothing."""
     if not folder.exists(RUN_FILE):
+        if folder.list(SHARDS_DIR):
+            # Shard progress without the run.json that says which run it belongs to (run.json is
+            # written before any shard): adopting it could mix another run's trajectories in.
+            raise GenrunError(
+                f"output folder {folder.display()} holds {folder.display(SHARDS_DIR)} but no {RUN_FILE}, so nothing says which run "
+                "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
+                "trainer.experiment_name, when that folder is derived from it), or delete that folder"
+            )
         return False
     existing = folder.read_json(RUN_FILE)
     written_by = existing.get("fingerprint_version", 1)
@@ -657,11 +787,12 @@ def drop_damaged_parts(
     return checkpoint
 
 
-def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None) -> int:
+def repair_shard(folder: RunFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None, checkpoint: ShardCheckpoint | None = None) -> int:
     """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
     `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
-    corruption needs the full check). `fence`: the run's lease, when the caller holds one."""
-    checkpoint = ShardCheckpoint.load(folder, shard)
+    corruption needs the full check). `fence`: the run's lease, when the caller holds one.
+    `checkpoint`: the shard's records as the caller just loaded them."""
+    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
     if not checkpoint.parts:
         return 0
     sizes = folder.list_sizes(shard_file(shard)) if size_only else None
@@ -679,6 +810,45 @@ def mark_for_repair(folder: RunFolder, damaged: DamagedPart, fence: Fence | None
 
 
 # --- merged output ------------------------------------------------------------------------------
+
+
+class FencedRunFolder(RunFolder):
+    """The run folder as the run's finishing steps write it (merge, manifest.json, zip, report):
+    the same storage, with the lease checked immediately before each write publishes (before an
+    atomic put, a create, a removal, and at the end of a streamed write, before its file
+    appears). A run that lost the folder (LeaseLost) publishes nothing over the new holder's
+    output; a streamed file it was writing is discarded."""
+
+    def __init__(self, folder: RunFolder, fence: Fence):
+        self.__dict__.update(folder.__dict__)  # the same filesystem, credentials and retry policy
+        self.fence = fence
+
+    def put_atomic(self, relative: str, data: bytes) -> None:
+        self.fence.check(self)
+        super().put_atomic(relative, data)
+
+    def create_exclusive(self, relative: str, data: bytes) -> bool:
+        self.fence.check(self)
+        return super().create_exclusive(relative, data)
+
+    def put_if_version(self, relative: str, data: bytes, version: str | None) -> str:
+        self.fence.check(self)
+        return super().put_if_version(relative, data, version)
+
+    def remove(self, relative: str) -> None:
+        self.fence.check(self)
+        super().remove(relative)
+
+    @contextlib.contextmanager
+    def open_write(self, relative: str):
+        with super().open_write(relative) as handle:
+            yield handle
+            self.fence.check(self)  # raised inside the block: the writer discards the file
+
+
+def fenced(folder: RunFolder, fence: Fence | None) -> RunFolder:
+    """`folder` whose writes check `fence` first (FencedRunFolder); `folder` itself without one."""
+    return folder if fence is None or isinstance(folder, FencedRunFolder) else FencedRunFolder(folder, fence)
 
 
 def merged_files(folder: RunFolder) -> list[str]:

@@ -8,7 +8,7 @@ from generation_core.build import describe_build, other_build_warning, same_buil
 from generation_core.finish import merge_repairing, padding_of
 from generation_core.lease import RunLease, describe_holder
 from generation_core.merge import merge_output
-from generation_core.run_folder import FAILURES_FILE, ShardCheckpoint, merged_files, read_last_error, read_marker, read_run_record, shard_file
+from generation_core.run_folder import FAILURES_DIR, ShardCheckpoint, fenced, merged_files, read_last_error, read_marker, read_run_record, shard_file
 from generation_core.storage import RunFolder
 
 
@@ -17,11 +17,11 @@ def shard_states(folder: RunFolder, run: dict[str, Any]) -> list[dict[str, Any]]
     for shard in run["shards"]:
         name = shard["name"]
         expected = (shard["range"][1] - shard["range"][0]) * run["rollout_n"]
-        marker = read_marker(folder, name)
+        checkpoint = ShardCheckpoint.load(folder, name)
+        marker = read_marker(folder, name, checkpoint)
         if marker is not None:
             done, failed, state, builds = marker.num_trajectories, marker.failures, "done", []
         else:
-            checkpoint = ShardCheckpoint.load(folder, name)
             done, failed, builds = len(checkpoint.completed), len(checkpoint.failed), checkpoint.builds
             state = "partial" if done or failed else "pending"
         error = None
@@ -48,7 +48,7 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     if holder:
         print(f"in use by a running genrun: {holder}")
     for s in states:
-        detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_FILE)}" if s["failed_samples"] else ""
+        detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_DIR)}/" if s["failed_samples"] else ""
         detail += f"  last error: {s['error']}" if s["error"] else ""
         print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}
@@ -77,5 +77,6 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
     # Not beside a run that is still writing parts (its own merge would follow anyway).
     with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
-        output = merge_repairing(folder, lambda: merge_output(folder, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
+        writing = fenced(folder, lease.fence())
+        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

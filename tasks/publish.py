@@ -9,6 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
+from generation_core.lease import LeaseFence
 from generation_core.preflight import RunPlan
 from generation_core.publish import publish_run
 from generation_core.report_html import Report
@@ -17,8 +18,8 @@ from generation_core.summary import shard_stats
 
 
 @task(name="publish", cache_policy=NO_CACHE)
-def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[ShardManifest], artifact_key: str) -> dict[str, Any]:
-    published = publish_run(plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key))
+def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[ShardManifest], artifact_key: str, fence: LeaseFence | None = None) -> dict[str, Any]:
+    published = publish_run(plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key), fence=fence)
     create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
     lines = [
         f"# Trajectories: {summary['num_trajectories']}",

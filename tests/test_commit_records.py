@@ -34,6 +34,8 @@ from generation_core.run_folder import (
     ShardCheckpoint,
     check_run_folder,
     commit_file,
+    read_commit_records,
+    sample_keys,
     shard_file,
 )
 from generation_core.storage import RunFolder
@@ -249,7 +251,7 @@ def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
     manifest = asyncio.run(run_shard(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
-    assert len(_commit_sizes(tmp_path)) == 2, "one attempt record, one part record"
+    assert len(_commit_sizes(tmp_path)) == 3, "one attempt record, one part record, the done record"
 
 
 @pytest.mark.timeout(120)
@@ -328,3 +330,162 @@ def test_the_first_rows_digest_is_kept_and_a_changed_one_refused(tmp_path):
     with pytest.raises(GenrunError, match=f"the dataset rows of {SHARD.name} changed since its first attempt"):
         ShardCheckpoint.start_attempt(folder, SHARD.name, rows_digest="b" * 64)
     assert len(_commit_sizes(tmp_path)) == 3, "the refused attempt wrote nothing"
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_with_shards_and_no_run_json_is_refused(tmp_path):
+    """Shard progress that no run.json names belongs to nobody this run can check (issue 31,
+    item 15): refused, nothing written."""
+    run_dir = tmp_path / "orphaned"
+    folder = RunFolder(str(run_dir))
+    ShardCheckpoint.start_attempt(folder, SHARD.name)
+    before = _files(run_dir)
+    with pytest.raises(GenrunError, match=rf"output folder {run_dir} holds {run_dir}/shards but no run.json.*Set another trainer.default_local_dir") as refused:
+        check_run_folder(folder, "a" * 64)
+    assert "\n" not in str(refused.value)
+    assert _files(run_dir) == before, "nothing written"
+
+
+# --- a commit racing the attempt's discard (issue 31, item 10) -------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_path, monkeypatch):
+    """The flow's stop fallback cancels a shard job while a commit runs in its thread: the
+    commit completes with its samples before the attempt's discard runs (which would empty the
+    sample list the record is being written from), and the resume is exact."""
+    import threading
+
+    folder = RunFolder(str(tmp_path))
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    in_commit, discarded = threading.Event(), threading.Event()
+    real_discard = part_writer.PartWriter.discard
+
+    def discard(self):
+        real_discard(self)
+        discarded.set()
+
+    def failpoint(name):
+        # The commit thread, between its part and its record: the task awaiting it is cancelled.
+        if name == "after_part_write" and not in_commit.is_set():
+            in_commit.set()
+            running["loop"].call_soon_threadsafe(running["task"].cancel)
+            discarded.wait(2)  # today's discard runs now; a shielded commit waits it out
+
+    monkeypatch.setattr(part_writer.PartWriter, "discard", discard)
+    monkeypatch.setattr(part_writer, "failpoint", failpoint)
+
+    running = {}
+
+    async def cancelled_shard():
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.ensure_future(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        with pytest.raises(asyncio.CancelledError):
+            await running["task"]
+
+    asyncio.run(cancelled_shard())
+    assert in_commit.is_set() and discarded.is_set()
+    _, records = read_commit_records(folder, SHARD.name)
+    parts = [record for record in records if record["kind"] == "part" and record["part"]]
+    assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], "the record lists its part's samples"
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert manifest.num_trajectories == 6
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
+
+
+@pytest.mark.timeout(60)
+def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_path, caplog):
+    """A record listing a part with fewer sample keys than trajectories (what the race above
+    wrote): the fold leaves the part unread and its samples pending, and says so."""
+    folder = RunFolder(str(tmp_path))
+    checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
+    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"])
+    # Hand-written: the part holds 102 and 103, the record names none of them.
+    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00001-bbbbbbbb.parquet", [102, 103]), [], ["104:0"])
+    with caplog.at_level("WARNING"):
+        folded = ShardCheckpoint.load(folder, SHARD.name)
+    assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
+    assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
+    assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
+    manifest = asyncio.run(run_shard(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    assert manifest.num_trajectories == 6
+    assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
+
+
+# --- the failure log (issue 31, item 12) -----------------------------------------------------------
+
+
+def _failure_log_bytes_written(folder: RunFolder, commits: int, monkeypatch) -> int:
+    """Bytes written into shard-00000's failure log over `commits` commits of one failure each."""
+    from generation_core.records import SampleFailure
+
+    written = []
+    for name in ("put_atomic", "put_if_version", "create_exclusive"):
+        real = getattr(folder, name)
+
+        def counting(relative, data, *args, _real=real):
+            if "/failures" in relative:
+                written.append(len(data))
+            return _real(relative, data, *args)
+
+        monkeypatch.setattr(folder, name, counting)
+    writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.start_attempt(folder, SHARD.name))
+    for index in range(commits):
+        writer.add_failure(SampleFailure(index, 0, "RuntimeError: boom", "Traceback ...\n" * 10))
+        writer.commit()
+    return sum(written)
+
+
+@pytest.mark.timeout(60)
+def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path, monkeypatch):
+    """Each commit with failures writes its own lines once (S3 cannot append: a log rewritten
+    whole at every commit writes O(k^2) bytes); errors and tracebacks are capped; status and the
+    report see every failure once, those of an earlier version's failures.jsonl included."""
+    small = _failure_log_bytes_written(RunFolder(str(tmp_path / "k")), 20, monkeypatch)
+    large = _failure_log_bytes_written(RunFolder(str(tmp_path / "4k")), 80, monkeypatch)
+    print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
+    assert large <= 4.2 * small, "linear in the commits, not quadratic"
+
+    from generation_core.records import SampleFailure
+    from generation_core.report_data import _failures
+    from generation_core.run_folder import FAILURES_FILE, read_failure_log
+
+    folder = RunFolder(str(tmp_path / "4k"))
+    # An earlier version's log, kept beside the new files.
+    folder.put_atomic(shard_file(SHARD.name, FAILURES_FILE), b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n')
+    writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.load(folder, SHARD.name))
+    writer.add_failure(SampleFailure(500, 0, "E" * 50_000, "T" * 50_000 + "the raising frame"))
+    writer.commit()
+    logged = read_failure_log(folder, SHARD.name)
+    assert [entry["index"] for entry in logged] == [999, *range(80), 500], "every failure once, oldest first"
+    huge = logged[-1]
+    assert len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
+    assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [(999, "old"), (0, "RuntimeError: boom")]
+    assert len(_failures(folder, SHARD.name, set())) == 82
+
+
+# --- what a killed writer leaves (issue 31, item 14) -----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_next_attempt_under_the_lease_removes_orphan_parts_and_temporary_files(tmp_path):
+    """kill -9 between a part and its record leaves an orphan part, and one during a write a
+    `.tmp-*` file: the next attempt that holds the lease removes both once its attempt record
+    exists, and keeps every listed part and whatever is newer than its start."""
+    run_dir = tmp_path / "run"
+    folder = RunFolder(str(run_dir))
+    checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
+    listed = _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101])
+    checkpoint.commit_part(folder, SHARD.name, listed, ["100:0", "101:0"])
+    shard_dir = run_dir / "shards" / SHARD.name
+    left = [shard_dir / "batch-00001-bbbbbbbb.parquet", shard_dir / ".tmp-0123abcd-batch-00001-cccccccc.parquet", shard_dir / COMMITS_DIR / ".tmp-4567ef01-0000000002.json"]
+    for path in left:
+        path.write_bytes(b"left by a killed writer")
+        os.utime(path, (os.path.getmtime(path) - 600,) * 2)
+    newer = shard_dir / "batch-00002-dddddddd.parquet"
+    newer.write_bytes(b"written after the attempt started")
+    os.utime(newer, (os.path.getmtime(newer) + 600,) * 2)
+    with RunLease.acquire(folder, seconds=60) as lease:
+        resumed = ShardCheckpoint.start_attempt(folder, SHARD.name, lease.fence())
+    assert [path.name for path in left if path.exists()] == [], "orphan part and temporary files removed"
+    assert (shard_dir / listed.name).exists() and newer.exists(), "listed parts and newer files stay"
+    assert [p.name for p in resumed.parts] == [listed.name] and resumed.completed == ["100:0", "101:0"]

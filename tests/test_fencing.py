@@ -18,7 +18,17 @@ from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from generation_core.job import run_shard
 from generation_core.lease import LeaseLost, RunLease
-from generation_core.run_folder import COMMITS_DIR, ShardCheckpoint, lease_file, shard_file
+from generation_core.run_folder import (
+    COMMITS_DIR,
+    SUCCESS_FILE,
+    ShardCheckpoint,
+    commit_file,
+    lease_file,
+    read_commit_records,
+    read_failure_log,
+    read_marker,
+    shard_file,
+)
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
@@ -111,14 +121,13 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         checkpoint = _checkpoint(folder)
         assert checkpoint.lease == stall.new_lease.record.generation and len(checkpoint.completed) == committed_before
         assert not checkpoint.ignored, "no record of the old lease follows the claim"
-        # The part of the refused commit (written before the stall, listed by no record) is
-        # removed again; everything else is as the new holder found it.
+        # The part of the refused commit (written before the stall, listed by no record) was
+        # removed by the new holder's attempt (issue 31, item 14: it can never be listed now);
+        # the old run, refused, leaves everything as the new holder has it.
         listed = {shard_file(SHARD.name, part.name) for part in checkpoint.parts}
-        in_flight = [name for name in stall.after_takeover if name.endswith(".parquet") and name not in listed]
-        assert len(in_flight) == 1
-        expected = {name: data for name, data in stall.after_takeover.items() if name not in in_flight}
-        assert _snapshot(folder) == expected, "the old run changed the folder after the new one started"
-        assert not folder.exists(shard_file(SHARD.name, "failures.jsonl")) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
+        assert [name for name in stall.after_takeover if name.endswith(".parquet") and name not in listed] == []
+        assert _snapshot(folder) == stall.after_takeover, "the old run changed the folder after the new one started"
+        assert not read_failure_log(folder, SHARD.name) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
         manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
         assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [f"{100 + p}:0" for p in range(6)]
@@ -373,3 +382,122 @@ def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing
             write_marker(folder, read_marker(folder, SHARD.name), old.fence())
         assert _snapshot(folder) == before, "a run that lost the folder changed it"
     old.release()
+
+
+# --- the done record and the finishing steps (issue 31, item 11) -----------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_marker_in_flight_when_another_run_takes_over_writes_no_done_record(url_and_options, monkeypatch):
+    """The shard's success marker is backed by a `done` commit record created exclusively under
+    the next number: a run that passed its lease check and stalled right before finishing the
+    shard finds the number claimed by the new holder, writes no done record and no marker."""
+    folder = _folder(url_and_options)
+    cfg = _cfg("generation.max_inflight=1")  # one part: its record is the first write, the done record the second
+    old = RunLease.acquire(folder, seconds=60)
+    stall = _TakeoverBeforeWrite(folder, old, url_and_options, 2, monkeypatch)
+    try:
+        with pytest.raises(LeaseLost, match="taken over by another run"):
+            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+        assert stall.new_lease is not None, "the takeover happened at the done record"
+        assert _snapshot(folder) == stall.after_takeover, "no done record, no marker after the takeover"
+        assert read_marker(folder, SHARD.name) is None
+        # The new holder finishes the shard (nothing left to generate) under its own done record.
+        worker = ScriptedWorker()
+        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()))
+        assert worker.started == [] and manifest.num_trajectories == 6
+        assert read_marker(folder, SHARD.name).done_record == _checkpoint(folder).done_seq is not None
+    finally:
+        if stall.new_lease is not None:
+            stall.new_lease.release()
+        old.release()
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_records_still_is(tmp_path):
+    """A marker a run that lost the folder wrote after its checks (its done record landed before
+    the new holder's claim) names a done record that is not the shard's last: ignored, and the
+    shard is finished again once. A folder of the version that wrote no done records keeps its
+    markers' meaning."""
+    folder = RunFolder(str(tmp_path / "run"))
+    cfg = _cfg("generation.save_batch_size=2")
+    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    late_marker = folder.read_bytes(shard_file(SHARD.name, SUCCESS_FILE))
+    ShardCheckpoint.start_attempt(folder, SHARD.name)  # a new holder claims the shard ...
+    folder.put_atomic(shard_file(SHARD.name, SUCCESS_FILE), late_marker)  # ... and the old marker lands after
+    assert read_marker(folder, SHARD.name) is None
+    again = ScriptedWorker()
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), again))
+    assert again.started == [] and manifest.num_trajectories == 6 and read_marker(folder, SHARD.name) is not None
+
+    # The layout today's main wrote: records without a done record, a marker without done_record.
+    legacy = RunFolder(str(tmp_path / "legacy"))
+    asyncio.run(run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker()))
+    sequences, records = read_commit_records(legacy, SHARD.name)
+    legacy.remove(commit_file(SHARD.name, sequences[-1]))
+    assert records[-1]["kind"] == "done"
+    marker = legacy.read_json(shard_file(SHARD.name, SUCCESS_FILE))
+    legacy.put_json(shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"})
+    untouched = ScriptedWorker()
+    assert asyncio.run(run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped and untouched.started == []
+
+
+def _take_over(url_and_options, lease: RunLease, taken: list[RunLease]) -> None:
+    _stall_heartbeat(RunFolder(*url_and_options), lease)
+    taken.append(RunLease.acquire(_folder(url_and_options), seconds=60))
+
+
+@pytest.mark.timeout(180)
+def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_nothing(tmp_path, monkeypatch):
+    """The run's finishing steps check the lease immediately before each file appears: a run
+    taken over while it writes trajectories.pkl (or the zip) publishes neither it nor
+    manifest.json, and logs nothing to its trackers."""
+    from types import SimpleNamespace
+
+    from generation_core import merge, publish
+    from generation_core.finish import finish_run
+    from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE
+
+    url_and_options = (str(tmp_path / "run"), {})
+    folder = _folder(url_and_options)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
+    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    folder.put_json(RUN_FILE, {"fingerprint": "f" * 64})
+    plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64)
+    taken: list[RunLease] = []
+    old = RunLease.acquire(folder, seconds=60)
+    real_dump = merge.dump_dataproto
+
+    def dump_while_taken_over(data, handle):
+        _take_over(url_and_options, old, taken)
+        return real_dump(data, handle)
+
+    monkeypatch.setattr(merge, "dump_dataproto", dump_while_taken_over)
+    before = _snapshot(folder)
+    try:
+        with pytest.raises(LeaseLost):
+            finish_run(plan, [manifest], 1.0, old.fence())
+        assert taken and _snapshot(folder) == before, "no trajectories.pkl, no manifest.json"
+
+        # The holder merges; then, while it writes the zip, another run takes over.
+        monkeypatch.setattr(merge, "dump_dataproto", real_dump)
+        holder = taken.pop()
+        summary = finish_run(plan, [manifest], 1.0, holder.fence())
+        assert folder.exists(MERGED_FILE) and folder.exists(MANIFEST_FILE)
+        real_open_read, tracked = RunFolder.open_read, []
+
+        def read_while_taken_over(self, relative):
+            if not taken:
+                _take_over(url_and_options, holder, taken)
+            return real_open_read(self, relative)
+
+        monkeypatch.setattr(RunFolder, "open_read", read_while_taken_over)
+        monkeypatch.setattr(publish, "Tracking", lambda **kwargs: tracked.append(kwargs))
+        before = _snapshot(folder)
+        with pytest.raises(LeaseLost):
+            publish.publish_run(cfg, folder, summary, fence=holder.fence())
+        assert taken and not folder.exists(ZIP_FILE) and _snapshot(folder) == before and not tracked
+    finally:
+        for lease in taken:
+            lease.release()
+        old.release()

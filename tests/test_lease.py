@@ -246,3 +246,37 @@ def test_a_lease_records_this_machine_and_a_gone_owner_here_is_taken_over_at_onc
     _plant_on_this_host(folder, renewed_ago=5, boot_id=boot_id, pid_namespace=namespace)
     with RunLease.acquire(folder) as lease:
         assert lease.record.generation == 2, "same host, boot and pid namespace, process gone: no waiting"
+
+
+# --- lease/ removed by hand (issue 31, item 4) ----------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_folder_whose_lease_files_were_removed_resumes_exactly(tmp_path):
+    """The refusal allows removing lease/; a new lease then numbers above every lease in the
+    shards' commit records, so a folder resumed once (leases 1 and 2 in its records) resumes
+    exactly instead of finding its shard claimed by a "later" run forever."""
+    import shutil
+
+    from generation_core.data import ShardSpec
+    from generation_core.job import run_shard
+    from tests.run_folder_helpers import committed_keys
+    from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
+
+    run_dir = tmp_path / "run"
+    folder = RunFolder(str(run_dir))
+    shard = ShardSpec(0, 0, 6)
+    cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1", "generation.max_failed_fraction=0.5")
+    # Two runs whose sample 101:0 fails: the shard stays unfinished under lease 2.
+    for generation in (1, 2):
+        with RunLease.acquire(folder, seconds=60) as lease:
+            assert lease.record.generation == generation
+            asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()))
+    shutil.rmtree(run_dir / LEASE_DIR)
+    worker = ScriptedWorker()
+    with RunLease.acquire(folder, seconds=60) as lease:
+        assert lease.record.generation == 3, "numbered above the leases the commit records hold"
+        manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), worker, lease.fence()))
+    assert worker.started == [(101, 0)], "exactly the one sample no record holds"
+    assert manifest.num_trajectories == 6 and manifest.failures == 0
+    assert sorted(committed_keys(run_dir, shard.name)) == sorted(f"{100 + p}:0" for p in range(6))

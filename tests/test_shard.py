@@ -15,6 +15,7 @@ from tests.sample_deadline import failure_log
 from generation_core.records import TrajectoryRecord
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
+from generation_core.run_folder import read_failure_log
 from generation_core.streaming import StreamingWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,7 +109,7 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     checkpoint = checkpoint_dict(tmp_path)
     assert checkpoint["completed"] == ["100:0", "101:0", "102:0", "103:0", "105:0"], "the shard carried on past the failure"
     assert checkpoint["failed"] == ["104:0"]
-    [failure] = [json.loads(line) for line in (shard_dir / "failures.jsonl").read_text().splitlines()]
+    [failure] = read_failure_log(folder, "shard-00000")
     assert failure["sample"] == "104:0" and failure["error"] == "RuntimeError: scripted failure for (104, 0)" and failure["attempt"] == 1
     assert "Traceback" in failure["traceback"] and "scripted failure" in failure["traceback"], "where it failed is kept"
     assert not (shard_dir / "_SUCCESS.json").exists()
@@ -161,7 +162,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
     assert manifest.failures == 0 and manifest.num_trajectories == 20
     keys = [r.key for r in read_committed_records(folder)]
     assert keys == [(100 + p, n) for p in range(10) for n in range(2)]
-    log = (tmp_path / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
+    log = read_failure_log(folder, "shard-00000")
     assert len(log) == 1, "the history of failures is kept"
 
 
@@ -240,6 +241,6 @@ def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
     assert print_status(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "shard-00000  done     4/4" in out
-    assert "shard-00001  failed   3/4  1 failed sample(s), see shards/shard-00001/failures.jsonl  last error: TooManyFailedSamples: shard-00001: 1 of 4 trajectories failed" in out
+    assert "shard-00001  failed   3/4  1 failed sample(s), see shards/shard-00001/failures/  last error: TooManyFailedSamples: shard-00001: 1 of 4 trajectories failed" in out
     assert "shard-00002  pending  0/4" in out
     assert "shards: 1 done, 0 running or interrupted, 1 failed, 1 pending; trajectories 7/12; failed samples 1" in out

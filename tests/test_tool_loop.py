@@ -5,7 +5,6 @@ rewards present / absent / raising; engine failures retried, then recorded."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 
 import numpy as np
@@ -17,6 +16,7 @@ from generation_core.data import ShardPrompts, ShardSpec
 from generation_core.dataset_files import inspect_dataset
 from generation_core.merge import merge_run
 from generation_core.rewards import RewardScorer
+from generation_core.run_folder import read_failure_log
 from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
@@ -173,8 +173,8 @@ def test_a_raising_reward_function_is_a_recorded_sample_failure(model_dir, token
     folder = RunFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
     assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
-    [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
-    assert "RewardFunctionError: reward function raised ZeroDivisionError: scorer bug" in json.loads(line)["error"]
+    [failure] = read_failure_log(folder, "shard-00000")
+    assert "RewardFunctionError: reward function raised ZeroDivisionError: scorer bug" in failure["error"]
     data = _merge(cfg, folder)
     assert data.non_tensor_batch["index"].tolist() == [0, 2]
     assert np.allclose(data.batch["rm_scores"].sum(dim=1).numpy(), [1.0, 1.0])
@@ -189,8 +189,8 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
     assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
     assert engine.failed_calls == 2 + 3, "seven: 2 failures then success; twelve: 1 try + 2 retries"
-    [line] = (tmp_path / "run" / "shards" / "shard-00000" / "failures.jsonl").read_text().splitlines()
-    assert json.loads(line)["error"] == "EngineCrashed: injected engine failure for a prompt with 'twelve'"
+    [failure] = read_failure_log(folder, "shard-00000")
+    assert failure["error"] == "EngineCrashed: injected engine failure for a prompt with 'twelve'"
 
     # max_failed_fraction=0: the same failure fails the shard; a later attempt with a healthy
     # engine regenerates only the failed sample.
