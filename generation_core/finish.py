@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from generation_core.errors import GenrunError
+from generation_core.instrumentation import failpoint
 from generation_core.merge import Padding, merge_output
 from generation_core.preflight import RunPlan
 from generation_core.lease import LeaseFence
@@ -24,6 +25,7 @@ def padding_of(rollout: Any, pad_token_id: int) -> Padding:
 def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
     """Merge (when configured) and write the run's manifest.json; returns the summary. `fence`:
     the run's lease, for the checkpoint a damaged part found by the merge is dropped from."""
+    failpoint("merge")
     summary = summarize(plan, manifests, elapsed)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
