@@ -362,11 +362,7 @@ class Stage:
 @pytest.mark.timeout(600)
 def test_a_ctrl_c_while_waiting_for_a_dying_lease_exits_at_once_leaving_the_folder_as_it_was(few_prompts, tmp_path):
     out = tmp_path / "run"
-    folder = RunFolder(str(out))
-    # The lease of a run on another host that missed its heartbeats: genrun waits out its hour.
-    now = time.time()
-    planted = {"generation": 1, "owner": "x", "host": "another-host", "pid": 1, "seconds": 3600, "acquired": now - 2000, "renewed": now - 2000, "released": False}
-    folder.put_atomic("lease/00000001.json", json.dumps(planted).encode())
+    folder = _plant_dying_lease(out)
     stage = Stage(_stage_args(few_prompts, out), tmp_path)
     try:
         stage.wait_until(lambda: "waiting for its lease to expire" in stage.stderr(), "the lease wait")
@@ -400,3 +396,54 @@ def test_a_ctrl_c_during_the_merge_exits_at_once_and_the_folder_resumes(few_prom
     assert len(keys) == len(set(keys)) == STAGE_PROMPTS
     assert newest_lease(RunFolder(str(out))).released
     assert not (out / "trajectories.pkl").exists()
+
+
+def _plant_dying_lease(out) -> RunFolder:
+    """The lease of a run on another host that missed its heartbeats: a genrun waits out its hour."""
+    folder = RunFolder(str(out))
+    now = time.time()
+    planted = {"generation": 1, "owner": "x", "host": "another-host", "pid": 1, "seconds": 3600, "acquired": now - 2000, "renewed": now - 2000, "released": False}
+    folder.put_atomic("lease/00000001.json", json.dumps(planted).encode())
+    return folder
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process below `pid`."""
+    rows = [line.split(None, 2) for line in subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout.splitlines()]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for row in rows:
+        children.setdefault(int(row[1]), []).append((int(row[0]), row[2] if len(row) > 2 else ""))
+    found, todo = {}, [pid]
+    while todo:
+        for child, args in children.get(todo.pop(), []):
+            found[child] = args
+            todo.append(child)
+    return found
+
+
+def _alive(pids) -> dict[int, str]:
+    """Those of `pids` still running (a zombie, waiting for a reaper that may not come, is gone)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    rows = {int(row[0]): row for row in (line.split(None, 2) for line in listing.splitlines())}
+    return {pid: rows[pid][2] for pid in pids if pid in rows and not rows[pid][1].startswith("Z")}
+
+
+@pytest.mark.timeout(600)
+def test_a_genrun_killed_with_kill_9_leaves_no_prefect_server_or_ray_behind(few_prompts, tmp_path):
+    out = tmp_path / "run"
+    _plant_dying_lease(out)
+    stage = Stage(_stage_args(few_prompts, out), tmp_path)
+    try:
+        # Held in the lease wait: its temporary Prefect server and its Ray are up.
+        stage.wait_until(lambda: "waiting for its lease to expire" in stage.stderr(), "the lease wait")
+        started = _descendants(stage.process.pid)
+        assert any("uvicorn" in args and "prefect" in args for args in started.values()), started
+        assert any("raylet" in args for args in started.values()) and any("gcs_server" in args for args in started.values()), started
+        stage.process.kill()
+        stage.process.wait()
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _alive(started) == {}
+    finally:
+        stage.kill()
