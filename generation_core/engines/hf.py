@@ -165,7 +165,11 @@ class HFEngine:
 
     # ---- public contract --------------------------------------------------------------------
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], trajectory_key: str | None = None, **_unused: Any
+    ) -> EngineOutput:
+        """`trajectory_key`: the same for every turn of one trajectory (the routing client sends
+        the agent loop's id; `request_id` is fresh per turn there); without it, `request_id`."""
         params = SamplingParams.from_request(sampling_params)
         if self.settings.ignore_eos:
             params = dataclasses.replace(params, ignore_eos=True)
@@ -181,7 +185,7 @@ class HFEngine:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
             generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
-        if self.settings.later_turns_first and self._request_ids.seen_before(request_id):
+        if self.settings.later_turns_first and self._request_ids.seen_before(trajectory_key or request_id):
             seq.later_turn = True
             self.stats["later_turns"] += 1
         with self._waiting_lock:
