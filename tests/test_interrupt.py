@@ -378,22 +378,26 @@ def test_a_ctrl_c_while_waiting_for_a_dying_lease_exits_at_once_leaving_the_fold
 
 
 @pytest.mark.timeout(600)
-def test_a_ctrl_c_during_the_merge_exits_at_once_and_the_folder_resumes(few_prompts, tmp_path):
+@pytest.mark.parametrize("stage_name", ["boot_pool", "merge"])
+def test_a_ctrl_c_while_replicas_boot_or_during_the_merge_exits_at_once_and_the_folder_resumes(few_prompts, tmp_path, stage_name):
+    """Held by a failpoint at the start of the replicas' boot (minutes for SGLang) or of the merge
+    (every shard committed)."""
     out = tmp_path / "run"
     failpoints = tmp_path / "failpoints"
     failpoints.mkdir()
-    stage = Stage(_stage_args(few_prompts, out), tmp_path, env={"GENRUN_FAILPOINTS": "merge@1:hold", "GENRUN_FAILPOINT_DIR": str(failpoints)})
+    stage = Stage(_stage_args(few_prompts, out), tmp_path, env={"GENRUN_FAILPOINTS": f"{stage_name}@1:hold", "GENRUN_FAILPOINT_DIR": str(failpoints)})
     try:
-        stage.wait_until((failpoints / "merge.fired").exists, "the merge")
+        stage.wait_until((failpoints / f"{stage_name}.fired").exists, stage_name)
         assert stage.interrupt() == 130
     finally:
         stage.kill()
     text = stage.stderr()
-    assert f"genrun: stopped: {STAGE_PROMPTS} of {STAGE_PROMPTS} trajectories committed in" in text, text[-2000:]
+    committed = STAGE_PROMPTS if stage_name == "merge" else 0
+    assert f"genrun: stopped: {committed} of {STAGE_PROMPTS} trajectories committed in" in text, text[-2000:]
     assert "run the same command again to resume" in text and "Traceback" not in text, text[-3000:]
-    # Every trajectory committed once, the lease released: the same command only merges.
-    keys = committed_keys(out)
-    assert len(keys) == len(set(keys)) == STAGE_PROMPTS
+    # What was committed, once; the lease released: the same command goes on from there.
+    keys = committed_keys(out) if (out / "shards").exists() else []
+    assert len(keys) == len(set(keys)) == committed
     assert newest_lease(RunFolder(str(out))).released
     assert not (out / "trajectories.pkl").exists()
 
