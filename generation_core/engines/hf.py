@@ -76,8 +76,8 @@ class EngineSettings:
     a trajectory's first turn) once per step for all of them, not once per sequence
     (shared_prefix.py); false: every sequence reads its own copy."""
     later_turns_first: bool = True
-    """A trajectory's next turn (same request id) joins the batch before queued first turns
-    (admission.py); false: arrival order."""
+    """A trajectory's next turn (same trajectory key: the agent loop's id) joins the batch before
+    queued first turns (admission.py); false: arrival order."""
     weight_first_linear: bool = True
     """On a CPU, linear layers of 2-128 rows compute `W @ x^T` (cpu_linear.py), which MKL runs up
     to 1.9x faster than `x @ W^T` with few rows; false: transformers' `nn.Linear` as it is."""
