@@ -7,7 +7,8 @@ multi-turn trajectories finish last and the end of a run decodes their remaining
 nearly empty batch. Taking later turns first keeps trajectories moving once they started; first
 turns keep arrival order among themselves, so none waits forever (a later turn exists only
 after its first turn ran). Measured on the bundled tool example (192 prompts, 2 cores), the
-two orders ran at the same rate (0.98, bench/RESULTS.md); longer multi-turn runs are not measured.
+two orders ran at the same rate (0.99 once the setting acted, bench/RESULTS.md); longer
+multi-turn runs are not measured.
 
 A later turn is recognised by its trajectory key: verl's agent loops send every turn of one
 trajectory under the same id (which also keeps it on one replica, with its KV), and the routing
