@@ -18,6 +18,8 @@ random numbers for the same trajectory, and the number of tool calls (which sets
 run is later turns) no longer varies from run to run (31 to 58 of 192 multi-turn unseeded).
 --arrival-order-too adds, in each round, the tool example with the engine admitting requests in
 arrival order (engine_kwargs.hf.later_turns_first=false) instead of a trajectory's later turns first.
+--later-vs-arrival runs only the tool example, with later_turns_first true and false, alternating
+which goes first from round to round (no single-turn runs), and prints their ratio.
 --own-prefix-too adds, in each round, the tool example with every sequence reading its own copy of
 the shared system prompt's KV (engine_kwargs.hf.shared_prefix_attention=false).
 """
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--as-shipped", action="store_true")
     parser.add_argument("--arrival-order-too", action="store_true")
     parser.add_argument("--own-prefix-too", action="store_true")
+    parser.add_argument("--later-vs-arrival", action="store_true")
     parser.add_argument("--seed", type=int, default=7, help="generation.sample_seed of every run")
     args = parser.parse_args()
     prompts = 48 if args.as_shipped else args.prompts
@@ -114,6 +117,9 @@ def main() -> None:
         seeded = f"generation.sample_seed={args.seed}"
         single, tool = [*single, seeded], [*tool, seeded]
         rates: dict[str, list[float]] = {"single": [], "tool": [], "tool-arrival-order": [], "tool-own-prefix": []}
+        if args.later_vs_arrival:
+            later_vs_arrival(scratch, tool, args.rounds, prompts)
+            return
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}", flush=True)
             rates["single"].append(run(scratch, f"single-{round_}", single)["tokens_per_second"])
@@ -135,6 +141,22 @@ def main() -> None:
             print(f"tool example, each sequence reading its own prefix copy: {own_rate:.1f} tokens/s = {own_rate / single_rate:.2f} of single-turn; shared prefix read once: {tool_rate / own_rate:.2f}x")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def later_vs_arrival(scratch: Path, tool: list[str], rounds: int, prompts: int) -> None:
+    """The tool example with later turns first and in arrival order, the same seeded work,
+    alternating which runs first (a sitting's drift falls on both alike)."""
+    setting = "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first"
+    rates: dict[str, list[float]] = {"later": [], "arrival": []}
+    for round_ in range(rounds):
+        print(f"round {round_ + 1}", flush=True)
+        order = ("later", "arrival") if round_ % 2 == 0 else ("arrival", "later")
+        for name in order:
+            overrides = [*tool, f"{setting}={'true' if name == 'later' else 'false'}"]
+            rates[name].append(run(scratch, f"tool-{name}-{round_}", overrides)["tokens_per_second"])
+    later, arrival = (sum(v) / len(v) for v in (rates["later"], rates["arrival"]))
+    print(f"{prompts} prompts, tool example: later turns first {later:.1f} tokens/s {rates['later']}; arrival order {arrival:.1f} tokens/s {rates['arrival']}")
+    print(f"later turns first / arrival order: {later / arrival:.2f}")
 
 
 if __name__ == "__main__":

@@ -163,7 +163,10 @@ def _generate(argv: list[str]) -> int:
     from flows.generate import generate
     from flows.prefect_api import prefect_api
     from generation_core.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
+    from generation_core.watchdog import Watchdog
 
+    # The Prefect server and Ray that this run starts end with it, also after a kill -9.
+    watchdog = Watchdog.start()
     STOP.install()
     summary = None
     temporary = "" if os.environ.get("PREFECT_API_URL") else " (a temporary server)"
@@ -181,6 +184,7 @@ def _generate(argv: list[str]) -> int:
     finally:
         ray.shutdown()
         STOP.uninstall()
+        watchdog.stop()
     if summary is None:
         _print_stopped(plan)
         return 130

@@ -35,7 +35,7 @@ from generation_core.data import ShardSpec
 from generation_core.dispatch import boot_pool
 from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.instrumentation import mark
-from generation_core.interrupt import STOP
+from generation_core.interrupt import STOP, Stopped
 from generation_core.job import check_finished_rows, finished_shard
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.pool import new_balancer_name
@@ -67,10 +67,15 @@ class ShardsFailed(RuntimeError):
 def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     run_plan = RunPlan.from_dict(plan) if plan is not None else preflight(list(overrides or []))
-    # One run per output folder: a second run on it is refused here, before any model loads.
-    with RunLease.acquire(run_plan.folder, run_plan.cfg.generation.lease_seconds) as lease:
-        run_plan.claim_folder()
-        return _generate_holding(run_plan, lease.fence(), started)
+    try:
+        # One run per output folder: a second run on it is refused here, before any model loads.
+        with RunLease.acquire(run_plan.folder, run_plan.cfg.generation.lease_seconds) as lease:
+            run_plan.claim_folder()
+            return _generate_holding(run_plan, lease.fence(), started)
+    except Stopped:
+        # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing
+        # (STOP.interruptible): that stage ended at once, the lease is released on the way out.
+        return _stopped(run_plan)
 
 
 def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[str, Any] | State:
@@ -125,7 +130,8 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
                 watch.shard_finished(marker)
             submit(shard, gen.retries, marker is None)
         try:
-            with prints_to_debug_log("verl"):
+            # Minutes for SGLang: a Ctrl-C ends the boot at once (Ray's shutdown stops the replicas).
+            with prints_to_debug_log("verl"), STOP.interruptible():
                 pool = boot_pool(plan, balancer_name)
         except BaseException:
             _cancel(pending)
@@ -177,9 +183,12 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
             "committed trajectories are kept, run the same command again to resume"
         )
     manifests.sort(key=lambda m: m.shard_id)
-    summary = merge(plan, manifests, time.perf_counter() - started, fence)
-    mark("merged")
-    return publish(plan, summary, manifests, artifact_key, fence)
+    # Every shard is committed: a Ctrl-C ends the merge or the publish at once, and the same
+    # command does them again (the merged files are written whole or not at all).
+    with STOP.interruptible():
+        summary = merge(plan, manifests, time.perf_counter() - started, fence)
+        mark("merged")
+        return publish(plan, summary, manifests, artifact_key, fence)
 
 
 def _cancel(futures: dict[PrefectFuture, Any]) -> None:

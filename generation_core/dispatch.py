@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from generation_core.finish import finish_run
+from generation_core.instrumentation import failpoint
 from generation_core.job import run_shard_job
 from generation_core.lease import RunLease
 from generation_core.pool import ReplicaPool, new_balancer_name
@@ -19,6 +20,7 @@ from generation_core.ray_setup import start_ray
 
 def boot_pool(plan: RunPlan, balancer_name: str) -> ReplicaPool:
     """Boot the run's replicas (once per run); the caller tears them down."""
+    failpoint("boot_pool")
     return asyncio.run(ReplicaPool.boot(plan.cfg, balancer_name))
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from generation_core.errors import GenrunError
+from generation_core.instrumentation import failpoint
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.preflight import RunPlan
 from generation_core.lease import LeaseFence
@@ -26,6 +27,7 @@ def finish_run(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fe
     (when configured) and write the run's manifest.json; returns the summary. `fence`: the run's
     lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
     and a damaged part found by the merge is dropped under it."""
+    failpoint("merge")
     check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n)
     summary = summarize(plan, manifests, elapsed)
     # Every file below is published only while the run still holds the folder.

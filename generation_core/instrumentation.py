@@ -18,7 +18,8 @@ so the suite arms named points:
 
 The 2nd time a process passes `failpoint("after_part_write")` it kills itself with SIGKILL, a
 real crash at that exact point; `kill_run` kills the run's main process (the CLI) and then
-itself, `enospc` raises the error a full disk raises. Each armed point fires once per run,
+itself, `enospc` raises the error a full disk raises, `hold` waits there (an hour), holding
+the run in that stage for a test's signal. Each armed point fires once per run,
 across processes and retries: firing creates `<name>.fired` in GENRUN_FAILPOINT_DIR
 exclusively, so a retried shard does not crash again. Unset, `failpoint` costs one dict lookup.
 """
@@ -64,7 +65,9 @@ class SampleTrace:
 
 FAILPOINTS_ENV = "GENRUN_FAILPOINTS"
 FAILPOINT_DIR_ENV = "GENRUN_FAILPOINT_DIR"
-ACTIONS = ("kill", "kill_run", "enospc")
+ACTIONS = ("kill", "kill_run", "enospc", "hold")
+# How long `hold` holds: far longer than any test waits for its signal.
+HOLD_SECONDS = 3600.0
 # The process that armed the failpoints (the CLI): Ray workers run in process groups of their
 # own, so `kill_run` names the run's main process through the environment they inherit.
 RUN_PID_ENV = "GENRUN_FAILPOINT_RUN_PID"
@@ -101,6 +104,9 @@ def failpoint(name: str) -> None:
         # The run's main process, then this one: a kill -9 of `genrun` landing exactly here.
         os.kill(int(os.environ.get(RUN_PID_ENV, os.getpid())), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hold":
+        time.sleep(HOLD_SECONDS)
+        return
     raise OSError(errno.ENOSPC, f"No space left on device (failpoint {name})")
 
 

@@ -6,6 +6,11 @@ server stop, and `genrun` says how many trajectories are committed and exits 130
 SIGINT exits at once (130): what is committed stays committed; the lease stays behind, and the
 next run on this machine takes it over at once (its holder is gone).
 
+Stages with nothing of their own to commit (waiting for a dying lease, booting replicas, merging,
+publishing) run inside `STOP.interruptible()`: there the first SIGINT (or one that came before)
+raises `Stopped` in the main thread at once, and the run ends as after any first Ctrl-C (what is
+committed stays, the lease is released, exit 130, the same command resumes).
+
 A terminal sends SIGINT to its whole foreground process group. Ray starts its processes with
 SIGINT blocked; the helpers genrun starts itself (the temporary Prefect server) are started
 with it blocked too (`sigint_blocked`), so they keep serving while the run winds down and are
@@ -27,6 +32,11 @@ FIRST_MESSAGE = (
 SECOND_MESSAGE = "genrun: stopped at once; committed trajectories are kept, run the same command again to resume"
 
 
+class Stopped(KeyboardInterrupt):
+    """A first Ctrl-C during an interruptible stage (`StopRequest.interruptible`): the stage ends
+    at once. A KeyboardInterrupt, so code that cleans up on one (Ray, asyncio) does so here too."""
+
+
 class StopRequest:
     """The process's Ctrl-C state: `install` in the main thread, `requested` anywhere."""
 
@@ -35,6 +45,8 @@ class StopRequest:
         self._hard_exit: list[Callable[[], None]] = []
         self._previous = None
         self._installed = False
+        # How deep the main thread is in interruptible stages (only it receives signals).
+        self._interruptible = 0
 
     def install(self) -> None:
         if not self._installed:
@@ -57,6 +69,21 @@ class StopRequest:
         self._hard_exit.append(callback)
         return lambda: self._hard_exit.remove(callback) if callback in self._hard_exit else None
 
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A stage that a first Ctrl-C ends at once (raising `Stopped`) rather than asking it to
+        stop at its next commit: one that waits, boots or merges, and commits nothing that a
+        stop could keep. Raises `Stopped` on entry when a Ctrl-C came already. In a thread other
+        than the main one it only does that check: a signal handler cannot raise there."""
+        if self.requested():
+            raise Stopped()
+        main = threading.current_thread() is threading.main_thread()
+        self._interruptible += main
+        try:
+            yield
+        finally:
+            self._interruptible -= main
+
     def request(self) -> None:
         """What the first Ctrl-C does, for callers that stop a run by other means."""
         self._event.set()
@@ -65,6 +92,8 @@ class StopRequest:
         if not self._event.is_set():
             self._event.set()
             _say(FIRST_MESSAGE)
+            if self._interruptible:
+                raise Stopped()
             return
         _say(SECOND_MESSAGE)
         for callback in list(self._hard_exit):

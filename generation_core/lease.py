@@ -38,6 +38,7 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 
 from generation_core.errors import GenrunError
+from generation_core.interrupt import STOP
 from generation_core.run_folder import LEASE_DIR, highest_recorded_lease, lease_file, lease_generation
 from generation_core.storage import RunFolder
 
@@ -165,7 +166,9 @@ def _wait_if_dying(folder: RunFolder, newest: LeaseRecord | None) -> LeaseRecord
         return newest
     logger.warning("the run holding %s missed its heartbeats (%s); waiting for its lease to expire", folder.display(), _describe(newest, time.time()))
     while True:
-        time.sleep(min(max(newest.renewed + newest.seconds - time.time(), 0.0) + 0.5, newest.seconds / 4))
+        # A Ctrl-C ends the wait at once (interrupt.Stopped): nothing of this run is written yet.
+        with STOP.interruptible():
+            time.sleep(min(max(newest.renewed + newest.seconds - time.time(), 0.0) + 0.5, newest.seconds / 4))
         latest = newest_lease(folder)
         if latest is None or latest.generation != newest.generation or latest.renewed != newest.renewed or latest.state(time.time()) is not None:
             return latest

@@ -32,6 +32,7 @@ import logging
 import random
 import time
 import uuid
+import zlib
 from typing import Any, Protocol
 
 from cachetools import LRUCache
@@ -177,7 +178,7 @@ class RoutingClient:
         server_id = self._sticky.get(request_id)
         if server_id is None or server_id not in up:
             if self._full_determinism:
-                server_id = up[hash(request_id) % len(up)]
+                server_id = up[stable_hash(request_id) % len(up)]
             else:
                 fewest = min(self._inflight[sid] for sid in up)
                 server_id = random.choice([sid for sid in up if self._inflight[sid] == fewest])
@@ -226,6 +227,12 @@ class RoutingClient:
             logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._backends) - len(self._gone), len(self._backends))
         finally:
             self._down.pop(server_id, None)
+
+
+def stable_hash(request_id: str) -> int:
+    """A request id's hash, the same in every process (Python's `hash` of a str is salted per
+    process: two shard workers would route one id to different replicas)."""
+    return zlib.crc32(request_id.encode())
 
 
 def as_token_output(output: Any) -> TokenOutput:
@@ -289,6 +296,12 @@ class RayReplicaBackend:
         priority = kwargs.pop("priority", 0)
         if priority != 0 and self._engine == "vllm":
             extra["priority"] = priority
+        if self._batches:
+            # Our own engines (hf, instant, ...) also get the agent loop's id, stable across the
+            # turns of one trajectory, as `trajectory_key`: what hf's later_turns_first
+            # recognises a later turn by (engines/admission.py). verl's servers take no such
+            # argument.
+            extra["trajectory_key"] = request_id
         call = dict(
             request_id=request_id if self._full_determinism else uuid.uuid4().hex,
             prompt_ids=prompt_ids,

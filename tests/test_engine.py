@@ -4,6 +4,7 @@ no request left waiting when a step fails or the engine stops, stop reasons, the
 import asyncio
 import re
 import time
+import uuid
 
 import httpx
 import pytest
@@ -455,15 +456,16 @@ def test_the_instant_engine_answers_per_prompt_seed_and_temperature_and_says_why
 @pytest.mark.parametrize("later_turns_first", [True, False], ids=["later-turns-first", "arrival-order"])
 def test_a_trajectorys_next_turn_joins_before_first_turns_that_wait(model_dir, prompts, later_turns_first):
     """One slot: while a long request holds it, first turns "b" and "c" queue, then trajectory "a"
-    (which ran before) sends its next turn under the same request id: it runs right after the long
-    request, ahead of b and c; with later_turns_first=false, in arrival order."""
+    (which ran before) sends its next turn: it runs right after the long request, ahead of b and
+    c; with later_turns_first=false, in arrival order. As the routing client sends turns: a fresh
+    request id each time, the trajectory's own id as `trajectory_key`."""
     engine = HFEngine(EngineSettings(str(model_dir), prompt_length=256, response_length=64, max_batch_size=1, num_threads=2, later_turns_first=later_turns_first))
     short = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
     finished = []
 
-    async def turn(request_id, prompt, params):
-        output = await engine.generate(request_id, prompt_ids=prompt, sampling_params=params)
-        finished.append(request_id)
+    async def turn(trajectory, prompt, params):
+        output = await engine.generate(uuid.uuid4().hex, prompt_ids=prompt, sampling_params=params, trajectory_key=trajectory)
+        finished.append(trajectory)
         return output
 
     async def until(condition):

@@ -298,3 +298,156 @@ def _assert_quiet_default_output(result: subprocess.CompletedProcess) -> None:
     assert "\r" not in output and "\x1b[" not in output
     others = [line for line in result.stderr.splitlines() if not re.match(r"\d\d:\d\d:\d\d trajectories \d+/", line)]
     assert len(others) <= 4, result.stderr
+
+
+# ---- stages with nothing to commit: the first Ctrl-C ends them at once ----------------------
+# One `genrun` (instant engine, a few prompts) per stage, held there by what the stage waits for
+# (a planted lease) or by a failpoint; SIGINT goes to genrun itself (its helpers have SIGINT
+# blocked, as when a terminal sends it to the whole group).
+
+STAGE_PROMPTS = 4
+
+
+def _stage_args(prompts, out):
+    return [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.n=1",
+        "generation.show_progress=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def few_prompts(tmp_path_factory):
+    return write_parquet(tmp_path_factory.mktemp("few") / "prompts.parquet", chat_rows(STAGE_PROMPTS))
+
+
+class Stage:
+    """`genrun` as a subprocess in a session of its own, stderr in a file the test reads."""
+
+    def __init__(self, args, tmp_path, env=None):
+        self.stderr_path = tmp_path / "stderr.txt"
+        full_env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "GENRUN_LOG_LEVEL")}
+        full_env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(REPO), **(env or {}))
+        with open(self.stderr_path, "w") as stderr:
+            self.process = subprocess.Popen(
+                [*GENRUN, *args], cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+            )
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_until(self, reached, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not reached():
+            assert self.process.poll() is None, f"genrun exited before {what}:\n{self.stderr()[-3000:]}"
+            assert time.monotonic() < deadline, f"genrun did not reach {what} in time:\n{self.stderr()[-3000:]}"
+            time.sleep(0.2)
+
+    def interrupt(self, timeout: float = 60) -> int:
+        """SIGINT to genrun; its exit code (the test fails if it does not exit within `timeout`)."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"genrun did not exit within {timeout} s of a Ctrl-C:\n{self.stderr()[-3000:]}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.mark.timeout(600)
+def test_a_ctrl_c_while_waiting_for_a_dying_lease_exits_at_once_leaving_the_folder_as_it_was(few_prompts, tmp_path):
+    out = tmp_path / "run"
+    folder = _plant_dying_lease(out)
+    stage = Stage(_stage_args(few_prompts, out), tmp_path)
+    try:
+        stage.wait_until(lambda: "waiting for its lease to expire" in stage.stderr(), "the lease wait")
+        assert stage.interrupt() == 130
+    finally:
+        stage.kill()
+    text = stage.stderr()
+    assert "genrun: stopped: 0 of 4 trajectories committed in" in text and "run the same command again to resume" in text, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    # Nothing was taken or written: the planted lease is still the newest, as it was.
+    assert newest_lease(folder).owner == "x"
+    assert not (out / "shards").exists()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage_name", ["boot_pool", "merge"])
+def test_a_ctrl_c_while_replicas_boot_or_during_the_merge_exits_at_once_and_the_folder_resumes(few_prompts, tmp_path, stage_name):
+    """Held by a failpoint at the start of the replicas' boot (minutes for SGLang) or of the merge
+    (every shard committed)."""
+    out = tmp_path / "run"
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    stage = Stage(_stage_args(few_prompts, out), tmp_path, env={"GENRUN_FAILPOINTS": f"{stage_name}@1:hold", "GENRUN_FAILPOINT_DIR": str(failpoints)})
+    try:
+        stage.wait_until((failpoints / f"{stage_name}.fired").exists, stage_name)
+        assert stage.interrupt() == 130
+    finally:
+        stage.kill()
+    text = stage.stderr()
+    committed = STAGE_PROMPTS if stage_name == "merge" else 0
+    assert f"genrun: stopped: {committed} of {STAGE_PROMPTS} trajectories committed in" in text, text[-2000:]
+    assert "run the same command again to resume" in text and "Traceback" not in text, text[-3000:]
+    # What was committed, once; the lease released: the same command goes on from there.
+    keys = committed_keys(out) if (out / "shards").exists() else []
+    assert len(keys) == len(set(keys)) == committed
+    assert newest_lease(RunFolder(str(out))).released
+    assert not (out / "trajectories.pkl").exists()
+
+
+def _plant_dying_lease(out) -> RunFolder:
+    """The lease of a run on another host that missed its heartbeats: a genrun waits out its hour."""
+    folder = RunFolder(str(out))
+    now = time.time()
+    planted = {"generation": 1, "owner": "x", "host": "another-host", "pid": 1, "seconds": 3600, "acquired": now - 2000, "renewed": now - 2000, "released": False}
+    folder.put_atomic("lease/00000001.json", json.dumps(planted).encode())
+    return folder
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process below `pid`."""
+    rows = [line.split(None, 2) for line in subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout.splitlines()]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for row in rows:
+        children.setdefault(int(row[1]), []).append((int(row[0]), row[2] if len(row) > 2 else ""))
+    found, todo = {}, [pid]
+    while todo:
+        for child, args in children.get(todo.pop(), []):
+            found[child] = args
+            todo.append(child)
+    return found
+
+
+def _alive(pids) -> dict[int, str]:
+    """Those of `pids` still running (a zombie, waiting for a reaper that may not come, is gone)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    rows = {int(row[0]): row for row in (line.split(None, 2) for line in listing.splitlines())}
+    return {pid: rows[pid][2] for pid in pids if pid in rows and not rows[pid][1].startswith("Z")}
+
+
+@pytest.mark.timeout(600)
+def test_a_genrun_killed_with_kill_9_leaves_no_prefect_server_or_ray_behind(few_prompts, tmp_path):
+    out = tmp_path / "run"
+    _plant_dying_lease(out)
+    stage = Stage(_stage_args(few_prompts, out), tmp_path)
+    try:
+        # Held in the lease wait: its temporary Prefect server and its Ray are up.
+        stage.wait_until(lambda: "waiting for its lease to expire" in stage.stderr(), "the lease wait")
+        started = _descendants(stage.process.pid)
+        assert any("uvicorn" in args and "prefect" in args for args in started.values()), started
+        assert any("raylet" in args for args in started.values()) and any("gcs_server" in args for args in started.values()), started
+        stage.process.kill()
+        stage.process.wait()
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _alive(started) == {}
+    finally:
+        stage.kill()

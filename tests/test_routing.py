@@ -5,6 +5,10 @@ backend's call shape against verl's own LLMServerClient."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ from verl.workers.rollout.replica import TokenOutput
 import generation_core.routing as routing
 from generation_core.errors import GenrunError
 from generation_core.routing import RayReplicaBackend, RoutingClient, ServerGone
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,8 +163,34 @@ def test_full_determinism_routes_by_hash_of_the_request_id():
 
     asyncio.run(scenario())
     for i in range(12):
-        expected = ["a", "b", "c"][hash(f"det-{i}") % 3]
+        expected = ["a", "b", "c"][routing.stable_hash(f"det-{i}") % 3]
         assert client.server_of(f"det-{i}") == expected
+
+
+def _deterministic_routes() -> list[str]:
+    """Where full_determinism routes det-0..det-11 over replicas a, b, c (in this process)."""
+    client, _ = _client(*(FakeBackend(name) for name in ("a", "b", "c")), full_determinism=True)
+
+    async def scenario():
+        for i in range(12):
+            await _generate(client, f"det-{i}")
+
+    asyncio.run(scenario())
+    return [client.server_of(f"det-{i}") for i in range(12)]
+
+
+@pytest.mark.timeout(180)
+def test_full_determinism_routes_an_id_to_the_same_replica_in_every_process():
+    """Shard workers are separate processes: Python's str hash, salted per process, would send the
+    same id to different replicas in each."""
+    ours = os.environ.get("PYTHONHASHSEED", "")
+    seed = str(int(ours) + 1) if ours.isdigit() else "1"  # another salt than this process's
+    child = subprocess.run(
+        [sys.executable, "-c", "import json; from tests.test_routing import _deterministic_routes; print(json.dumps(_deterministic_routes()))"],
+        cwd=REPO, env=dict(os.environ, PYTHONHASHSEED=seed), capture_output=True, text=True, timeout=170,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert json.loads(child.stdout.splitlines()[-1]) == _deterministic_routes()
 
 
 def test_a_request_failure_keeps_the_server_in_rotation():

@@ -270,3 +270,76 @@ def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(model_d
     manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "tool_agent_loop.py")
     assert not sample_deadline.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"
+
+
+class KeyRecordingEngine(ScriptedEngine):
+    """The scripted engine, noting the request id and trajectory key of each turn it serves."""
+
+    def __init__(self, tokenizer, expressions):
+        super().__init__(tokenizer, expressions)
+        self.turns: list[tuple[str, str | None]] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, trajectory_key=None, **unused):
+        self.turns.append((request_id, trajectory_key))
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **unused)
+
+
+class _InProcessEngineHandle:
+    """An EngineServer actor's handle, in this process: `serve_batch` streams its answers as Ray's
+    streaming call would (an awaitable per yield)."""
+
+    def __init__(self, engine):
+        from generation_core.engines.server import EngineServer
+
+        self.server = EngineServer(lambda: engine)
+        self.serve_batch = self
+
+    def options(self, **_):
+        return self
+
+    async def remote(self, requests):
+        async for answers in self.server.serve_batch(requests):
+            ready = asyncio.get_running_loop().create_future()
+            ready.set_result(answers)
+            yield ready
+
+
+class _OneBackend:
+    def __init__(self, backend):
+        self.backend = backend
+
+    async def connect(self, wait_seconds: float = 0.0):
+        return {"r0": self.backend}, {}
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajectory(model_dir, tokenizer):
+    """What the hf engine's later_turns_first recognises a later turn by (engines/admission.py):
+    through the routing client and a replica backend, each turn goes with a fresh request id (as
+    verl's client sends it) and the agent loop's own id as `trajectory_key`."""
+    from generation_core.engines.admission import RequestIds
+    from generation_core.routing import RayReplicaBackend, RoutingClient
+
+    cfg = tool_config(model_dir)
+    engine = KeyRecordingEngine(tokenizer, EXPRESSIONS)
+    client = RoutingClient(cfg, _OneBackend(RayReplicaBackend(_InProcessEngineHandle(engine), cfg)))
+    worker = StreamingWorker(cfg, client)
+    samples = [
+        {"raw_prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}], "agent_name": "tool_agent", "index": i, "extra_info": {"index": i}}
+        for i, word in enumerate(("seven", "twelve"))
+    ]
+
+    async def both():
+        return await asyncio.gather(*(worker.run_one((i, 0), sample) for i, sample in enumerate(samples)))
+
+    records = asyncio.run(both())
+    assert [r.num_turns for r in records] == [4, 4]
+    assert len(engine.turns) == 4
+    request_ids = [request_id for request_id, _ in engine.turns]
+    keys = [key for _, key in engine.turns]
+    assert len(set(request_ids)) == 4, "a fresh request id per turn (verl's servers need unique ids)"
+    assert None not in keys and len(set(keys)) == 2 and sorted(keys.count(k) for k in set(keys)) == [2, 2]
+    admission = RequestIds()
+    assert [admission.seen_before(key) for key in keys].count(True) == 2, "each trajectory's second turn is a later turn"

@@ -7,10 +7,13 @@ multi-turn trajectories finish last and the end of a run decodes their remaining
 nearly empty batch. Taking later turns first keeps trajectories moving once they started; first
 turns keep arrival order among themselves, so none waits forever (a later turn exists only
 after its first turn ran). Measured on the bundled tool example (192 prompts, 2 cores), the
-two orders ran at the same rate (0.98, bench/RESULTS.md); longer multi-turn runs are not measured.
+two orders ran at the same rate (0.99 once the setting acted, bench/RESULTS.md); longer
+multi-turn runs are not measured.
 
-A later turn is recognised by its request id: verl's agent loops send every turn of one
-trajectory under the same id (which also keeps it on one replica, with its KV).
+A later turn is recognised by its trajectory key: verl's agent loops send every turn of one
+trajectory under the same id (which also keeps it on one replica, with its KV), and the routing
+client hands it to our engines as `trajectory_key` (the request id a replica gets is fresh per
+turn: verl's servers need unique ids); without a key, the request id stands in.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class AdmissionQueue(queue.Queue):
 
 
 class RequestIds:
-    """The request ids an engine has seen: whether a request continues a trajectory."""
+    """The trajectory keys (or request ids) an engine has seen: whether a request continues a trajectory."""
 
     def __init__(self, capacity: int = REMEMBERED_REQUEST_IDS):
         self._capacity = capacity

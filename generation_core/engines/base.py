@@ -67,7 +67,8 @@ class Engine(Protocol):
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> EngineOutput:
         """One model turn (an engine may answer with verl's TokenOutput as well). `kwargs` carry what verl adds for other engines (multimodal data,
-        priority); an engine takes what it serves and ignores the rest."""
+        priority) and, from the routing client, `trajectory_key` (the same for every turn of one
+        trajectory; `request_id` is fresh per turn); an engine takes what it serves and ignores the rest."""
         ...
 
     def shutdown(self) -> None:

@@ -76,8 +76,8 @@ class EngineSettings:
     a trajectory's first turn) once per step for all of them, not once per sequence
     (shared_prefix.py); false: every sequence reads its own copy."""
     later_turns_first: bool = True
-    """A trajectory's next turn (same request id) joins the batch before queued first turns
-    (admission.py); false: arrival order."""
+    """A trajectory's next turn (same trajectory key: the agent loop's id) joins the batch before
+    queued first turns (admission.py); false: arrival order."""
     weight_first_linear: bool = True
     """On a CPU, linear layers of 2-128 rows compute `W @ x^T` (cpu_linear.py), which MKL runs up
     to 1.9x faster than `x @ W^T` with few rows; false: transformers' `nn.Linear` as it is."""
@@ -165,7 +165,11 @@ class HFEngine:
 
     # ---- public contract --------------------------------------------------------------------
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], trajectory_key: str | None = None, **_unused: Any
+    ) -> EngineOutput:
+        """`trajectory_key`: the same for every turn of one trajectory (the routing client sends
+        the agent loop's id; `request_id` is fresh per turn there); without it, `request_id`."""
         params = SamplingParams.from_request(sampling_params)
         if self.settings.ignore_eos:
             params = dataclasses.replace(params, ignore_eos=True)
@@ -181,7 +185,7 @@ class HFEngine:
             # On the engine's device: sampling runs where the logits are (sample_next_tokens).
             generator = torch.Generator(device=self.settings.device).manual_seed(params.seed)
         seq = _Sequence(prompt_ids, params, max_tokens, loop, loop.create_future(), generator)
-        if self.settings.later_turns_first and self._request_ids.seen_before(request_id):
+        if self.settings.later_turns_first and self._request_ids.seen_before(trajectory_key or request_id):
             seq.later_turn = True
             self.stats["later_turns"] += 1
         with self._waiting_lock:
