@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.genrun-installed
 ARGS ?=
 
-.PHONY: setup setup-vllm browser demo test test-all test-remote chaos bench clean-outputs
+.PHONY: setup setup-vllm browser demo lint test test-all test-remote chaos bench clean-outputs
 
 setup: $(STAMP)
 	$(BIN)/python -m generation_core.bundled
@@ -27,7 +27,11 @@ demo: setup
 # CI's command; it lists its 25 slowest tests at the end (CI's time budget). Tests marked
 # `extended` (covered here by cheaper ones) run in `make test-all`;
 # tests against a real vLLM server (`vllm_server`: a 3.4 GB environment) in `make test-remote`.
-test: setup browser
+# Static checks first: they fail in seconds, before the suite's half hour.
+lint: setup
+	$(BIN)/ruff check generation_core flows tasks
+
+test: setup lint browser
 	$(BIN)/python -m pytest -q --durations=25 -m "not extended and not vllm_server" tests
 
 test-all: setup setup-vllm browser

@@ -126,7 +126,7 @@ class _StatusAwareStream:
     """The log handler's stream while a live line is shown: each write clears the line first,
     each finished line puts it back under what was written."""
 
-    def __init__(self, stream, display: "ProgressDisplay"):
+    def __init__(self, stream, display: ProgressDisplay):
         self.stream, self.display = stream, display
 
     def write(self, text: str) -> int:
@@ -159,7 +159,7 @@ class ProgressDisplay:
         self.last = float("-inf")
         self._wrapped: list[tuple[logging.StreamHandler, object]] = []
 
-    def __enter__(self) -> "ProgressDisplay":
+    def __enter__(self) -> ProgressDisplay:
         if self.live:
             # Log lines printed while the line is shown go above it.
             for handler in logging.getLogger().handlers:

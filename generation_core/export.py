@@ -228,7 +228,7 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
     scored = 0
     for part in parts:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
-        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names)):
+        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names), strict=True):
             reward = score_or_none(reward)
             scored += reward is not None
             if not _scored_at_least(reward, min_reward):

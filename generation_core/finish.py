@@ -7,9 +7,9 @@ from typing import Any, TypeVar
 
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import failpoint
+from generation_core.lease import LeaseFence
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.preflight import RunPlan
-from generation_core.lease import LeaseFence
 from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize

@@ -30,6 +30,7 @@ from typing import Literal
 import ray
 from omegaconf import DictConfig
 from tqdm import tqdm
+from verl.utils import hf_tokenizer
 
 from generation_core.agent_loops import check_agent_loops
 from generation_core.data import ShardPrompts, ShardSpec, read_rows, rows_digest
@@ -57,7 +58,6 @@ from generation_core.run_folder import (
 )
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
-from verl.utils import hf_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ class LeaseRecord:
     """The holder's pid namespace (`/proc/self/ns/pid`), where its `pid` means something."""
 
     @classmethod
-    def from_dict(cls, payload: dict) -> "LeaseRecord":
+    def from_dict(cls, payload: dict) -> LeaseRecord:
         # Keys a newer writer added are ignored; ones an older writer lacked take their defaults.
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in payload.items() if key in known})
@@ -203,7 +203,7 @@ class RunLease:
         self.lost: str | None = None
 
     @classmethod
-    def acquire(cls, folder: RunFolder, seconds: float = DEFAULT_LEASE_SECONDS) -> "RunLease":
+    def acquire(cls, folder: RunFolder, seconds: float = DEFAULT_LEASE_SECONDS) -> RunLease:
         now = time.time()
         newest = _wait_if_dying(folder, newest_lease(folder))
         now = time.time()
@@ -236,7 +236,7 @@ class RunLease:
         lease._heartbeat.start()
         return lease
 
-    def fence(self) -> "LeaseFence":
+    def fence(self) -> LeaseFence:
         return LeaseFence(self.record.generation)
 
     def release(self) -> None:
@@ -251,7 +251,7 @@ class RunLease:
         except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
             logger.warning("could not release the run lease (%s: %s); it expires in %.0f s", type(exc).__name__, exc, self.record.seconds)
 
-    def __enter__(self) -> "RunLease":
+    def __enter__(self) -> RunLease:
         return self
 
     def __exit__(self, *exc_info) -> None:

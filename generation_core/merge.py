@@ -153,7 +153,7 @@ class PaddedBatchBuilder:
             self.reward_objects[key][positions] = _object_array([info.get(key) for info in reward_infos])
         for key in layout.extra_keys:
             self.objects[key][positions] = _object_array([extra.get(key) for extra in extras])
-        for position, row_metrics in zip(positions.tolist(), metrics):
+        for position, row_metrics in zip(positions.tolist(), metrics, strict=True):
             self.metrics[position] = row_metrics
         self.filled += len(positions)
 
@@ -264,7 +264,7 @@ def scan_run(folder: RunFolder) -> MergeInput:
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
         # NaN is no score (records.score_or_none): rm_scores only when every trajectory is scored.
         scores_missing += pc.sum(pc.invert(scored_mask(table.column("reward_score")))).as_py() or 0
-        for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist()):
+        for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist(), strict=True):
             extra = json.loads(text)
             extra_keys.update(extra)
             if shared:

@@ -46,10 +46,10 @@ from generation_core.records import (
     to_json,
 )
 from generation_core.run_folder import (
+    FAILURES_DIR,
     CheckpointConflict,
     PartEntry,
     ShardCheckpoint,
-    FAILURES_DIR,
     new_part_name,
     shard_file,
     write_failure_log,

@@ -99,7 +99,7 @@ class ReplicaPool:
     balancer_name: str
 
     @classmethod
-    async def boot(cls, cfg: DictConfig, balancer_name: str | None = None) -> "ReplicaPool":
+    async def boot(cls, cfg: DictConfig, balancer_name: str | None = None) -> ReplicaPool:
         check_rollout_name(cfg)
         balancer_name = balancer_name or new_balancer_name()
         layout = resolve_layout(cfg)

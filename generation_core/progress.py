@@ -84,7 +84,7 @@ class ShardReporter:
         self.stop = False
 
     @classmethod
-    def attach(cls, board_name: str | None, shard_id: int) -> "ShardReporter":
+    def attach(cls, board_name: str | None, shard_id: int) -> ShardReporter:
         board = None
         if board_name:
             import ray
@@ -122,7 +122,7 @@ class ShardReporter:
             logger.debug("progress report failed: %s: %s", type(exc).__name__, exc)
 
     @contextlib.asynccontextmanager
-    async def reporting(self) -> AsyncIterator["ShardReporter"]:
+    async def reporting(self) -> AsyncIterator[ShardReporter]:
         """Report every REPORT_SECONDS while the block runs, and once more at its end."""
         async def loop() -> None:
             while True:
@@ -150,7 +150,7 @@ def committed_counts(folder: RunFolder, shard_ids: Iterable[int], threads: int =
     if folder.is_local or len(ids) < 2:
         return {shard_id: count(shard_id) for shard_id in ids}
     with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(ids, pool.map(count, ids)))
+        return dict(zip(ids, pool.map(count, ids), strict=True))
 
 
 @dataclass

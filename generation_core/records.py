@@ -103,7 +103,7 @@ class SampleFailure:
         return (self.index, self.rollout_n)
 
     @classmethod
-    def from_exception(cls, key: tuple[int, int], exc: BaseException) -> "SampleFailure":
+    def from_exception(cls, key: tuple[int, int], exc: BaseException) -> SampleFailure:
         # Ray wraps an actor's exception; its own text starts with the actor's name, not the error.
         cause = getattr(exc, "cause", None) or exc
         message = str(cause).strip().splitlines()
@@ -198,7 +198,7 @@ def records_to_table(records: list[TrajectoryRecord]) -> pa.Table:
         "input_fields": [to_json(r.input_fields) for r in records],
         "extra_fields": [
             to_json({k: v for k, v in r.extra_fields.items() if k != SHARED_RAW_PROMPT} if s else r.extra_fields)
-            for r, s in zip(records, shared)
+            for r, s in zip(records, shared, strict=True)
         ],
         "metrics": [to_json(r.metrics) for r in records],
         "raw_prompt_shared": shared,
@@ -254,7 +254,7 @@ def decode_fields(table: pa.Table) -> tuple[list[dict[str, Any]], list[dict[str,
     inputs = [json.loads(text) for text in table.column("input_fields").to_pylist()]
     extras = [json.loads(text) for text in table.column("extra_fields").to_pylist()]
     metrics = [json.loads(text) for text in table.column("metrics").to_pylist()]
-    for fields, extra, shared in zip(inputs, extras, table.column("raw_prompt_shared").to_pylist()):
+    for fields, extra, shared in zip(inputs, extras, table.column("raw_prompt_shared").to_pylist(), strict=True):
         if shared:
             extra[SHARED_RAW_PROMPT] = copy.deepcopy(fields[SHARED_RAW_PROMPT])
     return inputs, extras, metrics

@@ -34,7 +34,13 @@ import pyarrow.compute as pc
 from generation_core.errors import GenrunError
 from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
 from generation_core.run_folder import (
-    CommittedPartRef, DamagedPart, ShardCheckpoint, read_commit_records, read_failure_log, read_verified_part, shard_file,
+    CommittedPartRef,
+    DamagedPart,
+    ShardCheckpoint,
+    read_commit_records,
+    read_failure_log,
+    read_verified_part,
+    shard_file,
 )
 from generation_core.status import shard_states
 from generation_core.storage import RunFolder
@@ -238,7 +244,7 @@ class _Collector:
         rows = rows[np.argsort(hashes[rows], kind="stable")[: self.sample_size]]
         if not len(rows):
             return
-        for row, record in zip(rows, records_of(table.take(pa.array(rows)))):
+        for row, record in zip(rows, records_of(table.take(pa.array(rows))), strict=True):
             entry = (-int(hashes[row]), record.index, record.rollout_n, record)
             if len(self.heap) < self.sample_size:
                 heapq.heappush(self.heap, entry)
@@ -246,7 +252,7 @@ class _Collector:
                 heapq.heapreplace(self.heap, entry)
 
     def stats(self) -> TrajectoryStats:
-        columns = list(zip(*self.chunks)) if self.chunks else [[np.zeros(0, dtype)] for dtype in (np.int32, np.int32, np.float64, np.int32, np.int32, np.int8)]
+        columns = list(zip(*self.chunks, strict=True)) if self.chunks else [[np.zeros(0, dtype)] for dtype in (np.int32, np.int32, np.float64, np.int32, np.int32, np.int8)]
         return TrajectoryStats(*(np.concatenate(column) for column in columns))
 
     def sample(self) -> list[TrajectoryRecord]:

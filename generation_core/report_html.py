@@ -14,10 +14,10 @@ import numpy as np
 
 from generation_core.build import describe_build, same_build
 from generation_core.errors import GenrunError
-from generation_core.report_data import FAILURES_LISTED, ReportData, collect_report_data
+from generation_core.report_data import ReportData, collect_report_data
 from generation_core.report_plots import Plot, all_plots
-from generation_core.run_folder import read_run_record
 from generation_core.report_viewer import TOKEN_BUDGET, eos_token_ids, load_tokenizer, payload_json, viewer_payload
+from generation_core.run_folder import read_run_record
 from generation_core.storage import RunFolder
 
 REPORT_FILE = "report.html"

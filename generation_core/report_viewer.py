@@ -106,7 +106,7 @@ class TokenTexts:
         new = sorted(set(ids) - self.pieces.keys())
         if new:
             texts = self.tokenizer.batch_decode([[i] for i in new]) if self.tokenizer is not None else [f"⟨{i}⟩" for i in new]
-            self.pieces.update(zip(new, texts))
+            self.pieces.update(zip(new, texts, strict=True))
         fix: dict[int, str] = {}
         if self.tokenizer is None:
             return fix
@@ -151,7 +151,7 @@ def viewer_payload(data: ReportData, tokenizer, token_budget: int = TOKEN_BUDGET
     stops = stop_reasons(records_to_table(shown), data.limits)[0].tolist() if shown else []
     names = list(STOP_REASONS)
     texts = TokenTexts(tokenizer)
-    trajectories = [_trajectory(record, texts, names[code]) for record, code in zip(shown, stops)]
+    trajectories = [_trajectory(record, texts, names[code]) for record, code in zip(shown, stops, strict=True)]
     return {
         "total": len(data.stats),
         "trajectories": trajectories,

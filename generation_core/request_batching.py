@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ class RetryingClient:
                     return await call
                 try:
                     return await asyncio.wait_for(call, self.timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise RequestTimeout(f"engine request {request_id} took longer than generation.request_timeout={self.timeout}s") from None
             except Exception as exc:  # noqa: BLE001 - classified by is_transient below
                 kind = type(exc).__name__

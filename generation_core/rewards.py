@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -62,7 +63,7 @@ class RewardScorer:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, tokenizer) -> "RewardScorer | None":
+    def from_config(cls, cfg: DictConfig, tokenizer) -> RewardScorer | None:
         function = load_reward_function(cfg)
         return None if function is None else cls(function, tokenizer, cfg.generation.reward_workers)
 

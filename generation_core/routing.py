@@ -218,10 +218,10 @@ class RoutingClient:
                     if await backend.probe():
                         break
                 if time.monotonic() >= deadline:
-                    raise asyncio.TimeoutError()
+                    raise TimeoutError()
                 await asyncio.sleep(backend.probe_interval)
             logger.warning("inference replica %s is back in rotation", server_id)
-        except (ServerGone, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ServerGone) as exc:
             why = type(exc.__cause__).__name__ if isinstance(exc, ServerGone) else "no answer in time"
             self._gone.add(server_id)
             logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._backends) - len(self._gone), len(self._backends))

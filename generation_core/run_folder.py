@@ -308,7 +308,7 @@ class ShardCheckpoint:
         sequences, records = read_commit_records(folder, shard)
         if not sequences and folder.exists(shard_file(shard, CHECKPOINT_FILE)):
             raise legacy_checkpoint_error(folder, shard)
-        for seq, record in zip(sequences, records):
+        for seq, record in zip(sequences, records, strict=True):
             checkpoint._apply(seq, record)
         if sequences:
             checkpoint.next_seq = sequences[-1] + 1
@@ -482,7 +482,7 @@ class ShardManifest:
     a version that wrote none)."""
 
     @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> "ShardManifest":
+    def from_dict(cls, payload: dict[str, Any]) -> ShardManifest:
         manifest = _from_dict(cls, payload)
         manifest.parts = [_from_dict(PartEntry, part) for part in payload.get("parts", [])]
         manifest.last_attempt = _from_dict(AttemptStats, payload.get("last_attempt") or {})
@@ -491,7 +491,7 @@ class ShardManifest:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def as_skipped(self) -> "ShardManifest":
+    def as_skipped(self) -> ShardManifest:
         """This manifest for an attempt that found the shard finished and did nothing."""
         skipped = ShardManifest.from_dict(self.to_dict())
         skipped.last_attempt = AttemptStats(skipped=True)

@@ -41,7 +41,7 @@ class RunWatch:
         self._last_update = time.monotonic()
         self._reported: set[int] = set()
 
-    def __enter__(self) -> "RunWatch":
+    def __enter__(self) -> RunWatch:
         self.display.__enter__()
         # What earlier runs committed in shards no job has reported yet: read in the background
         # (a listing and the commit records per shard; many shards on S3 take a while).

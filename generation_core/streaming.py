@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 import hydra
 import verl.experimental.agent_loop.agent_loop as verl_agent_loop
+from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop import AgentLoopWorker
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 

@@ -89,7 +89,7 @@ class Watchdog:
         self._process = process
 
     @classmethod
-    def start(cls) -> "Watchdog":
+    def start(cls) -> Watchdog:
         if not sys.platform.startswith("linux"):
             return cls(None)
         return cls(subprocess.Popen(

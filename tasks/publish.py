@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 
 from generation_core.lease import LeaseFence
 from generation_core.preflight import RunPlan

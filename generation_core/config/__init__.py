@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -162,8 +162,8 @@ def _scheduled_date() -> str:
     except ImportError:
         scheduled = None
     if scheduled is None:
-        return datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    return scheduled.astimezone(timezone.utc).strftime("%Y-%m-%d")
+        return datetime.now(UTC).strftime("%Y-%m-%d")
+    return scheduled.astimezone(UTC).strftime("%Y-%m-%d")
 
 
 # Mappings that pass through to another library, which owns their keys.

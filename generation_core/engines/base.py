@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-
 STOP_EOS = "stop"
 """The model ended the response: it sampled an end-of-sequence (or stop) token."""
 STOP_LENGTH = "length"
@@ -97,7 +96,7 @@ class SamplingParams:
     """Extra ids that end a response. Forwarded to remote servers."""
 
     @classmethod
-    def from_request(cls, params: dict[str, Any]) -> "SamplingParams":
+    def from_request(cls, params: dict[str, Any]) -> SamplingParams:
         """Parse verl's sampling dict; a ValueError (the request, not the engine, is wrong) for
         values no engine accepts."""
         max_tokens = params.get("max_tokens", params.get("max_new_tokens"))

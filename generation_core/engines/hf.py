@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from generation_core.engines.base import EngineOutput, STOP_EOS, STOP_LENGTH, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
+from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines.cpu_linear import use_weight_first_linears
 from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
@@ -260,7 +260,7 @@ class HFEngine:
                 self._joining = []
             self.stats["busy_seconds"] += time.perf_counter() - started
 
-    def _step(self, batch: "SlotBatch") -> None:
+    def _step(self, batch: SlotBatch) -> None:
         """One turn of the decode loop: joiners in, one token for every sequence in the batch."""
         self.stats["slot_moves"] += batch.compact()
         if self._mixed:
@@ -292,7 +292,7 @@ class HFEngine:
         self.model.set_attn_implementation(previous)
         return False
 
-    def _mixed_step(self, batch: "SlotBatch") -> None:
+    def _mixed_step(self, batch: SlotBatch) -> None:
         """Admit joiners (up to the free slots and max_step_tokens), then one forward pass that
         decodes every live slot and prefills every joiner's prompt (after its reused prefix)."""
         decoding = batch.live_slots()
@@ -326,14 +326,14 @@ class HFEngine:
         else:
             joiner_slots = []
             batch.make_room(1, self._kv_shape)
-        packed = PackedStep.build(batch, decoding, [(slot, seq.prompt_ids, reused) for slot, (seq, reused, _) in zip(joiner_slots, joiners)], device)
+        packed = PackedStep.build(batch, decoding, [(slot, seq.prompt_ids, reused) for slot, (seq, reused, _) in zip(joiner_slots, joiners, strict=True)], device)
         self.stats["prefill_tokens"] += sum(len(seq.prompt_ids) - reused for seq, reused, _ in joiners)
         if packed.step.cascade is not None:
             self.stats["shared_prefix_reads"] += packed.step.cascade.reading
         logits = packed_step.forward(self.model, packed, device, bool(self._last_logits_only))
         batch.advance()
         if self._prefix_cache is not None:
-            for slot, (seq, reused, _) in zip(joiner_slots, joiners):
+            for slot, (seq, reused, _) in zip(joiner_slots, joiners, strict=True):
                 if not reused:
                     # Read by later prompts that start the same way; never taken.
                     self._prefix_cache.put(seq.prompt_ids, batch.kv_of(slot), shared=True)
@@ -370,7 +370,7 @@ class HFEngine:
         head = seq.prompt_ids[:least]
         return len(head) == least and any(not reused and other.prompt_ids[:least] == head for other, reused, _ in joiners)
 
-    def _admit(self, batch: "SlotBatch") -> None:
+    def _admit(self, batch: SlotBatch) -> None:
         free = batch.free_slots()
         # Taken from the queue, in no batch yet: a failure before they join fails them too (_loop).
         joining = self._joining = []
@@ -396,7 +396,7 @@ class HFEngine:
         if fresh:
             self._prefill(batch, fresh)
 
-    def _prefill(self, batch: "SlotBatch", joining: list[_Sequence]) -> None:
+    def _prefill(self, batch: SlotBatch, joining: list[_Sequence]) -> None:
         # The joiners' prompts are prefilled together in a cache of their own; their KV then
         # moves into free slots of the running batch (a copy of the joiners only).
         width = max(len(s.prompt_ids) for s in joining)
@@ -425,7 +425,7 @@ class HFEngine:
             else:
                 batch.join(seq, own)
 
-    def _prefill_after_prefix(self, batch: "SlotBatch", seq: _Sequence, reused: int, prefix: KV) -> None:
+    def _prefill_after_prefix(self, batch: SlotBatch, seq: _Sequence, reused: int, prefix: KV) -> None:
         """Prefill `seq`'s prompt after its first `reused` tokens, whose KV is `prefix`; then it
         joins the batch with the KV of its whole prompt, as a joiner prefilled whole does."""
         device = self.settings.device
@@ -461,7 +461,7 @@ class HFEngine:
             self._prefix_cache.put(tokens, kv)
         _resolve(seq, None)
 
-    def _decode_step(self, batch: "SlotBatch") -> None:
+    def _decode_step(self, batch: SlotBatch) -> None:
         # Every live sequence feeds its last token (joiners got their first from the prefill).
         if not batch.live_slots():
             return

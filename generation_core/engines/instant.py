@@ -27,8 +27,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-
-from generation_core.engines.base import EngineOutput, STOP_EOS, STOP_LENGTH, SamplingParams, response_budget
+from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 
 
 @dataclass

@@ -61,7 +61,7 @@ class PackedStep:
     ones, ending at column `batch.end`."""
 
     @classmethod
-    def build(cls, batch: SlotBatch, decoding: list[int], joiners: list[tuple[int, list[int], int]], device: str) -> "PackedInput":
+    def build(cls, batch: SlotBatch, decoding: list[int], joiners: list[tuple[int, list[int], int]], device: str) -> PackedInput:
         """Lay out one step: every slot in `decoding` feeds its last sampled token; each joiner
         (slot, prompt ids, tokens reused from a cached prefix) feeds its prompt after the reused
         part. Joiners must already be placed in `batch` (SlotBatch.place)."""
@@ -215,7 +215,7 @@ def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logit
 
     def step(decoding: list[int], joining: list[_Probe]) -> torch.Tensor:
         slots = batch.place([(probe, 0, None) for probe in joining], shape)
-        packed = PackedStep.build(batch, decoding, [(slot, probe.prompt_ids, 0) for slot, probe in zip(slots, joining)], device)
+        packed = PackedStep.build(batch, decoding, [(slot, probe.prompt_ids, 0) for slot, probe in zip(slots, joining, strict=True)], device)
         logits = forward(model, packed, device, accepts_logits_to_keep)
         batch.advance()
         return logits

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from omegaconf import DictConfig
 
-from generation_core.engines.base import EngineOutput, STOP_LENGTH, SamplingParams, response_budget
+from generation_core.engines.base import STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 from generation_core.engines.layout import remote_settings, remote_urls
 from generation_core.errors import GenrunError
 
@@ -247,7 +247,7 @@ class CompletionsServers:
                 raise GenrunError(f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})")
             await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.1)))
         self._servers = servers
-        unanswered = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered) if not ok}
+        unanswered = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered, strict=True) if not ok}
         return servers, unanswered
 
     async def aclose(self) -> None:
@@ -263,8 +263,8 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
         results = await asyncio.gather(*[server.models() for server in servers.values()], return_exceptions=True)
     finally:
         await next(iter(servers.values())).http.aclose()
-    answering = {url: models for url, models in zip(servers, results) if not isinstance(models, BaseException)}
-    down = {url: str(err) for url, err in zip(servers, results) if isinstance(err, BaseException)}
+    answering = {url: models for url, models in zip(servers, results, strict=True) if not isinstance(models, BaseException)}
+    down = {url: str(err) for url, err in zip(servers, results, strict=True) if isinstance(err, BaseException)}
     if not answering:
         raise GenrunError(
             f"none of the {len(servers)} remote inference server(s) answered: "

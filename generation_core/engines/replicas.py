@@ -14,8 +14,8 @@ import functools
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from generation_core.engines.base import Engine
 from generation_core.instrumentation import mark

@@ -50,7 +50,7 @@ class SharedPrefix:
     values: list[torch.Tensor]
 
     @classmethod
-    def copy_of(cls, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], slot: int, first_column: int) -> "SharedPrefix":
+    def copy_of(cls, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], slot: int, first_column: int) -> SharedPrefix:
         """The prefix `tokens` as `slot` holds it at columns [first_column, + len(tokens))."""
         span = slice(first_column, first_column + len(tokens))
         return cls(tuple(tokens), [k[slot, :, span].clone() for k in keys], [v[slot, :, span].clone() for v in values])

@@ -40,7 +40,7 @@ class KVShape:
     device: str
 
     @classmethod
-    def of(cls, config: Any, dtype: torch.dtype, device: str) -> "KVShape":
+    def of(cls, config: Any, dtype: torch.dtype, device: str) -> KVShape:
         """From a transformers config of the usual decoder shape (num_key_value_heads, head_dim)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -133,7 +133,7 @@ class SlotBatch:
     def kv_of(self, slot: int) -> KV:
         """What `slot` holds, as views into the store: columns [row_start, end) of each layer."""
         lo, hi = self.row_start[slot], self.end
-        return [(k[slot : slot + 1, :, lo:hi], v[slot : slot + 1, :, lo:hi]) for k, v in zip(self.keys, self.values)]
+        return [(k[slot : slot + 1, :, lo:hi], v[slot : slot + 1, :, lo:hi]) for k, v in zip(self.keys, self.values, strict=True)]
 
     def leave(self, slot: int) -> None:
         self.sequences[slot] = None
@@ -155,7 +155,7 @@ class SlotBatch:
         live = self.live_slots()
         holes = [slot for slot in range(len(live)) if self.sequences[slot] is None]
         movers = [slot for slot in reversed(live) if slot >= len(live)]
-        for hole, slot in zip(holes, movers):
+        for hole, slot in zip(holes, movers, strict=True):
             lo = self.row_start[slot]
             for store in (self.keys, self.values):
                 for layer in store:
