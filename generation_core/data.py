@@ -139,8 +139,12 @@ def _read_parquet_rows(data_file: DataFile, lo: int, hi: int, storage_options: d
 
 
 def rows_digest(table: pa.Table) -> str:
-    """sha256 of the rows' Arrow IPC serialization, in fixed windows of rows (the same rows give
-    the same digest whatever row groups or files they were read from)."""
+    """sha256 of the rows' Arrow IPC serialization, in fixed windows of rows. The same file read
+    the same way gives the same digest. It is stricter than the rows alone: a slice of a nested
+    column (the chat messages) serializes buffers it shares with its row group's other rows, so an
+    edit to a row of the same row group outside the shard changes the digest too (seen in
+    tests/test_dataset_input.py): such a shard is refused as changed, never reused wrongly.
+    Making it exact would change every recorded digest; that needs a digest version."""
     digest = hashlib.sha256(table.schema.remove_metadata().serialize().to_pybytes())
     table = table.replace_schema_metadata(None)
     for offset in range(0, table.num_rows, DIGEST_WINDOW_ROWS):
