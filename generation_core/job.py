@@ -109,7 +109,7 @@ def check_finished_rows(plan: RunPlan, shards: list[ShardSpec]) -> None:
     resume skips finished `shards`, their rows are read again (Arrow only: no tokenizer, no
     filter) and digested, RECHECK_THREADS shards at a time; a shard recorded without a digest
     is not checked. `generation.recheck_finished_rows=false` skips this (bench/RESULTS.md: what
-    it costs; README, Resume: what is given up)."""
+    it costs; docs/reliability.md, Resume: what is given up)."""
     if not shards or not plan.cfg.generation.recheck_finished_rows:
         return
     options = data_storage_options(plan.cfg)

@@ -41,7 +41,7 @@ def test_a_key_added_where_nothing_reads_it_is_refused_naming_the_closest_key(ov
 
 def test_keys_added_in_free_form_sections_are_accepted():
     """What another library, the user's reward function or a custom engine reads (each `+` key
-    the README, examples and tests use among them)."""
+    the docs, examples and tests use among them)."""
     added = {
         "+storage.options.client_kwargs.region_name=eu-west-1": "storage.options.client_kwargs.region_name",
         "+data.storage_options.endpoint_url=http://127.0.0.1:9000": "data.storage_options.endpoint_url",

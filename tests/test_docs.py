@@ -1,6 +1,13 @@
-"""The docs name the tests that hold their promises (docs/reliability.md, the README): every
-`tests/<file>.py::<test>` they name must exist, so renaming or deleting a test cannot leave a
-promise without its holder unnoticed."""
+"""The docs stay true to the code they describe, checked without running anything (no Ray).
+
+- The docs name the tests that hold their promises (docs/reliability.md, the README): every
+  `tests/<file>.py::<test>` they name must exist, so renaming or deleting a test cannot leave a
+  promise without its holder unnoticed.
+- Every relative link of the README and docs/ reaches a file (and a heading, when it names one).
+- docs/configuration.md names only keys the loaded configuration has, and every `generation.*`
+  key of genrun.yaml; no doc names a key that does not exist.
+- docs/architecture.md names every module under generation_core/, flows/ and tasks/, and no
+  module that does not exist."""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.timeout(60)
 
 TEST_REFERENCE = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
-DOCS = ["README.md", *(str(path.relative_to(REPO)) for path in sorted((REPO / "docs").glob("*.md")))]
+DOCS = ["README.md", "CHANGELOG.md", *(str(path.relative_to(REPO)) for path in sorted((REPO / "docs").glob("*.md")))]
 
 
 def _test_names(path: str) -> set[str]:
@@ -29,8 +36,134 @@ def test_every_test_a_doc_names_exists(doc):
     assert not missing, f"{doc} names tests that do not exist: {missing}"
 
 
+def _promise_rows(text: str) -> list[str]:
+    """The body rows of every table headed `| promise | held by |` (other tables, such as the
+    fault table, describe and hold nothing)."""
+    rows, in_promises = [], False
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            in_promises = False
+        elif line.startswith("| promise"):
+            in_promises = True
+        elif in_promises and not line.startswith("| ---"):
+            rows.append(line)
+    return rows
+
+
 def test_the_promises_table_names_a_test_in_every_row():
     text = (REPO / "docs" / "reliability.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| promise") and not line.startswith("| ---")]
+    rows = _promise_rows(text)
     assert len(rows) > 40
     assert [row for row in rows if not TEST_REFERENCE.search(row)] == []
+
+
+# The README and docs/ link each other and the repository by relative paths; a moved page or
+# file must not leave a dead link. Anchors (#section) are checked against the target's headings
+# as GitHub renders them.
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+    return {_github_anchor(line.lstrip("#")) for line in path.read_text().splitlines() if re.match(r"#{1,6} ", line)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_points_to_an_existing_file(doc):
+    source = REPO / doc
+    dead = []
+    for target in LINK.findall(source.read_text()):
+        if re.match(r"[a-z]+:", target):  # http(s), mailto: not ours to check
+            continue
+        file_part, _, anchor = target.partition("#")
+        resolved = (source.parent / file_part).resolve() if file_part else source
+        if not resolved.exists():
+            dead.append(target)
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            dead.append(target)
+    assert not dead, f"{doc} links to files or sections that do not exist: {dead}"
+
+
+# docs/configuration.md is the key reference: it must not name a key the loaded configuration
+# lacks, and it must cover every generation.* key genrun.yaml defines (genrun's own section).
+CONFIG_KEY = re.compile(
+    r"`((?:trainer|data|actor_rollout_ref|generation|storage|ray_kwargs|reward|custom_reward_function)\.[\w.]*\w)(?:=[^`]*)?`"
+)
+# Sections whose keys are free-form (fsspec, ray.init, verl's engine options, a reward's kwargs):
+# a doc may name a key under them that the defaults do not hold.
+FREE_FORM_PREFIXES = (
+    "storage.options.",
+    "data.storage_options.",
+    "ray_kwargs.ray_init.",
+    "reward.custom_reward_function.reward_kwargs",
+    "custom_reward_function.reward_kwargs",
+    "actor_rollout_ref.rollout.custom",
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.",
+)
+
+
+@pytest.fixture(scope="module")
+def loaded_config():
+    from generation_core.config import load_config
+
+    return load_config([])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_config_key_a_doc_names_exists(doc, loaded_config):
+    from omegaconf import OmegaConf
+
+    absent = object()
+    named = sorted(set(CONFIG_KEY.findall((REPO / doc).read_text())))
+    unknown = [
+        key
+        for key in named
+        if not key.startswith(FREE_FORM_PREFIXES) and OmegaConf.select(loaded_config, key, default=absent, throw_on_missing=False) is absent
+    ]
+    assert not unknown, f"{doc} names config keys the loaded configuration does not have: {unknown}"
+
+
+def test_the_configuration_page_covers_every_generation_key_of_genrun_yaml():
+    import yaml
+
+    defaults = yaml.safe_load((REPO / "generation_core" / "config" / "genrun.yaml").read_text())
+    page = set(CONFIG_KEY.findall((REPO / "docs" / "configuration.md").read_text()))
+    generation_keys = [f"generation.{key}" for key in defaults["generation"]]
+    assert len(generation_keys) > 20
+    assert [key for key in generation_keys if key not in page] == []
+
+
+# docs/architecture.md's module map names every module; the list comes from the file system at
+# test time, so a module added (or renamed) without its line on the page fails here.
+MODULE_ROOTS = ("generation_core", "flows", "tasks")
+MODULE_NAME = re.compile(r"`((?:generation_core|flows|tasks)/[\w/]*(?:\.py|/))`")
+# Named on the page ahead of the branch that adds them; each entry must go once the module exists.
+NOT_YET_MERGED = {"generation_core/plan.py"}
+
+
+def _module_names() -> set[str]:
+    """Each module as the page names it: its path, a package with code by its folder (`config/`)."""
+    names = set()
+    for root in MODULE_ROOTS:
+        for path in (REPO / root).rglob("*.py"):
+            relative = path.relative_to(REPO)
+            if path.name != "__init__.py":
+                names.add(str(relative))
+            elif ast.parse(path.read_text()).body:
+                names.add(f"{relative.parent}/")
+    return names
+
+
+def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
+    page = set(MODULE_NAME.findall((REPO / "docs" / "architecture.md").read_text()))
+    modules = _module_names()
+    assert len(modules) > 50
+    assert sorted(modules - page) == [], "modules missing from docs/architecture.md's module map"
+    assert sorted(page - modules - NOT_YET_MERGED) == [], "docs/architecture.md names modules that do not exist"
+    assert sorted(NOT_YET_MERGED & modules) == [], "these modules exist now: drop them from NOT_YET_MERGED"

@@ -2,7 +2,7 @@
 resolves is the one verl's replicas compute, wrong layouts are refused before anything starts,
 and a boot through verl's real standalone placement on a Ray cluster with logical GPUs puts each
 replica on GPUs of its own and shard tasks on none. SGLang and vLLM themselves need GPUs and do
-not run here (README: what has run on GPUs)."""
+not run here (docs/engines.md: what has run on GPUs)."""
 
 from __future__ import annotations
 

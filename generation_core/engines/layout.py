@@ -42,12 +42,12 @@ VERL_COLOCATE_COUNT = 2
 
 # How each GPU engine gets installed: the module verl imports, and the fix to print.
 ENGINE_PACKAGES = {
-    "sglang": ("sglang", "install it with pip install 'genrun[sglang]' (README: GPU quick start)"),
+    "sglang": ("sglang", "install it with pip install 'genrun[sglang]' (docs/engines.md: GPU quick start)"),
     # verl 0.9.1's vllm 0.24.0 needs fastapi<0.137, prefect 3.8.8 needs >=0.139: no extra can hold both.
     "vllm": (
         "vllm",
         "verl 0.9.1's vLLM (0.24.0) cannot be installed beside Prefect 3.8.8 (fastapi <0.137 vs >=0.139); "
-        "serve vLLM in an environment of its own and use rollout.name=remote (README: External inference servers)",
+        "serve vLLM in an environment of its own and use rollout.name=remote (docs/engines.md: External inference servers)",
     ),
 }
 
@@ -218,7 +218,7 @@ def check_cluster_resources(layout: ReplicaLayout, cluster_resources: dict[str, 
     if have_gpus < layout.total_gpus:
         raise GenrunError(
             f"{layout.describe()} need {layout.total_gpus} GPU(s) but the Ray cluster has {have_gpus}; start GPU workers "
-            "(README: Running on a Ray cluster), connect with ray_kwargs.ray_init.address=HEAD:6379, or lower "
+            "(docs/clusters.md: Running on a Ray cluster), connect with ray_kwargs.ray_init.address=HEAD:6379, or lower "
             "trainer.n_gpus_per_node / trainer.nnodes"
         )
     replica_cpus = sum(bundle["CPU"] for group in layout.placement_groups for bundle in group) * layout.replicas

@@ -269,7 +269,7 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
         raise GenrunError(
             f"none of the {len(servers)} remote inference server(s) answered: "
             + "; ".join(f"{url}: {why}" for url, why in down.items())
-            + "; start them (README: External inference servers) or fix actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
+            + "; start them (docs/engines.md: External inference servers) or fix actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
         )
     for url, why in down.items():
         logger.warning("remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why)

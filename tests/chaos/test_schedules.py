@@ -1,4 +1,4 @@
-"""The schedule `make test-all` runs holds every kind of fault the README lists (cheap: no run)."""
+"""The schedule `make test-all` runs holds every kind of fault docs/reliability.md lists (cheap: no run)."""
 
 import pytest
 
