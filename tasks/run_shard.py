@@ -9,10 +9,9 @@ from typing import Any
 from prefect import task
 from prefect.states import Cancelled
 
-from generation_core.data import ShardSpec
 from generation_core.instrumentation import mark
 from generation_core.job import run_shard_job
-from generation_core.preflight import RunPlan
+from generation_core.plan import RunPlan, ShardSpec
 from generation_core.progress import ShardStopped
 
 
