@@ -5,7 +5,7 @@ servers answer), the dataset files (from metadata: footers, one nested column, a
 sample of prompts), the model folder, the user code a run calls (agent loops, tools, reward
 function) and the output folder, and plans the shards as ranges of raw rows. A wrong input is
 refused in seconds with one line, before Prefect, Ray or a model start, and nothing is written.
-The result, a `RunPlan`, is plain data that crosses process boundaries
+The result, a `RunPlan` (generation_core/plan.py), is plain data that crosses process boundaries
 (`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
 `ShardSpec` and the dataset's description (`DatasetFiles`), and nobody plans again.
 
