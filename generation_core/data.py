@@ -1,6 +1,6 @@
 """Shards as ranges of raw dataset rows, and a shard's own prompts.
 
-The driver plans from row counts alone (`plan_shards`, over `dataset_files.DatasetFiles`); each
+The driver plans from row counts alone (`plan_shards`, over `plan.DatasetFiles`, into `plan.ShardSpec`s); each
 shard job reads only its rows (`ShardPrompts`: the row groups overlapping its range, through
 fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
 arguments verl's `RLHFDataset` would give for those rows.

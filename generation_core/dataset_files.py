@@ -9,7 +9,7 @@ with `data.storage_options` (null: `storage.options`, the output's).
 `inspect_dataset(cfg)` is what preflight runs once per command: Parquet footers (row counts,
 schemas), one nested column (`extra_info.index`, checked unique and non-null with Arrow compute)
 and `agent_name` when present, plus a sampled content hash for the fingerprint. Its result,
-`DatasetFiles`, is what travels to shard jobs; each shard then reads its own rows (data.py).
+`DatasetFiles` (plan.py), is what travels to shard jobs; each shard then reads its own rows (data.py).
 """
 
 from __future__ import annotations

@@ -70,3 +70,12 @@ def test_status_loads_no_engine_stack(tmp_path):
     ShardCheckpoint().commit_part(folder, shard_name(2), None, [], failed=["6:0"])
     loaded = command_loads(["status", str(tmp_path / "run")])
     assert sorted(loaded & {*ENGINE_STACK, "omegaconf", "hydra"}) == []
+
+
+def test_the_plan_vocabulary_is_light_to_import():
+    """generation_core/plan.py, which every task and read-only path passes plans through:
+    omegaconf (the plan's config) and fsspec (its RunFolder), no engine stack."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    listing = "import sys, generation_core.plan; print(' '.join(sorted({name.partition('.')[0] for name in sys.modules})))"
+    loaded = set(subprocess.run([sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60).stdout.split())
+    assert "omegaconf" in loaded and sorted(loaded & set(ENGINE_STACK)) == []
