@@ -228,13 +228,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise GenrunError("usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]")
             return report_command(rest[0], storage_options_from(rest[1:]), sample, trust_remote_code)
         if argv and argv[0] in ("status", "merge"):
-            from generation_core.status import merge_folder, print_status
-
             if len(argv) < 2:
                 raise GenrunError(f"usage: genrun {argv[0]} DIR [storage.options.KEY=VALUE ...]")
             options = storage_options_from(argv[2:])
             if argv[0] == "status":
+                from generation_core.status import print_status
+
                 return print_status(argv[1], options)
+            # The merge writes verl's DataProto: torch, tensordict and verl load here, not for status.
+            from generation_core.finish import merge_folder
+
             merge_folder(argv[1], options)
             return 0
         return _generate(argv)

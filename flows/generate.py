@@ -31,15 +31,15 @@ from prefect_ray.context import remote_options
 
 from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.console import prints_to_debug_log
-from generation_core.data import ShardSpec
 from generation_core.dispatch import boot_pool
 from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.instrumentation import mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.job import check_finished_rows, finished_shard
 from generation_core.lease import LeaseFence, RunLease
+from generation_core.plan import RunPlan, ShardSpec
 from generation_core.pool import new_balancer_name
-from generation_core.preflight import RunPlan, preflight
+from generation_core.preflight import preflight
 from generation_core.progress import ProgressTotals, committed_counts
 from generation_core.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
 from generation_core.run_folder import ShardManifest

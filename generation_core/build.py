@@ -8,7 +8,7 @@ The rule for a change of genrun itself:
   refused on an explicit folder of the old format; old and new trajectories never mix.
 - Every other change (speed, logging, retries, fixes that leave the output as it was) keeps it:
   the same command resumes the folder. The package version is in the fingerprint too
-  (config.versions): a release is a new run.
+  (plan.versions): a release is a new run.
 - Each attempt records the build that ran it: run.json (`build`) for the run that took the
   folder, each shard's `attempt` commit record for every attempt. `genrun status` and the report
   show them, and a resume by another build says so in one line.

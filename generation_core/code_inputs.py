@@ -9,7 +9,7 @@ read with `ast` and resolved without running code: a module the process imported
 (preflight's check_run_code loads the same code first) by its `__file__`, else by the import
 system's finders with the user file's folder first on the path. A named class that lives in an
 installed package enters by its distribution's name and version instead; one of genrun's own
-pinned packages (config.versions) is there already. Imports computed at run time
+pinned packages (plan.versions) is there already. Imports computed at run time
 (`importlib.import_module(name)`) are not seen.
 
 Modules enter by name and content, not path: the same code in another checkout is the same run.

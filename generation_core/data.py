@@ -1,6 +1,6 @@
 """Shards as ranges of raw dataset rows, and a shard's own prompts.
 
-The driver plans from row counts alone (`plan_shards`, over `dataset_files.DatasetFiles`); each
+The driver plans from row counts alone (`plan_shards`, over `plan.DatasetFiles`, into `plan.ShardSpec`s); each
 shard job reads only its rows (`ShardPrompts`: the row groups overlapping its range, through
 fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
 arguments verl's `RLHFDataset` would give for those rows.
@@ -13,7 +13,6 @@ import hashlib
 import io
 import logging
 import os
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import datasets
@@ -36,7 +35,7 @@ from generation_core.dataset_files import (
     storage_errors,
 )
 from generation_core.errors import GenrunError
-from generation_core.run_folder import shard_name
+from generation_core.plan import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,29 +47,6 @@ READ_BATCH_ROWS = 8192
 DECIDE_WINDOW_ROWS = 64
 """Rows whose prompt length a shard decides in one tokenizer call (just ahead of dispatch)."""
 DIGEST_WINDOW_ROWS = 8192
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A fixed range of raw dataset rows [start, end) and its stable name."""
-
-    shard_id: int
-    start: int
-    end: int
-
-    @property
-    def name(self) -> str:
-        return shard_name(self.shard_id)
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, payload: dict[str, int]) -> ShardSpec:
-        return cls(int(payload["shard_id"]), int(payload["start"]), int(payload["end"]))
 
 
 def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:

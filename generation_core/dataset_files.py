@@ -9,7 +9,7 @@ with `data.storage_options` (null: `storage.options`, the output's).
 `inspect_dataset(cfg)` is what preflight runs once per command: Parquet footers (row counts,
 schemas), one nested column (`extra_info.index`, checked unique and non-null with Arrow compute)
 and `agent_name` when present, plus a sampled content hash for the fingerprint. Its result,
-`DatasetFiles`, is what travels to shard jobs; each shard then reads its own rows (data.py).
+`DatasetFiles` (plan.py), is what travels to shard jobs; each shard then reads its own rows (data.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config import train_files
 from generation_core.errors import GenrunError
+from generation_core.plan import DataFile, DatasetFiles
 
 SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
 JSON_MAX_BYTES = 256 << 20
@@ -57,55 +57,6 @@ _GLOB_CHARS = "*?["
 # rows is refused. JSON files (small, see JSON_MAX_BYTES) are hashed whole.
 SAMPLE_SLICES = 64
 SAMPLE_SLICE_BYTES = 4096
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One input file: its URL (as fsspec opens it), its row count and, to tell that it is still
-    the file the run was planned from (`check_planned`), its size and `planned_digest`."""
-
-    url: str
-    rows: int
-    size: int | None = None
-    """Bytes, at planning (None: a plan written before genrun recorded it)."""
-    digest: str | None = None
-    """sha256 of the Parquet footer (row groups, offsets, statistics) or of a JSON file whole."""
-
-    @property
-    def is_parquet(self) -> bool:
-        return self.url.endswith(".parquet")
-
-
-@dataclass(frozen=True)
-class DatasetFiles:
-    """The run's input: files in order, and the rows the run uses (`data.train_max_samples` caps
-    the total; rows are numbered across the files in order). Plain data: crosses to shard jobs."""
-
-    files: tuple[DataFile, ...]
-    num_rows: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"files": [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest} for f in self.files], "num_rows": self.num_rows}
-
-    @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> DatasetFiles:
-        return cls(
-            tuple(DataFile(str(f["url"]), int(f["rows"]), f.get("size"), f.get("digest")) for f in payload["files"]),
-            int(payload["num_rows"]),
-        )
-
-    def pieces(self, start: int, end: int) -> Iterator[tuple[DataFile, int, int]]:
-        """(file, first row, end row) in file-local numbers for every file overlapping the
-        dataset rows [start, end)."""
-        end = min(end, self.num_rows)
-        offset = 0
-        for data_file in self.files:
-            if offset >= end:
-                break
-            lo, hi = max(start, offset), min(end, offset + data_file.rows)
-            if lo < hi:
-                yield data_file, lo - offset, hi - offset
-            offset += data_file.rows
 
 
 @dataclass

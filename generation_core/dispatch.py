@@ -12,8 +12,8 @@ from generation_core.finish import finish_run
 from generation_core.instrumentation import failpoint
 from generation_core.job import run_shard_job
 from generation_core.lease import RunLease
+from generation_core.plan import RunPlan
 from generation_core.pool import ReplicaPool, new_balancer_name
-from generation_core.preflight import RunPlan
 from generation_core.publish import publish_run
 from generation_core.ray_setup import start_ray
 

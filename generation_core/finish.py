@@ -1,4 +1,5 @@
-"""Finish a run: merge the committed parts as configured and write manifest.json (the summary)."""
+"""Finish a run: merge the committed parts as configured and write manifest.json (the summary);
+and `genrun merge DIR` (`merge_folder`), the same merge on demand."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import Any, TypeVar
 
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import failpoint
-from generation_core.lease import LeaseFence
+from generation_core.lease import LeaseFence, RunLease
 from generation_core.merge import Padding, check_shard_counts, merge_output
-from generation_core.preflight import RunPlan
-from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair
+from generation_core.plan import RunPlan
+from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair, read_run_record
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
 
@@ -50,3 +51,17 @@ def merge_repairing(folder: RunFolder, merge: Callable[[], T], fence: LeaseFence
     except DamagedPart as damaged:
         mark_for_repair(folder, damaged, fence)
         raise GenrunError(f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge") from None
+
+
+def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
+    folder = RunFolder(url, storage_options)
+    run = read_run_record(folder)
+    config = run["config"]
+    generation = config.get("generation", {})
+    padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
+    # Not beside a run that is still writing parts (its own merge would follow anyway).
+    with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
+        writing = fenced(folder, lease.fence())
+        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
+    print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

@@ -33,14 +33,14 @@ from tqdm import tqdm
 from verl.utils import hf_tokenizer
 
 from generation_core.agent_loops import check_agent_loops
-from generation_core.data import ShardPrompts, ShardSpec, read_rows, rows_digest
+from generation_core.data import ShardPrompts, read_rows, rows_digest
 from generation_core.dataset_files import data_storage_options
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import mark
 from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.part_writer import PartWriter
+from generation_core.plan import RunPlan, ShardSpec
 from generation_core.pool import attach_client
-from generation_core.preflight import RunPlan
 from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer

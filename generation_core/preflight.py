@@ -5,7 +5,7 @@ servers answer), the dataset files (from metadata: footers, one nested column, a
 sample of prompts), the model folder, the user code a run calls (agent loops, tools, reward
 function) and the output folder, and plans the shards as ranges of raw rows. A wrong input is
 refused in seconds with one line, before Prefect, Ray or a model start, and nothing is written.
-The result, a `RunPlan`, is plain data that crosses process boundaries
+The result, a `RunPlan` (generation_core/plan.py), is plain data that crosses process boundaries
 (`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
 `ShardSpec` and the dataset's description (`DatasetFiles`), and nobody plans again.
 
@@ -23,10 +23,7 @@ import logging
 import os
 import struct
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -34,91 +31,21 @@ from verl.utils import hf_tokenizer
 
 from generation_core import bundled
 from generation_core.agent_loops import check_agent_loops, check_tools, existing_config_file, plugin_entry_points
-from generation_core.build import genrun_build, other_build_warning
+from generation_core.build import other_build_warning
 from generation_core.code_inputs import CodeWalk
-from generation_core.config import OUTPUT_FILES, finalize_run_location, fingerprint, load_config, versions
-from generation_core.data import ShardSpec, check_overlong_sample, plan_shards
-from generation_core.dataset_files import DatasetFiles, inspect_dataset
+from generation_core.config import OUTPUT_FILES, finalize_run_location, fingerprint, load_config
+from generation_core.data import check_overlong_sample, plan_shards
+from generation_core.dataset_files import inspect_dataset
 from generation_core.engines.layout import REMOTE_ENGINE
 from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
+from generation_core.plan import RunPlan, versions
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
-from generation_core.run_folder import FINGERPRINT_VERSION, check_run_folder, claim_run_folder, config_without_secrets, read_run_record
-from generation_core.secrets import SECRETS_ENV, from_environment, keep_in_environment, masked_paths, split_secrets, with_secrets
-from generation_core.storage import RunFolder
+from generation_core.run_folder import check_run_folder, read_run_record
+from generation_core.secrets import keep_in_environment, split_secrets
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunPlan:
-    """What a run is: its resolved config, fingerprint, input files and shards. Serializable."""
-
-    cfg: DictConfig
-    fingerprint: str
-    shards: list[ShardSpec]
-    pad_token_id: int
-    dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
-    """The input files and their row counts; shards are ranges of these rows."""
-    folder: RunFolder = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.folder = RunFolder(self.cfg.trainer.default_local_dir, OmegaConf.to_container(self.cfg.storage.options))
-
-    def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
-        """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
-        shard job, which is handed its own ShardSpec."""
-        return {
-            "config": split_secrets(OmegaConf.to_container(self.cfg, resolve=True))[0],
-            "fingerprint": self.fingerprint,
-            "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
-            "pad_token_id": self.pad_token_id,
-            "dataset": self.dataset.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
-        """The secrets to_dict masked come back from this process's environment (the driver's
-        own, or the runtime env Ray gives the run's workers: generation_core.secrets); a
-        placeholder left in their place would be sent as the secret, so it is refused."""
-        config = with_secrets(payload["config"], from_environment())
-        missing = masked_paths(config)
-        if missing:
-            raise GenrunError(
-                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from its environment. "
-                f"Ray workers get it from the driver's runtime env; set it in the environment of the cluster's workers, or set those keys "
-                "from the environment in the overrides (key='${oc.env:NAME}')"
-            )
-        return cls(
-            cfg=OmegaConf.create(config),
-            fingerprint=payload["fingerprint"],
-            shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
-            pad_token_id=int(payload["pad_token_id"]),
-            dataset=DatasetFiles.from_dict(payload["dataset"]),
-        )
-
-    def run_record(self) -> dict[str, Any]:
-        """What run.json holds: written once, by the run that takes a new folder."""
-        return {
-            "fingerprint": self.fingerprint,
-            # Which recipe computed it: a later genrun tells this folder's owner what changed.
-            "fingerprint_version": FINGERPRINT_VERSION,
-            "versions": versions(),
-            # The genrun that took the folder (build.py: each shard's attempt records its own too).
-            "build": genrun_build(),
-            "pad_token_id": self.pad_token_id,
-            "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
-            "dataset": self.dataset.to_dict(),
-            "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            # storage.options can hold credentials: never written.
-            "config": config_without_secrets(OmegaConf.to_container(self.cfg, resolve=True)),
-        }
-
-    def claim_folder(self) -> None:
-        """Write run.json for a new run, or confirm the folder is this run's (the caller holds the lease)."""
-        claim_run_folder(self.folder, self.run_record())
 
 
 def check_model_dir(cfg: DictConfig) -> Path:

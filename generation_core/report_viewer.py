@@ -38,13 +38,15 @@ def load_tokenizer(run: dict[str, Any], trust_remote_code: bool = False):
     tokenizer is code from the model folder. Such code runs only when the user passes
     `--trust-remote-code` on the command line: run.json's own trust_remote_code is not followed,
     as reading a folder must run no code it names."""
-    from transformers import AutoTokenizer
-
     model = run["config"]["actor_rollout_ref"]["model"]
     path = os.path.expanduser(str(model["path"]))
     if not Path(path).is_dir():
         logger.warning("report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path)
         return None
+    # Here, not at the top: transformers imports torch (seconds), which a read-only command loads
+    # only when it has a tokenizer to read.
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import ray
 
 from generation_core.console import ProgressDisplay
-from generation_core.preflight import RunPlan
+from generation_core.plan import RunPlan
 from generation_core.progress import ProgressTotals, RunProgress, committed_counts, new_board_name, start_board
 from generation_core.run_folder import ShardManifest
 

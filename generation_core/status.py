@@ -1,14 +1,14 @@
-"""Read a run folder without running anything: per-shard status, and merge on demand."""
+"""Read a run folder without running anything: per-shard status (`genrun status`, and the
+report's shard table). Light to import, like every module the read-only commands load: no
+torch, verl or Ray (the on-demand merge, which builds a DataProto, is finish.merge_folder)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from generation_core.build import describe_build, other_build_warning, same_build
-from generation_core.finish import merge_repairing, padding_of
-from generation_core.lease import RunLease, describe_holder
-from generation_core.merge import merge_output
-from generation_core.run_folder import FAILURES_DIR, ShardCheckpoint, fenced, merged_files, read_last_error, read_marker, read_run_record, shard_file
+from generation_core.lease import describe_holder
+from generation_core.run_folder import FAILURES_DIR, ShardCheckpoint, merged_files, read_last_error, read_marker, read_run_record, shard_file
 from generation_core.storage import RunFolder
 
 
@@ -66,17 +66,3 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
 
 def _distinct(builds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [b for position, b in enumerate(builds) if not any(same_build(b, earlier) for earlier in builds[:position])]
-
-
-def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
-    folder = RunFolder(url, storage_options)
-    run = read_run_record(folder)
-    config = run["config"]
-    generation = config.get("generation", {})
-    padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
-    # Not beside a run that is still writing parts (its own merge would follow anyway).
-    with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
-        writing = fenced(folder, lease.fence())
-        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
-    print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

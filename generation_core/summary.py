@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from generation_core.preflight import RunPlan
+from generation_core.plan import RunPlan
 from generation_core.run_folder import ShardManifest
 
 

@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from generation_core.finish import finish_run
 from generation_core.lease import LeaseFence
-from generation_core.preflight import RunPlan
+from generation_core.plan import RunPlan
 from generation_core.run_folder import ShardManifest
 
 

@@ -10,7 +10,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from prefect.cache_policies import NO_CACHE
 
 from generation_core.lease import LeaseFence
-from generation_core.preflight import RunPlan
+from generation_core.plan import RunPlan
 from generation_core.publish import publish_run
 from generation_core.report_html import Report
 from generation_core.run_folder import ShardManifest

@@ -282,3 +282,18 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
     markdown = artifacts["report-test-report"]
     assert markdown["type"] == "markdown" and markdown["data"].count("](data:image/png;base64,") == len(names)
     assert f"`{copy}/{REPORT_FILE}`: {COMMITTED} trajectories" in markdown["data"]
+
+
+def test_report_loads_no_verl_or_ray(run_dir, tmp_path):
+    """`genrun report` is read-only: no verl, Ray or Prefect (issue 32, item 2); transformers,
+    and torch with it, only to read the run's tokenizer when its model is on this machine."""
+    from tests.test_light_imports import ENGINE_STACK, command_loads
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    assert sorted(command_loads(["report", str(copy)]) & set(ENGINE_STACK)) == ["torch", "transformers"]
+    # Made on another machine than the run's model: token ids in the viewer, no tokenizer loaded.
+    run = json.loads((copy / "run.json").read_text())
+    run["config"]["actor_rollout_ref"]["model"]["path"] = str(tmp_path / "model-elsewhere")
+    (copy / "run.json").write_text(json.dumps(run))
+    assert sorted(command_loads(["report", str(copy)]) & set(ENGINE_STACK)) == []

@@ -14,7 +14,6 @@ import difflib
 import hashlib
 import json
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from generation_core import bundled
 from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
+from generation_core.plan import versions
 
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
@@ -483,17 +483,6 @@ def _is_number(value: Any) -> bool:
 def train_files(cfg: DictConfig) -> list[str]:
     files = cfg.data.train_files
     return [files] if isinstance(files, str) else list(files)
-
-
-def versions() -> dict[str, str]:
-    names = ("genrun", "verl", "transformers", "torch")
-    found = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "unknown"
-    return found
 
 
 def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
