@@ -26,10 +26,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl.utils import hf_tokenizer
 
 from generation_core import bundled
@@ -64,7 +64,7 @@ class RunPlan:
     folder: RunFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.folder = RunFolder(self.cfg.trainer.default_local_dir, OmegaConf.to_container(self.cfg.storage.options))
+        self.folder = RunFolder(self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options)))
 
     def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
         """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
@@ -113,7 +113,7 @@ class RunPlan:
             "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # storage.options can hold credentials: never written.
-            "config": config_without_secrets(OmegaConf.to_container(self.cfg, resolve=True)),
+            "config": config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
         }
 
     def claim_folder(self) -> None:
@@ -226,7 +226,7 @@ def _agent_loops_digest(path: str) -> str:
     resolved = existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", path)
     digest = hashlib.sha256(Path(resolved).read_bytes())
     sources = set()
-    for entry in OmegaConf.load(resolved):
+    for entry in cast(ListConfig, OmegaConf.load(resolved)):  # a list of loops
         module = sys.modules.get(hydra.utils.get_class(entry._target_).__module__)
         source = getattr(module, "__file__", None)
         if source and os.path.isfile(source):
@@ -248,13 +248,13 @@ def user_code_digest(cfg: DictConfig) -> str | None:
             walk.add_file(os.path.expanduser(path))
     tool_config = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if tool_config:
-        tools = OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config)).get("tools") or []
+        tools = cast(DictConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config))).get("tools") or []
         for tool in tools:
             if isinstance(tool, DictConfig) and isinstance(tool.get("class_name"), str):
                 walk.add_module(tool.class_name.rpartition(".")[0], named=True)
     loops = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
     if loops:
-        for entry in OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops)):
+        for entry in cast(ListConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops))):
             walk.add_module(entry._target_.rpartition(".")[0], named=True)
     for entry_point in plugin_entry_points():
         walk.add_entry_point(entry_point)
