@@ -30,6 +30,7 @@ demo: setup
 # Static checks first: they fail in seconds, before the suite's half hour.
 lint: setup
 	$(BIN)/ruff check generation_core flows tasks
+	$(BIN)/mypy generation_core flows tasks
 
 test: setup lint browser
 	$(BIN)/python -m pytest -q --durations=25 -m "not extended and not vllm_server" tests

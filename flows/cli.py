@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from generation_core.bundled import cache_root
 from generation_core.console import setup_logging
@@ -178,7 +178,8 @@ def _generate(argv: list[str]) -> int:
             if not STOP.requested():
                 # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
                 # parameters, which Prefect stores: secrets masked (generation_core.secrets).
-                summary = generate(overrides_without_secrets(argv), plan=plan.to_dict())
+                # A State the flow returns on a Ctrl-C (Cancelled) is raised here as CancelledRun.
+                summary = cast(dict[str, Any], generate(overrides_without_secrets(argv), plan=plan.to_dict()))
     except CancelledRun:
         pass  # the flow run stopped on a Ctrl-C; said below
     finally:

@@ -17,14 +17,14 @@ import json
 import logging
 import queue
 import time
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import httpx
 import ray
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, PrefectWrappedFuture
 from prefect.states import Cancelled, State
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
@@ -64,7 +64,7 @@ class ShardsFailed(RuntimeError):
 
 
 @flow(name="generate")
-def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any] | State:
     started = time.perf_counter()
     run_plan = RunPlan.from_dict(plan) if plan is not None else preflight(list(overrides or []))
     try:
@@ -80,7 +80,7 @@ def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = N
 
 def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[str, Any] | State:
     artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
-    progress = create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Trajectories committed (%)")
+    progress = cast(UUID, create_progress_artifact(progress=0.0, key=f"{artifact_key}-progress", description="Trajectories committed (%)"))  # sync caller: the id
     # One JSON text, not a dict: Prefect walks every dict and list parameter looking for upstream
     # futures, at each submission and again in each task (about 0.1 s per shard for a resolved
     # config); a string it does not walk.
@@ -195,7 +195,7 @@ def _cancel(futures: dict[PrefectFuture, Any]) -> None:
     """Cancel shard tasks Ray has not started (or that have not reached their stream yet)."""
     for future in futures:
         try:
-            ray.cancel(future.wrapped_future)
+            ray.cancel(cast(PrefectWrappedFuture, future).wrapped_future)  # RayTaskRunner's futures wrap Ray's
         except Exception as exc:  # noqa: BLE001 - Ray's shutdown stops what is left
             logger.debug("could not cancel %s: %s", future.task_run_id, exc)
 

@@ -85,7 +85,7 @@ def load_agent_loop_config(path: str) -> list[str]:
             hydra.utils.get_class(entry._target_)
         except Exception as exc:  # noqa: BLE001 - hydra wraps import errors of user code in several types
             raise GenrunError(f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {' '.join(str(exc).split())[:300]}") from None
-        _agent_loop_registry[entry.name] = entry
+        _agent_loop_registry[entry.name] = entry  # type: ignore[assignment]  # verl annotates dict[str, dict] and stores DictConfigs itself
         names.append(entry.name)
     return names
 

@@ -69,8 +69,9 @@ def prepare_bundled_model(model_dir: Path | None = None) -> Path:
     tokenizer.clean_up_tokenization_spaces = False
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The GGUF quantizer config would make save_pretrained write a model that refuses to reload.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))

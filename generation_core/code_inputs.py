@@ -26,7 +26,7 @@ import os
 import site
 import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -86,7 +86,7 @@ class CodeWalk:
         self.found = CodeInputs()
         self._already_versioned = {name.lower() for name in already_versioned}
         self._walked: set[str] = set()
-        self._distributions: dict[str, list[str]] | None = None
+        self._distributions: Mapping[str, list[str]] | None = None
 
     def add_file(self, path: str | Path) -> None:
         """A user file loaded by path (reward, function tools): the local modules it imports.

@@ -103,7 +103,7 @@ def _read_parquet_rows(data_file: DataFile, lo: int, hi: int, storage_options: d
                 groups.append(group)
                 first_row = offset if first_row is None else first_row
             offset += rows
-        batches, position = [], first_row
+        batches, position = [], first_row or 0  # None: no row group overlaps, nothing is read
         for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=groups, use_threads=False):
             keep_from, keep_to = max(lo - position, 0), min(hi - position, batch.num_rows)
             if keep_to > keep_from:

@@ -20,7 +20,7 @@ import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +75,7 @@ def data_storage_options(cfg: DictConfig) -> dict[str, Any]:
     options = cfg.data.get("storage_options")
     if options is None:
         options = cfg.storage.options
-    return dict(options) if isinstance(options, dict) else dict(OmegaConf.to_container(options, resolve=True))
+    return dict(options) if isinstance(options, dict) else dict(cast(dict[str, Any], OmegaConf.to_container(options, resolve=True)))
 
 
 def _filesystem(url: str, options: dict[str, Any]):

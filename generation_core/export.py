@@ -26,7 +26,7 @@ import io
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -241,7 +241,7 @@ def best_samples(folder: RunFolder, parts: list[CommittedPartRef], min_reward: f
     return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
 
 
-def _scored_at_least(reward: float | None, minimum: float | None) -> bool:
+def _scored_at_least(reward: float | None, minimum: float | None) -> TypeGuard[float]:
     """Scored and, with a minimum, at least that (rewards come through score_or_none: NaN is None)."""
     if reward is None:
         return False
@@ -328,11 +328,11 @@ def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) ->
 
 def _declared_tool_schemas(paths: dict[str, str | None]) -> list[dict[str, Any]] | None:
     """The schemas a tool config declares, read without importing a tool class."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from verl.tools.schemas import OpenAIFunctionToolSchema
 
     needs_code = f"function_tool_path={paths['function_tool_path']}" if paths["function_tool_path"] else None
-    declared = (OmegaConf.load(paths["tool_config_path"]).get("tools") or []) if paths["tool_config_path"] else []
+    declared = (cast(DictConfig, OmegaConf.load(paths["tool_config_path"])).get("tools") or []) if paths["tool_config_path"] else []
     schemas = []
     for tool in declared:
         if tool.get("tool_schema") is None:

@@ -24,6 +24,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
 
 FIRST_MESSAGE = (
     "genrun: stopping: committing the trajectories that have finished, then releasing the output folder "
@@ -43,7 +45,7 @@ class StopRequest:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._hard_exit: list[Callable[[], None]] = []
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None  # what signal.signal returned
         self._installed = False
         # How deep the main thread is in interruptible stages (only it receives signals).
         self._interruptible = 0

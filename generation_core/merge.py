@@ -357,7 +357,7 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
     class _StatePickler(pickle.Pickler):
         def reducer_override(self, obj):
             if obj is data:
-                return copyreg.__newobj__, (DataProto,), (_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)
+                return copyreg.__newobj__, (DataProto,), (_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
             return NotImplemented
 
     buffer = io.BytesIO()
@@ -368,12 +368,12 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
         raise AssertionError("unexpected pickle layout around the tensor blob")
     # torch.save twice: once to learn the blob's length (the opcode comes before the payload), once to write it.
     counted = _Sink()
-    torch.save(data.batch, counted)
+    torch.save(data.batch, counted)  # type: ignore[arg-type]  # torch types a file as IO[bytes]; it calls only write and flush
     out = _Sink(handle)
     out.write(rest[: at - 5])
     out.write(b"B" + counted.size.to_bytes(4, "little") if counted.size < _BINBYTES_LIMIT else b"\x8e" + counted.size.to_bytes(8, "little"))
     blob_start = out.size
-    torch.save(data.batch, out)
+    torch.save(data.batch, out)  # type: ignore[arg-type]  # as above
     if out.size - blob_start != counted.size:
         raise AssertionError("torch.save wrote a different blob the second time")
     out.write(rest[at + len(_BLOB_PLACEHOLDER) :])
@@ -413,7 +413,8 @@ def merge_run_chunked(
     # The chunk files are rewritten in place: a crash from here on must not leave an index that
     # lists them (a trajectories.pkl of an earlier merge stays valid until the new index is written).
     folder.remove(CHUNK_INDEX_FILE)
-    chunks, generate_seconds = [], []
+    chunks: list[dict[str, Any]] = []
+    generate_seconds: list[np.ndarray] = []
     for number, start in enumerate(range(0, merge_input.rows, chunk_size)):
         stop = min(start + chunk_size, merge_input.rows)
         data = build_rows(folder, merge_input, start, stop, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)

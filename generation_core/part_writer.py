@@ -318,6 +318,7 @@ class PartWriter:
         """Write what is pending, close the part and make it appear; its entry."""
         self.write_row_group()
         part, self.part = self.part, None
+        assert part is not None, "records are pending (part_keys): write_row_group opened the part"
         started = time.perf_counter()
         try:
             size, sha256 = part.publish()

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -126,7 +126,7 @@ class RunPlan:
     folder: RunFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.folder = RunFolder(self.cfg.trainer.default_local_dir, OmegaConf.to_container(self.cfg.storage.options))
+        self.folder = RunFolder(self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options)))
 
     def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
         """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
@@ -175,7 +175,7 @@ class RunPlan:
             "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # storage.options can hold credentials: never written.
-            "config": config_without_secrets(OmegaConf.to_container(self.cfg, resolve=True)),
+            "config": config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
         }
 
     def claim_folder(self) -> None:

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 from omegaconf import DictConfig
@@ -48,6 +48,7 @@ class PoolReplicas:
     async def connect(self, wait_seconds: float = 0.0) -> tuple[dict[str, RayReplicaBackend], dict[str, BaseException]]:
         deadline = time.monotonic() + wait_seconds
         while self._balancer is None:
+            assert self._balancer_name is not None, "PoolReplicas needs the balancer or its name"
             try:
                 self._balancer = ray.get_actor(self._balancer_name)
             except ValueError:
@@ -110,7 +111,7 @@ class ReplicaPool:
         # A placement group the cluster cannot satisfy waits forever: refuse first.
         check_cluster_resources(layout, ray.cluster_resources())
         logger.info("inference: %s", layout.describe())
-        manager_cls = type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name})
+        manager_cls = cast(type[_NamedLoadBalancerManager], type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name}))
         manager = await manager_cls.create(cfg)
         pool = cls(manager, cfg, balancer_name)
         await pool.check_health()

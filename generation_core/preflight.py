@@ -24,9 +24,10 @@ import os
 import struct
 import sys
 from pathlib import Path
+from typing import cast
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl.utils import hf_tokenizer
 
 from generation_core import bundled
@@ -153,7 +154,7 @@ def _agent_loops_digest(path: str) -> str:
     resolved = existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", path)
     digest = hashlib.sha256(Path(resolved).read_bytes())
     sources = set()
-    for entry in OmegaConf.load(resolved):
+    for entry in cast(ListConfig, OmegaConf.load(resolved)):  # a list of loops
         module = sys.modules.get(hydra.utils.get_class(entry._target_).__module__)
         source = getattr(module, "__file__", None)
         if source and os.path.isfile(source):
@@ -175,13 +176,13 @@ def user_code_digest(cfg: DictConfig) -> str | None:
             walk.add_file(os.path.expanduser(path))
     tool_config = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if tool_config:
-        tools = OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config)).get("tools") or []
+        tools = cast(DictConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config))).get("tools") or []
         for tool in tools:
             if isinstance(tool, DictConfig) and isinstance(tool.get("class_name"), str):
                 walk.add_module(tool.class_name.rpartition(".")[0], named=True)
     loops = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
     if loops:
-        for entry in OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops)):
+        for entry in cast(ListConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops))):
             walk.add_module(entry._target_.rpartition(".")[0], named=True)
     for entry_point in plugin_entry_points():
         walk.add_entry_point(entry_point)

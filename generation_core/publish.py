@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.tracking import Tracking
@@ -113,7 +113,7 @@ def _log_wandb_plots(report: Report) -> None:
 
 def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
     """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
-    rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
+    rollout = cast(dict[str, Any], OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))
     keep = ("name", "temperature", "top_p", "top_k", "n", "prompt_length", "response_length", "calculate_log_probs", "max_num_seqs")
     return without_secrets({
         "model": cfg.actor_rollout_ref.model.path,

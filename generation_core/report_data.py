@@ -285,8 +285,11 @@ def collect_report_data(folder: RunFolder, run: dict[str, Any], eos_token_ids: f
     limits = Limits.of_run(run, eos_token_ids)
     collector = _Collector(limits, sample_size)
     states = {state["shard"]: state for state in shard_states(folder, run)}
-    shards, commits, failures, skipped = [], [], [], []
-    failure_count, failure_kinds = 0, Counter()
+    shards: list[dict[str, Any]] = []
+    commits: list[CommitEvent] = []
+    failures: list[FailureEntry] = []
+    skipped: list[str] = []
+    failure_count, failure_kinds = 0, Counter[str]()
     for spec in run["shards"]:
         name = spec["name"]
         checkpoint = ShardCheckpoint.load(folder, name)

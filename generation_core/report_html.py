@@ -74,7 +74,7 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
         ("fingerprint", str(run.get("fingerprint", ""))[:16]),
     ]
     # Attempts run by another build than the one that took the folder (build.py: same output format).
-    later = []
+    later: list[dict[str, Any]] = []
     for build in (b for shard in data.shards for b in shard.get("builds", [])):
         if not same_build(build, run.get("build")) and not any(same_build(build, seen) for seen in later):
             later.append(build)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from generation_core.report_data import STOP_REASONS, ReportData
 
@@ -44,11 +46,11 @@ def _png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def _bins(values: np.ndarray, most: int = 50) -> np.ndarray:
+def _bins(values: np.ndarray, most: int = 50) -> list[float]:
     """Integer-aligned bin edges for token counts."""
     low, high = int(values.min()), int(values.max())
     width = max(1, int(np.ceil((high - low + 1) / most)))
-    return np.arange(low, high + width + 1, width) - 0.5
+    return (np.arange(low, high + width + 1, width) - 0.5).tolist()
 
 
 def response_lengths(data: ReportData) -> Plot:
@@ -92,7 +94,7 @@ def rewards(data: ReportData) -> Plot | None:
             axes.bar(positions, counts, width=width, color=_COLORS[number % len(_COLORS)], label=f"{source} (n={len(group):,})")
         axes.set_xticks(np.arange(len(values)), [f"{value:g}" for value in values])
     else:
-        bins = np.linspace(values.min(), values.max(), 41)
+        bins = np.linspace(values.min(), values.max(), 41).tolist()
         for number, (source, group) in enumerate(groups):
             axes.hist(group, bins=bins, histtype="step", linewidth=1.6, color=_COLORS[number % len(_COLORS)], label=f"{source} (n={len(group):,})")
     axes.set(xlabel="reward", ylabel="trajectories", title="Reward per data source")
@@ -108,7 +110,7 @@ def turns(data: ReportData) -> Plot:
     if len(values) <= 20:
         axes.set_xticks(values, [str(v) for v in values])
     else:
-        axes.xaxis.get_major_locator().set_params(integer=True)
+        cast(MaxNLocator, axes.xaxis.get_major_locator()).set_params(integer=True)  # a bar plot's AutoLocator
     axes.set_xlim(values.min() - 1.5, values.max() + 1.5)
     axes.set(xlabel="turns per trajectory (user, assistant and tool turns)", ylabel="trajectories", title="Turns per trajectory")
     return Plot("turns", "Turns per trajectory", _png(figure))
@@ -159,7 +161,7 @@ def throughput(data: ReportData) -> Plot | None:
     axes.set_zorder(rate.get_zorder() + 1)
     axes.patch.set_visible(False)
     handles = axes.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
-    axes.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
+    axes.legend(handles, [str(h.get_label()) for h in handles], fontsize=8, loc="upper left")
     return Plot("throughput", "Throughput over time", _png(figure))
 
 

@@ -74,7 +74,8 @@ def within_budget(sample: list[TrajectoryRecord], token_budget: int) -> list[Tra
     if not sample:
         return []
     hashes = sample_hash(np.array([r.index for r in sample]), np.array([r.rollout_n for r in sample]))
-    kept, used = [], 0
+    kept: list[TrajectoryRecord] = []
+    used = 0
     for position in np.argsort(hashes, kind="stable"):
         record = sample[int(position)]
         size = len(record.prompt_ids) + len(record.response_ids)

@@ -46,7 +46,7 @@ async def serve_batch(generate: Callable[..., Awaitable[Any]], requests: list[di
     try:
         while tasks:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            answers = []
+            answers: list[tuple[int, Any, BaseException | None]] = []
             for task in done:
                 position = tasks.pop(task)
                 if task.cancelled():

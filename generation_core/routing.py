@@ -33,7 +33,8 @@ import random
 import time
 import uuid
 import zlib
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cachetools import LRUCache
 from omegaconf import DictConfig
@@ -44,6 +45,9 @@ from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE
 
 from generation_core.errors import GenrunError
 from generation_core.request_batching import BATCH_METHOD, RequestBatcher
+
+if TYPE_CHECKING:
+    from generation_core.engines.base import EngineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +69,8 @@ class Backend(Protocol):
     probe_interval: float
     """Seconds between two probes of a server out of rotation."""
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
-        """The engine contract (engines/base.py)."""
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput | EngineOutput:
+        """The engine contract (engines/base.py); `as_token_output` makes either a TokenOutput."""
         ...
 
     async def probe(self) -> bool:
@@ -78,7 +82,7 @@ class Backend(Protocol):
 class BackendSource(Protocol):
     """Where a routing client finds its backends."""
 
-    async def connect(self, wait_seconds: float) -> tuple[dict[str, Backend], dict[str, BaseException]]:
+    async def connect(self, wait_seconds: float) -> tuple[Mapping[str, Backend], dict[str, BaseException]]:
         """The backends by server id, and why those that do not serve yet did not (they start
         out of rotation). Waits up to `wait_seconds` for the servers to be there."""
         ...
@@ -95,7 +99,7 @@ class RoutingClient:
         self.config = config
         self._source = source
         self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
-        self._backends: dict[str, Backend] | None = None
+        self._backends: Mapping[str, Backend] | None = None
         self._connecting: asyncio.Future | None = None
         self._inflight: dict[str, int] = {}
         self._sticky: LRUCache = LRUCache(maxsize=DEFAULT_ROUTING_CACHE_SIZE)
@@ -123,7 +127,7 @@ class RoutingClient:
     @rollout_trace_op
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
         server_id = await self._acquire(request_id)
-        backend = self._backends[server_id]
+        backend = self._connected[server_id]
         try:
             output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         except backend.server_failures as exc:
@@ -162,6 +166,12 @@ class RoutingClient:
 
     # ---- routing ---------------------------------------------------------------------------
 
+    @property
+    def _connected(self) -> Mapping[str, Backend]:
+        """The backends, for the paths that run after a connect (a request connects first)."""
+        assert self._backends is not None, "not connected yet"
+        return self._backends
+
     async def _connect(self, wait_seconds: float) -> None:
         backends, unanswered = await self._source.connect(wait_seconds)
         if not backends:
@@ -188,11 +198,11 @@ class RoutingClient:
 
     async def _up_servers(self) -> list[str]:
         while True:
-            up = [sid for sid in self._backends if sid not in self._down and sid not in self._gone]
+            up = [sid for sid in self._connected if sid not in self._down and sid not in self._gone]
             if up:
                 return up
-            if len(self._gone) == len(self._backends):
-                raise GenrunError(f"every inference replica of the pool died ({len(self._backends)}); the shard stops and its retry resumes from the checkpoint")
+            if len(self._gone) == len(self._connected):
+                raise GenrunError(f"every inference replica of the pool died ({len(self._connected)}); the shard stops and its retry resumes from the checkpoint")
             await asyncio.sleep(0.5)
 
     # ---- failover --------------------------------------------------------------------------
@@ -208,7 +218,7 @@ class RoutingClient:
         self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
 
     async def _wait_for_recovery(self, server_id: str) -> None:
-        backend = self._backends[server_id]
+        backend = self._connected[server_id]
         deadline = time.monotonic() + REPLICA_RECOVERY_SECONDS
         try:
             while True:
@@ -224,7 +234,7 @@ class RoutingClient:
         except (TimeoutError, ServerGone) as exc:
             why = type(exc.__cause__).__name__ if isinstance(exc, ServerGone) else "no answer in time"
             self._gone.add(server_id)
-            logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._backends) - len(self._gone), len(self._backends))
+            logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._connected) - len(self._gone), len(self._connected))
         finally:
             self._down.pop(server_id, None)
 
@@ -257,7 +267,7 @@ class RayReplicaBackend:
     """The server actor of one booted verl replica (`hf`, `instant`, `sglang`, `vllm`)."""
 
     # An actor that died (ActorDiedError) or is restarting (ActorUnavailableError, a subclass).
-    server_failures = (RayActorError,)
+    server_failures: tuple[type[BaseException], ...] = (RayActorError,)
     probe_interval = 1.0
 
     def __init__(self, handle: Any, config: DictConfig):

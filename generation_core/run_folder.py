@@ -77,6 +77,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
@@ -151,7 +152,8 @@ class Fence(Protocol):
     """The run's lease as writers see it (lease.LeaseFence): `check` raises LeaseLost once a
     later run has taken the folder over."""
 
-    generation: int
+    @property
+    def generation(self) -> int: ...  # read-only: LeaseFence is frozen
 
     def check(self, folder: RunFolder) -> None: ...
 
@@ -350,7 +352,7 @@ class ShardCheckpoint:
             return checkpoint
         raise CheckpointConflict(f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run")
 
-    def commit_part(self, folder: RunFolder, shard: str, part: PartEntry | None, samples: list[str], failed: list[str] = (), fence: Fence | None = None) -> None:
+    def commit_part(self, folder: RunFolder, shard: str, part: PartEntry | None, samples: list[str], failed: Sequence[str] = (), fence: Fence | None = None) -> None:
         """Record a written part with its samples (and the samples that failed since the last
         commit; `part` None: only failures). Raises LeaseLost (a later run took the folder) or
         CheckpointConflict (another writer of this run took the number), writing nothing."""
@@ -543,7 +545,7 @@ def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
 
 def _modified(entry: dict[str, Any]) -> float | None:
     """A listing entry's modification time (local disk: `mtime`; S3: `LastModified`), or None."""
-    modified = entry.get("mtime", entry.get("LastModified"))
+    modified: Any = entry.get("mtime", entry.get("LastModified"))  # a datetime (S3) or a number
     if hasattr(modified, "timestamp"):
         return modified.timestamp()
     return float(modified) if isinstance(modified, int | float) else None
@@ -725,7 +727,7 @@ class CommittedPartRef:
 
 def committed_parts(folder: RunFolder) -> list[CommittedPartRef]:
     """Every part a shard checkpoint lists (orphans of crashed writes are not), shard by shard."""
-    parts = []
+    parts: list[CommittedPartRef] = []
     for shard in folder.list(SHARDS_DIR):
         checkpoint = ShardCheckpoint.load(folder, shard)
         parts.extend(CommittedPartRef(shard_file(shard, p.name), p.sha256) for p in checkpoint.parts)

@@ -88,13 +88,13 @@ class RunWatch:
         totals = self.progress.totals()
         self.display.show(totals.line())
         if self.on_update is not None and time.monotonic() - self._last_update >= self.update_seconds:
-            self._update(totals)
+            self._update(self.on_update, totals)
         return totals
 
-    def _update(self, totals: ProgressTotals) -> None:
+    def _update(self, on_update: Callable[[ProgressTotals], None], totals: ProgressTotals) -> None:
         self._last_update = time.monotonic()
         try:
-            self.on_update(totals)
+            on_update(totals)
         except Exception as exc:  # noqa: BLE001 - progress reporting must never fail a run
             logger.warning("could not update the run's progress (%s: %s)", type(exc).__name__, exc)
 
@@ -121,7 +121,7 @@ class RunWatch:
         totals = self.progress.totals()
         self.display.close(totals.line())
         if self.on_update is not None:
-            self._update(totals)
+            self._update(self.on_update, totals)
         try:
             ray.kill(self.board, no_restart=True)
         except Exception as exc:  # noqa: BLE001 - it goes with the Ray job anyway

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fsspec
 from fsspec.asyn import sync
@@ -296,7 +296,7 @@ class RunFolder:
         if own_version is not None:
             return own_version
         etag = (response or {}).get("ETag")
-        return etag if etag else self.read_versioned(relative).version
+        return etag if etag else cast(str, self.read_versioned(relative).version)  # just written: it exists
 
     def _put_local_if_version(self, relative: str, data: bytes, version: str | None) -> None:
         # Every conditional writer of this directory compares and renames under the same lock.

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 import traceback
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -70,7 +70,7 @@ def _set_aside_default_executor(loop: asyncio.AbstractEventLoop) -> None:
 def _where_it_waits(task: asyncio.Task) -> str:
     """The chain of coroutines a pending task is suspended in, outermost first, as a traceback
     reads (Task.get_stack shows only the outermost one)."""
-    frames = []
+    frames: list[tuple[Any, int]] = []
     awaited: Any = task.get_coro()
     while awaited is not None and len(frames) < 200:
         frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
@@ -188,7 +188,7 @@ class StreamingWorker:
 
     async def stream(
         self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float
-    ) -> AsyncIterator[TrajectoryRecord | SampleFailure | None]:
+    ) -> AsyncGenerator[TrajectoryRecord | SampleFailure | None, None]:
         """Yield each finished record as it completes, or a SampleFailure for a sample whose
         agent loop raised (after the engine-request retries) or that ran past its deadline
         (`sample_timeout`); yield None after `idle_timeout` seconds without either so the caller

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from prefect import task
-from prefect.states import Cancelled
+from prefect.states import Cancelled, State
 
 from generation_core.instrumentation import mark
 from generation_core.job import run_shard_job
@@ -32,7 +32,7 @@ def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
 
 
 @task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
-def run_shard(plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None) -> dict[str, Any]:
+def run_shard(plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None) -> dict[str, Any] | State:
     """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict). A shard
     stopped because the run is stopping ends Cancelled: not retried, not cached."""
     mark(f"shard_task_start {shard['shard_id']}")

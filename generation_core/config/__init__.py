@@ -15,7 +15,7 @@ import hashlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra.utils
 import verl
@@ -206,7 +206,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     """Defaults + Hydra-style overrides -> a resolved, validated config (no fingerprint yet)."""
     overrides = () if overrides is None else overrides
     _check_override_list(overrides)
-    cfg = OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
+    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS)))  # two mappings
     known_keys = _flat_keys(cfg)
     for override in _parse_overrides(list(overrides)):
         _apply_override(cfg, override, known_keys)
@@ -239,11 +239,11 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
     # The top-level custom_reward_function of older verl configs; verl 0.9.1 reads reward.*.
     legacy_reward = cfg.get("custom_reward_function") or {}
     if legacy_reward.get("path") and not cfg.reward.custom_reward_function.path:
-        cfg.reward.custom_reward_function.path = legacy_reward.path
+        cfg.reward.custom_reward_function.path = legacy_reward["path"]
         if legacy_reward.get("name"):
-            cfg.reward.custom_reward_function.name = legacy_reward.name
+            cfg.reward.custom_reward_function.name = legacy_reward["name"]
         if legacy_reward.get("reward_kwargs") is not None:
-            cfg.reward.custom_reward_function.reward_kwargs = legacy_reward.reward_kwargs
+            cfg.reward.custom_reward_function.reward_kwargs = legacy_reward["reward_kwargs"]
     # verl's trainers run tool_agent when multi_turn is enabled; keep that meaning here, unless
     # the user chose another agent loop.
     agent = cfg.actor_rollout_ref.rollout.agent
@@ -366,7 +366,7 @@ def _flat_keys(node: Any, prefix: str = "") -> list[str]:
     keys: list[str] = []
     if isinstance(node, DictConfig):
         for k in node.keys():
-            path = f"{prefix}{k}"
+            path = f"{prefix}{k!s}"
             keys.append(path)
             child = node._get_node(k)
             if isinstance(child, DictConfig):
@@ -463,7 +463,7 @@ def validate_values(cfg: DictConfig) -> None:
     _require(not unknown_loggers, "trainer.logger", list(cfg.trainer.logger), f"unknown backend {unknown_loggers[:1]}; known: {', '.join(_TRACKING_BACKENDS)}")
     files = cfg.data.train_files
     _require(isinstance(files, str | ListConfig) and len(files) > 0, "data.train_files", files, "must be a path or a list of paths")
-    _require(isinstance(cfg.data.prompt_key, str) and cfg.data.prompt_key, "data.prompt_key", cfg.data.prompt_key, "must be a column name")
+    _require(isinstance(cfg.data.prompt_key, str) and bool(cfg.data.prompt_key), "data.prompt_key", cfg.data.prompt_key, "must be a column name")
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
     data_options = cfg.data.get("storage_options")
     _require(data_options is None or isinstance(data_options, DictConfig), "data.storage_options", data_options, "must be null (use storage.options) or a mapping of fsspec options")

@@ -61,7 +61,8 @@ def use_weight_first_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
         weight = module.weight
         if weight.device.type != "cpu" or not weight.dtype.is_floating_point:
             continue
-        module.forward = types.MethodType(functools.partial(weight_first_forward, max_rows=max_rows), module)
+        # An instance attribute over the class method (nn.Module.__setattr__ stores plain values the same way).
+        vars(module)["forward"] = types.MethodType(functools.partial(weight_first_forward, max_rows=max_rows), module)
         setattr(module, WEIGHT_FIRST, True)
         changed += 1
     return changed

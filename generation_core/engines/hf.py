@@ -28,10 +28,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers.cache_utils import CacheLayerMixin
 
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
@@ -109,7 +110,7 @@ class HFEngine:
         path = Path(settings.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=getattr(torch, settings.dtype), trust_remote_code=settings.trust_remote_code
-        ).to(settings.device)
+        ).to(settings.device)  # type: ignore[arg-type]  # transformers types `to` as @wraps(nn.Module.to), whose first parameter is self
         self.model.eval()
         if settings.weight_first_linear:
             # CPU layers only (the function skips the others); before the mixed-step check
@@ -416,7 +417,7 @@ class HFEngine:
         self.stats["prefill_tokens"] += sum(len(s.prompt_ids) for s in joining)
         logits = out.logits[:, -1, :].float()
         finished = self._sample(joining, logits)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = _cache_kv(cache)
         for row, seq in enumerate(joining):
             p = len(seq.prompt_ids)
             own = [(k[row : row + 1, :, -p:], v[row : row + 1, :, -p:]) for k, v in kv]
@@ -445,7 +446,7 @@ class HFEngine:
         self.stats["forward_steps"] += 1
         self.stats["prefill_tokens"] += p - reused
         finished = self._sample([seq], out.logits[:, -1, :].float())
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = _cache_kv(cache)
         if finished:
             self._finish(seq, kv)
         else:
@@ -510,6 +511,12 @@ def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> HFEn
     settings name a thread count, it takes its share of the CPUs of the node it runs on, which
     need not be the driver's."""
     return HFEngine(dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)))
+
+
+def _cache_kv(cache: DynamicCache) -> KV:
+    """Each layer's keys and values after a forward filled them: full-attention layers (the
+    cache's types also admit linear-attention layers and unfilled ones, which these models have not)."""
+    return [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in cast(list[CacheLayerMixin], cache.layers)]
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

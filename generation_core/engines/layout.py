@@ -183,9 +183,10 @@ def _check_with_verl(rollout: DictConfig) -> None:
     try:
         omega_conf_to_dataclass(rollout)
     except Exception as exc:  # noqa: BLE001 - hydra wraps verl's error; its innermost message is the one to show
-        while exc.__cause__ is not None:
-            exc = exc.__cause__
-        raise GenrunError(f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(exc).splitlines()[0]}") from None
+        innermost: BaseException = exc
+        while innermost.__cause__ is not None:
+            innermost = innermost.__cause__
+        raise GenrunError(f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(innermost).splitlines()[0]}") from None
 
 
 def hf_device(cfg: DictConfig) -> str:

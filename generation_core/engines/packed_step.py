@@ -81,6 +81,7 @@ class PackedStep:
         cascade = None
         reading = sum(bool(batch.shares[slot]) for slot in decoding)
         if reading:
+            assert batch.prefix is not None, "a slot reads only a prefix that exists"
             cascade = CascadeStep(batch.prefix, batch.prefix_bias(rows, decoding, device), reading)
         step = cls(
             batch=batch,
@@ -152,6 +153,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         window = slice(step.decode_start, b.end + 1)
         k, v = keys[: step.decode_rows, :, window], values[: step.decode_rows, :, window]
         if b.share_prefixes:
+            assert step.decode_mask is not None, "slots decode: build gave them a mask"
             o = cascade_decode_attention(q, k, v, step.decode_mask, step.cascade, module.layer_idx, scaling)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa)

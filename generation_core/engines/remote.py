@@ -108,7 +108,7 @@ def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> EngineOutp
 class CompletionsServer:
     """One OpenAI-compatible server at `base_url`: an engine, and a backend of the routing client."""
 
-    server_failures = (RemoteServerUnavailable,)
+    server_failures: tuple[type[BaseException], ...] = (RemoteServerUnavailable,)
     """What `generate` raises when the server, not the request, failed."""
 
     def __init__(
@@ -247,7 +247,7 @@ class CompletionsServers:
                 raise GenrunError(f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})")
             await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.1)))
         self._servers = servers
-        unanswered = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered, strict=True) if not ok}
+        unanswered: dict[str, BaseException] = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered, strict=True) if not ok}
         return servers, unanswered
 
     async def aclose(self) -> None:

@@ -16,8 +16,10 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import ray
+from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 from generation_core.engines import hf, instant
@@ -46,10 +48,11 @@ class _EngineReplica(RolloutReplica):
         # shard tasks on a small machine. A GPU engine holds its GPU, so Ray places it on a GPU node. max_restarts: a crashed engine process is started
         # again (model loaded again) under the same handle; the clients fail over meanwhile.
         # No task retries: the clients resend a failed request themselves.
-        server = (
+        server = cast(
+            ActorHandle,  # what it is; ray types it as the handle or the class
             ray.remote(EngineServer)
             .options(name=name, num_cpus=0, num_gpus=self.gpus(), max_concurrency=self.max_concurrency, max_restarts=ENGINE_RESTARTS, max_task_retries=0)
-            .remote(self.build_engine())
+            .remote(self.build_engine()),
         )
         await server.health.remote()
         self._server_handle = server
@@ -115,6 +118,13 @@ class InstantReplica(_EngineReplica):
         return functools.partial(instant.InstantEngine, settings)
 
 
-GENRUN_ENGINES = {"hf": HFReplica, "instant": InstantReplica}
+GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {"hf": HFReplica, "instant": InstantReplica}
+
+
+def _loader(replica: type[RolloutReplica]) -> Callable[[], type[RolloutReplica]]:
+    """What verl's registry takes: a function that returns the replica class."""
+    return lambda: replica
+
+
 for _name, _replica in GENRUN_ENGINES.items():
-    RolloutReplicaRegistry.register(_name, lambda replica=_replica: replica)
+    RolloutReplicaRegistry.register(_name, _loader(_replica))

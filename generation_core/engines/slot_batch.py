@@ -53,7 +53,7 @@ class SlotBatch:
 
     def __init__(self, num_slots: int, share_prefixes: bool = False):
         self.num_slots = num_slots
-        self.sequences: list[Any | None] = [None] * num_slots
+        self.sequences: list[Any] = [None] * num_slots  # an engine's sequence per slot; None: free
         self.row_start = [0] * num_slots
         self.share_prefixes = share_prefixes
         self.prefix: SharedPrefix | None = None
@@ -196,7 +196,10 @@ class SlotBatch:
 
     def own_start(self, slot: int) -> int:
         """The first column `slot` attends to in the store: after the shared prefix if it reads it."""
-        return self.row_start[slot] + (len(self.prefix) if self.shares[slot] else 0)
+        if not self.shares[slot]:
+            return self.row_start[slot]
+        assert self.prefix is not None, "a slot shares only a prefix that exists"
+        return self.row_start[slot] + len(self.prefix)
 
     # ---- one step --------------------------------------------------------------------------
 
