@@ -60,30 +60,36 @@ def _run(plan, tokenizer, engine):
         worker.shutdown()
 
 
+def _plan_scored_chat_run(base, model_dir, questions, score_expression: str, *overrides: str):
+    """The plan of a run over `questions` (one chat prompt each, 2 samples, prompts of at most 64
+    tokens) under `base`, scored by a reward file returning `score_expression`."""
+    rows = [
+        {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        for i, q in enumerate(questions)
+    ]
+    reward = base / "reward.py"
+    reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return {score_expression}\n")
+    return preflight([
+        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+        f"trainer.default_local_dir={base / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_prompt_length=64",
+        f"reward.custom_reward_function.path={reward}",
+        "generation.show_progress=false",
+        *overrides,
+    ])
+
+
 @pytest.fixture(scope="module")
 def sampled_run(tmp_path_factory, model_dir, tokenizer):
     """The bundled model, sampled (seeded), 2 samples of 4 prompts, at most 20 tokens each (some
     stop, some are cut), scored by the length of their text."""
     base = tmp_path_factory.mktemp("sampled")
-    rows = [
-        {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
-        for i, q in enumerate(QUESTIONS)
-    ]
-    reward = base / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return len(solution_str) / 100\n")
-    plan = preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
-        f"trainer.default_local_dir={base / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.temperature=1.0",
-        "generation.sample_seed=7",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=64",
-        "data.max_response_length=20",
-        "generation.save_batch_size=4",
-        f"reward.custom_reward_function.path={reward}",
-        "generation.show_progress=false",
-    ])
+    plan = _plan_scored_chat_run(
+        base, model_dir, QUESTIONS, "len(solution_str) / 100",
+        "actor_rollout_ref.rollout.temperature=1.0", "generation.sample_seed=7", "data.max_response_length=20", "generation.save_batch_size=4",
+    )
     engine = HFEngine(EngineSettings(str(model_dir), prompt_length=64, response_length=20, num_threads=2))
     try:
         manifest = _run(plan, tokenizer, engine)
@@ -149,23 +155,10 @@ def nan_run(tmp_path_factory, model_dir, tokenizer):
     """The instant engine, 3 prompts x 2 samples, a reward function that returns NaN for prompt
     0 (no score) and 1 + the prompt's index for the others."""
     base = tmp_path_factory.mktemp("nan")
-    rows = [
-        {"data_source": "test/nan", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
-        for i, q in enumerate(QUESTIONS[:3])
-    ]
-    reward = base / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return float('nan') if extra_info['index'] == 0 else 1.0 + extra_info['index']\n")
-    plan = preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
-        f"trainer.default_local_dir={base / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=64",
-        "data.max_response_length=16",
-        f"reward.custom_reward_function.path={reward}",
-        "generation.show_progress=false",
-    ])
+    plan = _plan_scored_chat_run(
+        base, model_dir, QUESTIONS[:3], "float('nan') if extra_info['index'] == 0 else 1.0 + extra_info['index']",
+        "actor_rollout_ref.rollout.name=instant", "data.max_response_length=16",
+    )
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     assert _run(plan, tokenizer, engine).num_trajectories == 6
     return base / "run"
