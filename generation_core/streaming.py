@@ -194,8 +194,8 @@ class StreamingWorker:
         (`sample_timeout`); yield None after `idle_timeout` seconds without either so the caller
         can flush what it holds."""
         pending_samples = iter(samples)
-        inflight: dict[asyncio.Task, SampleKey] = {}
-        deadlines: dict[asyncio.Task, float] = {}
+        # Each sample's task -> (its key, its deadline on the monotonic clock).
+        inflight: dict[asyncio.Task, tuple[SampleKey, float]] = {}
 
         def refill() -> None:
             while len(inflight) < max_inflight:
@@ -203,29 +203,25 @@ class StreamingWorker:
                     key, kwargs = next(pending_samples)
                 except StopIteration:
                     return
-                task = asyncio.ensure_future(self.run_one(key, kwargs))
-                inflight[task] = key
-                deadlines[task] = time.monotonic() + self.sample_timeout
+                inflight[asyncio.ensure_future(self.run_one(key, kwargs))] = (key, time.monotonic() + self.sample_timeout)
 
         refill()
         trace = SampleTrace()
         try:
             while inflight:
-                wait = min(idle_timeout, max(0.0, min(deadlines.values()) - time.monotonic()))
+                wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
                 done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 now = time.monotonic()
-                expired = [task for task in inflight if task not in done and deadlines[task] <= now]
+                expired = [task for task, (_, deadline) in inflight.items() if task not in done and deadline <= now]
                 if not done and not expired:
                     yield None
                     continue
                 for task in expired:
                     # Its slot is free now, whether or not the cancelled code ever stops.
-                    key = inflight.pop(task)
-                    del deadlines[task]
+                    key, _ = inflight.pop(task)
                     yield self._timed_out(key, task)
                 for task in done:
-                    key = inflight.pop(task)
-                    del deadlines[task]
+                    key, _ = inflight.pop(task)
                     try:
                         record = task.result()
                     except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's

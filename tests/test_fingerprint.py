@@ -143,7 +143,7 @@ def _user_code(root, package):
     (src / package / "__init__.py").write_text("")
     (src / package / "tools.py").write_text("from examples.tool_calling.calculator import CalculatorTool\n\n\nclass MyTool(CalculatorTool):\n    pass\n")
     (src / package / "loop_helper.py").write_text("TURNS = 1\n")
-    (src / package / "loops.py").write_text(textwrap.dedent(f"""
+    (src / package / "loops.py").write_text(textwrap.dedent("""
         from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
         from . import loop_helper
