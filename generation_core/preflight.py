@@ -43,7 +43,7 @@ from generation_core.errors import GenrunError
 from generation_core.plan import RunPlan, versions
 from generation_core.pool import check_rollout_name
 from generation_core.rewards import load_reward_function
-from generation_core.run_folder import check_run_folder, read_run_record
+from generation_core.run_folder import check_run_folder
 from generation_core.secrets import keep_in_environment, split_secrets
 
 logger = logging.getLogger(__name__)
@@ -241,8 +241,9 @@ def preflight(overrides: list[str]) -> RunPlan:
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
-    if check_run_folder(plan.folder, run_fingerprint):
-        warning = other_build_warning(plan.folder.display(), read_run_record(plan.folder).get("build"))
+    existing = check_run_folder(plan.folder, run_fingerprint)
+    if existing is not None:
+        warning = other_build_warning(plan.folder.display(), existing.get("build"))
         if warning:
             logger.warning(warning)
     return plan

@@ -645,9 +645,9 @@ def _legacy_shard(folder: RunFolder) -> str | None:
     return None
 
 
-def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
-    """True when the folder already belongs to this run (a resume), False when it holds no run;
-    refuses a folder of another run or of an earlier folder format, changing nothing."""
+def check_run_folder(folder: RunFolder, run_fingerprint: str) -> dict[str, Any] | None:
+    """The folder's run record when it already belongs to this run (a resume), None when it
+    holds no run; refuses a folder of another run or of an earlier folder format, changing nothing."""
     if not folder.exists(RUN_FILE):
         if folder.list(SHARDS_DIR):
             # Shard progress without the run.json that says which run it belongs to (run.json is
@@ -657,7 +657,7 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
                 "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
                 "trainer.experiment_name, when that folder is derived from it), or delete that folder"
             )
-        return False
+        return None
     existing = folder.read_json(RUN_FILE)
     written_by = existing.get("fingerprint_version", 1)
     if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
@@ -672,7 +672,7 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
         legacy = _legacy_shard(folder)
         if legacy is not None:
             raise legacy_checkpoint_error(folder, legacy)
-        return True
+        return existing
     if written_by == FINGERPRINT_VERSION:
         what = (
             f"holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, this one is {run_fingerprint[:12]}): "
@@ -692,7 +692,7 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> bool:
 
 def claim_run_folder(folder: RunFolder, run_record: dict[str, Any]) -> None:
     """Write run.json for a new run (the caller holds the lease), or confirm a resume."""
-    if not check_run_folder(folder, run_record["fingerprint"]):
+    if check_run_folder(folder, run_record["fingerprint"]) is None:
         folder.put_json(RUN_FILE, run_record)
 
 
