@@ -1,0 +1,78 @@
+"""On the GPU machine: verify and install the wheels that transfer part N completes.
+
+    python3 bench/gpu/kit/install_part.py N      (receive.sh starts it in the background)
+
+Reads the chunks from /tmp/kit/in (receive.sh copies each part there), checks every chunked .xz
+against the manifest's sha256, unpacks it, checks the wheel's sha256, installs the part's wheels with
+`pip install --no-index --no-deps --no-compile --target /tmp/kit/site.N`, then merges that folder
+into /tmp/site under a lock (one pip --target per part: pip does not merge into a target that
+already holds a namespace folder such as nvidia/ or google/). Writes /tmp/kit/partN.ok or .failed.
+Standard library only: nothing of the kit is installed yet when this runs.
+"""
+
+import fcntl
+import hashlib
+import json
+import lzma
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KIT = Path("/tmp/kit")
+SITE = Path("/tmp/site")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def main(part: int) -> None:
+    started = time.monotonic()
+    manifest = json.loads((KIT / "in" / "manifest.json").read_text())
+    mine = [w for w in manifest["wheels"] if max(c["part"] for c in w["chunks"]) == part]
+    wheels_dir = KIT / f"wheels.{part}"
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    for wheel in mine:
+        xz = wheels_dir / (wheel["wheel"] + ".xz")
+        with xz.open("wb") as out:
+            for chunk in wheel["chunks"]:
+                with (KIT / "in" / chunk["file"]).open("rb") as handle:
+                    shutil.copyfileobj(handle, out, 1 << 20)
+        if sha256(xz) != wheel["xz_sha256"]:
+            raise SystemExit(f"{xz.name}: sha256 differs from the manifest (a part arrived damaged)")
+        target = wheels_dir / wheel["wheel"]
+        with lzma.open(xz) as source, target.open("wb") as out:
+            shutil.copyfileobj(source, out, 1 << 20)
+        xz.unlink()
+        if sha256(target) != wheel["wheel_sha256"]:
+            raise SystemExit(f"{target.name}: unpacked wheel's sha256 differs from the manifest")
+    unpacked = time.monotonic()
+    site = KIT / f"site.{part}"
+    if not mine:  # this part holds only leading chunks of files that a later part completes
+        print(f"part {part}: no wheel completed yet", flush=True)
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(site), *map(str, sorted(wheels_dir.glob("*.whl")))], check=True)
+    installed = time.monotonic()
+    SITE.mkdir(exist_ok=True)
+    with (KIT / "merge.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["cp", "-a", f"{site}/.", str(SITE)], check=True)
+    print(f"part {part}: {len(mine)} wheels verified+unpacked {unpacked - started:.1f}s, "
+          f"pip {installed - unpacked:.1f}s, merged {time.monotonic() - installed:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    number = int(sys.argv[1])
+    try:
+        main(number)
+    except BaseException as error:  # the sitting script reads the marker, not this process's exit
+        (KIT / f"part{number}.failed").write_text(f"{type(error).__name__}: {error}\n")
+        raise
+    (KIT / f"part{number}.ok").write_text("ok\n")

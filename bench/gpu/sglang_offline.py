@@ -1,0 +1,81 @@
+"""SGLang's own offline throughput on genrun's prompts: the engine side of genrun/engine on a GPU.
+
+    python3 bench/gpu/sglang_offline.py MODEL_DIR PROMPTS.parquet --n 4 --max-new-tokens 128 --json OUT.json
+    python3 bench/gpu/sglang_offline.py --make-prompts OUT.parquet --repeat 11   # 48 bundled prompts x 11
+
+Drives `sglang.Engine` directly in this process (no HTTP, no Ray, no agent loop), with the settings
+the genrun run of the same sitting gives verl's SGLang server: the prompts through the model's chat
+template, each repeated n times, temperature 1 / top_p 1, per-token logprobs returned, the triton
+attention backend and PyTorch sampling (the kit carries no FA3 or flashinfer cubins). One untimed
+warm-up batch, then every request submitted at once, as `sglang.bench_offline_throughput` does.
+Prints and writes: requests, generated tokens, wall seconds, tokens/s, engine version.
+"""
+
+import argparse
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def make_prompts(source: str, out: str, repeat: int) -> None:
+    table = pq.read_table(source)
+    rows = table.to_pylist()
+    copies = []
+    for copy in range(repeat):
+        for row in rows:
+            row = dict(row, extra_info=dict(row["extra_info"], index=copy * len(rows) + row["extra_info"]["index"]))
+            copies.append(row)
+    pq.write_table(pa.Table.from_pylist(copies, schema=table.schema), out)
+    print(f"{len(copies)} prompts -> {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("prompts", nargs="?")
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--mem-fraction", type=float, default=0.8)
+    parser.add_argument("--json")
+    parser.add_argument("--make-prompts")
+    parser.add_argument("--repeat", type=int, default=11)
+    parser.add_argument("--source", default="examples/data/prompts.parquet")
+    args = parser.parse_args()
+    if args.make_prompts:
+        make_prompts(args.source, args.make_prompts, args.repeat)
+        return
+
+    import sglang
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    messages = pq.read_table(args.prompts, columns=["prompt"]).column("prompt").to_pylist()
+    prompt_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
+    requests = [ids for ids in prompt_ids for _ in range(args.n)]
+    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+    started = time.perf_counter()
+    engine = sglang.Engine(model_path=args.model, attention_backend="triton", sampling_backend="pytorch",
+                           skip_tokenizer_init=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="error")
+    boot = time.perf_counter() - started
+    engine.generate(input_ids=requests[:16], sampling_params=dict(params, max_new_tokens=8), return_logprob=True)
+    started = time.perf_counter()
+    outputs = engine.generate(input_ids=requests, sampling_params=params, return_logprob=True)
+    wall = time.perf_counter() - started
+    engine.shutdown()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outputs)
+    result = {"engine": f"sglang {sglang.__version__}", "model": args.model, "requests": len(requests),
+              "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids), "max_new_tokens": args.max_new_tokens,
+              "ignore_eos": args.ignore_eos, "generated_tokens": tokens, "logprobs_returned": logprobs,
+              "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "boot_s": round(boot, 1)}
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
