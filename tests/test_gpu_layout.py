@@ -81,6 +81,9 @@ def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp
         (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"], "cannot be split into replicas"),
         (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=6", "actor_rollout_ref.rollout.tensor_model_parallel_size=6"], "cannot span nodes of 4 GPUs evenly"),
         (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization=0"),
+        # verl's own default: random weights, found generating gibberish on the first GPU sitting.
+        (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.load_format=dummy"], "load_format=dummy: sglang would generate from random weights"),
+        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=dummy"], "load_format=dummy: vllm would generate from random weights"),
         (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node=0: must be an integer >= 1"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.name=hf has no model parallelism"),
         (["actor_rollout_ref.rollout.engine_kwargs.hf.device=tpu"], "engine_kwargs.hf.device='tpu': use cpu or cuda"),
@@ -103,6 +106,17 @@ def test_missing_engine_package_names_the_fix(engine, fix):
         pytest.skip(f"{engine} is installed here")
     with pytest.raises(GenrunError, match=f"needs the {engine} package .*{fix}"):
         check_engine_installed(engine)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_gpu_engines_load_the_checkpoint_not_verls_dummy_weights(engine):
+    """verl's RolloutConfig defaults to load_format=dummy (random weights, replaced by the trainer's
+    in RL). The config verl's server builds from genrun's must load model.path: on the first GPU
+    sitting, SGLang through verl generated from random weights (every logprob -ln(vocab))."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = load_config([f"actor_rollout_ref.rollout.name={engine}"])
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout).load_format == "auto"
 
 
 def test_cluster_without_the_gpus_or_cpus_is_refused_before_placement():

@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--mem-fraction", type=float, default=0.8)
+    parser.add_argument("--max-running", type=int, default=512, help="as actor_rollout_ref.rollout.max_num_seqs of the genrun run")
     parser.add_argument("--json")
     parser.add_argument("--make-prompts")
     parser.add_argument("--repeat", type=int, default=11)
@@ -57,8 +58,11 @@ def main() -> None:
     requests = [ids for ids in prompt_ids for _ in range(args.n)]
     params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
     started = time.perf_counter()
-    engine = sglang.Engine(model_path=args.model, attention_backend="triton", sampling_backend="pytorch",
-                           skip_tokenizer_init=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="error")
+    # bfloat16 and max_running_requests as verl's server gets them (rollout.dtype, max_num_seqs): the
+    # bundled SmolLM2 directory is float32, and with dtype auto the first sitting's run did not finish in 120 s.
+    engine = sglang.Engine(model_path=args.model, dtype="bfloat16", attention_backend="triton", sampling_backend="pytorch",
+                           skip_tokenizer_init=True, mem_fraction_static=args.mem_fraction, max_running_requests=args.max_running,
+                           random_seed=0, log_level="error")
     boot = time.perf_counter() - started
     engine.generate(input_ids=requests[:16], sampling_params=dict(params, max_new_tokens=8), return_logprob=True)
     started = time.perf_counter()

@@ -123,6 +123,13 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
         return ReplicaLayout(engine, slots // world or 1, world, 1, world, tp, dp, pp, None)
 
     _check_with_verl(rollout)
+    if rollout.get("load_format") == "dummy":
+        raise GenrunError(
+            f"actor_rollout_ref.rollout.load_format=dummy: {engine} would generate from random weights (verl's training "
+            "default: there a trainer pushes the real weights after boot, and genrun has none); use auto (the default) "
+            "to load model.path. For a throughput benchmark without real weights, save a randomly initialised model "
+            "(bench/gpu/build_model.py) and point model.path at it"
+        )
     memory = rollout.gpu_memory_utilization
     if not isinstance(memory, int | float) or isinstance(memory, bool) or not 0 < memory <= 1:
         raise GenrunError(

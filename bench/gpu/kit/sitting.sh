@@ -55,20 +55,21 @@ for name in ("sgl_kernel", "sglang", "verl", "ray", "prefect", "transformers", "
     print(name, getattr(module, "__version__", "?"), module.__file__)
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
 ' || exit 1
+# Order: the 1B pair first (the ratio), then the bundled model through genrun, then the hf engine.
+# The verl replica boots in ~130 s on an H200 (CUDA graphs for up to max_num_seqs), the engine alone in ~60.
 stage smol_model 90 python3 -m generation_core.bundled
 stage prompts 30 python3 bench/gpu/sglang_offline.py --make-prompts /tmp/prompts528.parquet --repeat 11
-stage engine_smol 120 python3 bench/gpu/sglang_offline.py "$SMOL" /tmp/prompts528.parquet --n 4 --max-new-tokens 128 --json "$OUT/engine_smol.json"
+stage model_1b 60 python3 bench/gpu/build_model.py "$SMOL" /tmp/model1b
+stage engine_1b 120 python3 bench/gpu/sglang_offline.py /tmp/model1b /tmp/prompts528.parquet --n 4 --max-new-tokens 128 --json "$OUT/engine_1b.json"
+stage genrun_1b 240 python3 -m flows.cli "${GPU_RUN[@]}" actor_rollout_ref.model.path=/tmp/model1b \
+  data.train_files=/tmp/prompts528.parquet trainer.default_local_dir=/tmp/genrun_1b
+stage dataproto_1b 60 python3 bench/gpu/kit/show_output.py /tmp/genrun_1b /tmp/model1b "$OUT/genrun_1b.json"
 stage genrun_smol 240 python3 -m flows.cli "${GPU_RUN[@]}" actor_rollout_ref.model.path="$SMOL" \
   data.train_files=/tmp/prompts528.parquet trainer.default_local_dir=/tmp/genrun_smol
 stage dataproto_smol 60 python3 bench/gpu/kit/show_output.py /tmp/genrun_smol "$SMOL" "$OUT/genrun_smol.json"
-stage model_1b 60 python3 bench/gpu/build_model.py "$SMOL" /tmp/model1b
-stage engine_1b 120 python3 bench/gpu/sglang_offline.py /tmp/model1b /tmp/prompts528.parquet --n 4 --max-new-tokens 128 --json "$OUT/engine_1b.json"
-stage genrun_1b 200 python3 -m flows.cli "${GPU_RUN[@]}" actor_rollout_ref.model.path=/tmp/model1b \
-  data.train_files=/tmp/prompts528.parquet trainer.default_local_dir=/tmp/genrun_1b
-stage dataproto_1b 60 python3 bench/gpu/kit/show_output.py /tmp/genrun_1b /tmp/model1b "$OUT/genrun_1b.json"
+stage engine_smol 120 python3 bench/gpu/sglang_offline.py "$SMOL" /tmp/prompts528.parquet --n 4 --max-new-tokens 128 --json "$OUT/engine_smol.json"
 stage genrun_hf 150 python3 -m flows.cli actor_rollout_ref.model.path="$SMOL" actor_rollout_ref.rollout.n=4 \
   data.max_response_length=128 actor_rollout_ref.rollout.engine_kwargs.hf.device=cuda actor_rollout_ref.rollout.max_num_seqs=256 \
   generation.max_inflight=256 ray_kwargs.ray_init.num_gpus=1 trainer.default_local_dir=/tmp/genrun_hf
-stage dataproto_hf 60 python3 bench/gpu/kit/show_output.py /tmp/genrun_hf "$SMOL" "$OUT/genrun_hf.json"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 echo "### sitting done in $(( $(date +%s) - START ))s"
