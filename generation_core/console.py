@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from generation_core.errors import GenrunError
+
 logger = logging.getLogger(__name__)
 
 LOG_LEVEL_ENV = "GENRUN_LOG_LEVEL"
@@ -47,12 +49,26 @@ def debug_output() -> bool:
     return log_level() <= logging.DEBUG or os.environ.get("GENRUN_DEBUG") == "1"
 
 
+def _carries_genrun_error(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GenrunError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class _OwnLinesFilter(logging.Filter):
-    """INFO and below from genrun's own loggers; WARNING and above from every logger."""
+    """INFO and below from genrun's own loggers; WARNING and above from every logger, except a
+    library's report of a GenrunError (Prefect logs a flow's exception with its traceback): the
+    command prints that error itself, in one line, as it ends."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
-            return record.name != "py.warnings"
+            own = record.name.split(".")[0] in OWN_LOGGERS
+            return record.name != "py.warnings" and (own or not _carries_genrun_error(record))
         return record.name.split(".")[0] in OWN_LOGGERS
 
 

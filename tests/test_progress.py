@@ -162,3 +162,25 @@ def test_disabled_shows_nothing(caplog):
 
 def test_seconds_read_as_a_person_reads_them():
     assert [format_seconds(s) for s in (7, 75, 3600 * 26 + 120, None)] == ["7s", "1m15s", "26h02m", "-"]
+
+
+def test_a_library_logging_a_genrun_error_prints_no_traceback_on_the_terminal():
+    """Prefect logs a flow's exception with its traceback; the command prints a GenrunError itself,
+    in one line, so the terminal shows that line only. Other errors keep their traceback."""
+    from generation_core.console import _OwnLinesFilter
+    from generation_core.errors import GenrunError
+
+    def record(name: str, error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException as raised:
+            exc_info = (type(raised), raised, raised.__traceback__)
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, "Encountered exception during execution", None, exc_info)
+
+    wrapped = RuntimeError("task failed")
+    wrapped.__cause__ = GenrunError("the Ray cluster has 0 GPUs")
+    shown = _OwnLinesFilter().filter
+    assert not shown(record("prefect.flow_runs", GenrunError("the Ray cluster has 0 GPUs")))
+    assert not shown(record("prefect.task_runs", wrapped))
+    assert shown(record("prefect.flow_runs", ValueError("a bug")))
+    assert shown(record("genrun", GenrunError("logged by genrun itself")))
