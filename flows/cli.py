@@ -11,6 +11,9 @@
     genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response]
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages)
+    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
+                                    the engine's own offline benchmark and a genrun run on the
+                                    same prompts and lengths, per sitting: tokens/s and genrun/engine
 
 Reading a run folder runs no code from it: a tokenizer that is code in the run's model folder
 runs only with --trust-remote-code (the run's own trust_remote_code setting is not followed).
@@ -214,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_environment()
     try:
         argv = move_credentials_to_environment(argv)
+        if argv and argv[0] == "bench":
+            from generation_core.bench import bench_command
+
+            return bench_command(argv[1:])
         if argv and argv[0] == "export":
             from generation_core.export import export_command, parse_export_arguments
 
