@@ -174,3 +174,28 @@ def test_genrun_end_to_end_with_a_live_and_a_dead_server(vllm_server, tmp_path):
     assert mask.sum() > 0
     logprobs = data.batch["rollout_log_probs"][mask]
     assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
+
+
+def test_bench_drives_the_server_directly_then_through_genrun(vllm_server, tmp_path):
+    """`genrun bench` with rollout.name=remote: the same /v1/completions bodies sent straight to
+    the server at genrun's concurrency (ignore_eos: every response --tokens long), then a whole
+    genrun run against it; both sides' tokens and the ratio in the JSON."""
+    import json
+
+    prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(6))
+    out = tmp_path / "bench.json"
+    done = run_genrun([
+        "bench", "--sittings", "1", "--prompts", "6", "--tokens", "6", "--json", str(out),
+        f"data.train_files={prompts}",
+        "actor_rollout_ref.rollout.name=remote",
+        f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{vllm_server}]",
+        "actor_rollout_ref.rollout.n=2",
+    ], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bench = json.loads(out.read_text())
+    [sitting] = bench["sittings"]
+    assert (bench["engine"], bench["requests"]) == ("remote", 12)
+    assert sitting["engine_tokens"] == 12 * 6
+    # genrun's agent loop sends no ignore_eos: a response may end early, never run longer.
+    assert 12 <= sitting["genrun_tokens"] <= 12 * 6
+    assert sitting["ratio"] > 0

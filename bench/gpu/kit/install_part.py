@@ -11,7 +11,6 @@ Standard library only: nothing of the kit is installed yet when this runs.
 """
 
 import fcntl
-import hashlib
 import json
 import lzma
 import shutil
@@ -20,16 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from prepare import sha256  # this script's folder (bench/gpu/kit) is first on sys.path
+
 KIT = Path("/tmp/kit")
 SITE = Path("/tmp/site")
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def main(part: int) -> None:
