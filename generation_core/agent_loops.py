@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core.errors import GenrunError
+from generation_core.verl_adapter import agent_loop_names, register_agent_loop
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ def load_agent_loop_config(path: str) -> list[str]:
     """Register the agent loops of an `agent_loop_config_path` YAML, as verl's AgentLoopWorker
     does, after checking that each entry names an importable class. Returns their names."""
     import hydra
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
     key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     resolved = existing_config_file(key, path)
@@ -85,22 +85,22 @@ def load_agent_loop_config(path: str) -> list[str]:
             hydra.utils.get_class(entry._target_)
         except Exception as exc:  # noqa: BLE001 - hydra wraps import errors of user code in several types
             raise GenrunError(f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {' '.join(str(exc).split())[:300]}") from None
-        _agent_loop_registry[entry.name] = entry  # type: ignore[assignment]  # verl annotates dict[str, dict] and stores DictConfigs itself
+        register_agent_loop(entry.name, entry)
         names.append(entry.name)
     return names
 
 
 def known_agent_loops(cfg: DictConfig) -> list[str]:
     """Every agent loop name a shard worker of this run will know."""
-    # Importing the package registers verl's built-in loops (single_turn_agent, tool_agent).
+    # Importing the package registers verl's built-in loops (single_turn_agent, tool_agent)
+    # before any plugin or YAML entry, which may take one of their names.
     import verl.experimental.agent_loop  # noqa: F401
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
     load_plugin_entry_points()
     config_path = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
     if config_path:
         load_agent_loop_config(config_path)
-    return sorted(_agent_loop_registry)
+    return agent_loop_names()
 
 
 def check_agent_loops(cfg: DictConfig, wanted: Iterable[str]) -> None:

@@ -8,9 +8,7 @@ arguments verl's `RLHFDataset` would give for those rows.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import logging
 import os
 from typing import Any
@@ -36,6 +34,7 @@ from generation_core.dataset_files import (
 )
 from generation_core.errors import GenrunError
 from generation_core.plan import ShardSpec
+from generation_core.verl_adapter import PromptLengthSettings, hand_rows, overlong_prompt_rule, prompt_length_settings, rows_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -130,49 +129,6 @@ def rows_digest(table: pa.Table) -> str:
     return digest.hexdigest()
 
 
-def _rlhf_dataset(cfg: DictConfig, tokenizer):
-    """verl's RLHFDataset with its own settings (tool schemas, chat-template kwargs, filter
-    switches, all as its __init__ reads them from data.*) but without loading files: the shard
-    hands it its rows. Its file hooks (_download, _read_files_and_tokenize) are the ones verl's
-    custom dataset classes override, so its filter and __getitem__ stay verl's own."""
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-
-    class RowsDataset(RLHFDataset):
-        def _download(self, use_origin_parquet=False):
-            pass
-
-        def _read_files_and_tokenize(self):
-            pass
-
-    return RowsDataset([], tokenizer, cfg.data, processor=None, max_samples=-1)
-
-
-class _PredicateCatcher:
-    """Stands in for the `datasets.Dataset` verl's `maybe_filter_out_long_prompts` calls
-    `.filter(predicate)` on, to take verl's own prompt-length rule (`doc2len(doc) <= max`)
-    and apply it to one row at a time, when the row is about to be dispatched: a shard of 60k
-    prompts would otherwise tokenize them all (~30 s on 2 cores) before its first request, and
-    `datasets.Dataset.filter` first hashes the predicate, which holds the tokenizer (~1.2 s)."""
-
-    predicate = None
-
-    def filter(self, predicate, num_proc=None, desc=None):
-        self.predicate = predicate
-        return self
-
-    def __len__(self) -> int:
-        return 0
-
-
-def _length_rule(dataset):
-    """verl's overlong-prompt predicate of `dataset` (an RLHFDataset), or None when it filters nothing."""
-    catcher = _PredicateCatcher()
-    # verl prints the length of what its filter returned: meaningless here.
-    with contextlib.redirect_stdout(io.StringIO()):
-        dataset.maybe_filter_out_long_prompts(catcher)
-    return catcher.predicate
-
-
 class _BatchedLengths:
     """Prompt token counts of many rows in one tokenizer call: what verl's text-only `doc2len`
     computes per row (the chat template with the generation prompt and the dataset's tool schemas
@@ -181,16 +137,11 @@ class _BatchedLengths:
     without a processor (verl's multimodal rule stays per row), and only while it agrees with
     verl's own predicate (ShardPrompts checks the first window of every shard against it)."""
 
-    def __init__(self, dataset, tokenizer):
-        self.prompt_key = dataset.prompt_key
-        self.max_prompt_length = dataset.max_prompt_length
+    def __init__(self, settings: PromptLengthSettings, tokenizer):
+        self.prompt_key = settings.prompt_key
+        self.max_prompt_length = settings.max_prompt_length
         self.tokenizer = tokenizer
-        kwargs = dict(dataset.apply_chat_template_kwargs)
-        if dataset.tool_schemas is not None:
-            kwargs["tools"] = dataset.tool_schemas
-        for key in ("tokenize", "return_dict", "return_tensors"):
-            kwargs.pop(key, None)
-        self.template_kwargs = kwargs
+        self.template_kwargs = settings.template_kwargs
 
     def keeps(self, docs: list[dict]) -> list[bool] | None:
         """Per doc, whether it fits data.max_prompt_length; None when the batch call fails (the
@@ -223,10 +174,13 @@ class ShardPrompts:
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
         """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
-        self._dataset = _rlhf_dataset(cfg, tokenizer)
-        self._dataset.dataframe = datasets.Dataset(datasets.table.InMemoryTable(table))
-        self._length_rule = _length_rule(self._dataset)
-        self._batched_lengths = _BatchedLengths(self._dataset, tokenizer) if self._length_rule is not None and self._dataset.processor is None else None
+        # verl's RLHFDataset over the shard's rows: its overlong filter and __getitem__ stay verl's.
+        self._dataset = rows_dataset(cfg.data, tokenizer)
+        self._rows = datasets.Dataset(datasets.table.InMemoryTable(table))
+        hand_rows(self._dataset, self._rows)
+        self._length_rule = overlong_prompt_rule(self._dataset)
+        length_settings = prompt_length_settings(self._dataset)
+        self._batched_lengths = _BatchedLengths(length_settings, tokenizer) if self._length_rule is not None and not length_settings.has_processor else None
         self._batched_checked = False
         self.num_rows = table.num_rows
         # Per raw row: 1 kept, 0 dropped as overlong, -1 not decided yet.
@@ -255,18 +209,20 @@ class ShardPrompts:
 
     def _decide(self, lo: int, hi: int) -> None:
         rows = [r for r in range(lo, hi) if self._decided[r] < 0]
-        docs = self._dataset.dataframe.select(rows).to_list() if len(rows) > 1 else [self._dataset.dataframe[rows[0]]]
+        length_rule = self._length_rule
+        assert length_rule is not None, "a row is undecided only while verl's overlong filter is on"
+        docs = self._rows.select(rows).to_list() if len(rows) > 1 else [self._rows[rows[0]]]
         decided = self._batched_lengths.keeps(docs) if self._batched_lengths is not None else None
         if decided is not None and not self._batched_checked:
             # The batched count must be verl's: checked against its own predicate on this window.
-            verls = [bool(self._length_rule(doc)) for doc in docs]
+            verls = [bool(length_rule(doc)) for doc in docs]
             if verls != decided:
                 logger.warning("the batched prompt-length check disagrees with verl's overlong filter on this dataset; filtering row by row with verl's")
                 self._batched_lengths = None
             decided = verls
             self._batched_checked = True
         if decided is None:
-            decided = [bool(self._length_rule(doc)) for doc in docs]
+            decided = [bool(length_rule(doc)) for doc in docs]
         self._decided[rows] = decided
 
     def row_kwargs(self, row: int) -> dict[str, Any]:

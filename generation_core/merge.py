@@ -45,6 +45,7 @@ from generation_core.run_folder import (
     remove_stale_merge_output,
 )
 from generation_core.storage import RunFolder
+from generation_core.verl_adapter import dataproto_state
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +358,7 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
     class _StatePickler(pickle.Pickler):
         def reducer_override(self, obj):
             if obj is data:
-                return copyreg.__newobj__, (DataProto,), (_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
+                return copyreg.__newobj__, (DataProto,), dataproto_state(_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
             return NotImplemented
 
     buffer = io.BytesIO()

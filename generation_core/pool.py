@@ -13,16 +13,16 @@ remote servers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import ray
 from omegaconf import DictConfig
 from verl.workers.rollout.llm_server import LLMServerManager
-from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 from generation_core.engines.layout import REMOTE_ENGINE, check_cluster_resources, check_engine_installed, resolve_layout
 from generation_core.engines.remote import CompletionsServers, check_servers
@@ -30,6 +30,7 @@ from generation_core.engines.replicas import GENRUN_ENGINES  # importing registe
 from generation_core.errors import GenrunError
 from generation_core.routing import BackendSource, RayReplicaBackend, RoutingClient
 from generation_core.server_registry import fetch_server_handles, start_server_registry
+from generation_core.verl_adapter import registered_engine_names, server_manager_with_balancer
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +74,12 @@ def _backend_source(cfg: DictConfig, *, balancer: Any = None, balancer_name: str
     return PoolReplicas(cfg, balancer=balancer, balancer_name=balancer_name)
 
 
-class _NamedLoadBalancerManager(LLMServerManager):
-    balancer_name: str = ""
-
-    async def _init_global_load_balancer(self) -> None:
-        servers = dict(zip(self.server_addresses, self.server_handles, strict=True))
-        self.global_load_balancer = start_server_registry(self.balancer_name, servers)
-
-
 def check_rollout_name(cfg: DictConfig) -> None:
     """The engine exists and its package is installed (before anything starts)."""
     name = cfg.actor_rollout_ref.rollout.name
-    if name != REMOTE_ENGINE and name not in RolloutReplicaRegistry._registry:
-        known = ", ".join(sorted([*RolloutReplicaRegistry._registry, REMOTE_ENGINE]))
+    engines = registered_engine_names()
+    if name != REMOTE_ENGINE and name not in engines:
+        known = ", ".join(sorted([*engines, REMOTE_ENGINE]))
         raise GenrunError(f"unknown actor_rollout_ref.rollout.name={name!r}; known engines: {known}")
     check_engine_installed(name)
 
@@ -111,7 +105,8 @@ class ReplicaPool:
         # A placement group the cluster cannot satisfy waits forever: refuse first.
         check_cluster_resources(layout, ray.cluster_resources())
         logger.info("inference: %s", layout.describe())
-        manager_cls = cast(type[_NamedLoadBalancerManager], type("_Manager", (_NamedLoadBalancerManager,), {"balancer_name": balancer_name}))
+        # The manager's load balancer is the pool's named ServerRegistry (see the module's docstring).
+        manager_cls = server_manager_with_balancer(functools.partial(start_server_registry, balancer_name))
         manager = await manager_cls.create(cfg)
         pool = cls(manager, cfg, balancer_name)
         await pool.check_health()

@@ -10,7 +10,8 @@ skipped because the merge pads once, exactly as verl's postprocessing does (test
 Agent loops are built the way verl's `_run_agent_loop` builds them, with two shortcuts: a
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
 through `hydra.utils.instantiate`, which cost ~7 ms per sample (most of the orchestration time);
-and every agent loop of a worker shares one Continuous Token builder (see `_shared_token_builder`).
+and every agent loop of a worker shares one Continuous Token builder
+(`verl_adapter.share_continuous_token_builders`).
 
 Each sample has a deadline (`generation.sample_timeout_seconds`, from its start to its score): a
 sample past it is cancelled and handed on as a failure naming the sample, the deadline and the
@@ -33,16 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import hydra
-import verl.experimental.agent_loop.agent_loop as verl_agent_loop
 from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop import AgentLoopWorker
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 
 from generation_core.config import default_sample_timeout
 from generation_core.instrumentation import SampleTrace
 from generation_core.records import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
 from generation_core.request_retry import RetryingClient
 from generation_core.rewards import RewardScorer
+from generation_core.verl_adapter import agent_loop_arguments, agent_loop_entry, rebind_worker_client, share_continuous_token_builders
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +103,14 @@ _cached_worker: tuple[str, AgentLoopWorker] | None = None
 def _agent_loop_worker(cfg: DictConfig, client) -> AgentLoopWorker:
     """The process's AgentLoopWorker for `cfg` (built at its first shard), talking to `client`."""
     global _cached_worker
+    # Before any agent loop of this process is built (see the module's docstring).
+    share_continuous_token_builders()
     key = OmegaConf.to_yaml(cfg, resolve=True)
     if _cached_worker is None or _cached_worker[0] != key:
         _cached_worker = (key, AgentLoopWorker(cfg, client))
         return _cached_worker[1]
     worker = _cached_worker[1]
-    # What AgentLoopWorker.__init__ does with its client.
-    worker.llm_client = client
-    if worker.rollout_config.trace.get("token2text", False):
-        client.tokenizer = worker.tokenizer
+    rebind_worker_client(worker, client)
     return worker
 
 
@@ -149,18 +148,8 @@ class StreamingWorker:
 
     def build_agent_loop(self, agent_name: str):
         """A fresh agent loop for one sample, with the arguments verl's AgentLoopWorker passes."""
-        worker = self.worker
-        arguments = dict(
-            trainer_config=DictConfigWrap(config=worker.config),
-            server_manager=worker.llm_client,
-            tokenizer=worker.tokenizer,
-            processor=worker.processor,
-            hf_model_type=worker.hf_model_type,
-            dataset_cls=worker.dataset_cls,
-            data_config=DictConfigWrap(worker.config.data),
-            tools=ToolListWrap(worker.tools),
-        )
-        config = _agent_loop_registry[agent_name]
+        arguments = agent_loop_arguments(self.worker)
+        config = agent_loop_entry(agent_name)
         if agent_name not in self._direct_construction:
             self._direct_construction[agent_name] = _plain_class_entry(config)
         direct = self._direct_construction[agent_name]
@@ -273,29 +262,6 @@ class StreamingWorker:
             extra_fields=extra_fields,
             metrics=output.metrics.model_dump(),
         )
-
-
-_create_token_builder = verl_agent_loop.create_continuous_token_builder
-_token_builders: dict[tuple, Any] = {}
-
-
-def _shared_token_builder(tokenizer, **kwargs):
-    """verl's `create_continuous_token_builder`, once per tokenizer and settings.
-
-    verl's AgentLoopBase builds a builder in every agent loop's constructor: ~1 ms per sample,
-    plus a warning per sample for a model family without its own builder. A builder only reads
-    the tokenizer and the settings it was made with (its state is set in `__init__`), so every
-    agent loop with the same ones can share it."""
-    try:
-        key = (id(tokenizer), id(kwargs.get("processor")), repr(sorted((k, v) for k, v in kwargs.items() if k != "processor")))
-    except Exception:  # noqa: BLE001 - settings without a stable repr: build one as verl would
-        return _create_token_builder(tokenizer, **kwargs)
-    if key not in _token_builders:
-        _token_builders[key] = (tokenizer, _create_token_builder(tokenizer, **kwargs))
-    return _token_builders[key][1]
-
-
-verl_agent_loop.create_continuous_token_builder = _shared_token_builder
 
 
 def _plain_class_entry(config) -> tuple[type, dict[str, Any]] | None:

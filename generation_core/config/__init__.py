@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra.utils
-import verl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -29,8 +28,9 @@ from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
 from generation_core.plan import versions
+from generation_core.verl_adapter import base_trainer_config_file
 
-VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+VERL_BASE_CONFIG = base_trainer_config_file()
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
 
 # ---- what a run's trajectories depend on (the fingerprint), declared here once -------------

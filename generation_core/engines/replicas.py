@@ -20,11 +20,12 @@ from typing import cast
 
 import ray
 from ray.actor import ActorHandle
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
+from verl.workers.rollout.replica import RolloutReplica
 
 from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
 from generation_core.engines.server import EngineServer
+from generation_core.verl_adapter import register_replica_class, serve_standalone
 
 ENGINE_RESTARTS = 3
 
@@ -42,7 +43,6 @@ class _EngineReplica(RolloutReplica):
         return 0
 
     async def init_standalone(self):
-        self.rollout_mode = RolloutMode.STANDALONE
         name = f"genrun_{self.engine_name}_server_{self.replica_rank}{self.name_suffix}_{uuid.uuid4().hex[:8]}"
         # num_cpus=0: the engine sizes its own threads, and holding a Ray CPU would starve the
         # shard tasks on a small machine. A GPU engine holds its GPU, so Ray places it on a GPU node. max_restarts: a crashed engine process is started
@@ -55,9 +55,7 @@ class _EngineReplica(RolloutReplica):
             .remote(self.build_engine()),
         )
         await server.health.remote()
-        self._server_handle = server
-        self._server_address = name
-        self.servers = [server]
+        serve_standalone(self, server, name)
 
     async def launch_servers(self):
         raise NotImplementedError(f"the {self.engine_name} engine runs standalone only (a generation run)")
@@ -120,11 +118,5 @@ class InstantReplica(_EngineReplica):
 
 GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {"hf": HFReplica, "instant": InstantReplica}
 
-
-def _loader(replica: type[RolloutReplica]) -> Callable[[], type[RolloutReplica]]:
-    """What verl's registry takes: a function that returns the replica class."""
-    return lambda: replica
-
-
 for _name, _replica in GENRUN_ENGINES.items():
-    RolloutReplicaRegistry.register(_name, _loader(_replica))
+    register_replica_class(_name, _replica)
