@@ -45,7 +45,6 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from genrun_process import GENRUN, REPO, genrun_env, read_timeline
 
 SHARDS = 16
@@ -204,11 +203,11 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
 
     sys.path.insert(0, str(REPO))
     from generation_core.bundled import prepare_bundled_model
+    from generation_core.commit_log import ShardCheckpoint
     from generation_core.data import read_rows, rows_digest
     from generation_core.dataset_files import data_storage_options
     from generation_core.job import RECHECK_THREADS, check_finished_rows
     from generation_core.preflight import preflight
-    from generation_core.run_folder import ShardCheckpoint
 
     started = time.time()
     dataset = write_dataset(scratch / "prompts.parquet", prompts)

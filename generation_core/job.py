@@ -33,6 +33,7 @@ from tqdm import tqdm
 from verl.utils import hf_tokenizer
 
 from generation_core.agent_loops import check_agent_loops
+from generation_core.commit_log import ShardCheckpoint, read_marker, repair_shard, write_marker
 from generation_core.data import ShardPrompts, read_rows, rows_digest
 from generation_core.dataset_files import data_storage_options
 from generation_core.errors import GenrunError
@@ -44,18 +45,7 @@ from generation_core.pool import attach_client
 from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
-from generation_core.run_folder import (
-    COMMITS_DIR,
-    FAILURES_DIR,
-    AttemptStats,
-    ShardCheckpoint,
-    ShardManifest,
-    read_marker,
-    repair_shard,
-    shard_file,
-    write_last_error,
-    write_marker,
-)
+from generation_core.run_folder import COMMITS_DIR, FAILURES_DIR, AttemptStats, ShardManifest, shard_file, write_last_error
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 

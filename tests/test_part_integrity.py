@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
+from generation_core.commit_log import repair_shard
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
-from tests.merge_oracles import read_committed_records
-from tests.run_folder_helpers import checkpoint_dict
-from generation_core.run_folder import repair_shard
 from generation_core.finish import merge_repairing
 from generation_core.job import run_shard
 from generation_core.storage import RunFolder
+from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
