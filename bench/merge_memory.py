@@ -80,8 +80,13 @@ def _checkpoint_writer(root: Path, shard: str):
         return None
     from generation_core.storage import RunFolder
 
+    try:
+        from generation_core.commit_log import ShardCheckpoint
+    except ImportError:  # a genrun from before commit_log.py: the checkpoint lived in run_folder
+        ShardCheckpoint = run_folder.ShardCheckpoint
+
     folder = RunFolder(str(root))
-    checkpoint = run_folder.ShardCheckpoint()
+    checkpoint = ShardCheckpoint()
     return lambda part, samples: checkpoint.commit_part(folder, shard, run_folder.PartEntry(**part), samples)
 
 

@@ -22,7 +22,7 @@ trajectories (generation.save_batch_size=1000, as the issue's "before" figures w
    its commit records against bytes of its parts, and what that gives in files per 1M
    trajectories.
 3. (`--recheck-rows N`) What a resume pays to re-check its finished shards' rows
-   (job.check_finished_rows, generation.recheck_finished_rows): a Parquet file of N prompts,
+   (job.finished_shards, generation.recheck_finished_rows): a Parquet file of N prompts,
    16 shards planned by preflight, each shard's rows digest recorded as its first attempt
    records it (timed: the digests every shard computes anyway), then the resume's check of all
    16 finished shards, timed in this process (no genrun subprocess: the check is the driver's
@@ -45,7 +45,6 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from genrun_process import GENRUN, REPO, genrun_env, read_timeline
 
 SHARDS = 16
@@ -204,11 +203,12 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
 
     sys.path.insert(0, str(REPO))
     from generation_core.bundled import prepare_bundled_model
+    from generation_core.commit_log import ShardCheckpoint, write_marker
     from generation_core.data import read_rows, rows_digest
     from generation_core.dataset_files import data_storage_options
-    from generation_core.job import RECHECK_THREADS, check_finished_rows
+    from generation_core.job import RECHECK_THREADS, finished_shards
     from generation_core.preflight import preflight
-    from generation_core.run_folder import ShardCheckpoint
+    from generation_core.run_folder import ShardManifest
 
     started = time.time()
     dataset = write_dataset(scratch / "prompts.parquet", prompts)
@@ -226,8 +226,10 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     for shard in plan.shards:
         ShardCheckpoint.start_attempt(plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options)))
     recorded = time.time() - started
+    for shard in plan.shards:  # finished (no parts): only a finished shard's rows are read again
+        write_marker(plan.folder, ShardManifest(shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0))
     started = time.time()
-    check_finished_rows(plan, plan.shards)
+    assert all(finished_shards(plan, plan.shards).values())
     return {
         "dataset_mib": dataset.stat().st_size / 2**20,
         "dataset_written_s": written,

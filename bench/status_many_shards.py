@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from generation_core.run_folder import PartEntry, ShardCheckpoint, ShardManifest, shard_name, write_marker  # noqa: E402
+from generation_core.commit_log import ShardCheckpoint, write_marker  # noqa: E402
+from generation_core.run_folder import PartEntry, ShardManifest, shard_name  # noqa: E402
 from generation_core.storage import RunFolder  # noqa: E402
 
 

@@ -46,8 +46,8 @@ def generate(directory: Path, logprobs: bool) -> None:
 
 def part_records(directory: Path) -> list[list]:
     """The records of each committed part of a run folder, part by part."""
+    from generation_core.commit_log import committed_parts, read_verified_part
     from generation_core.records import records_from_parquet
-    from generation_core.run_folder import committed_parts, read_verified_part
     from generation_core.storage import RunFolder
 
     folder = RunFolder(str(directory))

@@ -73,8 +73,8 @@ def run(scratch: Path, name: str, overrides: list[str]) -> dict:
 
 
 def multi_turn(out: Path) -> int:
+    from generation_core.commit_log import committed_parts, read_verified_part
     from generation_core.records import records_from_parquet
-    from generation_core.run_folder import committed_parts, read_verified_part
     from generation_core.storage import RunFolder
 
     folder = RunFolder(str(out))

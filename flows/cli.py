@@ -79,8 +79,8 @@ def _print_summary(summary: dict, plan) -> None:
 
 def first_example(plan) -> str | None:
     """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
+    from generation_core.commit_log import committed_parts, read_verified_part
     from generation_core.records import records_from_parquet
-    from generation_core.run_folder import committed_parts, read_verified_part
 
     parts = committed_parts(plan.folder)
     if not parts:

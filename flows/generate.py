@@ -35,7 +35,7 @@ from generation_core.dispatch import boot_pool
 from generation_core.engines.layout import SHARD_TASK_RESOURCES
 from generation_core.instrumentation import mark
 from generation_core.interrupt import STOP, Stopped
-from generation_core.job import check_finished_rows, finished_shard
+from generation_core.job import finished_shards
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.plan import RunPlan, ShardSpec
 from generation_core.pool import new_balancer_name
@@ -46,7 +46,7 @@ from generation_core.run_folder import ShardManifest
 from generation_core.run_watch import RunWatch
 from tasks.merge import merge
 from tasks.publish import publish
-from tasks.run_shard import run_shard
+from tasks.run_shard import shard_task
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,13 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
         # Task runs whose workers reported their own final state (see task_run_states).
         reported: list[UUID] = []
 
-        def submit(shard: ShardSpec, retries: int, needs_work: bool = True) -> None:
-            task = run_shard.with_options(retries=retries, retry_delay_seconds=gen.retry_delay_seconds, refresh_cache=needs_work)
+        def submit(shard: ShardSpec, retries: int, marker: ShardManifest | None = None) -> None:
+            # `marker`: the finished shard's manifest as `finished_shards` found it when the run
+            # started, None for work left (a crashed worker's shard is submitted again as such).
+            task = shard_task(marker, retries=retries, retry_delay_seconds=gen.retry_delay_seconds)
             parameters = {
                 "plan": job_plan, "shard": shard.to_dict(), "balancer_name": balancer_name,
-                "lease_generation": fence.generation, "progress_board": watch.board_name,
+                "lease_generation": fence.generation, "progress_board": watch.board_name, "rows_checked": marker is not None,
             }
             # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs. max_retries=0:
             # Ray never re-runs a dead shard worker behind Prefect's back (see below).
@@ -117,18 +119,16 @@ def _generate_holding(plan: RunPlan, fence: LeaseFence, started: float) -> dict[
             pending[future] = (shard, retries)
             future.add_done_callback(finished.put)
 
-        # Prefect's cached result may stand in for a shard only when the shard job would find
-        # nothing to do (the job decides again, reading every part, when it runs), and only while
-        # the shard's rows are those it was generated from (read again here: a cached result
-        # never reaches the job's own check).
-        markers = {shard.shard_id: finished_shard(plan.folder, shard, verify="size", fence=fence) for shard in plan.shards}
-        check_finished_rows(plan, [shard for shard in plan.shards if markers[shard.shard_id] is not None])
+        # The one decision, for every shard before any is submitted: Prefect's cache policy
+        # (shard_task) needs it, and the rows of a finished shard are checked here because a
+        # cached result never reaches the job.
+        markers = finished_shards(plan, plan.shards, verify="size", fence=fence)
         for shard in plan.shards:
             marker = markers[shard.shard_id]
             if marker is not None:
                 cached.add(shard.shard_id)
                 watch.shard_finished(marker)
-            submit(shard, gen.retries, marker is None)
+            submit(shard, gen.retries, marker)
         try:
             # Minutes for SGLang: a Ctrl-C ends the boot at once (Ray's shutdown stops the replicas).
             with prints_to_debug_log("verl"), STOP.interruptible():

@@ -32,9 +32,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from generation_core.agent_loops import existing_config_file
+from generation_core.commit_log import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.errors import GenrunError
 from generation_core.records import TrajectoryRecord, read_part_table, records_from_parquet, score_or_none
-from generation_core.run_folder import CommittedPartRef, committed_parts, read_run_record, read_verified_part
+from generation_core.run_folder import read_run_record
 from generation_core.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.storage import RunFolder
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from generation_core.commit_log import DamagedPart, fenced, mark_for_repair
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import failpoint
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.plan import RunPlan
-from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair, read_run_record
+from generation_core.run_folder import MANIFEST_FILE, ShardManifest, read_run_record
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
 

@@ -3,10 +3,13 @@
 `run_shard_job(plan, shard, ...)` runs in any process of the run's Ray job (a Prefect task on a
 Ray worker, or the in-process dispatcher): it decides from the run folder alone whether the shard
 has anything left to do (`finished_shard`: a success marker that names the shard's last commit
-record, its `done` record; no recorded failures; committed parts intact), attaches to the booted
+record, its `done` record; no recorded failures; committed parts intact; its rows unchanged),
+attaches to the booted
 replica pool, resumes from the checkpoint, streams trajectories into parts and finishes the shard
 last (`write_marker`: the done record, created exclusively under the lease, then the marker). It
-receives its `ShardSpec` and never plans.
+receives its `ShardSpec` and never plans. `finished_shard` is the only answer to "is this shard
+finished?": the flow asks it too (`finished_shards`, for every shard as a run starts) and hands
+the answer on to Prefect's cache policy.
 
 A sample whose agent loop still fails after the engine-request retries is never committed: it is
 written to the shard's failure log (failures/, with its error) and the shard carries on. Once the
@@ -23,9 +26,9 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 from omegaconf import DictConfig
@@ -33,6 +36,7 @@ from tqdm import tqdm
 from verl.utils import hf_tokenizer
 
 from generation_core.agent_loops import check_agent_loops
+from generation_core.commit_log import ShardCheckpoint, read_marker, repair_shard, write_marker
 from generation_core.data import ShardPrompts, read_rows, rows_digest
 from generation_core.dataset_files import data_storage_options
 from generation_core.errors import GenrunError
@@ -44,18 +48,7 @@ from generation_core.pool import attach_client
 from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
-from generation_core.run_folder import (
-    COMMITS_DIR,
-    FAILURES_DIR,
-    AttemptStats,
-    ShardCheckpoint,
-    ShardManifest,
-    read_marker,
-    repair_shard,
-    shard_file,
-    write_last_error,
-    write_marker,
-)
+from generation_core.run_folder import COMMITS_DIR, FAILURES_DIR, AttemptStats, ShardManifest, shard_file, write_last_error
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 
@@ -69,8 +62,8 @@ POOL_BOOT_WAIT_SECONDS = 1800.0
 STOP_CHECK_SECONDS = 1.0
 
 
-# Finished shards whose rows are read again at once when a run resumes (check_finished_rows):
-# object stores answer many range requests in parallel; each thread holds one shard's rows.
+# Shards decided at once by `finished_shards` (the flow, as a run starts): object stores answer
+# many listings and range requests in parallel; each thread holds at most one shard's rows.
 RECHECK_THREADS = 8
 
 
@@ -78,78 +71,130 @@ class TooManyFailedSamples(RuntimeError):
     """More samples of a shard failed than generation.max_failed_fraction allows."""
 
 
-def finished_shard(
-    folder: RunFolder, shard: ShardSpec, *, verify: Literal["sha256", "size"] = "sha256", fence: LeaseFence | None = None
-) -> ShardManifest | None:
-    """The shard's manifest when it has nothing left to do, else None: the one decision.
+class FinishedRowsChanged(GenrunError):
+    """A finished shard's dataset rows changed since it was generated: its trajectories belong to
+    other prompts and are not reused (built by `of`, which keeps the shard and both digests)."""
 
-    Finished means: its success marker exists, records no failed samples (a later run retries
-    those), and its committed parts are intact. A damaged part is dropped here (its samples are
-    pending again, the marker goes). `verify="sha256"` (the job itself) reads every part and
-    repairs an unfinished shard too, before it resumes; `verify="size"` (the flow, deciding
-    whether Prefect's cached result of a shard may stand in) is one listing, no reads. `fence`:
-    the run's lease; a run that lost it repairs nothing (LeaseLost)."""
-    if verify == "sha256":
-        repair_shard(folder, shard.name, fence=fence)
+    shard: ShardSpec
+    current: str
+    recorded: str
+
+    @classmethod
+    def of(cls, folder: RunFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> FinishedRowsChanged:
+        """The refusal: names the (first) shard, its digests and where the recorded one is;
+        `others`: more shards refused at once. The message is the exception's only argument, so
+        it pickles like any exception (a shard job's error crosses from a Ray worker)."""
+        others = others or []
+        more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
+        refusal = cls(
+            f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
+            f"{recorded[:12]} in {folder.display(shard_file(shard.name, COMMITS_DIR))}): its trajectories belong to other prompts "
+            "and are not reused. Restore the dataset as it was, or write to another trainer.default_local_dir"
+        )
+        refusal.shard, refusal.current, refusal.recorded = shard, current, recorded
+        return refusal
+
+
+def finished_shard(
+    folder: RunFolder,
+    shard: ShardSpec,
+    *,
+    rows_digest_now: Callable[[], str | None] | None,
+    verify: Literal["sha256", "size"] = "sha256",
+    fence: LeaseFence | None = None,
+) -> ShardManifest | None:
+    """The shard's manifest when it has nothing left to do, else None: the one decision. The
+    job calls it before any work, the flow for every shard as the run starts (`finished_shards`)
+    and hands its answer to Prefect's cache policy (tasks/run_shard.py: `shard_task`).
+
+    Finished means: its success marker stands for its commit records (`read_marker`), records no
+    failed samples (a later run retries those), its committed parts are intact, and its rows are
+    those it was generated from. A damaged part is dropped here (its samples are pending again,
+    the marker goes). `verify="sha256"` (the job itself) reads every part and repairs an
+    unfinished shard too, before it resumes; `verify="size"` (the flow, deciding whether
+    Prefect's cached result of a shard may stand in) is one listing, no reads. `fence`: the
+    run's lease; a run that lost it repairs nothing (LeaseLost).
+
+    The rows: the fingerprint samples the dataset (dataset_files.SAMPLE_SLICES) and can miss an
+    in-place edit that keeps every size and statistic (one ground truth changed in an
+    uncompressed file); each shard's first attempt recorded the exact digest of its rows
+    (data.rows_digest). `rows_digest_now` gives their digest now and is asked only for a
+    finished shard that recorded one (a shard recorded without a digest is not checked);
+    changed rows raise FinishedRowsChanged. None skips the check: `generation.recheck_finished_rows=false`
+    (bench/RESULTS.md: what it costs; docs/reliability.md, Resume: what is given up), or rows
+    this run has read and checked already."""
+    # One fold of the shard's records serves every step below (a repair folds into it).
     checkpoint = ShardCheckpoint.load(folder, shard.name)
+    if verify == "sha256":
+        repair_shard(folder, shard.name, fence=fence, checkpoint=checkpoint)
     marker = read_marker(folder, shard.name, checkpoint)
     if marker is None or marker.failures:
         return None
     if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
         return None
+    recorded = checkpoint.rows_digest
+    if rows_digest_now is not None and recorded is not None:
+        current = rows_digest_now()
+        if current is not None and current != recorded:
+            raise FinishedRowsChanged.of(folder, shard, current, recorded)
     return marker
 
 
-def check_finished_rows(plan: RunPlan, shards: list[ShardSpec]) -> None:
-    """Refuse to reuse a finished shard whose dataset rows changed since it was generated.
+def rows_digest_reader(plan: RunPlan, shard: ShardSpec, options: dict[str, Any] | None = None) -> Callable[[], str | None] | None:
+    """`finished_shard`'s `rows_digest_now` for a shard of `plan`: its rows read again (Arrow
+    only: no tokenizer, no filter) and digested; None under `generation.recheck_finished_rows=false`.
+    `options`: the input files' storage options, when the caller has them."""
+    if not plan.cfg.generation.recheck_finished_rows:
+        return None
+    options = options if options is not None else data_storage_options(plan.cfg)
+    return lambda: rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
 
-    The fingerprint samples the dataset (dataset_files.SAMPLE_SLICES) and can miss an in-place
-    edit that keeps every size and statistic (one ground truth changed in an uncompressed file);
-    each shard's first attempt recorded the exact digest of its rows (data.rows_digest). Before a
-    resume skips finished `shards`, their rows are read again (Arrow only: no tokenizer, no
-    filter) and digested, RECHECK_THREADS shards at a time; a shard recorded without a digest
-    is not checked. `generation.recheck_finished_rows=false` skips this (bench/RESULTS.md: what
-    it costs; docs/reliability.md, Resume: what is given up)."""
-    if not shards or not plan.cfg.generation.recheck_finished_rows:
-        return
+
+def finished_shards(
+    plan: RunPlan, shards: list[ShardSpec], *, verify: Literal["sha256", "size"] = "size", fence: LeaseFence | None = None
+) -> dict[int, ShardManifest | None]:
+    """`finished_shard` for each of `shards` (by shard id), RECHECK_THREADS at a time. Every
+    shard is decided before a refusal of changed rows, which names all the shards it found."""
+
+    # Built here, not in the threads: the config is read once.
     options = data_storage_options(plan.cfg)
+    readers = {shard.shard_id: rows_digest_reader(plan, shard, options) for shard in shards}
 
-    def changed(shard: ShardSpec) -> tuple[ShardSpec, str, str] | None:
-        recorded = ShardCheckpoint.load(plan.folder, shard.name).rows_digest
-        if recorded is None:
-            return None
-        current = rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
-        return None if current == recorded else (shard, current, recorded)
+    def decide(shard: ShardSpec) -> tuple[ShardManifest | None, FinishedRowsChanged | None]:
+        try:
+            return finished_shard(plan.folder, shard, rows_digest_now=readers[shard.shard_id], verify=verify, fence=fence), None
+        except FinishedRowsChanged as changed:
+            return None, changed
 
-    with ThreadPoolExecutor(min(RECHECK_THREADS, len(shards)), thread_name_prefix="recheck-rows") as pool:
-        found = [result for result in pool.map(changed, shards) if result is not None]
-    if found:
-        shard, current, recorded = found[0]
-        raise _finished_rows_changed(plan.folder, shard, current, recorded, [other.name for other, _, _ in found[1:]])
-
-
-def _finished_rows_changed(folder: RunFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> GenrunError:
-    """The refusal: names the (first) shard, its digests and where the recorded one is."""
-    others = others or []
-    more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
-    return GenrunError(
-        f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
-        f"{recorded[:12]} in {folder.display(shard_file(shard.name, COMMITS_DIR))}): its trajectories belong to other prompts "
-        "and are not reused. Restore the dataset as it was, or write to another trainer.default_local_dir"
-    )
+    with ThreadPoolExecutor(max(1, min(RECHECK_THREADS, len(shards))), thread_name_prefix="finished-shards") as pool:
+        decided = list(pool.map(decide, shards))
+    refused = [changed for _, changed in decided if changed is not None]
+    if refused:
+        first = refused[0]
+        raise FinishedRowsChanged.of(plan.folder, first.shard, first.current, first.recorded, [other.shard.name for other in refused[1:]])
+    return {shard.shard_id: manifest for shard, (manifest, _) in zip(shards, decided, strict=True)}
 
 
 def run_shard_job(
-    plan: RunPlan, shard: ShardSpec, *, balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None
+    plan: RunPlan,
+    shard: ShardSpec,
+    *,
+    balancer_name: str,
+    lease_generation: int | None = None,
+    progress_board: str | None = None,
+    rows_checked: bool = False,
 ) -> ShardManifest:
     """Run one shard if it needs work. `lease_generation`: the run's lease on the folder (commits
     stop if a later run takes it). `progress_board`: the run's ProgressBoard actor, which gets
-    this job's counters and may ask it to stop (ShardStopped, after committing what finished)."""
+    this job's counters and may ask it to stop (ShardStopped, after committing what finished).
+    `rows_checked`: the flow found this shard finished as the run started and checked its rows
+    then (`finished_shards`); a job run because Prefect had no cached result does not read them
+    again."""
     folder = plan.folder
     fence = LeaseFence(lease_generation) if lease_generation is not None else None
-    finished = finished_shard(folder, shard, fence=fence)
+    rows_digest_now = None if rows_checked else rows_digest_reader(plan, shard)
+    finished = finished_shard(folder, shard, rows_digest_now=rows_digest_now, fence=fence)
     if finished is not None:
-        check_finished_rows(plan, [shard])
         return finished.as_skipped()
     reporter = ShardReporter.attach(progress_board, shard.shard_id)
     if reporter.stop_requested_now():
@@ -204,12 +249,10 @@ def _where_this_runs() -> dict:
 async def run_shard(cfg: DictConfig, shard: ShardSpec, folder: RunFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None = None) -> ShardManifest:
     """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
     decision, then the same generation, then the marker; a finished shard's rows are checked
-    against its recorded digest with the digest `prompts` carries (check_finished_rows)."""
-    finished = finished_shard(folder, shard, fence=fence)
+    against its recorded digest with the digest `prompts` carries (none: not checked)."""
+    rows_digest_now = (lambda: getattr(prompts, "rows_digest", None)) if cfg.generation.recheck_finished_rows else None
+    finished = finished_shard(folder, shard, rows_digest_now=rows_digest_now, fence=fence)
     if finished is not None:
-        recorded, current = ShardCheckpoint.load(folder, shard.name).rows_digest, getattr(prompts, "rows_digest", None)
-        if cfg.generation.recheck_finished_rows and recorded is not None and current is not None and current != recorded:
-            raise _finished_rows_changed(folder, shard, current, recorded)
         return finished.as_skipped()
     manifest = await generate_shard(cfg, shard, folder, prompts, worker, fence)
     write_marker(folder, manifest, fence)

@@ -37,9 +37,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, fields
 
+from generation_core.commit_log import highest_recorded_lease
 from generation_core.errors import GenrunError
 from generation_core.interrupt import STOP
-from generation_core.run_folder import LEASE_DIR, highest_recorded_lease, lease_file, lease_generation
+from generation_core.run_folder import LEASE_DIR, lease_file, lease_generation
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)

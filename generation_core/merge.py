@@ -32,18 +32,10 @@ import torch
 from tensordict import TensorDict
 from verl.protocol import DataProto
 
+from generation_core.commit_log import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.errors import GenrunError
 from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table, scored_mask
-from generation_core.run_folder import (
-    CHUNK_INDEX_FILE,
-    MERGED_FILE,
-    CommittedPartRef,
-    ShardManifest,
-    chunk_file_name,
-    committed_parts,
-    read_verified_part,
-    remove_stale_merge_output,
-)
+from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ShardManifest, chunk_file_name, remove_stale_merge_output
 from generation_core.storage import RunFolder
 from generation_core.verl_adapter import dataproto_state
 

@@ -4,7 +4,7 @@ record that lists it.
 Exactly-once on local disk and S3 alike: a part is written whole under a fresh name
 (`RunFolder.open_write`: a temporary file renamed at the end on local disk, a multipart upload
 completed at the end on S3), then its commit record is created under the next free number
-(run_folder.py). A crash between the two leaves an orphan part that no record lists and nobody
+(commit_log.py). A crash between the two leaves an orphan part that no record lists and nobody
 reads. The failure log follows the record that counts its samples, in a file named by that
 record's number (a crash in between loses only the error text of samples that are pending again
 anyway); errors and tracebacks are capped at FAILURE_TEXT_CHARS.
@@ -35,6 +35,7 @@ import threading
 import time
 from contextlib import ExitStack
 
+from generation_core.commit_log import CheckpointConflict, ShardCheckpoint, write_failure_log
 from generation_core.instrumentation import failpoint, mark
 from generation_core.lease import LeaseFence, LeaseLost
 from generation_core.records import (
@@ -45,15 +46,7 @@ from generation_core.records import (
     sample_key_text,
     to_json,
 )
-from generation_core.run_folder import (
-    FAILURES_DIR,
-    CheckpointConflict,
-    PartEntry,
-    ShardCheckpoint,
-    new_part_name,
-    shard_file,
-    write_failure_log,
-)
+from generation_core.run_folder import FAILURES_DIR, PartEntry, new_part_name, shard_file
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)

@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from generation_core.commit_log import ShardCheckpoint
 from generation_core.plan import ShardSpec
 from generation_core.progress_board import ProgressBoard
-from generation_core.run_folder import ShardCheckpoint, shard_name
+from generation_core.run_folder import shard_name
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,10 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.tracking import Tracking
 
+from generation_core.commit_log import Fence, fenced
 from generation_core.errors import GenrunError
 from generation_core.report_html import Report, write_report
-from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, Fence, fenced, merged_files
+from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE, merged_files
 from generation_core.secrets import without_secrets
 from generation_core.storage import RunFolder
 from generation_core.summary import throughput_metrics

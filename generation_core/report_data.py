@@ -31,17 +31,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from generation_core.errors import GenrunError
-from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
-from generation_core.run_folder import (
+from generation_core.commit_log import (
     CommittedPartRef,
     DamagedPart,
     ShardCheckpoint,
     read_commit_records,
     read_failure_log,
     read_verified_part,
-    shard_file,
 )
+from generation_core.errors import GenrunError
+from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
+from generation_core.run_folder import shard_file
 from generation_core.status import shard_states
 from generation_core.storage import RunFolder
 

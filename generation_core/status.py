@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from generation_core.build import describe_build, other_build_warning, same_build
+from generation_core.commit_log import ShardCheckpoint, read_marker
 from generation_core.lease import describe_holder
-from generation_core.run_folder import FAILURES_DIR, ShardCheckpoint, merged_files, read_last_error, read_marker, read_run_record, shard_file
+from generation_core.run_folder import FAILURES_DIR, merged_files, read_last_error, read_run_record, shard_file
 from generation_core.storage import RunFolder
 
 

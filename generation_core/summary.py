@@ -38,7 +38,7 @@ def summarize(plan: RunPlan, manifests: list[ShardManifest], elapsed: float) -> 
         # Each shard filters its own rows (data.ShardPrompts); a finished shard's marker keeps its count.
         "filtered_overlong_prompts": sum(m.filtered_overlong for m in manifests),
         "replica_failures": sum(m.last_attempt.engine.get("replica_failures", 0) for m in manifests),
-        # Damaged parts found over the run's life, dropped and regenerated (run_folder.repair_shard).
+        # Damaged parts found over the run's life, dropped and regenerated (commit_log.repair_shard).
         "repaired_parts": [dict(repair, shard=m.shard) for m in manifests for repair in m.repaired_parts],
         "this_invocation": {
             "trajectories": generated_now,

@@ -11,10 +11,11 @@ import numpy as np
 import pyarrow as pa
 from verl.protocol import DataProto
 
+from generation_core.commit_log import committed_parts, read_verified_part
 from generation_core.errors import GenrunError
 from generation_core.merge import _DEFAULT_EXTRA_KEYS, _TOKEN_COLUMNS, BatchLayout, PaddedBatchBuilder
 from generation_core.records import PART_SCHEMA, TrajectoryRecord, records_from_parquet
-from generation_core.run_folder import CHUNK_INDEX_FILE, committed_parts, read_verified_part
+from generation_core.run_folder import CHUNK_INDEX_FILE
 from generation_core.storage import RunFolder
 
 

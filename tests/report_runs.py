@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from generation_core.commit_log import committed_parts, read_verified_part
 from generation_core.data import ShardPrompts
 from generation_core.finish import finish_run
 from generation_core.job import run_shard
 from generation_core.preflight import RunPlan, preflight
 from generation_core.records import TrajectoryRecord, records_from_parquet
 from generation_core.rewards import RewardScorer
-from generation_core.run_folder import committed_parts, read_verified_part
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from generation_core.run_folder import ShardCheckpoint
+from generation_core.commit_log import ShardCheckpoint
 from generation_core.storage import RunFolder
 
 

@@ -6,7 +6,7 @@ S3 endpoint given only on the command line can be inspected and merged."""
 import pytest
 
 from flows.cli import main, storage_options_from
-from generation_core.run_folder import ShardCheckpoint
+from generation_core.commit_log import ShardCheckpoint
 from generation_core.storage import RunFolder
 
 pytestmark = pytest.mark.timeout(180)

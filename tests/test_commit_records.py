@@ -19,25 +19,14 @@ import textwrap
 import pytest
 
 from generation_core import part_writer
+from generation_core.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from generation_core.job import run_shard
 from generation_core.lease import LeaseFence, LeaseLost, RunLease
 from generation_core.merge import merge_run
 from generation_core.records import TrajectoryRecord, records_to_parquet
-from generation_core.run_folder import (
-    CHECKPOINT_FILE,
-    COMMITS_DIR,
-    RUN_FILE,
-    CheckpointConflict,
-    PartEntry,
-    ShardCheckpoint,
-    check_run_folder,
-    commit_file,
-    read_commit_records,
-    sample_keys,
-    shard_file,
-)
+from generation_core.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
 from generation_core.storage import RunFolder
 from tests.conftest import REPO
 from tests.merge_oracles import read_committed_records
@@ -445,9 +434,10 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
     print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
     assert large <= 4.2 * small, "linear in the commits, not quadratic"
 
+    from generation_core.commit_log import read_failure_log
     from generation_core.records import SampleFailure
     from generation_core.report_data import _failures
-    from generation_core.run_folder import FAILURES_FILE, read_failure_log
+    from generation_core.run_folder import FAILURES_FILE
 
     folder = RunFolder(str(tmp_path / "4k"))
     # An earlier version's log, kept beside the new files.

@@ -456,7 +456,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     import asyncio
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.job import check_finished_rows, run_shard
+    from generation_core.job import finished_shards, run_shard
     from generation_core.preflight import preflight
     from generation_core.streaming import StreamingWorker
 
@@ -483,7 +483,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
 
     for shard in plan.shards:
         assert run(shard).num_trajectories == 3
-    check_finished_rows(plan, plan.shards)  # unchanged rows: reused
+    assert all(finished_shards(plan, plan.shards).values())  # unchanged rows: reused
 
     # GT04 -> GT03 in place: shard 1's rows (3..5) change; min and max (GT00, GT05) stay. The
     # rows digest covers the buffers a shard's rows are sliced from, here the file's one row
@@ -494,13 +494,13 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     assert inspect_dataset(plan.cfg).files == plan.dataset, "the planned size, footer and row counts cannot tell"
     assert read_rows(plan.dataset, 3, 6, {}).column("reward_model").to_pylist()[1]["ground_truth"] == "GT03"
     with pytest.raises(GenrunError, match=r"the dataset rows of finished shard-00000 \(and shard-00001\) changed since it was generated .*Restore the dataset as it was, or write to another trainer.default_local_dir"):
-        check_finished_rows(plan, plan.shards)
+        finished_shards(plan, plan.shards)
     with pytest.raises(GenrunError, match="the dataset rows of finished shard-00001 changed"):
         run(plan.shards[1])
     path.write_bytes(data)
-    check_finished_rows(plan, plan.shards)  # restored: reused
+    assert all(finished_shards(plan, plan.shards).values())  # restored: reused
     path.write_bytes(data.replace(b"GT04", b"GT03"))
     # The opt-out: the finished shard is reused as it is.
     plan.cfg.generation.recheck_finished_rows = False
-    check_finished_rows(plan, plan.shards)
+    assert all(finished_shards(plan, plan.shards).values())
     assert run(plan.shards[1]).last_attempt.skipped

@@ -16,16 +16,17 @@ from omegaconf import OmegaConf
 
 from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
+from generation_core.commit_log import committed_parts, read_verified_part
 from generation_core.data import ShardPrompts
 from generation_core.engines.hf import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.job import run_shard
-from generation_core.preflight import preflight
-from generation_core.rewards import RewardScorer
 from generation_core.merge import scan_run
+from generation_core.preflight import preflight
 from generation_core.records import read_part_table, score_or_none, scored_mask
 from generation_core.report_data import collect_report_data
-from generation_core.run_folder import committed_parts, read_run_record, read_verified_part
+from generation_core.rewards import RewardScorer
+from generation_core.run_folder import read_run_record
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet

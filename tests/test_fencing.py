@@ -14,21 +14,12 @@ from dataclasses import asdict
 
 import pytest
 
+from generation_core.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
 from generation_core.job import run_shard
 from generation_core.lease import LeaseLost, RunLease
-from generation_core.run_folder import (
-    COMMITS_DIR,
-    SUCCESS_FILE,
-    ShardCheckpoint,
-    commit_file,
-    lease_file,
-    read_commit_records,
-    read_failure_log,
-    read_marker,
-    shard_file,
-)
+from generation_core.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
 from generation_core.storage import RunFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
@@ -361,8 +352,8 @@ def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing(url_and_options):
     """The merge's repair of a part it found damaged, and the success marker, are fenced too."""
+    from generation_core.commit_log import DamagedPart, read_marker, write_marker
     from generation_core.finish import merge_repairing
-    from generation_core.run_folder import DamagedPart, read_marker, write_marker
 
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")

@@ -241,7 +241,7 @@ def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
 def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path, capsys):
     from flows.cli import main
     from generation_core.build import describe_build, genrun_build
-    from generation_core.run_folder import ShardCheckpoint
+    from generation_core.commit_log import ShardCheckpoint
     from generation_core.storage import RunFolder
 
     folder = RunFolder(str(tmp_path / "run"))

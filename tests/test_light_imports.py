@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-from generation_core.run_folder import PartEntry, ShardCheckpoint, ShardManifest, shard_name, write_marker
+from generation_core.commit_log import ShardCheckpoint, write_marker
+from generation_core.run_folder import PartEntry, ShardManifest, shard_name
 from generation_core.storage import RunFolder
 from tests.conftest import REPO
 

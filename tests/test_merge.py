@@ -9,8 +9,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.protocol import DataProto
 
 from generation_core.config import load_config
-from tests.merge_oracles import build_dataproto
 from generation_core.streaming import StreamingWorker
+from tests.merge_oracles import build_dataproto
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,10 +119,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from generation_core.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
-from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
-from tests.merge_oracles import load_chunks, read_committed_records  # noqa: E402
 from generation_core.records import TrajectoryRecord, records_to_parquet  # noqa: E402
+from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
 from generation_core.storage import RunFolder  # noqa: E402
+from tests.merge_oracles import load_chunks, read_committed_records  # noqa: E402
 
 PROMPT_LENGTH, RESPONSE_LENGTH, PAD = 12, 10, 2
 
@@ -158,8 +158,9 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
 
 def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
     """A finished run folder: the records spread over shards in shuffled parts, as shards commit them."""
+    from generation_core.commit_log import ShardCheckpoint
     from generation_core.data import ShardSpec
-    from generation_core.run_folder import PartEntry, ShardCheckpoint
+    from generation_core.run_folder import PartEntry
 
     order = np.random.default_rng(1).permutation(len(records))
     for shard in range(shards):

@@ -76,8 +76,9 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     # And the merge reads such a part next to a new one, the raw prompt in extra_fields alike.
     import hashlib
 
+    from generation_core.commit_log import ShardCheckpoint
     from generation_core.merge import merge_run
-    from generation_core.run_folder import PartEntry, ShardCheckpoint
+    from generation_core.run_folder import PartEntry
     from generation_core.storage import RunFolder
     from tests.merge_oracles import build_dataproto, read_committed_records
 

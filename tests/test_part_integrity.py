@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
+from generation_core.commit_log import repair_shard
 from generation_core.data import ShardSpec
 from generation_core.errors import GenrunError
-from tests.merge_oracles import read_committed_records
-from tests.run_folder_helpers import checkpoint_dict
-from generation_core.run_folder import repair_shard
 from generation_core.finish import merge_repairing
 from generation_core.job import run_shard
 from generation_core.storage import RunFolder
+from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,3 +86,42 @@ def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_n
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(before["completed"][:4])
     data = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0)
     assert len(data) == 12
+
+
+def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_only_when_finished(tmp_path, monkeypatch):
+    """`finished_shard`, the one answer to "is this shard finished?": one fold of the shard's
+    commit records serves the repair, the marker and the rows check; the digest of the rows is
+    asked only for a finished shard that recorded one, and a changed digest refuses it (an error
+    that pickles, as it crosses from a Ray worker)."""
+    import pickle
+
+    from generation_core import commit_log
+    from generation_core.job import FinishedRowsChanged, finished_shard
+
+    cfg = _cfg("generation.save_batch_size=4")
+    folder = RunFolder(str(tmp_path))
+    prompts = FakePrompts(SHARD)
+    prompts.rows_digest = "a" * 64
+    asyncio.run(run_shard(cfg, SHARD, folder, prompts, ScriptedWorker()))
+
+    folds, asked = [], []
+    load = commit_log.ShardCheckpoint.load.__func__
+    monkeypatch.setattr(commit_log.ShardCheckpoint, "load", classmethod(lambda cls, *args, **kwargs: folds.append(args[1]) or load(cls, *args, **kwargs)))
+
+    def digest_now():
+        asked.append(SHARD.name)
+        return "a" * 64
+
+    for verify in ("sha256", "size"):
+        folds.clear()
+        assert finished_shard(folder, SHARD, rows_digest_now=digest_now, verify=verify).num_trajectories == 6
+        assert folds == [SHARD.name]
+    assert asked == [SHARD.name, SHARD.name]
+    assert finished_shard(folder, SHARD, rows_digest_now=None) is not None, "the check given up (or done already)"
+    with pytest.raises(FinishedRowsChanged, match="the dataset rows of finished shard-00000 changed since it was generated") as refused:
+        finished_shard(folder, SHARD, rows_digest_now=lambda: "b" * 64)
+    again = pickle.loads(pickle.dumps(refused.value))
+    assert str(again) == str(refused.value) and again.shard == SHARD and isinstance(again, GenrunError)
+
+    (tmp_path / "shards" / SHARD.name / "_SUCCESS.json").unlink()
+    assert finished_shard(folder, SHARD, rows_digest_now=lambda: pytest.fail("the rows of an unfinished shard are not read")) is None

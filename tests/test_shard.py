@@ -7,16 +7,16 @@ import json
 
 import pytest
 
+from generation_core.commit_log import read_failure_log
 from generation_core.config import load_config
 from generation_core.data import ShardSpec
+from generation_core.job import TooManyFailedSamples, run_shard
+from generation_core.records import TrajectoryRecord
+from generation_core.storage import RunFolder
+from generation_core.streaming import StreamingWorker
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
 from tests.sample_deadline import failure_log
-from generation_core.records import TrajectoryRecord
-from generation_core.job import TooManyFailedSamples, run_shard
-from generation_core.storage import RunFolder
-from generation_core.run_folder import read_failure_log
-from generation_core.streaming import StreamingWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from generation_core.commit_log import read_failure_log
 from generation_core.config import load_config
 from generation_core.data import ShardPrompts, ShardSpec
 from generation_core.dataset_files import inspect_dataset
+from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.merge import merge_run
 from generation_core.rewards import RewardScorer
-from generation_core.run_folder import read_failure_log
-from generation_core.job import TooManyFailedSamples, run_shard
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 from tests import sample_deadline
