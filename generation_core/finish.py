@@ -12,6 +12,7 @@ from generation_core.lease import LeaseFence, RunLease
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.plan import RunPlan
 from generation_core.run_folder import MANIFEST_FILE, DamagedPart, ShardManifest, fenced, mark_for_repair, read_run_record
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
 
@@ -58,10 +59,10 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     folder = RunFolder(url, storage_options)
     run = read_run_record(folder)
     config = run["config"]
-    generation = config.get("generation", {})
+    generation = GenerationSettings.of(config)
     padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
     # Not beside a run that is still writing parts (its own merge would follow anyway).
-    with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
+    with RunLease.acquire(folder, generation.lease_seconds) as lease:
         writing = fenced(folder, lease.fence())
-        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
+        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.merge_chunk_size, generation.merge_max_file_bytes), lease.fence())
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

@@ -29,6 +29,7 @@ from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
 from generation_core.plan import versions
+from generation_core.settings import GenerationSettings, hf_device
 
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
@@ -124,36 +125,6 @@ OUTPUT_FILES = {
 tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
 classes it names). Their content stands in for their path in the fingerprint."""
 
-# The transformers engine on a small CPU model decodes ~3 tokens/s per sequence in a full batch
-# and a request may first wait for a batch's worth of others: 2 s per token of the response
-# budget plus 10 minutes is ample there and on a GPU, yet finite.
-REQUEST_TIMEOUT_BASE_SECONDS = 600.0
-REQUEST_TIMEOUT_SECONDS_PER_TOKEN = 2.0
-
-
-def default_request_timeout(response_length: int) -> float:
-    """generation.request_timeout when left null: base + per-token allowance x response budget."""
-    return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
-
-
-# Model turns the default sample deadline allows when multi_turn has no assistant-turn limit:
-# the deadline must be finite, and a run whose samples take more turns sets one.
-UNLIMITED_TURNS_ALLOWANCE = 16
-
-
-def default_sample_timeout(cfg: DictConfig) -> float:
-    """generation.sample_timeout_seconds when left null: every model turn may use all of its
-    request attempts (request_retries + 1, each up to request_timeout) and one request_timeout
-    more for its tool calls (the last one's for the reward function). The deadline is there for
-    code nothing else bounds (a tool or reward function that never returns), never to cut a
-    sample short that the request retries would have carried through."""
-    rollout, gen = cfg.actor_rollout_ref.rollout, cfg.generation
-    multi_turn = rollout.multi_turn
-    turns = (multi_turn.max_assistant_turns or UNLIMITED_TURNS_ALLOWANCE) if multi_turn.enable else 1
-    request_timeout = gen.request_timeout if gen.request_timeout is not None else default_request_timeout(rollout.response_length)
-    return float(turns * (gen.request_retries + 2) * request_timeout)
-
-
 def _scheduled_date() -> str:
     """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
     a nightly deployment names its output folder after the night it stands for, even when it
@@ -220,11 +191,12 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
         raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
     _route_legacy_keys(cfg)
     validate_values(cfg)
-    if cfg.generation.request_timeout is None:
-        # Filled in so run.json and every shard worker see the timeout that applies.
-        cfg.generation.request_timeout = default_request_timeout(cfg.actor_rollout_ref.rollout.response_length)
-    if cfg.generation.sample_timeout_seconds is None:
-        cfg.generation.sample_timeout_seconds = default_sample_timeout(cfg)
+    # The defaults other settings decide, filled in so that run.json and every shard worker see
+    # the values that apply.
+    settings = GenerationSettings.of(cfg)
+    cfg.generation.max_inflight = settings.max_inflight
+    cfg.generation.request_timeout = settings.request_timeout
+    cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
     return cfg
 
 
@@ -255,8 +227,8 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
     # The transformers engine runs in a replica actor that sees only the rollout config: its
     # device is decided here, once (trainer.device is verl's key for it).
     hf_kwargs = cfg.actor_rollout_ref.rollout.engine_kwargs.get("hf")
-    if hf_kwargs is not None and not hf_kwargs.get("device"):
-        hf_kwargs.device = cfg.trainer.get("device") or "cpu"
+    if hf_kwargs is not None:
+        hf_kwargs.device = hf_device(hf_kwargs.get("device"), cfg.trainer.get("device"))
 
 
 def _check_override_list(overrides: Any) -> None:
@@ -394,7 +366,6 @@ def validate_values(cfg: DictConfig) -> None:
         ("actor_rollout_ref.rollout.prompt_length", rollout.prompt_length),
         ("actor_rollout_ref.rollout.response_length", rollout.response_length),
         ("generation.num_shards", gen.num_shards),
-        ("generation.max_inflight", gen.max_inflight),
         ("generation.part_target_bytes", gen.part_target_bytes),
         ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
         # The replica layout (engines.layout.resolve_layout, below).
@@ -408,6 +379,10 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(rollout.temperature) and rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature", rollout.temperature, "must be a number >= 0 (0 is greedy)")
     _require(_is_number(rollout.top_p) and 0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", rollout.top_p, "must be in (0, 1]")
     _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
+    _require(
+        gen.max_inflight is None or (isinstance(gen.max_inflight, int) and not isinstance(gen.max_inflight, bool) and gen.max_inflight >= 1),
+        "generation.max_inflight", gen.max_inflight, "must be null (twice actor_rollout_ref.rollout.max_num_seqs) or an integer >= 1",
+    )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")

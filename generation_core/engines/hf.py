@@ -43,6 +43,7 @@ from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
 from generation_core.engines.server import cpu_threads_per_replica
 from generation_core.engines.slot_batch import KVShape, SlotBatch
+from generation_core.settings import HF_PREFIX_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +62,10 @@ class EngineSettings:
     trust_remote_code: bool = False
     ignore_eos: bool = False
     """Every request runs to its length limit (benchmarks: fixed lengths for side-by-side rates)."""
-    prefix_cache_bytes: int = 512 * 1024 * 1024
+    prefix_cache_bytes: int = HF_PREFIX_CACHE_BYTES
     """KV of finished sequences (for the next turn of their trajectory) and of prompts (for the
     prefixes later prompts share with them) kept on the engine's device (prefix_cache.py); 0:
-    none kept, every prompt is prefilled whole. 512 MiB is ~11k tokens of the bundled 135M model."""
+    none kept, every prompt is prefilled whole."""
     mixed_steps: bool = True
     """Joiners' prompts are prefilled in the same forward pass as the running batch's decode
     tokens (packed_step.py), when the model's attention allows it (checked at start)."""
