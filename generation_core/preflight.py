@@ -243,7 +243,7 @@ def preflight(overrides: list[str]) -> RunPlan:
     # Refused here when the folder holds another run; run.json itself is written under the lease.
     existing = check_run_folder(plan.folder, run_fingerprint)
     if existing is not None:
-        warning = other_build_warning(plan.folder.display(), existing.get("build"))
+        warning = other_build_warning(plan.folder.display(), existing.build)
         if warning:
             logger.warning(warning)
     return plan

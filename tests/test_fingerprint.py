@@ -199,7 +199,7 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
     monkeypatch.syspath_prepend(str(src))
     monkeypatch.syspath_prepend(str(reward))  # where the reward file's own import finds its helper
     plan = preflight(_args(prompts_file, tmp_path / "run", *extra))
-    assert plan.run_record()["build"] == genrun_build()
+    assert plan.run_record().build == genrun_build()
 
     def fingerprint_now():
         cfg = load_config(_args(prompts_file, tmp_path / "run", *extra))
@@ -271,7 +271,7 @@ def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tm
     warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
     assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]
     # Another output format: another fingerprint, refused with what to do.
-    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record()["build"], output_format=0))))
+    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record().build, output_format=0))))
     with pytest.raises(GenrunError, match="genrun's output format changed .*To start fresh") as refused:
         preflight(_args(prompts_file, out))
     assert "\n" not in str(refused.value)
