@@ -606,7 +606,7 @@ def read_failure_log(folder: RunFolder, shard: str) -> list[dict[str, Any]]:
 
 
 FINGERPRINT_VERSION = 3
-"""The recipe of the run fingerprint (config.fingerprint) and the run-folder format that
+"""The recipe of the run fingerprint (generation_core/fingerprint.py) and the run-folder format that
 run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
 it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
 FINGERPRINT_ADDED = {

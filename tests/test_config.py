@@ -1,8 +1,9 @@
 import pytest
 from omegaconf import OmegaConf
 
-from generation_core.config import OPERATIONAL_KEYS, finalize_run_location, fingerprint, load_config
+from generation_core.config import finalize_run_location, load_config
 from generation_core.errors import GenrunError
+from generation_core.fingerprint import OPERATIONAL_KEYS, fingerprint
 from generation_core.settings import default_request_timeout, default_sample_timeout
 
 

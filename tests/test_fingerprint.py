@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from generation_core.errors import GenrunError
-from generation_core.preflight import model_identity, preflight
+from generation_core.fingerprint import model_identity
+from generation_core.preflight import preflight
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -191,8 +192,9 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
     import uuid
 
     from generation_core.build import genrun_build
-    from generation_core.config import fingerprint, load_config
-    from generation_core.preflight import check_run_code, output_file_digests
+    from generation_core.config import load_config
+    from generation_core.fingerprint import fingerprint, output_file_digests
+    from generation_core.preflight import check_run_code
 
     package = f"user_code_{uuid.uuid4().hex[:8]}"
     src, reward, extra = _user_code(tmp_path, package)

@@ -1,4 +1,4 @@
-"""Load, override, validate and fingerprint the run configuration.
+"""Load, override and validate the run configuration (its fingerprint: generation_core/fingerprint.py).
 
 The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
 meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -25,105 +23,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core import bundled
-from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
-from generation_core.plan import versions
 from generation_core.settings import GenerationSettings, hf_device
 
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
-
-# ---- what a run's trajectories depend on (the fingerprint), declared here once -------------
-#
-# Output-shaping: every config key that OPERATIONAL_KEYS does not list (engine and sampling
-# settings, lengths, the agent loop, reward, data and shard settings, engine_kwargs such as
-# instant.response_tokens, hf.dtype, hf.device, hf.ignore_eos, remote.model, and any key a user
-# adds), and the content of the files that OUTPUT_FILES lists. A key nobody classified counts as
-# output-shaping: forgetting one costs a new folder, never someone else's trajectories.
-# Operational: how the run executes (threads, timeouts, retries, workers, progress, logging,
-# storage, where the servers are); a resumed run may change them.
-
-OPERATIONAL_KEYS = (
-    "trainer.default_local_dir",
-    "trainer.experiment_name",
-    "trainer.project_name",
-    "trainer.logger",
-    "generation.save_batch_size",
-    "generation.part_target_bytes",
-    "generation.part_max_seconds",
-    "generation.first_part_max_seconds",
-    "generation.pull_timeout",
-    "generation.max_inflight",
-    "generation.final_merge",
-    "generation.merge_chunk_size",
-    "generation.merge_max_file_bytes",
-    "generation.retries",
-    "generation.recheck_finished_rows",
-    "generation.retry_delay_seconds",
-    "generation.lease_seconds",
-    "generation.request_retries",
-    "generation.request_backoff_seconds",
-    "generation.request_timeout",
-    "generation.sample_timeout_seconds",
-    "generation.max_failed_fraction",
-    "generation.reward_workers",
-    "generation.show_progress",
-    "generation.progress_seconds",
-    "generation.upload_artifact",
-    "generation.artifact_mode",
-    "data.dataloader_num_workers",
-    "data.filter_overlong_prompts_workers",
-    "actor_rollout_ref.rollout.max_num_seqs",
-    # Tokens one engine step may run: which requests share a step (scheduling, as max_num_seqs).
-    "actor_rollout_ref.rollout.max_num_batched_tokens",
-    "actor_rollout_ref.rollout.gpu_memory_utilization",
-    # How sglang/vllm read model.path (auto, safetensors, pt: the same weights). dummy, random
-    # weights, is refused (engines/layout.py), so every value left loads the checkpoint.
-    "actor_rollout_ref.rollout.load_format",
-    "actor_rollout_ref.rollout.agent.num_workers",
-    # A metrics label (verl fills it with the model path, whose content is an input already).
-    "actor_rollout_ref.rollout.prometheus.served_model_name",
-    "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads",
-    # Reuse skips recomputing a prefix's KV: the same tokens (as with more or fewer threads,
-    # float rounding may differ).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
-    # Which waiting request joins the batch first: scheduling, as max_num_seqs.
-    "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
-    # Reading a shared prefix once computes the same attention in another order (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention",
-    # Weight-first linear layers compute the same products in another call (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear",
-    "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
-    # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
-    # or when it is null the name the servers report: preflight).
-    "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.api_key",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.connect_timeout",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.max_connections",
-    "storage",
-    # How to reach the input files (endpoint, credentials); their content is in the fingerprint.
-    "data.storage_options",
-    "ray_kwargs",
-)
-
-OUTPUT_FILES = {
-    "data.train_files": "dataset",
-    "actor_rollout_ref.model.path": "model",
-    "actor_rollout_ref.model.tokenizer_path": "model",
-    "reward.custom_reward_function.path": "file",
-    "data.custom_cls.path": "file",
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": "agent_loops",
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "file",
-    "actor_rollout_ref.rollout.multi_turn.function_tool_path": "file",
-    # verl's older place for the tool config (load_config copies it to multi_turn).
-    "data.tool_config_path": "file",
-}
-"""Config keys naming files whose content shapes the output, and how preflight reads them:
-`dataset` (dataset_files.inspect_dataset: metadata plus a sampled content hash), `model` (preflight.model_identity: config,
-tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
-classes it names). Their content stands in for their path in the fingerprint."""
 
 def _scheduled_date() -> str:
     """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
@@ -461,32 +366,6 @@ def _is_number(value: Any) -> bool:
 def train_files(cfg: DictConfig) -> list[str]:
     files = cfg.data.train_files
     return [files] if isinstance(files, str) else list(files)
-
-
-def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
-    """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
-    dataset content, the digests of the other OUTPUT_FILES (by config key, as preflight computes
-    them, with the user code they reach), the versions of the code that produces it and genrun's
-    output format (build.OUTPUT_FORMAT_VERSION). A file given by its digest enters by
-    its content, not its path: the same model or dataset elsewhere (another machine's cache, a
-    copy) is the same run."""
-    files = dict(files or {})
-    semantic = OmegaConf.to_container(cfg, resolve=True)
-    by_content = [key for key, kind in OUTPUT_FILES.items() if kind == "dataset" or key in files]
-    for key in (*OPERATIONAL_KEYS, *by_content):
-        parent, _, leaf = key.rpartition(".")
-        node = semantic
-        for part in parent.split(".") if parent else []:
-            node = node.get(part) or {} if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    inputs = {"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}
-    if OUTPUT_FORMAT_VERSION > 1:
-        # genrun's own output format (build.py states the rule); format 1 is left out so that
-        # folders written before the constant existed keep their fingerprint and resume.
-        inputs["output_format"] = OUTPUT_FORMAT_VERSION
-    payload = json.dumps(inputs, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def finalize_run_location(cfg: DictConfig, run_fingerprint: str) -> None:
