@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from generation_core import bundled
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
-from generation_core.settings import GenerationSettings, hf_device
+from generation_core.settings import GenerationSettings, HfEngineKwargs, hf_device
 
 VERL_BASE_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
@@ -328,18 +328,19 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(gen.progress_seconds) and gen.progress_seconds > 0, "generation.progress_seconds", gen.progress_seconds, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
-    threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")
+    hf = HfEngineKwargs.of(rollout.engine_kwargs)
+    threads = hf.num_threads
     _require(threads is None or (isinstance(threads, int) and threads >= 1), "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads", threads, "must be null or an integer >= 1")
-    prefix_bytes = rollout.engine_kwargs.get("hf", {}).get("prefix_cache_bytes")
+    prefix_bytes = hf.prefix_cache_bytes
     _require(
         prefix_bytes is None or (isinstance(prefix_bytes, int) and not isinstance(prefix_bytes, bool) and prefix_bytes >= 0),
         "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes", prefix_bytes, "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
     )
-    later_turns_first = rollout.engine_kwargs.get("hf", {}).get("later_turns_first", True)
+    later_turns_first = hf.later_turns_first
     _require(isinstance(later_turns_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first", later_turns_first, "must be true or false")
-    shared_prefix = rollout.engine_kwargs.get("hf", {}).get("shared_prefix_attention", True)
+    shared_prefix = hf.shared_prefix_attention
     _require(isinstance(shared_prefix, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention", shared_prefix, "must be true or false")
-    weight_first = rollout.engine_kwargs.get("hf", {}).get("weight_first_linear", True)
+    weight_first = hf.weight_first_linear
     _require(isinstance(weight_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear", weight_first, "must be true or false")
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
     unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
