@@ -131,14 +131,14 @@ def hf_static_batch(cfg, requests: list[list[int]], tokens: int) -> tuple[int, f
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from generation_core.engines.layout import hf_device
+    from generation_core.settings import HfEngineKwargs
 
     rollout = cfg.actor_rollout_ref.rollout
-    hf = rollout.engine_kwargs.get("hf", {})
-    device = hf_device(cfg)
-    dtype = getattr(torch, hf.get("dtype")) if hf.get("dtype") else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    hf = HfEngineKwargs.of(rollout.engine_kwargs)
+    device = hf.device or "cpu"  # load_config has decided it (settings.hf_device)
+    dtype = getattr(torch, hf.dtype) if hf.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if not device.startswith("cuda"):
-        torch.set_num_threads(hf.get("num_threads") or os.cpu_count() or 1)
+        torch.set_num_threads(hf.num_threads or os.cpu_count() or 1)
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(
         os.path.expanduser(cfg.actor_rollout_ref.model.path), dtype=dtype, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
@@ -176,12 +176,12 @@ def remote_direct(cfg, requests: list[list[int]], tokens: int) -> tuple[int, flo
     rollout = cfg.actor_rollout_ref.rollout
     settings = remote_settings(cfg)
     urls = remote_urls(cfg)
-    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, logprobs=rollout.calculate_log_probs, ignore_eos=True)
 
     async def drive() -> int:
         async with httpx.AsyncClient(timeout=None, headers=headers) as client:
-            model = settings.get("model") or (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"]
+            model = settings.model or (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"]
             gate = asyncio.Semaphore(cfg.generation.max_inflight)
 
             async def one(i: int, ids: list[int]) -> int:

@@ -90,7 +90,7 @@ class CodeWalk:
 
     def add_file(self, path: str | Path) -> None:
         """A user file loaded by path (reward, function tools): the local modules it imports.
-        Its own content is hashed by the caller (config.OUTPUT_FILES)."""
+        Its own content is hashed by the caller (fingerprint.OUTPUT_FILES)."""
         path = Path(path).resolve()
         self._walk(path, package=None, search=[str(path.parent)])
 

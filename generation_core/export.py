@@ -137,7 +137,7 @@ def export_command(run_url: str, out_url: str, options: ExportOptions, storage_o
 
 def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
     folder = RunFolder(run_url, storage_options)
-    config = read_run_record(folder)["config"]
+    config = read_run_record(folder).config
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")

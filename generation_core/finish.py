@@ -12,7 +12,8 @@ from generation_core.instrumentation import failpoint
 from generation_core.lease import LeaseFence, RunLease
 from generation_core.merge import Padding, check_shard_counts, merge_output
 from generation_core.plan import RunPlan
-from generation_core.run_folder import MANIFEST_FILE, ShardManifest, read_run_record
+from generation_core.run_folder import MANIFEST_FILE, RUN_FILE, ShardManifest, read_run_record
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 from generation_core.summary import latency_percentiles, summarize
 
@@ -58,11 +59,12 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
     folder = RunFolder(url, storage_options)
     run = read_run_record(folder)
-    config = run["config"]
-    generation = config.get("generation", {})
-    padding = padding_of(config["actor_rollout_ref"]["rollout"], run["pad_token_id"])
+    if run.pad_token_id is None:
+        raise GenrunError(f"{folder.display(RUN_FILE)} records no pad_token_id: this genrun cannot pad its trajectories")
+    generation = GenerationSettings.of(run.config)
+    padding = padding_of(run.rollout, run.pad_token_id)
     # Not beside a run that is still writing parts (its own merge would follow anyway).
-    with RunLease.acquire(folder, generation.get("lease_seconds", 60)) as lease:
+    with RunLease.acquire(folder, generation.lease_seconds) as lease:
         writing = fenced(folder, lease.fence())
-        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.get("merge_chunk_size"), generation.get("merge_max_file_bytes")), lease.fence())
+        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.merge_chunk_size, generation.merge_max_file_bytes), lease.fence())
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

@@ -49,6 +49,7 @@ from generation_core.progress import ShardReporter, ShardStopped
 from generation_core.records import SampleFailure, sample_key_text
 from generation_core.rewards import RewardScorer
 from generation_core.run_folder import COMMITS_DIR, FAILURES_DIR, AttemptStats, ShardManifest, shard_file, write_last_error
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 from generation_core.streaming import StreamingWorker
 
@@ -286,7 +287,7 @@ async def generate_shard(
     caller writes it as the success marker). With a `reporter` attached to the run's progress
     board: counters go there, and a stop request commits what has finished and raises
     ShardStopped."""
-    gen = cfg.generation
+    gen = GenerationSettings.of(cfg)
     reporter = reporter if reporter is not None else ShardReporter(None, shard.shard_id)
     # The attempt's commit record (under a lease, the run's claim on the shard), with the digest
     # of the shard's rows (library callers' prompts may carry none); failed samples of earlier
@@ -308,9 +309,7 @@ async def generate_shard(
         target_bytes=gen.part_target_bytes, max_seconds=gen.part_max_seconds, max_records=gen.save_batch_size,
         first_part_max_seconds=gen.first_part_max_seconds,
     )
-    # Many failures past the allowance mean something systematic (engine down, broken loop):
-    # stop after committing what succeeded rather than fail every remaining sample slowly.
-    give_up_after = allowed_failures(owed_at_most, gen.max_failed_fraction) + 2 * gen.max_inflight
+    give_up_after = allowed_failures(owed_at_most, gen.max_failed_fraction) + gen.systematic_failure_margin
     report = reporter.report
     report.committed_at_start = report.committed = len(set(done))
     report.owed = owed_at_most
@@ -321,7 +320,7 @@ async def generate_shard(
     # An idle stream still wakes up in time to commit a part that reached its maximum age (and,
     # with a board, to see a stop request within a second).
     idle_timeout = min(gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else []))
-    stream = worker.stream(samples, gen.max_inflight, idle_timeout=idle_timeout)
+    stream = worker.stream(samples, gen.inflight_limit, idle_timeout=idle_timeout)
     try:
         async with reporter.reporting():
             async for record in stream:

@@ -41,12 +41,10 @@ from generation_core.commit_log import highest_recorded_lease
 from generation_core.errors import GenrunError
 from generation_core.interrupt import STOP
 from generation_core.run_folder import LEASE_DIR, lease_file, lease_generation
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_LEASE_SECONDS = 60.0
-
 
 class LeaseLost(RuntimeError):
     """Another run took the output folder over: this one must stop writing into it."""
@@ -204,7 +202,7 @@ class RunLease:
         self.lost: str | None = None
 
     @classmethod
-    def acquire(cls, folder: RunFolder, seconds: float = DEFAULT_LEASE_SECONDS) -> RunLease:
+    def acquire(cls, folder: RunFolder, seconds: float = GenerationSettings.lease_seconds) -> RunLease:
         now = time.time()
         newest = _wait_if_dying(folder, newest_lease(folder))
         now = time.time()

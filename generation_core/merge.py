@@ -36,6 +36,7 @@ from generation_core.commit_log import CommittedPartRef, committed_parts, read_v
 from generation_core.errors import GenrunError
 from generation_core.records import SHARED_RAW_PROMPT, decode_fields, read_part_table, scored_mask
 from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ShardManifest, chunk_file_name, remove_stale_merge_output
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 from generation_core.verl_adapter import dataproto_state
 
@@ -433,13 +434,6 @@ def merge_run_chunked(
     return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
 
 
-# What `merge_output` keeps one merged file (and the DataProto held to write it) under when no
-# chunk size is set: a run past it is merged into chunks of about this size, so a 10M-trajectory
-# run never builds one pickle in memory. Runs up to tens of thousands of trajectories at verl's
-# usual lengths stay one trajectories.pkl.
-DEFAULT_MAX_FILE_BYTES = 4 << 30
-
-
 def padded_row_bytes(layout: BatchLayout, padding: Padding) -> int:
     """Bytes one row takes in the merged DataProto's tensors (PaddedBatchBuilder's, and the
     prompts / responses / position_ids verl's postprocess adds), plus a conservative 1 KiB for
@@ -454,12 +448,12 @@ def padded_row_bytes(layout: BatchLayout, padding: Padding) -> int:
 def merge_output(folder: RunFolder, padding: Padding, chunk_size: int | None = None, max_file_bytes: int | None = None) -> MergedOutput:
     """Merge the committed parts as a run is configured: chunk files of at most `chunk_size`
     rows listed in trajectories.json; without a chunk size, one trajectories.pkl while the run's
-    padded DataProto stays under `max_file_bytes` (DEFAULT_MAX_FILE_BYTES), else chunks of that size."""
+    padded DataProto stays under `max_file_bytes` (generation.merge_max_file_bytes), else chunks of that size."""
     lengths = dict(prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id)
     merge_input = scan_run(folder)
     if not chunk_size:
         row_bytes = padded_row_bytes(merge_input.layout, padding)
-        rows_per_file = max(1, (max_file_bytes or DEFAULT_MAX_FILE_BYTES) // row_bytes)
+        rows_per_file = max(1, (max_file_bytes or GenerationSettings.merge_max_file_bytes) // row_bytes)
         if merge_input.rows > rows_per_file:
             logger.info(
                 "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",

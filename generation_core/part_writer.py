@@ -47,12 +47,11 @@ from generation_core.records import (
     to_json,
 )
 from generation_core.run_folder import FAILURES_DIR, PartEntry, new_part_name, shard_file
+from generation_core.settings import GenerationSettings
 from generation_core.storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PART_TARGET_BYTES = 64 << 20
-DEFAULT_PART_MAX_SECONDS = 60.0
 # A row group is written once this many records, or about ROW_GROUP_BYTES of their tokens, are
 # waiting: what a shard worker holds as Python objects is bounded by one row group.
 ROW_GROUP_RECORDS = 512
@@ -149,8 +148,8 @@ class PartWriter:
         checkpoint: ShardCheckpoint,
         fence: LeaseFence | None = None,
         *,
-        target_bytes: int = DEFAULT_PART_TARGET_BYTES,
-        max_seconds: float = DEFAULT_PART_MAX_SECONDS,
+        target_bytes: int = GenerationSettings.part_target_bytes,
+        max_seconds: float = GenerationSettings.part_max_seconds,
         max_records: int | None = None,
         first_part_max_seconds: float | None = None,
     ):

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from generation_core.build import genrun_build
 from generation_core.errors import GenrunError
 from generation_core.run_folder import FINGERPRINT_VERSION, claim_run_folder, config_without_secrets, shard_name
+from generation_core.run_record import RunRecord, ShardRange
 from generation_core.secrets import SECRETS_ENV, from_environment, masked_paths, split_secrets, with_secrets
 from generation_core.storage import RunFolder
 
@@ -160,23 +161,23 @@ class RunPlan:
             dataset=DatasetFiles.from_dict(payload["dataset"]),
         )
 
-    def run_record(self) -> dict[str, Any]:
+    def run_record(self) -> RunRecord:
         """What run.json holds: written once, by the run that takes a new folder."""
-        return {
-            "fingerprint": self.fingerprint,
+        return RunRecord(
+            fingerprint=self.fingerprint,
             # Which recipe computed it: a later genrun tells this folder's owner what changed.
-            "fingerprint_version": FINGERPRINT_VERSION,
-            "versions": versions(),
+            fingerprint_version=FINGERPRINT_VERSION,
+            versions=versions(),
             # The genrun that took the folder (build.py: each shard's attempt records its own too).
-            "build": genrun_build(),
-            "pad_token_id": self.pad_token_id,
-            "shards": [{"name": s.name, "range": [s.start, s.end]} for s in self.shards],
-            "dataset": self.dataset.to_dict(),
-            "rollout_n": self.cfg.actor_rollout_ref.rollout.n,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            build=genrun_build(),
+            pad_token_id=self.pad_token_id,
+            shards=[ShardRange(s.name, s.start, s.end) for s in self.shards],
+            dataset=self.dataset.to_dict(),
+            rollout_n=self.cfg.actor_rollout_ref.rollout.n,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # storage.options can hold credentials: never written.
-            "config": config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
-        }
+            config=config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
+        )
 
     def claim_folder(self) -> None:
         """Write run.json for a new run, or confirm the folder is this run's (the caller holds the lease)."""

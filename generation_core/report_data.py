@@ -42,6 +42,7 @@ from generation_core.commit_log import (
 from generation_core.errors import GenrunError
 from generation_core.records import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
 from generation_core.run_folder import shard_file
+from generation_core.run_record import RunRecord
 from generation_core.status import shard_states
 from generation_core.storage import RunFolder
 
@@ -71,8 +72,8 @@ class Limits:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def of_run(cls, run: dict[str, Any], eos_token_ids: frozenset[int]) -> Limits:
-        rollout = run["config"]["actor_rollout_ref"]["rollout"]
+    def of_run(cls, run: RunRecord, eos_token_ids: frozenset[int]) -> Limits:
+        rollout = run.rollout
         turns = (rollout.get("multi_turn") or {}).get("max_assistant_turns")
         return cls(int(rollout["prompt_length"]), int(rollout["response_length"]), int(turns) if turns else None, eos_token_ids)
 
@@ -117,7 +118,7 @@ class FailureEntry:
 
 @dataclass
 class ReportData:
-    run: dict[str, Any]
+    run: RunRecord
     location: str
     limits: Limits
     stats: TrajectoryStats
@@ -279,7 +280,7 @@ def _failures(folder: RunFolder, shard: str, committed: set[str]) -> list[Failur
     return entries
 
 
-def collect_report_data(folder: RunFolder, run: dict[str, Any], eos_token_ids: frozenset[int], sample_size: int) -> ReportData:
+def collect_report_data(folder: RunFolder, run: RunRecord, eos_token_ids: frozenset[int], sample_size: int) -> ReportData:
     """Everything the report shows, of the run whose run.json is `run` (read_run_record, which
     refuses a folder that is not a run). Refuses a run with nothing committed yet."""
     limits = Limits.of_run(run, eos_token_ids)
@@ -290,8 +291,8 @@ def collect_report_data(folder: RunFolder, run: dict[str, Any], eos_token_ids: f
     failures: list[FailureEntry] = []
     skipped: list[str] = []
     failure_count, failure_kinds = 0, Counter[str]()
-    for spec in run["shards"]:
-        name = spec["name"]
+    for spec in run.shards:
+        name = spec.name
         checkpoint = ShardCheckpoint.load(folder, name)
         for part in checkpoint.parts:
             try:
@@ -307,7 +308,7 @@ def collect_report_data(folder: RunFolder, run: dict[str, Any], eos_token_ids: f
         failure_kinds.update(entry.error.splitlines()[0] if entry.error else "(no message)" for entry in logged)
         failures.extend(logged[: max(FAILURES_LISTED - len(failures), 0)])
         state = dict(states.get(name, {"shard": name}))
-        state.update(range=spec["range"], parts=len(checkpoint.parts), generated_tokens=checkpoint.generated_tokens,
+        state.update(range=[spec.start, spec.end], parts=len(checkpoint.parts), generated_tokens=checkpoint.generated_tokens,
                      response_tokens=checkpoint.response_tokens, attempts=checkpoint.attempts, builds=checkpoint.builds)
         shards.append(state)
     stats = collector.stats()

@@ -52,7 +52,7 @@ def _asset(name: str) -> str:
 
 def _facts(data: ReportData) -> list[tuple[str, str]]:
     run, stats = data.run, data.stats
-    config = run["config"]
+    config = run.config
     rollout = config["actor_rollout_ref"]["rollout"]
     rewarded = np.isfinite(stats.reward)
     facts = [
@@ -65,18 +65,18 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
         ("model", str(config["actor_rollout_ref"]["model"]["path"])),
         ("engine", str(rollout.get("name"))),
         ("agent loop", str((rollout.get("agent") or {}).get("default_agent_loop"))),
-        ("samples per prompt (n)", str(run.get("rollout_n", rollout.get("n")))),
+        ("samples per prompt (n)", str(run.samples_per_prompt)),
         ("temperature", str(rollout.get("temperature"))),
         ("prompt / response length", f"{data.limits.prompt_length} / {data.limits.response_length}"),
-        ("dataset", ", ".join(f["url"] for f in (run.get("dataset") or {}).get("files", [])) or "?"),
-        ("created", str(run.get("created", "?"))),
-        ("genrun", describe_build(run.get("build")) if run.get("build") else str((run.get("versions") or {}).get("genrun", "?"))),
-        ("fingerprint", str(run.get("fingerprint", ""))[:16]),
+        ("dataset", ", ".join(f["url"] for f in (run.dataset or {}).get("files", [])) or "?"),
+        ("created", str(run.created if run.created is not None else "?")),
+        ("genrun", describe_build(run.build) if run.build else str(run.versions.get("genrun", "?"))),
+        ("fingerprint", str(run.fingerprint if run.fingerprint is not None else "")[:16]),
     ]
     # Attempts run by another build than the one that took the folder (build.py: same output format).
     later: list[dict[str, Any]] = []
     for build in (b for shard in data.shards for b in shard.get("builds", [])):
-        if not same_build(build, run.get("build")) and not any(same_build(build, seen) for seen in later):
+        if not same_build(build, run.build) and not any(same_build(build, seen) for seen in later):
             later.append(build)
     if later:
         facts.append(("attempts also by", "; ".join(describe_build(b) for b in later)))

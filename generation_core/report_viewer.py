@@ -22,6 +22,7 @@ import numpy as np
 
 from generation_core.records import TrajectoryRecord, records_to_table
 from generation_core.report_data import STOP_REASONS, ReportData, data_source_of, sample_hash, stop_reasons
+from generation_core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,13 @@ _REPLACEMENT = "\ufffd"
 _JOIN_AT_MOST = 4
 
 
-def load_tokenizer(run: dict[str, Any], trust_remote_code: bool = False):
+def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
     """The run's tokenizer (run.json's model path), or None, and the viewer shows token ids,
     when that path is not readable here (a report made on another machine than the run) or its
     tokenizer is code from the model folder. Such code runs only when the user passes
     `--trust-remote-code` on the command line: run.json's own trust_remote_code is not followed,
     as reading a folder must run no code it names."""
-    model = run["config"]["actor_rollout_ref"]["model"]
+    model = run.config["actor_rollout_ref"]["model"]
     path = os.path.expanduser(str(model["path"]))
     if not Path(path).is_dir():
         logger.warning("report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path)
@@ -57,12 +58,12 @@ def load_tokenizer(run: dict[str, Any], trust_remote_code: bool = False):
         return None
 
 
-def eos_token_ids(run: dict[str, Any], tokenizer) -> frozenset[int]:
+def eos_token_ids(run: RunRecord, tokenizer) -> frozenset[int]:
     """End-of-sequence ids: the tokenizer's and the model's generation_config.json's."""
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_config = Path(os.path.expanduser(str(run["config"]["actor_rollout_ref"]["model"]["path"]))) / "generation_config.json"
+    generation_config = Path(os.path.expanduser(str(run.config["actor_rollout_ref"]["model"]["path"]))) / "generation_config.json"
     if generation_config.is_file():
         value = json.loads(generation_config.read_text()).get("eos_token_id")
         ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)

@@ -34,6 +34,7 @@ from typing import Any
 
 from generation_core.build import refusal_hint
 from generation_core.errors import GenrunError
+from generation_core.run_record import RunRecord
 from generation_core.secrets import without_secrets
 from generation_core.storage import RunFolder
 
@@ -199,7 +200,7 @@ def read_last_error(folder: RunFolder, shard: str) -> dict[str, Any] | None:
 
 
 FINGERPRINT_VERSION = 3
-"""The recipe of the run fingerprint (config.fingerprint) and the run-folder format that
+"""The recipe of the run fingerprint (generation_core/fingerprint.py) and the run-folder format that
 run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
 it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
 FINGERPRINT_ADDED = {
@@ -215,8 +216,8 @@ FOLDER_FORMAT_SINCE = 3
 def _genrun_that_wrote(folder: RunFolder) -> str | None:
     """The genrun version run.json records, if any."""
     try:
-        version = (folder.read_json(RUN_FILE).get("versions") or {}).get("genrun")
-    except (FileNotFoundError, ValueError, AttributeError):
+        version = RunRecord.from_json(folder.read_json(RUN_FILE)).versions.get("genrun")
+    except (FileNotFoundError, ValueError, AttributeError, KeyError, TypeError):
         return None
     return version if isinstance(version, str) and version not in ("", "unknown") else None
 
@@ -248,7 +249,7 @@ def _legacy_shard(folder: RunFolder) -> str | None:
     return None
 
 
-def check_run_folder(folder: RunFolder, run_fingerprint: str) -> dict[str, Any] | None:
+def check_run_folder(folder: RunFolder, run_fingerprint: str) -> RunRecord | None:
     """The folder's run record when it already belongs to this run (a resume), None when it
     holds no run; refuses a folder of another run or of an earlier folder format, changing nothing."""
     if not folder.exists(RUN_FILE):
@@ -261,8 +262,8 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> dict[str, Any] 
                 "trainer.experiment_name, when that folder is derived from it), or delete that folder"
             )
         return None
-    existing = folder.read_json(RUN_FILE)
-    written_by = existing.get("fingerprint_version", 1)
+    existing = RunRecord.from_json(folder.read_json(RUN_FILE))
+    written_by = existing.fingerprint_version
     if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
         uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
         version = _genrun_that_wrote(folder)
@@ -271,15 +272,15 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> dict[str, Any] 
             f"({'genrun ' + version if version else 'its version is not recorded'}, fingerprint version {written_by}; this genrun's "
             f"is {FINGERPRINT_VERSION}): this genrun cannot resume it. {_finish_or_start_fresh(folder)}"
         )
-    if existing.get("fingerprint") == run_fingerprint:
+    if existing.fingerprint == run_fingerprint:
         legacy = _legacy_shard(folder)
         if legacy is not None:
             raise legacy_checkpoint_error(folder, legacy)
         return existing
     if written_by == FINGERPRINT_VERSION:
         what = (
-            f"holds a different run (fingerprint {str(existing.get('fingerprint'))[:12]}, this one is {run_fingerprint[:12]}): "
-            f"the config, dataset, user code or versions changed (its config is in {folder.display(RUN_FILE)}){refusal_hint(existing.get('build'))}. "
+            f"holds a different run (fingerprint {str(existing.fingerprint)[:12]}, this one is {run_fingerprint[:12]}): "
+            f"the config, dataset, user code or versions changed (its config is in {folder.display(RUN_FILE)}){refusal_hint(existing.build)}. "
             "Nothing was changed there."
         )
     else:
@@ -293,16 +294,16 @@ def check_run_folder(folder: RunFolder, run_fingerprint: str) -> dict[str, Any] 
     )
 
 
-def claim_run_folder(folder: RunFolder, run_record: dict[str, Any]) -> None:
+def claim_run_folder(folder: RunFolder, run_record: RunRecord) -> None:
     """Write run.json for a new run (the caller holds the lease), or confirm a resume."""
-    if check_run_folder(folder, run_record["fingerprint"]) is None:
-        folder.put_json(RUN_FILE, run_record)
+    if check_run_folder(folder, str(run_record.fingerprint)) is None:
+        folder.put_json(RUN_FILE, run_record.to_json())
 
 
-def read_run_record(folder: RunFolder) -> dict[str, Any]:
+def read_run_record(folder: RunFolder) -> RunRecord:
     if not folder.exists(RUN_FILE):
         raise GenrunError(f"{folder.display()} is not a genrun run folder (no {RUN_FILE})")
-    return folder.read_json(RUN_FILE)
+    return RunRecord.from_json(folder.read_json(RUN_FILE))
 
 
 def config_without_secrets(container: dict[str, Any]) -> dict[str, Any]:

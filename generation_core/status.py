@@ -10,14 +10,15 @@ from generation_core.build import describe_build, other_build_warning, same_buil
 from generation_core.commit_log import ShardCheckpoint, read_marker
 from generation_core.lease import describe_holder
 from generation_core.run_folder import FAILURES_DIR, merged_files, read_last_error, read_run_record, shard_file
+from generation_core.run_record import RunRecord
 from generation_core.storage import RunFolder
 
 
-def shard_states(folder: RunFolder, run: dict[str, Any]) -> list[dict[str, Any]]:
+def shard_states(folder: RunFolder, run: RunRecord) -> list[dict[str, Any]]:
     states = []
-    for shard in run["shards"]:
-        name = shard["name"]
-        expected = (shard["range"][1] - shard["range"][0]) * run["rollout_n"]
+    for shard in run.shards:
+        name = shard.name
+        expected = shard.rows * run.samples_per_prompt
         checkpoint = ShardCheckpoint.load(folder, name)
         marker = read_marker(folder, name, checkpoint)
         if marker is not None:
@@ -38,11 +39,11 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     folder = RunFolder(url, storage_options)
     run = read_run_record(folder)
     states = shard_states(folder, run)
-    print(f"run {run['fingerprint'][:12]} at {folder.display()}")
+    print(f"run {str(run.fingerprint)[:12]} at {folder.display()}")
     # Builds of unfinished shards' attempts (a finished shard's are in its commit records: the report reads them).
-    later = [b for s in states for b in s["builds"] if not same_build(b, run.get("build"))]
-    print(f"written by {describe_build(run.get('build'))}" + "".join(f"; attempts also by {describe_build(b)}" for b in _distinct(later)))
-    warning = other_build_warning(folder.display(), run.get("build"))
+    later = [b for s in states for b in s["builds"] if not same_build(b, run.build)]
+    print(f"written by {describe_build(run.build)}" + "".join(f"; attempts also by {describe_build(b)}" for b in _distinct(later)))
+    warning = other_build_warning(folder.display(), run.build)
     if warning:
         print(f"warning: {warning}")
     holder = describe_holder(folder)

@@ -37,11 +37,11 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop import AgentLoopWorker
 
-from generation_core.config import default_sample_timeout
 from generation_core.instrumentation import SampleTrace
 from generation_core.records import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
 from generation_core.request_retry import RetryingClient
 from generation_core.rewards import RewardScorer
+from generation_core.settings import GenerationSettings
 from generation_core.verl_adapter import agent_loop_arguments, agent_loop_entry, rebind_worker_client, share_continuous_token_builders
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class StreamingWorker:
     """generation.sample_timeout_seconds: a sample's deadline from its start to its score."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
-        gen = cfg.generation
+        # A config load_config did not build gets its derived defaults here, the same ones.
+        gen = GenerationSettings.of(cfg)
         # Agent loops reach the engine only through this client: every model turn gets retries.
         self.client = RetryingClient(llm_client, retries=gen.request_retries, backoff_seconds=gen.request_backoff_seconds, timeout=gen.request_timeout)
         self.worker = _agent_loop_worker(cfg, self.client)
@@ -136,9 +137,8 @@ class StreamingWorker:
             logprobs=rollout.calculate_log_probs,
         )
         self.sample_seed = gen.sample_seed
-        # load_config fills the default in; a config assembled otherwise gets the same one.
-        timeout = gen.get("sample_timeout_seconds")
-        self.sample_timeout = float(timeout) if timeout is not None else default_sample_timeout(cfg)
+        if gen.sample_timeout_seconds is not None:
+            self.sample_timeout = float(gen.sample_timeout_seconds)
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
 

@@ -1,8 +1,10 @@
 import pytest
 from omegaconf import OmegaConf
 
-from generation_core.config import OPERATIONAL_KEYS, default_request_timeout, default_sample_timeout, fingerprint, finalize_run_location, load_config
+from generation_core.config import finalize_run_location, load_config
 from generation_core.errors import GenrunError
+from generation_core.fingerprint import OPERATIONAL_KEYS, fingerprint
+from generation_core.settings import default_request_timeout, default_sample_timeout
 
 
 def test_defaults_are_the_bundled_cpu_run():
@@ -180,11 +182,21 @@ def test_request_timeout_defaults_to_a_finite_value_from_the_response_budget():
 
 
 @pytest.mark.timeout(120)
+def test_max_inflight_defaults_to_twice_the_decode_batch_and_is_filled_in():
+    assert load_config([]).generation.max_inflight == 2 * 64
+    assert load_config(["actor_rollout_ref.rollout.max_num_seqs=8"]).generation.max_inflight == 16
+    assert load_config(["actor_rollout_ref.rollout.max_num_seqs=8", "generation.max_inflight=3"]).generation.max_inflight == 3
+    for bad in ("0", "true", "many"):
+        with pytest.raises(GenrunError, match="generation.max_inflight=.*must be null"):
+            load_config([f"generation.max_inflight={bad}"])
+
+
+@pytest.mark.timeout(120)
 def test_the_sample_deadline_defaults_to_every_turns_request_attempts_and_is_operational():
     """turns x (request_retries + 2) x request_timeout: every turn keeps all its request
     attempts, and one request_timeout more for its tools (the last turn's: the reward)."""
     defaults = load_config([])
-    assert defaults.generation.sample_timeout_seconds == default_sample_timeout(defaults) == 1 * (3 + 2) * 856
+    assert defaults.generation.sample_timeout_seconds == default_sample_timeout(1, 3, 856) == 1 * (3 + 2) * 856
     turns = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "generation.request_timeout=10"])
     assert turns.generation.sample_timeout_seconds == 3 * 5 * 10
     unlimited = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "generation.request_retries=0", "generation.request_timeout=10"])

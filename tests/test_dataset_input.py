@@ -333,7 +333,7 @@ def test_bad_s3_inputs_get_one_line_and_write_nothing(s3_input, tmp_path, model_
 def test_data_storage_options_are_operational_and_never_written(tmp_path):
     from omegaconf import OmegaConf
 
-    from generation_core.config import fingerprint
+    from generation_core.fingerprint import fingerprint
     from generation_core.run_folder import config_without_secrets
 
     plain = _cfg(str(tmp_path / "x.parquet"))

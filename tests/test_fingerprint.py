@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from generation_core.errors import GenrunError
-from generation_core.preflight import model_identity, preflight
+from generation_core.fingerprint import model_identity
+from generation_core.preflight import preflight
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -191,15 +192,16 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
     import uuid
 
     from generation_core.build import genrun_build
-    from generation_core.config import fingerprint, load_config
-    from generation_core.preflight import check_run_code, output_file_digests
+    from generation_core.config import load_config
+    from generation_core.fingerprint import fingerprint, output_file_digests
+    from generation_core.preflight import check_run_code
 
     package = f"user_code_{uuid.uuid4().hex[:8]}"
     src, reward, extra = _user_code(tmp_path, package)
     monkeypatch.syspath_prepend(str(src))
     monkeypatch.syspath_prepend(str(reward))  # where the reward file's own import finds its helper
     plan = preflight(_args(prompts_file, tmp_path / "run", *extra))
-    assert plan.run_record()["build"] == genrun_build()
+    assert plan.run_record().build == genrun_build()
 
     def fingerprint_now():
         cfg = load_config(_args(prompts_file, tmp_path / "run", *extra))
@@ -271,7 +273,7 @@ def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tm
     warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
     assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]
     # Another output format: another fingerprint, refused with what to do.
-    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record()["build"], output_format=0))))
+    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record().build, output_format=0))))
     with pytest.raises(GenrunError, match="genrun's output format changed .*To start fresh") as refused:
         preflight(_args(prompts_file, out))
     assert "\n" not in str(refused.value)

@@ -1,4 +1,4 @@
-"""Load, override, validate and fingerprint the run configuration.
+"""Load, override and validate the run configuration (its fingerprint: generation_core/fingerprint.py).
 
 The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
 meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -24,135 +22,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core import bundled
-from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.engines.layout import resolve_layout
 from generation_core.errors import GenrunError
-from generation_core.plan import versions
+from generation_core.settings import GenerationSettings, HfEngineKwargs, hf_device
 from generation_core.verl_adapter import base_trainer_config_file
 
 VERL_BASE_CONFIG = base_trainer_config_file()
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
-
-# ---- what a run's trajectories depend on (the fingerprint), declared here once -------------
-#
-# Output-shaping: every config key that OPERATIONAL_KEYS does not list (engine and sampling
-# settings, lengths, the agent loop, reward, data and shard settings, engine_kwargs such as
-# instant.response_tokens, hf.dtype, hf.device, hf.ignore_eos, remote.model, and any key a user
-# adds), and the content of the files that OUTPUT_FILES lists. A key nobody classified counts as
-# output-shaping: forgetting one costs a new folder, never someone else's trajectories.
-# Operational: how the run executes (threads, timeouts, retries, workers, progress, logging,
-# storage, where the servers are); a resumed run may change them.
-
-OPERATIONAL_KEYS = (
-    "trainer.default_local_dir",
-    "trainer.experiment_name",
-    "trainer.project_name",
-    "trainer.logger",
-    "generation.save_batch_size",
-    "generation.part_target_bytes",
-    "generation.part_max_seconds",
-    "generation.first_part_max_seconds",
-    "generation.pull_timeout",
-    "generation.max_inflight",
-    "generation.final_merge",
-    "generation.merge_chunk_size",
-    "generation.merge_max_file_bytes",
-    "generation.retries",
-    "generation.recheck_finished_rows",
-    "generation.retry_delay_seconds",
-    "generation.lease_seconds",
-    "generation.request_retries",
-    "generation.request_backoff_seconds",
-    "generation.request_timeout",
-    "generation.sample_timeout_seconds",
-    "generation.max_failed_fraction",
-    "generation.reward_workers",
-    "generation.show_progress",
-    "generation.progress_seconds",
-    "generation.upload_artifact",
-    "generation.artifact_mode",
-    "data.dataloader_num_workers",
-    "data.filter_overlong_prompts_workers",
-    "actor_rollout_ref.rollout.max_num_seqs",
-    # Tokens one engine step may run: which requests share a step (scheduling, as max_num_seqs).
-    "actor_rollout_ref.rollout.max_num_batched_tokens",
-    "actor_rollout_ref.rollout.gpu_memory_utilization",
-    # How sglang/vllm read model.path (auto, safetensors, pt: the same weights). dummy, random
-    # weights, is refused (engines/layout.py), so every value left loads the checkpoint.
-    "actor_rollout_ref.rollout.load_format",
-    "actor_rollout_ref.rollout.agent.num_workers",
-    # A metrics label (verl fills it with the model path, whose content is an input already).
-    "actor_rollout_ref.rollout.prometheus.served_model_name",
-    "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads",
-    # Reuse skips recomputing a prefix's KV: the same tokens (as with more or fewer threads,
-    # float rounding may differ).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
-    # Which waiting request joins the batch first: scheduling, as max_num_seqs.
-    "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
-    # Reading a shared prefix once computes the same attention in another order (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention",
-    # Weight-first linear layers compute the same products in another call (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear",
-    "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
-    # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
-    # or when it is null the name the servers report: preflight).
-    "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.api_key",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.connect_timeout",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.max_connections",
-    "storage",
-    # How to reach the input files (endpoint, credentials); their content is in the fingerprint.
-    "data.storage_options",
-    "ray_kwargs",
-)
-
-OUTPUT_FILES = {
-    "data.train_files": "dataset",
-    "actor_rollout_ref.model.path": "model",
-    "actor_rollout_ref.model.tokenizer_path": "model",
-    "reward.custom_reward_function.path": "file",
-    "data.custom_cls.path": "file",
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": "agent_loops",
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "file",
-    "actor_rollout_ref.rollout.multi_turn.function_tool_path": "file",
-    # verl's older place for the tool config (load_config copies it to multi_turn).
-    "data.tool_config_path": "file",
-}
-"""Config keys naming files whose content shapes the output, and how preflight reads them:
-`dataset` (dataset_files.inspect_dataset: metadata plus a sampled content hash), `model` (preflight.model_identity: config,
-tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
-classes it names). Their content stands in for their path in the fingerprint."""
-
-# The transformers engine on a small CPU model decodes ~3 tokens/s per sequence in a full batch
-# and a request may first wait for a batch's worth of others: 2 s per token of the response
-# budget plus 10 minutes is ample there and on a GPU, yet finite.
-REQUEST_TIMEOUT_BASE_SECONDS = 600.0
-REQUEST_TIMEOUT_SECONDS_PER_TOKEN = 2.0
-
-
-def default_request_timeout(response_length: int) -> float:
-    """generation.request_timeout when left null: base + per-token allowance x response budget."""
-    return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
-
-
-# Model turns the default sample deadline allows when multi_turn has no assistant-turn limit:
-# the deadline must be finite, and a run whose samples take more turns sets one.
-UNLIMITED_TURNS_ALLOWANCE = 16
-
-
-def default_sample_timeout(cfg: DictConfig) -> float:
-    """generation.sample_timeout_seconds when left null: every model turn may use all of its
-    request attempts (request_retries + 1, each up to request_timeout) and one request_timeout
-    more for its tool calls (the last one's for the reward function). The deadline is there for
-    code nothing else bounds (a tool or reward function that never returns), never to cut a
-    sample short that the request retries would have carried through."""
-    rollout, gen = cfg.actor_rollout_ref.rollout, cfg.generation
-    multi_turn = rollout.multi_turn
-    turns = (multi_turn.max_assistant_turns or UNLIMITED_TURNS_ALLOWANCE) if multi_turn.enable else 1
-    request_timeout = gen.request_timeout if gen.request_timeout is not None else default_request_timeout(rollout.response_length)
-    return float(turns * (gen.request_retries + 2) * request_timeout)
-
 
 def _scheduled_date() -> str:
     """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
@@ -220,11 +96,12 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
         raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
     _route_legacy_keys(cfg)
     validate_values(cfg)
-    if cfg.generation.request_timeout is None:
-        # Filled in so run.json and every shard worker see the timeout that applies.
-        cfg.generation.request_timeout = default_request_timeout(cfg.actor_rollout_ref.rollout.response_length)
-    if cfg.generation.sample_timeout_seconds is None:
-        cfg.generation.sample_timeout_seconds = default_sample_timeout(cfg)
+    # The defaults other settings decide, filled in so that run.json and every shard worker see
+    # the values that apply.
+    settings = GenerationSettings.of(cfg)
+    cfg.generation.max_inflight = settings.max_inflight
+    cfg.generation.request_timeout = settings.request_timeout
+    cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
     return cfg
 
 
@@ -255,8 +132,8 @@ def _route_legacy_keys(cfg: DictConfig) -> None:
     # The transformers engine runs in a replica actor that sees only the rollout config: its
     # device is decided here, once (trainer.device is verl's key for it).
     hf_kwargs = cfg.actor_rollout_ref.rollout.engine_kwargs.get("hf")
-    if hf_kwargs is not None and not hf_kwargs.get("device"):
-        hf_kwargs.device = cfg.trainer.get("device") or "cpu"
+    if hf_kwargs is not None:
+        hf_kwargs.device = hf_device(hf_kwargs.get("device"), cfg.trainer.get("device"))
 
 
 def _check_override_list(overrides: Any) -> None:
@@ -394,7 +271,6 @@ def validate_values(cfg: DictConfig) -> None:
         ("actor_rollout_ref.rollout.prompt_length", rollout.prompt_length),
         ("actor_rollout_ref.rollout.response_length", rollout.response_length),
         ("generation.num_shards", gen.num_shards),
-        ("generation.max_inflight", gen.max_inflight),
         ("generation.part_target_bytes", gen.part_target_bytes),
         ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
         # The replica layout (engines.layout.resolve_layout, below).
@@ -408,6 +284,10 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(rollout.temperature) and rollout.temperature >= 0, "actor_rollout_ref.rollout.temperature", rollout.temperature, "must be a number >= 0 (0 is greedy)")
     _require(_is_number(rollout.top_p) and 0 < rollout.top_p <= 1, "actor_rollout_ref.rollout.top_p", rollout.top_p, "must be in (0, 1]")
     _require(isinstance(rollout.top_k, int) and (rollout.top_k == -1 or rollout.top_k >= 1), "actor_rollout_ref.rollout.top_k", rollout.top_k, "must be -1 (off) or >= 1")
+    _require(
+        gen.max_inflight is None or (isinstance(gen.max_inflight, int) and not isinstance(gen.max_inflight, bool) and gen.max_inflight >= 1),
+        "generation.max_inflight", gen.max_inflight, "must be null (twice actor_rollout_ref.rollout.max_num_seqs) or an integer >= 1",
+    )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")
@@ -448,18 +328,19 @@ def validate_values(cfg: DictConfig) -> None:
     _require(_is_number(gen.progress_seconds) and gen.progress_seconds > 0, "generation.progress_seconds", gen.progress_seconds, "must be a number of seconds > 0")
     _require(isinstance(cfg.data.train_max_samples, int), "data.train_max_samples", cfg.data.train_max_samples, "must be an integer (-1 for all)")
     _require(isinstance(rollout.calculate_log_probs, bool), "actor_rollout_ref.rollout.calculate_log_probs", rollout.calculate_log_probs, "must be true or false")
-    threads = rollout.engine_kwargs.get("hf", {}).get("num_threads")
+    hf = HfEngineKwargs.of(rollout.engine_kwargs)
+    threads = hf.num_threads
     _require(threads is None or (isinstance(threads, int) and threads >= 1), "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads", threads, "must be null or an integer >= 1")
-    prefix_bytes = rollout.engine_kwargs.get("hf", {}).get("prefix_cache_bytes")
+    prefix_bytes = hf.prefix_cache_bytes
     _require(
         prefix_bytes is None or (isinstance(prefix_bytes, int) and not isinstance(prefix_bytes, bool) and prefix_bytes >= 0),
         "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes", prefix_bytes, "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
     )
-    later_turns_first = rollout.engine_kwargs.get("hf", {}).get("later_turns_first", True)
+    later_turns_first = hf.later_turns_first
     _require(isinstance(later_turns_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first", later_turns_first, "must be true or false")
-    shared_prefix = rollout.engine_kwargs.get("hf", {}).get("shared_prefix_attention", True)
+    shared_prefix = hf.shared_prefix_attention
     _require(isinstance(shared_prefix, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention", shared_prefix, "must be true or false")
-    weight_first = rollout.engine_kwargs.get("hf", {}).get("weight_first_linear", True)
+    weight_first = hf.weight_first_linear
     _require(isinstance(weight_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear", weight_first, "must be true or false")
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
     unknown_loggers = sorted(set(cfg.trainer.logger) - set(_TRACKING_BACKENDS))
@@ -486,32 +367,6 @@ def _is_number(value: Any) -> bool:
 def train_files(cfg: DictConfig) -> list[str]:
     files = cfg.data.train_files
     return [files] if isinstance(files, str) else list(files)
-
-
-def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
-    """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
-    dataset content, the digests of the other OUTPUT_FILES (by config key, as preflight computes
-    them, with the user code they reach), the versions of the code that produces it and genrun's
-    output format (build.OUTPUT_FORMAT_VERSION). A file given by its digest enters by
-    its content, not its path: the same model or dataset elsewhere (another machine's cache, a
-    copy) is the same run."""
-    files = dict(files or {})
-    semantic = OmegaConf.to_container(cfg, resolve=True)
-    by_content = [key for key, kind in OUTPUT_FILES.items() if kind == "dataset" or key in files]
-    for key in (*OPERATIONAL_KEYS, *by_content):
-        parent, _, leaf = key.rpartition(".")
-        node = semantic
-        for part in parent.split(".") if parent else []:
-            node = node.get(part) or {} if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    inputs = {"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}
-    if OUTPUT_FORMAT_VERSION > 1:
-        # genrun's own output format (build.py states the rule); format 1 is left out so that
-        # folders written before the constant existed keep their fingerprint and resume.
-        inputs["output_format"] = OUTPUT_FORMAT_VERSION
-    payload = json.dumps(inputs, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def finalize_run_location(cfg: DictConfig, run_fingerprint: str) -> None:

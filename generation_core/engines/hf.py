@@ -43,6 +43,7 @@ from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
 from generation_core.engines.server import cpu_threads_per_replica
 from generation_core.engines.slot_batch import KVShape, SlotBatch
+from generation_core.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,16 @@ class EngineSettings:
     prompt_length: int
     response_length: int
     max_batch_size: int = 32
-    num_threads: int | None = None
+    num_threads: int | None = HfEngineKwargs.num_threads
     dtype: str = "float32"
     device: str = "cpu"
     trust_remote_code: bool = False
-    ignore_eos: bool = False
+    ignore_eos: bool = HfEngineKwargs.ignore_eos
     """Every request runs to its length limit (benchmarks: fixed lengths for side-by-side rates)."""
-    prefix_cache_bytes: int = 512 * 1024 * 1024
+    prefix_cache_bytes: int = HF_PREFIX_CACHE_BYTES
     """KV of finished sequences (for the next turn of their trajectory) and of prompts (for the
     prefixes later prompts share with them) kept on the engine's device (prefix_cache.py); 0:
-    none kept, every prompt is prefilled whole. 512 MiB is ~11k tokens of the bundled 135M model."""
+    none kept, every prompt is prefilled whole."""
     mixed_steps: bool = True
     """Joiners' prompts are prefilled in the same forward pass as the running batch's decode
     tokens (packed_step.py), when the model's attention allows it (checked at start)."""
@@ -72,14 +73,14 @@ class EngineSettings:
     """Most tokens one mixed step runs (decode tokens + joiners' new prompt tokens): joiners beyond
     it wait for the next step (rollout.max_num_batched_tokens). A prompt is never split: one
     longer than this still joins, alone."""
-    shared_prefix_attention: bool = True
+    shared_prefix_attention: bool = HfEngineKwargs.shared_prefix_attention
     """On a CPU, mixed steps read the prompt prefix the running sequences share (a system prompt,
     a trajectory's first turn) once per step for all of them, not once per sequence
     (shared_prefix.py); false: every sequence reads its own copy."""
-    later_turns_first: bool = True
+    later_turns_first: bool = HfEngineKwargs.later_turns_first
     """A trajectory's next turn (same trajectory key: the agent loop's id) joins the batch before
     queued first turns (admission.py); false: arrival order."""
-    weight_first_linear: bool = True
+    weight_first_linear: bool = HfEngineKwargs.weight_first_linear
     """On a CPU, linear layers of 2-128 rows compute `W @ x^T` (cpu_linear.py), which MKL runs up
     to 1.9x faster than `x @ W^T` with few rows; false: transformers' `nn.Linear` as it is."""
 

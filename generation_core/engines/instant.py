@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, SamplingParams, response_budget
+from generation_core.settings import InstantEngineKwargs
 
 
 @dataclass
@@ -35,9 +36,9 @@ class InstantSettings:
     prompt_length: int
     response_length: int
     eos_token_id: int
-    response_tokens: int = 8
+    response_tokens: int = InstantEngineKwargs.response_tokens
     vocab_size: int = 1000
-    delay_seconds: float = 0.0
+    delay_seconds: float = InstantEngineKwargs.delay_seconds
     """Seconds each request takes (tests that need requests in flight when something dies)."""
 
 

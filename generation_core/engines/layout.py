@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
+from generation_core.settings import HfEngineKwargs, RemoteEngineKwargs, check_hf_device, hf_device
 
 GPU_ENGINES = ("sglang", "vllm")
 """verl's replicas, booted on the Ray cluster's GPUs."""
@@ -116,7 +117,7 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
                 f"{tp}/{dp}/{pp}); set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (and data/pipeline 1), "
                 "or use rollout.name=sglang / vllm on GPUs"
             )
-        on_gpu = engine == "hf" and hf_device(cfg).startswith("cuda")
+        on_gpu = engine == "hf" and checked_hf_device(cfg).startswith("cuda")
         return ReplicaLayout(engine, slots, int(on_gpu), int(on_gpu), int(on_gpu), 1, 1, 1, None)
 
     if engine not in GPU_ENGINES:
@@ -151,15 +152,15 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
     return ReplicaLayout(engine, slots // world, world, world // per_node, per_node, tp, dp, pp, float(memory))
 
 
-def remote_settings(cfg: DictConfig) -> dict[str, Any]:
+def remote_settings(cfg: DictConfig) -> RemoteEngineKwargs:
     """`actor_rollout_ref.rollout.engine_kwargs.remote`: base_urls, model, api_key, timeouts."""
-    return dict(cfg.actor_rollout_ref.rollout.engine_kwargs.get("remote", {}) or {})
+    return RemoteEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs)
 
 
 def remote_urls(cfg: DictConfig) -> list[str]:
     """The configured base URLs, normalized (no trailing / or /v1), or a GenrunError."""
     key = "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
-    urls = remote_settings(cfg).get("base_urls")
+    urls: Any = remote_settings(cfg).base_urls
     if isinstance(urls, str):
         urls = [part for part in urls.split(",") if part.strip()]
     if not urls:
@@ -196,13 +197,9 @@ def _check_with_verl(rollout: DictConfig) -> None:
         raise GenrunError(f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(innermost).splitlines()[0]}") from None
 
 
-def hf_device(cfg: DictConfig) -> str:
-    """The transformers engine's device: engine_kwargs.hf.device, else trainer.device."""
-    hf_kwargs = cfg.actor_rollout_ref.rollout.engine_kwargs.get("hf", {}) or {}
-    device = hf_kwargs.get("device") or cfg.trainer.get("device") or "cpu"
-    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-        raise GenrunError(f"invalid actor_rollout_ref.rollout.engine_kwargs.hf.device={device!r}: use cpu or cuda")
-    return device
+def checked_hf_device(cfg: DictConfig) -> str:
+    """The transformers engine's device (settings.hf_device decides it), or a GenrunError."""
+    return check_hf_device(hf_device(HfEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).device, cfg.trainer.get("device")))
 
 
 def check_engine_installed(engine: str) -> None:

@@ -31,12 +31,10 @@ from omegaconf import DictConfig
 from generation_core.engines.base import STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 from generation_core.engines.layout import remote_settings, remote_urls
 from generation_core.errors import GenrunError
+from generation_core.settings import RemoteEngineKwargs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEALTH_INTERVAL = 5.0
-"""Seconds between two /health probes of a server out of rotation
-(engine_kwargs.remote.health_interval)."""
 
 
 class RemoteRequestRejected(ValueError):
@@ -119,7 +117,7 @@ class CompletionsServer:
         model: str | None,
         prompt_length: int,
         response_length: int,
-        probe_interval: float = DEFAULT_HEALTH_INTERVAL,
+        probe_interval: float = RemoteEngineKwargs.health_interval,
     ):
         self.base_url = base_url
         self.http = http
@@ -207,19 +205,19 @@ def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
     """One CompletionsServer per configured URL, sharing one connection pool."""
     settings = remote_settings(cfg)
     rollout = cfg.actor_rollout_ref.rollout
-    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     urls = remote_urls(cfg)
     http = httpx.AsyncClient(
         headers=headers,
         # No read timeout: a long generation is not a dead server (generation.request_timeout
         # bounds a request when set).
-        timeout=httpx.Timeout(None, connect=float(settings.get("connect_timeout") or 10.0)),
-        limits=httpx.Limits(max_connections=int(settings.get("max_connections") or 256) * len(urls), max_keepalive_connections=None),
+        timeout=httpx.Timeout(None, connect=float(settings.connect_timeout or RemoteEngineKwargs.connect_timeout)),
+        limits=httpx.Limits(max_connections=int(settings.max_connections or RemoteEngineKwargs.max_connections) * len(urls), max_keepalive_connections=None),
     )
-    interval = float(settings.get("health_interval") or DEFAULT_HEALTH_INTERVAL)
+    interval = float(settings.health_interval or RemoteEngineKwargs.health_interval)
     return {
         url: CompletionsServer(
-            url, http, model=settings.get("model"), prompt_length=rollout.prompt_length, response_length=rollout.response_length, probe_interval=interval
+            url, http, model=settings.model, prompt_length=rollout.prompt_length, response_length=rollout.response_length, probe_interval=interval
         )
         for url in urls
     }
@@ -273,7 +271,7 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
         )
     for url, why in down.items():
         logger.warning("remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why)
-    wanted = remote_settings(cfg).get("model")
+    wanted = remote_settings(cfg).model
     chosen = {}
     for url, models in answering.items():
         if wanted and wanted not in models:

@@ -25,6 +25,7 @@ from verl.workers.rollout.replica import RolloutReplica
 from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
 from generation_core.engines.server import EngineServer
+from generation_core.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
 from generation_core.verl_adapter import register_replica_class, serve_standalone
 
 ENGINE_RESTARTS = 3
@@ -68,31 +69,27 @@ class HFReplica(_EngineReplica):
         return int(self._device().startswith("cuda"))
 
     def _device(self) -> str:
-        hf_kwargs = self.config.engine_kwargs.get("hf", {}) or {}
-        # RolloutConfig has no trainer.device: the driver's resolution (layout.hf_device) put it here.
-        return hf_kwargs.get("device") or "cpu"
+        # RolloutConfig has no trainer.device: load_config wrote the decision into hf.device.
+        return hf_device(HfEngineKwargs.of(self.config.engine_kwargs).device, None)
 
     def build_engine(self) -> Callable[[], Engine]:
-        hf_kwargs = dict(self.config.engine_kwargs.get("hf", {}) or {})
+        hf_kwargs = HfEngineKwargs.of(self.config.engine_kwargs)
         device = self._device()
-        # bfloat16 on a GPU (what SGLang/vLLM serve), float32 on the CPU (bf16 matmuls are slow there).
-        dtype = hf_kwargs.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
-        prefix_cache_bytes = hf_kwargs.get("prefix_cache_bytes")
         settings = hf.EngineSettings(
             model_path=os.path.expanduser(self.model_config.path),
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             max_batch_size=self.config.max_num_seqs,
             max_step_tokens=int(self.config.max_num_batched_tokens),
-            num_threads=hf_kwargs.get("num_threads"),
+            num_threads=hf_kwargs.num_threads,
             device=device,
-            dtype=dtype,
-            ignore_eos=bool(hf_kwargs.get("ignore_eos", False)),
-            prefix_cache_bytes=hf.EngineSettings.prefix_cache_bytes if prefix_cache_bytes is None else int(prefix_cache_bytes),
+            dtype=hf_kwargs.dtype_on(device),
+            ignore_eos=bool(hf_kwargs.ignore_eos),
+            prefix_cache_bytes=hf_kwargs.prefix_cache_bytes_or_default,
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
-            later_turns_first=bool(hf_kwargs.get("later_turns_first", hf.EngineSettings.later_turns_first)),
-            shared_prefix_attention=bool(hf_kwargs.get("shared_prefix_attention", hf.EngineSettings.shared_prefix_attention)),
-            weight_first_linear=bool(hf_kwargs.get("weight_first_linear", hf.EngineSettings.weight_first_linear)),
+            later_turns_first=bool(hf_kwargs.later_turns_first),
+            shared_prefix_attention=bool(hf_kwargs.shared_prefix_attention),
+            weight_first_linear=bool(hf_kwargs.weight_first_linear),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.
         return functools.partial(hf.engine_on_this_node, settings, replicas_on_node=self.gpus_per_node)
@@ -102,15 +99,15 @@ class InstantReplica(_EngineReplica):
     engine_name = "instant"
 
     def build_engine(self) -> Callable[[], Engine]:
-        instant_kwargs = dict(self.config.engine_kwargs.get("instant", {}) or {})
+        instant_kwargs = InstantEngineKwargs.of(self.config.engine_kwargs)
         model_config = json.loads((Path(os.path.expanduser(self.model_config.path)) / "config.json").read_text())
         eos = model_config.get("eos_token_id", 2)
         settings = instant.InstantSettings(
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            response_tokens=int(instant_kwargs.get("response_tokens", 8)),
-            delay_seconds=float(instant_kwargs.get("delay_seconds", 0.0)),
+            response_tokens=int(instant_kwargs.response_tokens),
+            delay_seconds=float(instant_kwargs.delay_seconds),
             vocab_size=int(model_config.get("vocab_size", 1000)),
         )
         return functools.partial(instant.InstantEngine, settings)
