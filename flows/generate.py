@@ -100,10 +100,6 @@ class ShardTasksOnRay:
         self.runner.__enter__()
         return self
 
-    def update_progress_artifact(self, totals: ProgressTotals) -> None:
-        if self.progress_artifact is not None:
-            _update_artifact(self.progress_artifact, totals)
-
     def __exit__(self, *exc_info: Any) -> None:
         try:
             if exc_info[0] is None:
@@ -112,6 +108,10 @@ class ShardTasksOnRay:
                 wait_until_recorded(self.reported, 2.0 if self.stopping else RECORD_STATES_SECONDS)
         finally:
             self.runner.__exit__(*exc_info)
+
+    def update_progress_artifact(self, totals: ProgressTotals) -> None:
+        if self.progress_artifact is not None:
+            _update_artifact(self.progress_artifact, totals)
 
     def submit(self, job: ShardJobArgs) -> list[ShardManifest]:
         self.job = job
