@@ -77,12 +77,14 @@ class ShardSubmitter(Protocol):
     def __exit__(self, *exc_info: Any) -> None: ...
 
     def submit(self, job: ShardJobArgs) -> list[ShardManifest]:
-        """Start (or queue) a job for every shard of the plan; answers the manifests of shards known to be
-        finished already, without running anything (the display counts them done at once)."""
+        """Start (or queue) a job for every shard of the plan; answers the manifests of shards
+        known to be finished already, without running anything (the display counts them done)."""
         ...
 
     def next_ended(self, timeout: float) -> ShardEnded | None:
-        """The next shard job to end, or None when none ended within `timeout` seconds."""
+        """The next shard job to end, or None when none ended within `timeout` seconds. A
+        submitter may raise a shard job's error here instead (the in-process one does): the run
+        then ends with it, its replicas stopped and its lease released."""
         ...
 
     def pending(self) -> int:
