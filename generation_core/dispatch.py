@@ -6,7 +6,6 @@ dispatchers only submit `run_shard_job`, which alone decides whether a shard nee
 from __future__ import annotations
 
 import collections
-import logging
 import queue
 import threading
 import time
@@ -19,8 +18,6 @@ from generation_core.plan import RunPlan, ShardSpec
 from generation_core.progress import ShardStopped
 from generation_core.ray_setup import start_ray
 from generation_core.run_folder import ShardManifest
-
-logger = logging.getLogger(__name__)
 
 
 def run_in_process(plan: RunPlan) -> dict[str, Any]:
