@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         import httpx
 
-        from flows.generate import ShardsFailed
+        from generation_core.driver import ShardsFailed
 
         if isinstance(exc, ShardsFailed):
             # Which shards and why, in one line; the flow run's log has the tracebacks.

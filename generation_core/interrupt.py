@@ -60,6 +60,22 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
             self._installed = False
 
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """SIGINT handled as above for the block: a library caller's run (dispatch.run_in_process)
+        stops on a Ctrl-C as `genrun`'s does. Where something installed it already (the CLI) or
+        this is not the main thread (only it receives signals), the block changes nothing. A stop
+        requested during the block is forgotten after it: the caller's next run starts afresh."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self.install()
+        try:
+            yield
+        finally:
+            self.uninstall()
+            self._event.clear()
+
     def requested(self) -> bool:
         return self._event.is_set()
 

@@ -14,6 +14,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 
@@ -451,3 +452,73 @@ def test_a_genrun_killed_with_kill_9_leaves_no_prefect_server_or_ray_behind(few_
         assert _alive(started) == {}
     finally:
         stage.kill()
+
+
+# ---- the in-process dispatcher: the same driver, the same Ctrl-C and progress ---------------
+
+IN_PROCESS = """
+import sys
+from generation_core.console import setup_logging
+from generation_core.dispatch import run_in_process
+from generation_core.preflight import preflight
+
+setup_logging()
+try:
+    run_in_process(preflight(sys.argv[1:]))
+except KeyboardInterrupt as stopped:
+    print(f"in-process: {stopped}", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_ctrl_c_stops_an_in_process_run_cleanly_with_progress_shown_and_the_run_resumes_exactly(prompts, uninterrupted, tmp_path):
+    """`run_in_process` in a script of its own (no Prefect): its progress lines, and a Ctrl-C
+    once a part is committed stops it as it stops `genrun` (the shard job commits what finished,
+    the lease is released), raising a KeyboardInterrupt that says what is kept."""
+    out = tmp_path / "run"
+    stderr_path = tmp_path / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if k not in ("GENRUN_LOG_LEVEL",)}
+    env.update(PYTHONPATH=str(REPO))
+    args = [*_args(prompts, out), "generation.progress_seconds=1"]
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", IN_PROCESS, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "shards").exists() or not committed_keys(out):
+            assert process.poll() is None, f"the run exited early:\n{stderr_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"nothing committed in time:\n{stderr_path.read_text()[-3000:]}"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(timeout=60) == 130, stderr_path.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not exit within 60 s of a Ctrl-C:\n{stderr_path.read_text()[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    text = stderr_path.read_text(errors="replace")
+    print(text[-3000:])
+    # The driver's progress lines, as `genrun` prints them when the output is not a terminal.
+    assert re.search(r"\d\d:\d\d:\d\d trajectories \d+/240 \(", text), text[-2000:]
+    assert "genrun: stopping:" in text
+    stopped = re.search(r"in-process: stopped on request: (\d+) trajectories committed in .*; run the same command again to resume", text)
+    assert stopped, text[-2000:]
+    committed = committed_keys(out)
+    assert int(stopped.group(1)) == len(committed) > 0
+    assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
+    assert "Traceback" not in text, text[-3000:]
+    lease = newest_lease(RunFolder(str(out)))
+    assert lease is not None and lease.released, lease
+    assert not (out / "trajectories.pkl").exists()
+
+    # The same call again (here, in this process) generates exactly what is missing.
+    from generation_core.dispatch import run_in_process
+    from generation_core.preflight import preflight
+
+    summary = run_in_process(preflight([*_args(prompts, out), "generation.show_progress=false"]))
+    assert summary["num_trajectories"] == TOTAL
+    keys = committed_keys(out)
+    assert len(keys) == len(set(keys)) == TOTAL
+    _same_dataproto(DataProto.load_from_disk(str(out / "trajectories.pkl")), uninterrupted)
