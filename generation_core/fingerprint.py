@@ -115,7 +115,7 @@ OUTPUT_FILES = {
     # verl's older place for the tool config (load_config copies it to multi_turn).
     "data.tool_config_path": "file",
 }
-"""Config keys naming files whose content shapes the output, and how preflight reads them:
+"""Config keys naming files whose content shapes the output, and how output_file_digests reads them:
 `dataset` (dataset_files.inspect_dataset: metadata plus a sampled content hash), `model` (model_identity: config,
 tokenizer and weights), `file` (content), `agent_loops` (the YAML and the source files of the
 classes it names). Their content stands in for their path in the fingerprint."""
