@@ -193,6 +193,23 @@ def _same_dataproto(actual: DataProto, expected: DataProto):
         assert actual.non_tensor_batch[key].tolist() == expected.non_tensor_batch[key].tolist(), key
 
 
+def _stopped_cleanly(text: str, out, stopped_pattern: str) -> list:
+    """What a first Ctrl-C leaves, whichever path ran: the stop said and counted (the count is
+    what is committed, some but not all), no traceback, the lease released, no merge. Returns
+    the committed sample keys."""
+    assert "genrun: stopping:" in text
+    stopped = re.search(stopped_pattern, text)
+    assert stopped, text[-2000:]
+    committed = committed_keys(out)
+    assert int(stopped.group(1)) == len(committed) > 0
+    assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
+    assert "Traceback" not in text, text[-3000:]
+    lease = newest_lease(RunFolder(str(out)))
+    assert lease is not None and lease.released, lease
+    assert not (out / "trajectories.pkl").exists()
+    return committed
+
+
 @contextlib.contextmanager
 def _ctrl_c_after_a_commit(prompts, tmp_path):
     """`genrun` in a terminal, sent a Ctrl-C once it has committed a part; killed on the way out
@@ -233,16 +250,7 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_committing_what_finished(prompts, tm
     print(text[-3000:])
     # The live display: one line redrawn in place, with the counts and an ETA.
     assert re.search(r"\r\x1b\[Ktrajectories \d+/240 \(", text), text[-2000:]
-    assert "genrun: stopping:" in text
-    stopped = re.search(r"genrun: stopped: (\d+) of 240 trajectories committed in .*; run the same command again to resume", text)
-    assert stopped, text[-2000:]
-    committed = committed_keys(out)
-    assert int(stopped.group(1)) == len(committed) > 0
-    assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
-    assert "Traceback" not in text
-    lease = newest_lease(RunFolder(str(out)))
-    assert lease is not None and lease.released, lease
-    assert not (out / "trajectories.pkl").exists()
+    committed = _stopped_cleanly(text, out, r"genrun: stopped: (\d+) of 240 trajectories committed in .*; run the same command again to resume")
     assert _flow_run_states(prefect_home) == ["CANCELLED"]
     # The flow run's progress artifact has the terminal's numbers, in trajectories.
     ((percent, description),) = _progress_artifacts(prefect_home)
@@ -502,16 +510,7 @@ def test_a_ctrl_c_stops_an_in_process_run_cleanly_with_progress_shown_and_the_ru
     print(text[-3000:])
     # The driver's progress lines, as `genrun` prints them when the output is not a terminal.
     assert re.search(r"\d\d:\d\d:\d\d trajectories \d+/240 \(", text), text[-2000:]
-    assert "genrun: stopping:" in text
-    stopped = re.search(r"in-process: stopped on request: (\d+) trajectories committed in .*; run the same command again to resume", text)
-    assert stopped, text[-2000:]
-    committed = committed_keys(out)
-    assert int(stopped.group(1)) == len(committed) > 0
-    assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
-    assert "Traceback" not in text, text[-3000:]
-    lease = newest_lease(RunFolder(str(out)))
-    assert lease is not None and lease.released, lease
-    assert not (out / "trajectories.pkl").exists()
+    _stopped_cleanly(text, out, r"in-process: stopped on request: (\d+) trajectories committed in .*; run the same command again to resume")
 
     # The same call again (here, in this process) generates exactly what is missing.
     from generation_core.dispatch import run_in_process
