@@ -15,11 +15,3 @@ def genrun_env(timeline: Path) -> dict[str, str]:
     env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
     env.pop("PREFECT_API_URL", None)
     return env
-
-
-def read_timeline(timeline: Path) -> dict[str, list[float]]:
-    """event -> unix times, in the order written (one per process that marked it)."""
-    events: dict[str, list[float]] = {}
-    for line in timeline.read_text().splitlines():
-        events.setdefault(line.split()[0], []).append(float(line.split()[-1]))
-    return events

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from genrun_process import GENRUN, REPO, genrun_env, read_timeline
+from genrun_process import GENRUN, REPO, genrun_env
+
+from generation_core.instrumentation import read_timeline
 
 TARGET = 0.10
 

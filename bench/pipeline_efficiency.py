@@ -36,9 +36,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_streaming import bundled_prompt_ids  # noqa: E402
-from genrun_process import GENRUN, REPO, genrun_env, read_timeline  # noqa: E402
+from genrun_process import GENRUN, REPO, genrun_env  # noqa: E402
 
 from generation_core.bundled import BUNDLED_PROMPTS, prepare_bundled_model  # noqa: E402
+from generation_core.instrumentation import generation_phase_seconds, read_timeline  # noqa: E402
 
 TARGET = 0.90
 
@@ -83,10 +84,8 @@ def pipeline_run(scratch: Path, prompts_file: Path, tokens: int, shards: int) ->
     total = time.time() - started
     if finished.returncode != 0:
         sys.exit(f"genrun failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
-    events = read_timeline(timeline)
     manifest = json.loads((out / "manifest.json").read_text())
-    generation_started = max(events["engine_ready"][0], min(events["shard_worker_ready"]))
-    generation_seconds = max(events["shard_done"]) - generation_started
+    generation_seconds = generation_phase_seconds(read_timeline(timeline))
     return {"tokens": manifest["generated_tokens"], "trajectories": manifest["num_trajectories"], "generation_seconds": generation_seconds, "total_seconds": total}
 
 

@@ -45,7 +45,9 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-from genrun_process import GENRUN, REPO, genrun_env, read_timeline
+from genrun_process import GENRUN, REPO, genrun_env
+
+from generation_core.instrumentation import read_timeline
 
 SHARDS = 16
 TOPICS = ["the sea", "a cat", "rain", "mountains", "coffee", "a robot", "the moon", "trees"]

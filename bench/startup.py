@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from genrun_process import GENRUN, REPO, genrun_env, read_timeline
+from genrun_process import GENRUN, REPO, genrun_env
+
+from generation_core.instrumentation import read_timeline
 
 TARGET = 60.0
 STAGES = [

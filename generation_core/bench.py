@@ -245,7 +245,7 @@ ENGINE_SIDE = {
 
 def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Path, engine: str) -> tuple[int, float, float]:
     """(generated tokens, generation-phase seconds, wall seconds) of one whole `genrun` run."""
-    from generation_core.instrumentation import TIMELINE_ENV
+    from generation_core.instrumentation import TIMELINE_ENV, generation_phase_seconds, read_timeline
 
     timeline = folder.with_suffix(".timeline")
     env = dict(os.environ, **{TIMELINE_ENV: str(timeline)})
@@ -263,12 +263,8 @@ def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Pa
     if finished.returncode != 0:
         tail = log.read_text()[-2000:]
         raise GenrunError(f"the genrun run of the bench failed (exit {finished.returncode}); its log: {log}\n{tail}")
-    events: dict[str, list[float]] = {}
-    for line in timeline.read_text().splitlines():
-        events.setdefault(line.split()[0], []).append(float(line.split()[-1]))
-    generation_started = max(events["engine_ready"][0], min(events["shard_worker_ready"])) if "engine_ready" in events else min(events["shard_worker_ready"])
     manifest = json.loads((folder / "manifest.json").read_text())
-    return int(manifest["generated_tokens"]), max(events["shard_done"]) - generation_started, wall
+    return int(manifest["generated_tokens"]), generation_phase_seconds(read_timeline(timeline)), wall
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -46,6 +46,25 @@ def mark(event: str) -> None:
             handle.write(f"{event} pid={os.getpid()} {time.time():.3f}\n")
 
 
+def read_timeline(timeline: str | os.PathLike) -> dict[str, list[float]]:
+    """event -> unix times, in the order written (one per process that marked it)."""
+    events: dict[str, list[float]] = {}
+    with open(timeline) as handle:
+        for line in handle.read().splitlines():
+            events.setdefault(line.split()[0], []).append(float(line.split()[-1]))
+    return events
+
+
+def generation_phase_seconds(events: dict[str, list[float]]) -> float:
+    """A run's generation phase, as the benchmarks define it: from the first shard worker ready
+    with an engine up (engine_ready; engines that boot nothing, such as remote, mark none) to
+    the last shard done."""
+    started = min(events["shard_worker_ready"])
+    if "engine_ready" in events:
+        started = max(events["engine_ready"][0], started)
+    return max(events["shard_done"]) - started
+
+
 class SampleTrace:
     """The sample trace of one stream (a no-op when GENRUN_SAMPLE_TRACE is unset)."""
 
