@@ -9,7 +9,7 @@ ARGS ?=
 .PHONY: setup setup-vllm browser demo lint test test-all test-remote chaos bench clean-outputs
 
 setup: $(STAMP)
-	$(BIN)/python -m generation_core.bundled
+	$(BIN)/python -m generation_core.config.bundled
 
 # torch first and pinned: an unpinned torch (asked for by a dependency) pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml constraints-cpu.txt

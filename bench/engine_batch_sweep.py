@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine_streaming import bundled_prompt_ids, streaming
-from generation_core.bundled import prepare_bundled_model
+from generation_core.config.bundled import prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 
 

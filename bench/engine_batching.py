@@ -15,7 +15,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from generation_core.bundled import prepare_bundled_model
+from generation_core.config.bundled import prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 
 QUESTIONS = ["Name a color.", "What is 3 + 4?", "Describe rain.", "Give a fruit.", "Why is the sky blue?", "Say hi.", "Count to five.", "What is a cat?"]

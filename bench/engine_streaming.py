@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from generation_core.bundled import BUNDLED_PROMPTS, prepare_bundled_model
+from generation_core.config.bundled import BUNDLED_PROMPTS, prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 
 TARGET = 0.90

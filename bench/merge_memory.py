@@ -46,7 +46,7 @@ def build_folder(directory: str, trajectories: int, prompt_length: int, response
 
     import numpy as np
 
-    from generation_core.records import TrajectoryRecord, records_to_parquet
+    from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 
     rng = np.random.default_rng(0)
     root = Path(directory)
@@ -74,18 +74,18 @@ def build_folder(directory: str, trajectories: int, prompt_length: int, response
 def _checkpoint_writer(root: Path, shard: str):
     """commit(part, samples) through this generation_core's ShardCheckpoint, or None when it
     predates commit records (it reads one checkpoint.json per shard)."""
-    from generation_core import run_folder
+    from generation_core.store import run_folder
 
     if not hasattr(run_folder, "commit_file"):
         return None
-    from generation_core.storage import RunFolder
+    from generation_core.store.folder import StorageFolder
 
     try:
-        from generation_core.commit_log import ShardCheckpoint
+        from generation_core.store.commit_log import ShardCheckpoint
     except ImportError:  # a genrun from before commit_log.py: the checkpoint lived in run_folder
         ShardCheckpoint = run_folder.ShardCheckpoint
 
-    folder = RunFolder(str(root))
+    folder = StorageFolder(str(root))
     checkpoint = ShardCheckpoint()
     return lambda part, samples: checkpoint.commit_part(folder, shard, run_folder.PartEntry(**part), samples)
 
@@ -117,11 +117,11 @@ def _record(record_type, rng, index: int, prompt_length: int, response_length: i
 
 def measure_merge(directory: str, prompt_length: int, response_length: int, chunk_size: int | None) -> dict:
     """Run the merge in this (fresh) process and return its peak memory and output sizes."""
-    import generation_core.merge as merge
-    import generation_core.run_folder as run_folder
-    from generation_core.storage import RunFolder
+    import generation_core.outputs.merge as merge
+    import generation_core.store.run_folder as run_folder
+    from generation_core.store.folder import StorageFolder
 
-    folder = RunFolder(directory)
+    folder = StorageFolder(directory)
     lengths = dict(prompt_length=prompt_length, response_length=response_length, pad_token_id=2)
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:

@@ -39,8 +39,8 @@ def main() -> None:
         for i in range(args.samples)
     ]
     pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
 
     try:
         plan = preflight([

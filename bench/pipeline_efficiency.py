@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_streaming import bundled_prompt_ids  # noqa: E402
 from genrun_process import GENRUN, REPO, genrun_env  # noqa: E402
 
-from generation_core.bundled import BUNDLED_PROMPTS, prepare_bundled_model  # noqa: E402
+from generation_core.config.bundled import BUNDLED_PROMPTS, prepare_bundled_model  # noqa: E402
 from generation_core.instrumentation import generation_phase_seconds, read_timeline  # noqa: E402
 
 TARGET = 0.90

@@ -204,13 +204,13 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     import resource
 
     sys.path.insert(0, str(REPO))
-    from generation_core.bundled import prepare_bundled_model
-    from generation_core.commit_log import ShardCheckpoint, write_marker
-    from generation_core.data import read_rows, rows_digest
-    from generation_core.dataset_files import data_storage_options
-    from generation_core.job import RECHECK_THREADS, finished_shards
-    from generation_core.preflight import preflight
-    from generation_core.run_folder import ShardManifest
+    from generation_core.config.bundled import prepare_bundled_model
+    from generation_core.store.commit_log import ShardCheckpoint, write_marker
+    from generation_core.inputs.shard_rows import read_rows, rows_digest
+    from generation_core.inputs.dataset_files import data_storage_options
+    from generation_core.shard.finished import RECHECK_THREADS, finished_shards
+    from generation_core.plan.preflight import preflight
+    from generation_core.store.run_folder import SuccessMarker
 
     started = time.time()
     dataset = write_dataset(scratch / "prompts.parquet", prompts)
@@ -229,7 +229,7 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
         ShardCheckpoint.start_attempt(plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options)))
     recorded = time.time() - started
     for shard in plan.shards:  # finished (no parts): only a finished shard's rows are read again
-        write_marker(plan.folder, ShardManifest(shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0))
+        write_marker(plan.folder, SuccessMarker(shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0))
     started = time.time()
     assert all(finished_shards(plan, plan.shards).values())
     return {

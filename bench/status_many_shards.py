@@ -24,13 +24,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from generation_core.commit_log import ShardCheckpoint, write_marker  # noqa: E402
-from generation_core.run_folder import PartEntry, ShardManifest, shard_name  # noqa: E402
-from generation_core.storage import RunFolder  # noqa: E402
+from generation_core.store.commit_log import ShardCheckpoint, write_marker  # noqa: E402
+from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name  # noqa: E402
+from generation_core.store.folder import StorageFolder  # noqa: E402
 
 
 def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:
-    folder = RunFolder(str(path))
+    folder = StorageFolder(str(path))
     names = [shard_name(i) for i in range(shards)]
     folder.put_json("run.json", {
         "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
@@ -41,7 +41,7 @@ def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:
         keys = [f"{i * rows_per_shard + row}:0" for row in range(rows_per_shard)]
         part = PartEntry(name="part-00000.parquet", count=rows_per_shard, bytes=1, sha256="0" * 64)
         ShardCheckpoint.start_attempt(folder, name).commit_part(folder, name, part, keys)
-        write_marker(folder, ShardManifest(shard=name, shard_id=i, range=[i * rows_per_shard, (i + 1) * rows_per_shard],
+        write_marker(folder, SuccessMarker(shard=name, shard_id=i, range=[i * rows_per_shard, (i + 1) * rows_per_shard],
                                            num_trajectories=rows_per_shard, expected_trajectories=rows_per_shard, parts=[part]))
 
 

@@ -46,17 +46,17 @@ def generate(directory: Path, logprobs: bool) -> None:
 
 def part_records(directory: Path) -> list[list]:
     """The records of each committed part of a run folder, part by part."""
-    from generation_core.commit_log import committed_parts, read_verified_part
-    from generation_core.records import records_from_parquet
-    from generation_core.storage import RunFolder
+    from generation_core.store.part_repair import committed_parts, read_verified_part
+    from generation_core.store.trajectory_record import records_from_parquet
+    from generation_core.store.folder import StorageFolder
 
-    folder = RunFolder(str(directory))
+    folder = StorageFolder(str(directory))
     return [records_from_parquet(read_verified_part(folder, p)) for p in committed_parts(folder)]
 
 
 def baseline_records_module(revision: str, scratch: Path):
     """That revision's records.py, loaded on its own (it imports nothing from genrun)."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:generation_core/records.py"], check=True, capture_output=True).stdout
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:generation_core/store/trajectory_record.py"], check=True, capture_output=True).stdout
     path = scratch / "baseline_records.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("baseline_records", path)
@@ -67,7 +67,7 @@ def baseline_records_module(revision: str, scratch: Path):
 
 
 def padded_pickle_bytes(records: list, prompt_length: int) -> int:
-    from generation_core.merge import dump_dataproto
+    from generation_core.outputs.merge import dump_dataproto
     from tests.merge_oracles import build_dataproto
 
     data = build_dataproto(records, prompt_length=prompt_length, response_length=PADDED_RESPONSE_LENGTH, pad_token_id=2)
@@ -97,7 +97,7 @@ def breakdown(parts: list[list]) -> dict[str, int]:
     and per-file overhead (footer, page headers, magic)."""
     import pyarrow.parquet as pq
 
-    from generation_core.records import records_to_parquet
+    from generation_core.store.trajectory_record import records_to_parquet
 
     sizes = {"token ids": 0, "logprobs": 0, "other columns": 0, "file overhead": 0}
     for part in parts:
@@ -115,7 +115,7 @@ def breakdown(parts: list[list]) -> dict[str, int]:
 def measure(directory: Path, parts: list[list], baseline) -> dict:
     import json
 
-    from generation_core.records import records_from_parquet, records_to_parquet
+    from generation_core.store.trajectory_record import records_from_parquet, records_to_parquet
 
     records = [r for part in parts for r in part]
     for part in parts:

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from genrun_process import GENRUN, REPO, genrun_env  # noqa: E402
 
-from generation_core.bundled import BUNDLED_PROMPTS  # noqa: E402
+from generation_core.config.bundled import BUNDLED_PROMPTS  # noqa: E402
 
 TOOLS = REPO / "examples" / "tool_calling"
 TARGET = 0.8
@@ -73,11 +73,11 @@ def run(scratch: Path, name: str, overrides: list[str]) -> dict:
 
 
 def multi_turn(out: Path) -> int:
-    from generation_core.commit_log import committed_parts, read_verified_part
-    from generation_core.records import records_from_parquet
-    from generation_core.storage import RunFolder
+    from generation_core.store.part_repair import committed_parts, read_verified_part
+    from generation_core.store.trajectory_record import records_from_parquet
+    from generation_core.store.folder import StorageFolder
 
-    folder = RunFolder(str(out))
+    folder = StorageFolder(str(out))
     count = 0
     for part in committed_parts(folder):
         for record in records_from_parquet(read_verified_part(folder, part)):

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any, NoReturn, cast
 
-from generation_core.bundled import cache_root
+from generation_core.config.bundled import cache_root
 from generation_core.console import setup_logging
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import mark
@@ -79,8 +79,8 @@ def _print_summary(summary: dict, plan) -> None:
 
 def first_example(plan) -> str | None:
     """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
-    from generation_core.commit_log import committed_parts, read_verified_part
-    from generation_core.records import records_from_parquet
+    from generation_core.store.part_repair import committed_parts, read_verified_part
+    from generation_core.store.trajectory_record import records_from_parquet
 
     parts = committed_parts(plan.folder)
     if not parts:
@@ -149,9 +149,9 @@ def _generate(argv: list[str]) -> int:
     """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
     resumes); a second exits at once (generation_core/interrupt.py)."""
     from generation_core.interrupt import STOP
-    from generation_core.lease import check_lease_free
-    from generation_core.preflight import preflight
+    from generation_core.plan.preflight import preflight
     from generation_core.secrets import overrides_without_secrets
+    from generation_core.store.lease import check_lease_free
 
     # Every input check first, so a bad input is one line here, not a failed flow run.
     plan = preflight(argv)
@@ -165,8 +165,8 @@ def _generate(argv: list[str]) -> int:
 
     from flows.generate import generate
     from flows.prefect_api import prefect_api
-    from generation_core.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
-    from generation_core.watchdog import Watchdog
+    from generation_core.driver.watchdog import Watchdog
+    from generation_core.serving.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
 
     # The Prefect server and Ray that this run starts end with it, also after a kill -9.
     watchdog = Watchdog.start()
@@ -197,7 +197,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _print_stopped(plan) -> None:
-    from generation_core.progress import committed_counts
+    from generation_core.shard.progress import committed_counts
 
     counts = committed_counts(plan.folder, [s.shard_id for s in plan.shards])
     rollout_n = plan.cfg.actor_rollout_ref.rollout.n
@@ -209,6 +209,43 @@ def _print_stopped(plan) -> None:
     )
 
 
+def _read_only_command(argv: list[str]) -> int | None:
+    """Run `bench`, `export`, `report`, `status` or `merge` (each imports only what it needs:
+    `status` no torch, verl or Ray); None when `argv` is a run."""
+    if argv and argv[0] == "bench":
+        from generation_core.driver.bench import bench_command
+
+        return bench_command(argv[1:])
+    if argv and argv[0] == "export":
+        from generation_core.outputs.export import export_command, parse_export_arguments
+
+        run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
+        return export_command(run_dir, out, export_options, storage_options_from(rest))
+    if argv and argv[0] == "report":
+        from generation_core.report.html import report_command, split_report_arguments
+
+        sample, rest = split_report_arguments(argv[1:])
+        trust_remote_code = "--trust-remote-code" in rest
+        rest = [argument for argument in rest if argument != "--trust-remote-code"]
+        if not rest:
+            raise GenrunError("usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]")
+        return report_command(rest[0], storage_options_from(rest[1:]), sample, trust_remote_code)
+    if argv and argv[0] in ("status", "merge"):
+        if len(argv) < 2:
+            raise GenrunError(f"usage: genrun {argv[0]} DIR [storage.options.KEY=VALUE ...]")
+        options = storage_options_from(argv[2:])
+        if argv[0] == "status":
+            from generation_core.outputs.status import print_status
+
+            return print_status(argv[1], options)
+        # The merge writes verl's DataProto: torch, tensordict and verl load here, not for status.
+        from generation_core.outputs.finish import merge_folder
+
+        merge_folder(argv[1], options)
+        return 0
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -217,38 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_environment()
     try:
         argv = move_credentials_to_environment(argv)
-        if argv and argv[0] == "bench":
-            from generation_core.bench import bench_command
-
-            return bench_command(argv[1:])
-        if argv and argv[0] == "export":
-            from generation_core.export import export_command, parse_export_arguments
-
-            run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
-            return export_command(run_dir, out, export_options, storage_options_from(rest))
-        if argv and argv[0] == "report":
-            from generation_core.report_html import report_command, split_report_arguments
-
-            sample, rest = split_report_arguments(argv[1:])
-            trust_remote_code = "--trust-remote-code" in rest
-            rest = [argument for argument in rest if argument != "--trust-remote-code"]
-            if not rest:
-                raise GenrunError("usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]")
-            return report_command(rest[0], storage_options_from(rest[1:]), sample, trust_remote_code)
-        if argv and argv[0] in ("status", "merge"):
-            if len(argv) < 2:
-                raise GenrunError(f"usage: genrun {argv[0]} DIR [storage.options.KEY=VALUE ...]")
-            options = storage_options_from(argv[2:])
-            if argv[0] == "status":
-                from generation_core.status import print_status
-
-                return print_status(argv[1], options)
-            # The merge writes verl's DataProto: torch, tensordict and verl load here, not for status.
-            from generation_core.finish import merge_folder
-
-            merge_folder(argv[1], options)
-            return 0
-        return _generate(argv)
+        answer = _read_only_command(argv)
+        return answer if answer is not None else _generate(argv)
     except GenrunError as exc:
         print(f"genrun: error: {exc}", file=sys.stderr)
         return 2
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         import httpx
 
-        from generation_core.driver import ShardsFailed
+        from generation_core.driver.run_driver import ShardsFailed
 
         if isinstance(exc, ShardsFailed):
             # Which shards and why, in one line; the flow run's log has the tracebacks.

@@ -5,7 +5,7 @@ deployment and the Prefect UI take; the CLI, which has run the preflight already
 over its plan, so nothing is checked or planned twice.
 
 The run's sequence (lease, replicas booted once and shared by every shard task, progress, Ctrl-C,
-merge, publish) is generation_core.driver's, the same as the in-process dispatcher's; what is
+merge, publish) is generation_core.driver.run_driver's, the same as the in-process dispatcher's; what is
 the flow's own is how a shard job reaches a worker (`ShardTasksOnRay`: a run_shard task on Ray,
 resubmitted when its worker dies), the merge and publish as Prefect tasks with the UI's
 artifacts, and the end after a Ctrl-C: the flow run ends Cancelled (the lease released on the
@@ -31,15 +31,15 @@ from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
 from flows.task_run_states import record_crash, wait_until_recorded
-from generation_core.driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
-from generation_core.engines.layout import SHARD_TASK_RESOURCES
-from generation_core.job import finished_shards
-from generation_core.lease import LeaseFence
-from generation_core.plan import RunPlan, ShardSpec
-from generation_core.preflight import preflight
-from generation_core.progress import ProgressTotals
-from generation_core.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
-from generation_core.run_folder import ShardManifest
+from generation_core.config.layout import SHARD_TASK_RESOURCES
+from generation_core.driver.run_driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
+from generation_core.plan.preflight import preflight
+from generation_core.run_plan import RunPlan, ShardSpec
+from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
+from generation_core.shard.finished import finished_shards
+from generation_core.shard.progress import ProgressTotals
+from generation_core.store.lease import LeaseFence
+from generation_core.store.run_folder import SuccessMarker
 from tasks.merge import merge
 from tasks.publish import publish
 from tasks.run_shard import shard_task
@@ -65,7 +65,7 @@ def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = N
 
 
 class ShardTasksOnRay:
-    """The flow's shard submitter (generation_core.driver.ShardSubmitter): one run_shard task
+    """The flow's shard submitter (generation_core.driver.run_driver.ShardSubmitter): one run_shard task
     per shard, submitted to Ray through Prefect's RayTaskRunner; and the flow run's progress
     artifact, created once the run holds its folder, which mirrors the terminal's line.
 
@@ -113,7 +113,7 @@ class ShardTasksOnRay:
         if self.progress_artifact is not None:
             _update_artifact(self.progress_artifact, totals)
 
-    def submit(self, job: ShardJobArgs) -> list[ShardManifest]:
+    def submit(self, job: ShardJobArgs) -> list[SuccessMarker]:
         self.job = job
         fence = LeaseFence(job.lease_generation)
         plan = self.plan
@@ -121,7 +121,7 @@ class ShardTasksOnRay:
         # (shard_task) needs it, and the rows of a finished shard are checked here because a
         # cached result never reaches the job.
         markers = finished_shards(plan, plan.shards, verify="size", fence=fence)
-        known: list[ShardManifest] = []
+        known: list[SuccessMarker] = []
         for shard in plan.shards:
             marker = markers[shard.shard_id]
             if marker is not None:
@@ -130,14 +130,14 @@ class ShardTasksOnRay:
             self._submit(shard, plan.cfg.generation.retries, marker)
         return known
 
-    def _submit(self, shard: ShardSpec, retries: int, marker: ShardManifest | None = None) -> None:
+    def _submit(self, shard: ShardSpec, retries: int, marker: SuccessMarker | None = None) -> None:
         """`marker`: the finished shard's manifest as `finished_shards` found it when the run
         started; None for work left (a crashed worker's shard is submitted again as such)."""
         assert self.job is not None, "submit() first"
         gen = self.plan.cfg.generation
         task = shard_task(marker, retries=retries, retry_delay_seconds=gen.retry_delay_seconds)
         parameters = {
-            "plan": self.job_plan, "shard": shard.to_dict(), "balancer_name": self.job.balancer_name,
+            "plan": self.job_plan, "shard": shard.to_dict(), "registry_name": self.job.registry_name,
             "lease_generation": self.job.lease_generation, "progress_board": self.job.progress_board,
             "rows_checked": marker is not None,
         }
@@ -173,7 +173,7 @@ class ShardTasksOnRay:
             self._submit(shard, retries_left - 1)
             return None
         if state.is_completed():
-            manifest = ShardManifest.from_dict(future.result())
+            manifest = SuccessMarker.from_dict(future.result())
             # A finished shard's result comes from Prefect's cache: it did no work now.
             return ShardEnded(shard, manifest.as_skipped() if manifest.shard_id in self.cached else manifest)
         return ShardEnded(shard, None, f"{shard.name} {state.name}: {state.message}")

@@ -172,8 +172,8 @@ def serve_standalone(replica: RolloutReplica, server: Any, address: str) -> None
     replica.servers = [server]
 
 
-def server_manager_with_balancer(start_balancer: Callable[[dict[str, Any]], Any]) -> type[LLMServerManager]:
-    """An LLMServerManager whose load balancer is `start_balancer(servers)` (server address ->
+def server_manager_with_registry(start_registry: Callable[[dict[str, Any]], Any]) -> type[LLMServerManager]:
+    """An LLMServerManager whose load balancer (verl's name for it) is `start_registry(servers)` (server address ->
     server actor handle) instead of verl's router actor. verl 0.9.1's `LLMServerManager.create`
     calls the private `_init_global_load_balancer` after `_initialize_llm_servers` has set
     `server_addresses` and `server_handles`; its result is kept as `global_load_balancer`."""
@@ -182,7 +182,7 @@ def server_manager_with_balancer(start_balancer: Callable[[dict[str, Any]], Any]
     class ManagerWithOwnBalancer(LLMServerManager):
         async def _init_global_load_balancer(self) -> None:
             servers = dict(zip(self.server_addresses, self.server_handles, strict=True))
-            self.global_load_balancer = start_balancer(servers)
+            self.global_load_balancer = start_registry(servers)
 
     return ManagerWithOwnBalancer
 

@@ -1,4 +1,4 @@
-"""Prefect task: merge the committed parts and write manifest.json (generation_core.finish.finish_run)."""
+"""Prefect task: merge the committed parts and write manifest.json (generation_core.outputs.finish.finish_run)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from generation_core.finish import finish_run
-from generation_core.lease import LeaseFence
-from generation_core.plan import RunPlan
-from generation_core.run_folder import ShardManifest
+from generation_core.outputs.finish import finish_run
+from generation_core.run_plan import RunPlan
+from generation_core.store.lease import LeaseFence
+from generation_core.store.run_folder import SuccessMarker
 
 
 @task(name="merge", cache_policy=NO_CACHE)
-def merge(plan: RunPlan, manifests: list[ShardManifest], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
+def merge(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
     return finish_run(plan, manifests, elapsed, fence)

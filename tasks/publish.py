@@ -1,4 +1,4 @@
-"""Prefect task: publish the run (generation_core.publish.publish_run: zip, report, metrics, W&B
+"""Prefect task: publish the run (generation_core.driver.publish.publish_run: zip, report, metrics, W&B
 artifact) and show it in the Prefect UI (shard table, output location, the report's plots)."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from generation_core.lease import LeaseFence
-from generation_core.plan import RunPlan
-from generation_core.publish import publish_run
-from generation_core.report_html import Report
-from generation_core.run_folder import ShardManifest
-from generation_core.summary import shard_stats
+from generation_core.driver.publish import publish_run
+from generation_core.outputs.summary import shard_stats
+from generation_core.report.html import Report
+from generation_core.run_plan import RunPlan
+from generation_core.store.lease import LeaseFence
+from generation_core.store.run_folder import SuccessMarker
 
 
 @task(name="publish", cache_policy=NO_CACHE)
-def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[ShardManifest], artifact_key: str, fence: LeaseFence | None = None) -> dict[str, Any]:
+def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarker], artifact_key: str, fence: LeaseFence | None = None) -> dict[str, Any]:
     published = publish_run(plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key), fence=fence)
     create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
     lines = [

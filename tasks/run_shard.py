@@ -1,4 +1,4 @@
-"""Prefect task: run one shard on a Ray worker (generation_core.job.run_shard_job), and the
+"""Prefect task: run one shard on a Ray worker (generation_core.shard.job.run_shard_job), and the
 policy of when Prefect's cached result of a shard may stand in for running it (`shard_task`)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from prefect import Task, task
 from prefect.states import Cancelled, State
 
 from generation_core.instrumentation import mark
-from generation_core.job import run_shard_job
-from generation_core.plan import RunPlan, ShardSpec
-from generation_core.progress import ShardStopped
-from generation_core.run_folder import ShardManifest
+from generation_core.run_plan import RunPlan, ShardSpec
+from generation_core.shard.job import run_shard_job
+from generation_core.shard.progress import ShardStopped
+from generation_core.store.run_folder import SuccessMarker
 
 
 @functools.lru_cache(maxsize=4)
@@ -33,7 +33,7 @@ def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
     return f"{run_identity(parameters['plan'])}-shard-{parameters['shard']['shard_id']:05d}"
 
 
-def shard_task(finished: ShardManifest | None, *, retries: int, retry_delay_seconds: float) -> Task:
+def shard_task(finished: SuccessMarker | None, *, retries: int, retry_delay_seconds: float) -> Task:
     """The run_shard task as the flow submits it for one shard, given what `finished_shard`
     decided for it as the run started. Prefect's cached result of an earlier flow run may stand
     in only for a finished shard (its job would find nothing to do); a shard with work left
@@ -43,7 +43,7 @@ def shard_task(finished: ShardManifest | None, *, retries: int, retry_delay_seco
 
 @task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
 def run_shard(
-    plan: str, shard: dict[str, int], balancer_name: str, lease_generation: int | None = None, progress_board: str | None = None,
+    plan: str, shard: dict[str, int], registry_name: str, lease_generation: int | None = None, progress_board: str | None = None,
     rows_checked: bool = False,
 ) -> dict[str, Any] | State:
     """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict).
@@ -53,7 +53,7 @@ def run_shard(
     try:
         manifest = run_shard_job(
             RunPlan.from_dict(json.loads(plan)), ShardSpec.from_dict(shard),
-            balancer_name=balancer_name, lease_generation=lease_generation, progress_board=progress_board, rows_checked=rows_checked,
+            registry_name=registry_name, lease_generation=lease_generation, progress_board=progress_board, rows_checked=rows_checked,
         )
     except ShardStopped as stopped:
         return Cancelled(message=str(stopped))

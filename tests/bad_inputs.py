@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from generation_core.run_folder import FINGERPRINT_VERSION
+from generation_core.store.run_folder import FINGERPRINT_VERSION
 from tests.conftest import chat_rows, write_parquet
 
 OUTPUT_KEY = "trainer.default_local_dir="

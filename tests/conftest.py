@@ -32,7 +32,7 @@ def isolated_environment(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from generation_core.bundled import prepare_bundled_model
+    from generation_core.config.bundled import prepare_bundled_model
 
     return prepare_bundled_model()
 

@@ -11,12 +11,13 @@ import numpy as np
 import pyarrow as pa
 from verl.protocol import DataProto
 
-from generation_core.commit_log import committed_parts, read_verified_part
+from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.errors import GenrunError
-from generation_core.merge import _DEFAULT_EXTRA_KEYS, _TOKEN_COLUMNS, BatchLayout, PaddedBatchBuilder
-from generation_core.records import PART_SCHEMA, TrajectoryRecord, records_from_parquet
-from generation_core.run_folder import CHUNK_INDEX_FILE
-from generation_core.storage import RunFolder
+from generation_core.outputs.merge import _DEFAULT_EXTRA_KEYS, _TOKEN_COLUMNS
+from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder
+from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, records_from_parquet
+from generation_core.store.run_folder import CHUNK_INDEX_FILE
+from generation_core.store.folder import StorageFolder
 
 
 def layout_of_records(records: list[TrajectoryRecord]) -> BatchLayout:
@@ -45,7 +46,7 @@ def build_dataproto(records: list[TrajectoryRecord], *, prompt_length: int, resp
     return builder.finish()
 
 
-def read_committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
+def read_committed_records(folder: StorageFolder) -> list[TrajectoryRecord]:
     """Every committed trajectory of every shard, checksums verified, sorted by (index, rollout_n)."""
     records: list[TrajectoryRecord] = []
     for part in committed_parts(folder):
@@ -57,7 +58,7 @@ def read_committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
     return records
 
 
-def load_chunks(folder: RunFolder) -> DataProto:
+def load_chunks(folder: StorageFolder) -> DataProto:
     """The chunked output read back as one DataProto (checksums verified)."""
     index = folder.read_json(CHUNK_INDEX_FILE)
     parts = []

@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from generation_core.commit_log import committed_parts, read_verified_part
-from generation_core.data import ShardPrompts
-from generation_core.finish import finish_run
-from generation_core.job import run_shard
-from generation_core.preflight import RunPlan, preflight
-from generation_core.records import TrajectoryRecord, records_from_parquet
-from generation_core.rewards import RewardScorer
-from generation_core.storage import RunFolder
-from generation_core.streaming import StreamingWorker
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.outputs.finish import finish_run
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.plan.preflight import RunPlan, preflight
+from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
+from generation_core.shard.rewards import RewardScorer
+from generation_core.store.folder import StorageFolder
+from generation_core.shard.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
 
@@ -78,14 +78,14 @@ def tool_run(directory: Path, model_dir: Path, output: str | None = None) -> Run
         engine = ScriptedEngine(tokenizer, EXPRESSIONS, failures={FAILING_TEXT: None})
         worker = StreamingWorker(plan.cfg, engine, RewardScorer.from_config(plan.cfg, tokenizer))
         try:
-            manifests.append(asyncio.run(run_shard(plan.cfg, shard, plan.folder, prompts, worker)))
+            manifests.append(asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker)))
         finally:
             worker.shutdown()
     finish_run(plan, manifests, 1.0)
     return plan
 
 
-def committed_records(folder: RunFolder) -> list[TrajectoryRecord]:
+def committed_records(folder: StorageFolder) -> list[TrajectoryRecord]:
     """The run's trajectories read straight from its committed parts (the tests' oracle)."""
     records = [r for part in committed_parts(folder) for r in records_from_parquet(read_verified_part(folder, part))]
     return sorted(records, key=lambda r: r.key)

@@ -1,5 +1,5 @@
 """Failed writes publish nothing (issue 17, item 1): an exception in the middle of any write
-through RunFolder, local or S3 (a real S3 API: moto on 127.0.0.1), leaves the previous file, or
+through StorageFolder, local or S3 (a real S3 API: moto on 127.0.0.1), leaves the previous file, or
 its absence, exactly as it was, and no temporary file or unfinished multipart upload behind.
 Each kind of write the pipeline makes is broken half way through its real call site: the merged
 pickle (merge_run), a chunk and the chunk index (merge_run_chunked), and the zip (write_zip)."""
@@ -11,11 +11,11 @@ import zipfile
 
 import pytest
 
-import generation_core.merge as merge
-import generation_core.publish as publish
-from generation_core.merge import merge_run, merge_run_chunked
-from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ZIP_FILE, chunk_file_name
-from generation_core.storage import RunFolder
+import generation_core.outputs.merge as merge
+import generation_core.driver.publish as publish
+from generation_core.outputs.merge import merge_run, merge_run_chunked
+from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ZIP_FILE, chunk_file_name
+from generation_core.store.folder import StorageFolder
 from tests.conftest import S3_ENV
 from tests.test_merge import _lengths, _random_records, _write_run
 
@@ -27,22 +27,22 @@ BLOCK = 5 * 2**20  # the smallest S3 part: big writes upload parts before the bl
 @pytest.fixture(params=["local", "s3"])
 def folder(request, tmp_path):
     if request.param == "local":
-        return RunFolder(str(tmp_path / "run"))
+        return StorageFolder(str(tmp_path / "run"))
     env = request.getfixturevalue("s3_server")
     options = {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"], "default_block_size": BLOCK}
-    folder = RunFolder(f"s3://genrun-test/atomic-{tmp_path.name}", options)
+    folder = StorageFolder(f"s3://genrun-test/atomic-{tmp_path.name}", options)
     folder.retry_delays = (0.05,)
     return folder
 
 
-def _snapshot(folder: RunFolder) -> dict[str, bytes]:
+def _snapshot(folder: StorageFolder) -> dict[str, bytes]:
     """Every file under the folder with its bytes."""
     if not folder.fs.exists(folder.root):
         return {}
     return {path[len(folder.root) + 1 :]: folder.fs.cat_file(path) for path in sorted(folder.fs.find(folder.root))}
 
 
-def _assert_nothing_left_over(folder: RunFolder) -> None:
+def _assert_nothing_left_over(folder: StorageFolder) -> None:
     if folder.is_local:
         leftovers = [name for _, _, names in os.walk(folder.root) for name in names if name.startswith(".tmp-")]
         assert not leftovers, f"temporary files left behind: {leftovers}"
@@ -70,7 +70,7 @@ def _dump_half_then_fail(real_dump, pad: int = 0):
     return dump
 
 
-def _merged_run(folder: RunFolder) -> None:
+def _merged_run(folder: StorageFolder) -> None:
     _write_run(folder, _random_records(9))
     folder.put_json("run.json", {"fingerprint": "f" * 64})
     folder.put_json("manifest.json", {"rows": 9})

@@ -33,7 +33,7 @@ def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys, mo
     def start_ray_called(*_args, **_kwargs):
         raise AssertionError("a refused run reached start_ray")
 
-    monkeypatch.setattr("generation_core.ray_setup.start_ray", start_ray_called)
+    monkeypatch.setattr("generation_core.serving.ray_setup.start_ray", start_ray_called)
     for args, message in bad_input_cases(tmp_path):
         out = output_folder(args, tmp_path / "out")
         before = folder_contents(out)

@@ -6,8 +6,8 @@ S3 endpoint given only on the command line can be inspected and merged."""
 import pytest
 
 from flows.cli import main, storage_options_from
-from generation_core.commit_log import ShardCheckpoint
-from generation_core.storage import RunFolder
+from generation_core.store.commit_log import ShardCheckpoint
+from generation_core.store.folder import StorageFolder
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,7 +25,7 @@ def test_status_and_merge_reach_s3_through_command_line_options(s3_server, monke
     endpoint = s3_server["AWS_ENDPOINT_URL"]
     options = {"endpoint_url": endpoint, "key": s3_server["AWS_ACCESS_KEY_ID"], "secret": s3_server["AWS_SECRET_ACCESS_KEY"]}
     url = "s3://genrun-test/runs/status-options"
-    folder = RunFolder(url, options)
+    folder = StorageFolder(url, options)
     folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
                                  "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}}})
     # An interrupted shard: one sample failed, no part committed yet.

@@ -18,16 +18,16 @@ import textwrap
 
 import pytest
 
-from generation_core import part_writer
-from generation_core.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
-from generation_core.data import ShardSpec
+from generation_core.shard import part_writer
+from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
-from generation_core.job import run_shard
-from generation_core.lease import LeaseFence, LeaseLost, RunLease
-from generation_core.merge import merge_run
-from generation_core.records import TrajectoryRecord, records_to_parquet
-from generation_core.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
-from generation_core.storage import RunFolder
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
+from generation_core.outputs.merge import merge_run
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
+from generation_core.store.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
+from generation_core.store.folder import StorageFolder
 from tests.conftest import REPO
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
@@ -60,7 +60,7 @@ def _commit_sizes(run_dir, shard: str = SHARD.name) -> list[int]:
     return [path.stat().st_size for path in sorted(directory.iterdir())]
 
 
-def _part(folder: RunFolder, name: str, indices: list[int]) -> PartEntry:
+def _part(folder: StorageFolder, name: str, indices: list[int]) -> PartEntry:
     data = records_to_parquet([TrajectoryRecord(i, 0, [1, 2], [3, 2], [1, 1], None, None, 2, {}, {}, {}) for i in indices])
     folder.put_atomic(shard_file(SHARD.name, name), data)
     return PartEntry(name=name, count=len(indices), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), response_tokens=2 * len(indices), generated_tokens=2 * len(indices))
@@ -71,7 +71,7 @@ def _part(folder: RunFolder, name: str, indices: list[int]) -> PartEntry:
 
 @pytest.mark.timeout(120)
 def test_a_commit_record_does_not_grow_with_the_shard(tmp_path):
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
     for number in range(200):
         indices = [100_000 + 8 * number + k for k in range(8)]
@@ -92,7 +92,7 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
     shard = ShardSpec(0, 0, 2000)
     # The size target alone cuts parts here (a slow machine must not cut the first one by age).
     cfg = _cfg("generation.max_inflight=64", "generation.first_part_max_seconds=null", *([f"generation.save_batch_size={cap}"] if cap else []))
-    manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     commit_bytes = sum(_commit_sizes(tmp_path))
     part_bytes = sum(p.bytes for p in manifest.parts)
     ratio = commit_bytes / part_bytes
@@ -110,14 +110,14 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
 
 CRASHING_SHARD = """
 import asyncio
-from generation_core.data import ShardSpec
-from generation_core.job import run_shard
-from generation_core.storage import RunFolder
+from generation_core.inputs.shard_rows import ShardSpec
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.folder import StorageFolder
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 shard = ShardSpec(0, 0, 9)
 cfg = _cfg("generation.save_batch_size=3", "generation.max_inflight=1")
-asyncio.run(run_shard(cfg, shard, RunFolder({run_dir!r}), FakePrompts(shard), ScriptedWorker()))
+asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder({run_dir!r}), FakePrompts(shard), ScriptedWorker()))
 """
 
 
@@ -134,17 +134,17 @@ def test_a_crash_between_a_part_and_its_record_regenerates_exactly_the_missing_s
     (orphan,) = [p.name for p in shard_dir.glob("batch-*.parquet") if p.name not in listed]
 
     read = []
-    real_read = RunFolder.read_bytes
+    real_read = StorageFolder.read_bytes
 
     def reading(self, relative):
         read.append(relative)
         return real_read(self, relative)
 
-    monkeypatch.setattr(RunFolder, "read_bytes", reading)
+    monkeypatch.setattr(StorageFolder, "read_bytes", reading)
     shard = ShardSpec(0, 0, 9)
     worker = ScriptedWorker()
-    folder = RunFolder(str(run_dir))
-    manifest = asyncio.run(run_shard(_cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker))
+    folder = StorageFolder(str(run_dir))
+    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker))
     assert sorted(worker.started) == [(100 + p, 0) for p in range(3, 9)], "exactly the samples no record holds"
     assert manifest.num_trajectories == 9 and manifest.attempts == 2
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(9)]
@@ -162,7 +162,7 @@ class _CheckedBeforeTheTakeover:
     def __init__(self, generation: int):
         self.generation, self.passed = generation, False
 
-    def check(self, folder: RunFolder) -> None:
+    def check(self, folder: StorageFolder) -> None:
         if not self.passed:
             self.passed = True
             return
@@ -219,26 +219,26 @@ def test_parts_are_cut_by_size(tmp_path):
     shard = ShardSpec(0, 0, 200)
     target = 16 * 1024
     cfg = _cfg(f"generation.part_target_bytes={target}", "generation.max_inflight=8")
-    manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker(prompt_tokens=32, response_tokens=128)))
+    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker(prompt_tokens=32, response_tokens=128)))
     sizes = [p.bytes for p in manifest.parts]
     print(f"{len(sizes)} parts of {sizes} bytes (target {target})")
     assert len(sizes) > 3 and all(size >= target for size in sizes[:-1]) and all(size < 4 * target for size in sizes)
     assert sum(p.count for p in manifest.parts) == 200
-    assert sorted(r.key for r in read_committed_records(RunFolder(str(tmp_path)))) == [(100 + p, 0) for p in range(200)]
+    assert sorted(r.key for r in read_committed_records(StorageFolder(str(tmp_path)))) == [(100 + p, 0) for p in range(200)]
 
 
 @pytest.mark.timeout(120)
 def test_parts_are_cut_by_age(tmp_path):
     shard = ShardSpec(0, 0, 6)
     cfg = _cfg("generation.part_max_seconds=0.000001", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard(cfg, shard, RunFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker()))
     assert [p.count for p in manifest.parts] == [1] * 6, "each trajectory was older than part_max_seconds once it was added"
 
 
 @pytest.mark.timeout(120)
 def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
-    manifest = asyncio.run(run_shard(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, RunFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
+    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
     assert len(_commit_sizes(tmp_path)) == 3, "one attempt record, one part record, the done record"
 
@@ -250,13 +250,13 @@ def test_a_part_of_many_row_groups_merges_byte_identically(tmp_path, monkeypatch
     shard = ShardSpec(0, 0, 40)
     records = [asyncio.run(TokenWorker(prompt_tokens=16, response_tokens=24).run_one((100 + p, 0), FakePrompts(shard).agent_kwargs(p))) for p in range(40)]
     # Today's layout: the part as one table.
-    whole = RunFolder(str(tmp_path / "whole"))
+    whole = StorageFolder(str(tmp_path / "whole"))
     data = records_to_parquet(records)
     whole.put_atomic(shard_file(SHARD.name, "batch-00000-whole000.parquet"), data)
     ShardCheckpoint().commit_part(whole, SHARD.name, PartEntry("batch-00000-whole000.parquet", 40, len(data), hashlib.sha256(data).hexdigest()), [f"{r.index}:0" for r in records])
     # Streamed: row groups of 6 records.
     monkeypatch.setattr(part_writer, "ROW_GROUP_RECORDS", 6)
-    streamed = RunFolder(str(tmp_path / "streamed"))
+    streamed = StorageFolder(str(tmp_path / "streamed"))
     writer = part_writer.PartWriter(streamed, SHARD.name, 0, ShardCheckpoint.start_attempt(streamed, SHARD.name))
     for record in records:
         writer.add(record)
@@ -282,7 +282,7 @@ def _files(root) -> dict[str, bytes]:
 @pytest.mark.timeout(60)
 def test_a_folder_of_the_earlier_format_is_refused_with_what_to_do(tmp_path):
     run_dir = tmp_path / "old-run"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     folder.put_json(RUN_FILE, {"fingerprint": "a" * 64, "fingerprint_version": 2, "versions": {"genrun": "0.4.0"}})
     folder.put_json(shard_file(SHARD.name, CHECKPOINT_FILE), {"parts": [], "completed": ["100:0"]})
     before = _files(run_dir)
@@ -298,7 +298,7 @@ def test_a_folder_of_the_earlier_format_is_refused_with_what_to_do(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_shard_with_a_checkpoint_json_and_no_commits_is_refused(tmp_path):
     run_dir = tmp_path / "mixed"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     folder.put_json(RUN_FILE, {"fingerprint": "a" * 64, "fingerprint_version": 3, "versions": {"genrun": "0.5.0"}})
     folder.put_json(shard_file(SHARD.name, CHECKPOINT_FILE), {"parts": [], "completed": ["100:0"]})
     before = _files(run_dir)
@@ -311,7 +311,7 @@ def test_a_shard_with_a_checkpoint_json_and_no_commits_is_refused(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_the_first_rows_digest_is_kept_and_a_changed_one_refused(tmp_path):
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     assert ShardCheckpoint.start_attempt(folder, SHARD.name).rows_digest is None
     assert ShardCheckpoint.start_attempt(folder, SHARD.name, rows_digest="a" * 64).rows_digest == "a" * 64
     again = ShardCheckpoint.start_attempt(folder, SHARD.name, rows_digest="a" * 64)
@@ -326,7 +326,7 @@ def test_a_folder_with_shards_and_no_run_json_is_refused(tmp_path):
     """Shard progress that no run.json names belongs to nobody this run can check (issue 31,
     item 15): refused, nothing written."""
     run_dir = tmp_path / "orphaned"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     ShardCheckpoint.start_attempt(folder, SHARD.name)
     before = _files(run_dir)
     with pytest.raises(GenrunError, match=rf"output folder {run_dir} holds {run_dir}/shards but no run.json.*Set another trainer.default_local_dir") as refused:
@@ -345,7 +345,7 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     sample list the record is being written from), and the resume is exact."""
     import threading
 
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
     in_commit, discarded = threading.Event(), threading.Event()
     real_discard = part_writer.PartWriter.discard
@@ -367,7 +367,7 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     running = {}
 
     async def cancelled_shard():
-        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.ensure_future(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.ensure_future(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
         with pytest.raises(asyncio.CancelledError):
             await running["task"]
 
@@ -376,7 +376,7 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     _, records = read_commit_records(folder, SHARD.name)
     parts = [record for record in records if record["kind"] == "part" and record["part"]]
     assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], "the record lists its part's samples"
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert manifest.num_trajectories == 6
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
 
@@ -385,7 +385,7 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
 def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_path, caplog):
     """A record listing a part with fewer sample keys than trajectories (what the race above
     wrote): the fold leaves the part unread and its samples pending, and says so."""
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
     checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"])
     # Hand-written: the part holds 102 and 103, the record names none of them.
@@ -395,7 +395,7 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
     assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
     assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
     assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
-    manifest = asyncio.run(run_shard(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert manifest.num_trajectories == 6
     assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
 
@@ -403,9 +403,9 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
 # --- the failure log (issue 31, item 12) -----------------------------------------------------------
 
 
-def _failure_log_bytes_written(folder: RunFolder, commits: int, monkeypatch) -> int:
+def _failure_log_bytes_written(folder: StorageFolder, commits: int, monkeypatch) -> int:
     """Bytes written into shard-00000's failure log over `commits` commits of one failure each."""
-    from generation_core.records import SampleFailure
+    from generation_core.store.trajectory_record import SampleFailure
 
     written = []
     for name in ("put_atomic", "put_if_version", "create_exclusive"):
@@ -429,17 +429,17 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
     """Each commit with failures writes its own lines once (S3 cannot append: a log rewritten
     whole at every commit writes O(k^2) bytes); errors and tracebacks are capped; status and the
     report see every failure once, those of an earlier version's failures.jsonl included."""
-    small = _failure_log_bytes_written(RunFolder(str(tmp_path / "k")), 20, monkeypatch)
-    large = _failure_log_bytes_written(RunFolder(str(tmp_path / "4k")), 80, monkeypatch)
+    small = _failure_log_bytes_written(StorageFolder(str(tmp_path / "k")), 20, monkeypatch)
+    large = _failure_log_bytes_written(StorageFolder(str(tmp_path / "4k")), 80, monkeypatch)
     print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
     assert large <= 4.2 * small, "linear in the commits, not quadratic"
 
-    from generation_core.commit_log import read_failure_log
-    from generation_core.records import SampleFailure
-    from generation_core.report_data import _failures
-    from generation_core.run_folder import FAILURES_FILE
+    from generation_core.store.commit_log import read_failure_log
+    from generation_core.store.trajectory_record import SampleFailure
+    from generation_core.report.data import _failures
+    from generation_core.store.run_folder import FAILURES_FILE
 
-    folder = RunFolder(str(tmp_path / "4k"))
+    folder = StorageFolder(str(tmp_path / "4k"))
     # An earlier version's log, kept beside the new files.
     folder.put_atomic(shard_file(SHARD.name, FAILURES_FILE), b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n')
     writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.load(folder, SHARD.name))
@@ -462,7 +462,7 @@ def test_the_next_attempt_under_the_lease_removes_orphan_parts_and_temporary_fil
     `.tmp-*` file: the next attempt that holds the lease removes both once its attempt record
     exists, and keeps every listed part and whatever is newer than its start."""
     run_dir = tmp_path / "run"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
     listed = _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101])
     checkpoint.commit_part(folder, SHARD.name, listed, ["100:0", "101:0"])

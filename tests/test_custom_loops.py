@@ -13,8 +13,8 @@ import pytest
 from verl.protocol import DataProto
 from verl.workers.rollout.replica import TokenOutput
 
-from generation_core.config import load_config
-from generation_core.streaming import StreamingWorker
+from generation_core.config.loading import load_config
+from generation_core.shard.streaming import StreamingWorker
 from tests.conftest import REPO, chat_rows, run_genrun, write_parquet
 
 pytestmark = pytest.mark.timeout(600)

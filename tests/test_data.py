@@ -2,9 +2,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from generation_core.config import load_config
-from generation_core.data import plan_shards
-from generation_core.dataset_files import inspect_dataset
+from generation_core.config.loading import load_config
+from generation_core.inputs.shard_rows import plan_shards
+from generation_core.inputs.dataset_files import inspect_dataset
 from generation_core.errors import GenrunError
 from tests.conftest import chat_rows, write_parquet
 
@@ -95,10 +95,10 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     from verl.utils import hf_tokenizer
 
     from flows.cli import _print_summary
-    from generation_core.data import ShardPrompts
-    from generation_core.preflight import preflight
-    from generation_core.run_folder import ShardManifest
-    from generation_core.summary import summarize
+    from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.plan.preflight import preflight
+    from generation_core.store.run_folder import SuccessMarker
+    from generation_core.outputs.summary import summarize
 
     rows = chat_rows(4)
     rows[1]["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
@@ -108,8 +108,8 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
     assert (len(prompts), prompts.filtered_overlong) == (2, 2)
     assert [prompts.sample_index(i) for i in range(len(prompts))] == [0, 2]
-    manifest = ShardManifest(shard="shard-00000", shard_id=0, range=[0, 4], num_trajectories=2, expected_trajectories=2, filtered_overlong=prompts.filtered_overlong)
-    summary = summarize(plan, [ShardManifest.from_dict(manifest.to_dict())], 0.0)
+    manifest = SuccessMarker(shard="shard-00000", shard_id=0, range=[0, 4], num_trajectories=2, expected_trajectories=2, filtered_overlong=prompts.filtered_overlong)
+    summary = summarize(plan, [SuccessMarker.from_dict(manifest.to_dict())], 0.0)
     assert summary["filtered_overlong_prompts"] == 2
     _print_summary(summary, plan)
     assert re.search(r"skipped: +2 prompt\(s\) longer than data.max_prompt_length=128 tokens", capsys.readouterr().out)

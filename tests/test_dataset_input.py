@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from generation_core.config import load_config
-from generation_core.data import (
+from generation_core.config.loading import load_config
+from generation_core.inputs.shard_rows import (
     OVERLONG_SAMPLE_ROWS,
     ShardPrompts,
     ShardSpec,
@@ -21,7 +21,7 @@ from generation_core.data import (
     read_rows,
     rows_digest,
 )
-from generation_core.dataset_files import inspect_dataset, resolve_train_files
+from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_files
 from generation_core.errors import GenrunError
 from tests.conftest import chat_rows
 
@@ -124,7 +124,7 @@ def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(
     a batched rule that disagrees with verl's is dropped for verl's own."""
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    import generation_core.data as data
+    import generation_core.inputs.shard_rows as data
 
     files = [_write(tmp_path / "data" / "a.parquet", _rich_rows(200), 50)]
     cfg = _cfg(files)
@@ -133,7 +133,7 @@ def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(
         monkeypatch.setattr(data._BatchedLengths, "keeps", lambda self, docs: [not k for k in real(self, docs)])
     reference = RLHFDataset([str(f) for f in files], tokenizer, cfg.data, processor=None, max_samples=-1)
     prompts = ShardPrompts(cfg, inspect_dataset(cfg).files, 0, 200, tokenizer)
-    with caplog.at_level("WARNING", logger="generation_core.data"):
+    with caplog.at_level("WARNING", logger="generation_core.inputs.shard_rows"):
         kept = [prompts.sample_index(p) for p in range(len(prompts))]
     assert kept == [reference[p]["extra_info"]["index"] for p in range(len(reference))]
     assert prompts.filtered_overlong == 40
@@ -208,7 +208,7 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
     """50k rows: preflight reads footers and one column, and tokenizes a sample only."""
     from verl.utils import hf_tokenizer
 
-    from generation_core import preflight as preflight_module
+    from generation_core.plan import preflight as preflight_module
 
     rows = chat_rows(50_000)
     path = _write(tmp_path / "big.parquet", rows, 8192)
@@ -237,7 +237,7 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
 
 
 def test_only_a_sample_decides_that_every_prompt_is_too_long(tmp_path, model_dir):
-    from generation_core.preflight import preflight
+    from generation_core.plan.preflight import preflight
 
     rows = chat_rows(OVERLONG_SAMPLE_ROWS + 10)
     for row in rows[:OVERLONG_SAMPLE_ROWS]:
@@ -253,7 +253,7 @@ def test_large_json_is_refused_with_the_conversion(tmp_path, monkeypatch):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
     assert inspect_dataset(_cfg(str(path))).files.num_rows == 50, "small JSONL is read whole"
-    monkeypatch.setattr("generation_core.dataset_files.JSON_MAX_BYTES", 1024)
+    monkeypatch.setattr("generation_core.inputs.dataset_files.JSON_MAX_BYTES", 1024)
     with pytest.raises(GenrunError, match=r"prompts.jsonl is 0 MiB of JSON, more than .*convert it to Parquet, e.g. python -c \"import pandas as pd; pd.read_json\("):
         inspect_dataset(_cfg(str(path)))
 
@@ -275,7 +275,7 @@ def test_bad_local_inputs_through_genrun(tmp_path, model_dir, capsys, monkeypatc
 
     big_json = tmp_path / "big.jsonl"
     big_json.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
-    monkeypatch.setattr("generation_core.dataset_files.JSON_MAX_BYTES", 1024)
+    monkeypatch.setattr("generation_core.inputs.dataset_files.JSON_MAX_BYTES", 1024)
     _refused([f"data.train_files={big_json}"], tmp_path, capsys, r"big.jsonl is 0 MiB of JSON, more than the 0 MiB .*convert it to Parquet")
     first = _write(tmp_path / "one.parquet", chat_rows(3), 2)
     second = _write(tmp_path / "two.parquet", chat_rows(3, first_index=2), 2)
@@ -333,8 +333,8 @@ def test_bad_s3_inputs_get_one_line_and_write_nothing(s3_input, tmp_path, model_
 def test_data_storage_options_are_operational_and_never_written(tmp_path):
     from omegaconf import OmegaConf
 
-    from generation_core.fingerprint import fingerprint
-    from generation_core.run_folder import config_without_secrets
+    from generation_core.plan.fingerprint import fingerprint
+    from generation_core.store.run_folder import config_without_secrets
 
     plain = _cfg(str(tmp_path / "x.parquet"))
     with_keys = _cfg(str(tmp_path / "x.parquet"), "data.storage_options.key=AKIA", "data.storage_options.secret=s3cr3t", "data.storage_options.endpoint_url=http://h:9")
@@ -351,8 +351,8 @@ def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp
     summary adds up what each shard dropped."""
     import json
 
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
 
     plan = preflight([
         "data.train_files='s3://genrun-test/inputs/prompts/*.parquet'", "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'out'}",
@@ -374,10 +374,10 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     import decimal
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.job import run_shard
-    from generation_core.merge import merge_run
-    from generation_core.preflight import preflight
-    from generation_core.streaming import StreamingWorker
+    from generation_core.shard.job import run_shard_with_worker
+    from generation_core.outputs.merge import merge_run
+    from generation_core.plan.preflight import preflight
+    from generation_core.shard.streaming import StreamingWorker
 
     table = pa.Table.from_pylist(chat_rows(2))
     table = table.append_column("when", pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2025, 1, 1)], pa.timestamp("us")))
@@ -394,7 +394,7 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(plan.cfg, InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)))
     try:
-        manifest = asyncio.run(run_shard(plan.cfg, shard, plan.folder, prompts, worker))
+        manifest = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker))
     finally:
         worker.shutdown()
     assert (manifest.num_trajectories, manifest.failures) == (2, 0)
@@ -438,12 +438,12 @@ def test_a_file_changed_after_planning_is_refused_by_the_shard_that_reads_it(tmp
 
 def test_the_merge_refuses_a_shard_that_does_not_account_for_its_rows():
     """committed + failed + filtered (x n) must be the shard's rows x n, else nothing is merged."""
-    from generation_core.merge import check_shard_counts
-    from generation_core.run_folder import ShardManifest
+    from generation_core.outputs.merge import check_shard_counts
+    from generation_core.store.run_folder import SuccessMarker
 
-    whole = ShardManifest("shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2)
+    whole = SuccessMarker("shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2)
     check_shard_counts([whole], rollout_n=2)
-    short = ShardManifest("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
+    short = SuccessMarker("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
     with pytest.raises(GenrunError, match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed"):
         check_shard_counts([whole, short], rollout_n=2)
 
@@ -456,9 +456,10 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     import asyncio
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.job import finished_shards, run_shard
-    from generation_core.preflight import preflight
-    from generation_core.streaming import StreamingWorker
+    from generation_core.shard.finished import finished_shards
+    from generation_core.shard.job import run_shard_with_worker
+    from generation_core.plan.preflight import preflight
+    from generation_core.shard.streaming import StreamingWorker
 
     rows = chat_rows(6)
     for i, row in enumerate(rows):
@@ -477,7 +478,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     def run(shard):
         worker = StreamingWorker(plan.cfg, engine)
         try:
-            return asyncio.run(run_shard(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
+            return asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
         finally:
             worker.shutdown()
 

@@ -109,7 +109,7 @@ FREE_FORM_PREFIXES = (
 
 @pytest.fixture(scope="module")
 def loaded_config():
-    from generation_core.config import load_config
+    from generation_core.config.loading import load_config
 
     return load_config([])
 

@@ -16,19 +16,19 @@ from omegaconf import OmegaConf
 
 from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
-from generation_core.commit_log import committed_parts, read_verified_part
-from generation_core.data import ShardPrompts
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.engines.hf import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
-from generation_core.job import run_shard
-from generation_core.merge import scan_run
-from generation_core.preflight import preflight
-from generation_core.records import read_part_table, score_or_none, scored_mask
-from generation_core.report_data import collect_report_data
-from generation_core.rewards import RewardScorer
-from generation_core.run_folder import read_run_record
-from generation_core.storage import RunFolder
-from generation_core.streaming import StreamingWorker
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.outputs.merge import scan_run
+from generation_core.plan.preflight import preflight
+from generation_core.store.trajectory_record import read_part_table, score_or_none, scored_mask
+from generation_core.report.data import collect_report_data
+from generation_core.shard.rewards import RewardScorer
+from generation_core.store.run_folder import read_run_record
+from generation_core.store.folder import StorageFolder
+from generation_core.shard.streaming import StreamingWorker
 from tests.conftest import REPO, write_parquet
 from tests.merge_oracles import read_committed_records
 from tests.scripted_engine import ScriptedEngine
@@ -56,7 +56,7 @@ def _run(plan, tokenizer, engine):
     prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(cfg, engine, RewardScorer.from_config(cfg, tokenizer))
     try:
-        return asyncio.run(run_shard(cfg, shard, plan.folder, prompts, worker))
+        return asyncio.run(run_shard_with_worker(cfg, shard, plan.folder, prompts, worker))
     finally:
         worker.shutdown()
 
@@ -171,7 +171,7 @@ def _export(run, out, *options) -> list[dict]:
 
 
 def read_committed_records_by_key(run) -> dict:
-    return {record.key: record for record in read_committed_records(RunFolder(str(run)))}
+    return {record.key: record for record in read_committed_records(StorageFolder(str(run)))}
 
 
 def _ids(rendered) -> list[int]:
@@ -370,7 +370,7 @@ def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
 def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
     damaged = tmp_path / "damaged"
     shutil.copytree(tool_run, damaged)
-    last = committed_parts(RunFolder(str(damaged)))[-1]
+    last = committed_parts(StorageFolder(str(damaged)))[-1]
     part = damaged / last.path
     part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
     out_dir = tmp_path / "out"
@@ -413,7 +413,7 @@ def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
     from transformers import AutoTokenizer
     from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
 
-    from generation_core.sft_messages import MessageRebuilder
+    from generation_core.outputs.sft_messages import MessageRebuilder
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.chat_template = QWEN25_TEMPLATE
@@ -478,7 +478,7 @@ def test_a_run_without_rewards(unscored_run, model_dir, tmp_path, capsys):
 def test_a_nan_reward_is_no_reward_everywhere(nan_run, tmp_path, capsys):
     """One rule (NaN = no score): stored as null, exported as null, no rm_scores in the merge, the
     report's viewer shows no reward, and --best-of-n leaves the unscored prompt out, saying so."""
-    folder = RunFolder(str(nan_run))
+    folder = StorageFolder(str(nan_run))
     stored = [table.column("reward_score") for table in (read_part_table(read_verified_part(folder, part)) for part in committed_parts(folder))]
     assert sum(column.null_count for column in stored) == 2
     rows = _export(nan_run, tmp_path / "sft.parquet")

@@ -3,7 +3,7 @@ a run whose heartbeat stalled passes its lease check, stalls again right before 
 another run takes the folder over and starts on the shard meanwhile. Its commit (or repair) is
 refused with LeaseLost and leaves the folder exactly as the new holder has it: no commit
 record, no part, no failure log line, no error record. Commit records are created exclusively
-under the next number (storage.RunFolder.create_exclusive) and the new holder claims that number
+under the next number (storage.StorageFolder.create_exclusive) and the new holder claims that number
 first, which is what closes the window."""
 
 import asyncio
@@ -14,13 +14,13 @@ from dataclasses import asdict
 
 import pytest
 
-from generation_core.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
-from generation_core.data import ShardSpec
+from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
-from generation_core.job import run_shard
-from generation_core.lease import LeaseLost, RunLease
-from generation_core.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
-from generation_core.storage import RunFolder, WriteConflict
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.lease import LeaseLost, RunLease
+from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
+from generation_core.store.folder import StorageFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -39,13 +39,13 @@ def url_and_options(request, tmp_path):
     return f"s3://genrun-test/fencing-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
 
 
-def _folder(url_and_options) -> RunFolder:
-    folder = RunFolder(*url_and_options)
+def _folder(url_and_options) -> StorageFolder:
+    folder = StorageFolder(*url_and_options)
     folder.retry_delays = (0.05,)
     return folder
 
 
-def _snapshot(folder: RunFolder) -> dict[str, bytes]:
+def _snapshot(folder: StorageFolder) -> dict[str, bytes]:
     """Every file of the run folder but the lease files (the takeover's own), with its bytes."""
     return {
         path[len(folder.root) + 1 :]: folder.fs.cat_file(path)
@@ -54,7 +54,7 @@ def _snapshot(folder: RunFolder) -> dict[str, bytes]:
     }
 
 
-def _stall_heartbeat(folder: RunFolder, lease: RunLease) -> None:
+def _stall_heartbeat(folder: StorageFolder, lease: RunLease) -> None:
     """The holder's process pauses: no more heartbeats, and its last one is past expiry."""
     lease._stop.set()
     lease._heartbeat.join(timeout=30)
@@ -62,7 +62,7 @@ def _stall_heartbeat(folder: RunFolder, lease: RunLease) -> None:
     folder.put_atomic(lease_file(lease.record.generation), json.dumps(asdict(lease.record)).encode())
 
 
-def _checkpoint(folder: RunFolder) -> ShardCheckpoint:
+def _checkpoint(folder: StorageFolder) -> ShardCheckpoint:
     return ShardCheckpoint.load(folder, SHARD.name)
 
 
@@ -71,7 +71,7 @@ class _TakeoverBeforeWrite:
     its lease check, the old run stalls, and a new run takes the folder over and starts on the
     shard (creates its attempt record, the claim) before the record goes out."""
 
-    def __init__(self, old_folder: RunFolder, old_lease: RunLease, url_and_options, nth: int, monkeypatch):
+    def __init__(self, old_folder: StorageFolder, old_lease: RunLease, url_and_options, nth: int, monkeypatch):
         self.old_folder, self.old_lease, self.url_and_options, self.nth = old_folder, old_lease, url_and_options, nth
         self.puts = 0
         self.new_lease: RunLease | None = None
@@ -107,7 +107,7 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
     worker = ScriptedWorker(fail_on=(100 + committed_before + 1, 0))
     try:
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker, old.fence()))
+            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker, old.fence()))
         assert stall.new_lease is not None, "the takeover happened"
         checkpoint = _checkpoint(folder)
         assert checkpoint.lease == stall.new_lease.record.generation and len(checkpoint.completed) == committed_before
@@ -120,7 +120,7 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         assert _snapshot(folder) == stall.after_takeover, "the old run changed the folder after the new one started"
         assert not read_failure_log(folder, SHARD.name) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
-        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
+        manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
         assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [f"{100 + p}:0" for p in range(6)]
     finally:
         if stall.new_lease is not None:
@@ -128,9 +128,9 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         old.release()
 
 
-def _finished_shard_with_a_damaged_part(folder: RunFolder) -> None:
+def _finished_shard_with_a_damaged_part(folder: StorageFolder) -> None:
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     part = _checkpoint(folder).parts[1].name
     folder.put_atomic(shard_file(SHARD.name, part), b"truncated")
 
@@ -145,7 +145,7 @@ def test_a_repair_by_a_run_that_lost_its_lease_changes_nothing(url_and_options):
         before = _snapshot(folder)
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
         assert _snapshot(folder) == before, "the repair dropped a part or the marker after the takeover"
     old.release()
 
@@ -158,7 +158,7 @@ def test_a_repair_in_flight_when_another_run_takes_over_writes_no_commit_record(
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 1, monkeypatch)
     try:
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            asyncio.run(run_shard_with_worker(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
         # The last record is the new holder's claim, the damaged part still listed: its own
         # verification drops it. (The old run removed the success marker before it stalled,
         # which only makes the new holder verify the shard again.)
@@ -205,7 +205,7 @@ def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_ours(s3_serv
     assert fired and current.data == b"two" and current.version == new_version
 
 
-def _s3_folder(s3_server, tmp_path, name: str) -> RunFolder:
+def _s3_folder(s3_server, tmp_path, name: str) -> StorageFolder:
     return _folder((f"s3://genrun-test/{name}-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}))
 
 
@@ -217,7 +217,7 @@ CONDITIONAL_WRITES = {
 }
 
 
-def _refused(write: str, folder: RunFolder, name: str, data: bytes, version: str | None) -> None:
+def _refused(write: str, folder: StorageFolder, name: str, data: bytes, version: str | None) -> None:
     if write == "create_exclusive":
         assert CONDITIONAL_WRITES[write](folder, name, data, version) is False
     else:
@@ -228,8 +228,8 @@ def _refused(write: str, folder: RunFolder, name: str, data: bytes, version: str
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("write", list(CONDITIONAL_WRITES))
 def test_a_conditional_write_that_s3fs_retried_on_its_own_is_recognised_as_ours(s3_server, tmp_path, monkeypatch, write):
-    """The PUT lands and its answer is lost inside s3fs: s3fs's own retry loop (not RunFolder's)
-    sends it again, the condition refuses the retry, and RunFolder sees a refusal of its first
+    """The PUT lands and its answer is lost inside s3fs: s3fs's own retry loop (not StorageFolder's)
+    sends it again, the condition refuses the retry, and StorageFolder sees a refusal of its first
     attempt. The stored bytes are ours (a token in them says so): the write succeeded."""
     import botocore.exceptions
 
@@ -310,14 +310,14 @@ def test_a_commit_record_whose_answer_s3fs_lost_keeps_its_part_and_the_shard_fin
 
     monkeypatch.setattr(client, "put_object", put_object)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert fired and manifest.num_trajectories == 6 and manifest.failures == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "every listed part is there"
 
 
 @pytest.mark.timeout(60)
 def test_a_conditional_write_larger_than_one_put_is_refused_loudly(s3_server, tmp_path, monkeypatch):
-    import generation_core.storage as storage
+    import generation_core.store.folder as storage
 
     monkeypatch.setattr(storage, "SINGLE_PUT_LIMIT", 1024)
     folder = _s3_folder(s3_server, tmp_path, "too-large")
@@ -329,7 +329,7 @@ def test_a_conditional_write_larger_than_one_put_is_refused_loudly(s3_server, tm
 
 @pytest.mark.timeout(60)
 def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     version = folder.put_if_version("checkpoint.json", b"start", None)
     start, results = threading.Barrier(8), []
 
@@ -352,12 +352,13 @@ def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing(url_and_options):
     """The merge's repair of a part it found damaged, and the success marker, are fenced too."""
-    from generation_core.commit_log import DamagedPart, read_marker, write_marker
-    from generation_core.finish import merge_repairing
+    from generation_core.store.commit_log import read_marker, write_marker
+    from generation_core.store.part_repair import DamagedPart
+    from generation_core.outputs.finish import merge_repairing
 
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     part = shard_file(SHARD.name, manifest.parts[0].name)
     old = RunLease.acquire(folder, seconds=60)
     _stall_heartbeat(folder, old)
@@ -389,13 +390,13 @@ def test_a_marker_in_flight_when_another_run_takes_over_writes_no_done_record(ur
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 2, monkeypatch)
     try:
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
         assert stall.new_lease is not None, "the takeover happened at the done record"
         assert _snapshot(folder) == stall.after_takeover, "no done record, no marker after the takeover"
         assert read_marker(folder, SHARD.name) is None
         # The new holder finishes the shard (nothing left to generate) under its own done record.
         worker = ScriptedWorker()
-        manifest = asyncio.run(run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()))
+        manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()))
         assert worker.started == [] and manifest.num_trajectories == 6
         assert read_marker(folder, SHARD.name).done_record == _checkpoint(folder).done_seq is not None
     finally:
@@ -410,31 +411,31 @@ def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_record
     the new holder's claim) names a done record that is not the shard's last: ignored, and the
     shard is finished again once. A folder of the version that wrote no done records keeps its
     markers' meaning."""
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     cfg = _cfg("generation.save_batch_size=2")
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     late_marker = folder.read_bytes(shard_file(SHARD.name, SUCCESS_FILE))
     ShardCheckpoint.start_attempt(folder, SHARD.name)  # a new holder claims the shard ...
     folder.put_atomic(shard_file(SHARD.name, SUCCESS_FILE), late_marker)  # ... and the old marker lands after
     assert read_marker(folder, SHARD.name) is None
     again = ScriptedWorker()
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), again))
+    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), again))
     assert again.started == [] and manifest.num_trajectories == 6 and read_marker(folder, SHARD.name) is not None
 
     # The layout today's main wrote: records without a done record, a marker without done_record.
-    legacy = RunFolder(str(tmp_path / "legacy"))
-    asyncio.run(run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker()))
+    legacy = StorageFolder(str(tmp_path / "legacy"))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker()))
     sequences, records = read_commit_records(legacy, SHARD.name)
     legacy.remove(commit_file(SHARD.name, sequences[-1]))
     assert records[-1]["kind"] == "done"
     marker = legacy.read_json(shard_file(SHARD.name, SUCCESS_FILE))
     legacy.put_json(shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"})
     untouched = ScriptedWorker()
-    assert asyncio.run(run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped and untouched.started == []
+    assert asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped and untouched.started == []
 
 
 def _take_over(url_and_options, lease: RunLease, taken: list[RunLease]) -> None:
-    _stall_heartbeat(RunFolder(*url_and_options), lease)
+    _stall_heartbeat(StorageFolder(*url_and_options), lease)
     taken.append(RunLease.acquire(_folder(url_and_options), seconds=60))
 
 
@@ -445,14 +446,14 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     manifest.json, and logs nothing to its trackers."""
     from types import SimpleNamespace
 
-    from generation_core import merge, publish
-    from generation_core.finish import finish_run
-    from generation_core.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE
+    from generation_core.outputs import merge, publish
+    from generation_core.outputs.finish import finish_run
+    from generation_core.store.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE
 
     url_and_options = (str(tmp_path / "run"), {})
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     folder.put_json(RUN_FILE, {"fingerprint": "f" * 64})
     plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64)
     taken: list[RunLease] = []
@@ -475,14 +476,14 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
         holder = taken.pop()
         summary = finish_run(plan, [manifest], 1.0, holder.fence())
         assert folder.exists(MERGED_FILE) and folder.exists(MANIFEST_FILE)
-        real_open_read, tracked = RunFolder.open_read, []
+        real_open_read, tracked = StorageFolder.open_read, []
 
         def read_while_taken_over(self, relative):
             if not taken:
                 _take_over(url_and_options, holder, taken)
             return real_open_read(self, relative)
 
-        monkeypatch.setattr(RunFolder, "open_read", read_while_taken_over)
+        monkeypatch.setattr(StorageFolder, "open_read", read_while_taken_over)
         monkeypatch.setattr(publish, "Tracking", lambda **kwargs: tracked.append(kwargs))
         before = _snapshot(folder)
         with pytest.raises(LeaseLost):

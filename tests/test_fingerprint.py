@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from generation_core.errors import GenrunError
-from generation_core.fingerprint import model_identity
-from generation_core.preflight import preflight
+from generation_core.plan.fingerprint import model_identity
+from generation_core.plan.preflight import preflight
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -192,9 +192,9 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
     import uuid
 
     from generation_core.build import genrun_build
-    from generation_core.config import load_config
-    from generation_core.fingerprint import fingerprint, output_file_digests
-    from generation_core.preflight import check_run_code
+    from generation_core.config.loading import load_config
+    from generation_core.plan.fingerprint import fingerprint, output_file_digests
+    from generation_core.plan.preflight import check_run_code
 
     package = f"user_code_{uuid.uuid4().hex[:8]}"
     src, reward, extra = _user_code(tmp_path, package)
@@ -222,11 +222,11 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
 def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
     """Installed packages, the standard library and genrun's own modules are not read (they are
     versioned, and a walk through torch would cost seconds); a local module is, by name, once."""
-    from generation_core.code_inputs import CodeWalk
+    from generation_core.inputs.user_code import CodeWalk
 
-    (tmp_path / "helper_for_walk.py").write_text("import os\nimport torch\nfrom generation_core.config import load_config\n")
+    (tmp_path / "helper_for_walk.py").write_text("import os\nimport torch\nfrom generation_core.config.loading import load_config\n")
     user_file = tmp_path / "user.py"
-    user_file.write_text("import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core import preflight\n")
+    user_file.write_text("import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core.plan import preflight\n")
     walk = CodeWalk()
     walk.add_file(user_file)
     assert sorted(walk.found.sources) == ["helper_for_walk"]
@@ -243,10 +243,10 @@ def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
 def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path, capsys):
     from flows.cli import main
     from generation_core.build import describe_build, genrun_build
-    from generation_core.commit_log import ShardCheckpoint
-    from generation_core.storage import RunFolder
+    from generation_core.store.commit_log import ShardCheckpoint
+    from generation_core.store.folder import StorageFolder
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     older = dict(genrun_build(), commit="0" * 40, dirty=False)
     folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
                                  "build": older, "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}}})
@@ -268,7 +268,7 @@ def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tm
     earlier = json.loads(run_json)
     del earlier["build"]
     (out / "run.json").write_text(json.dumps(earlier))
-    with caplog.at_level("WARNING", logger="generation_core.preflight"):
+    with caplog.at_level("WARNING", logger="generation_core.plan.preflight"):
         assert preflight(_args(prompts_file, out)).fingerprint == plan.fingerprint
     warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
     assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]

@@ -19,8 +19,8 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.dispatch import run_in_process
-from generation_core.preflight import preflight
+from generation_core.driver.in_process import run_in_process
+from generation_core.plan.preflight import preflight
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 from tests.run_folder_helpers import checkpoint_dict, has_committed_part
 
@@ -165,7 +165,7 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     and the flow fail, and the same command resumes from the checkpoint. Sampled at temperature
     1 with n=4 and one prompt's rollouts split by the kill (3 committed, 1 not): the resumed
     run equals an undisturbed one record by record, so a rollout-number mix-up shows."""
-    from generation_core.storage import RunFolder
+    from generation_core.store.folder import StorageFolder
     from tests.merge_oracles import read_committed_records
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
@@ -228,7 +228,7 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     assert marker["attempts"] == 2 and marker["num_trajectories"] == total
 
     run_in_process(preflight(args(tmp_path / "undisturbed")))
-    resumed, undisturbed = read_committed_records(RunFolder(str(out))), read_committed_records(RunFolder(str(tmp_path / "undisturbed")))
+    resumed, undisturbed = read_committed_records(StorageFolder(str(out))), read_committed_records(StorageFolder(str(tmp_path / "undisturbed")))
     assert [r.key for r in resumed] == [(i, n) for i in range(PROMPTS) for n in range(N)], "every trajectory exactly once"
     for index in range(PROMPTS):
         responses = [tuple(r.response_ids) for r in undisturbed if r.index == index]

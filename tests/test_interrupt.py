@@ -22,8 +22,8 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.lease import newest_lease
-from generation_core.storage import RunFolder
+from generation_core.store.lease import newest_lease
+from generation_core.store.folder import StorageFolder
 from tests.conftest import GENRUN, REPO, chat_rows, run_genrun, write_parquet
 from tests.run_folder_helpers import committed_keys
 
@@ -77,8 +77,8 @@ def prompts(tmp_path_factory):
 def uninterrupted(prompts, tmp_path_factory, ray_local):
     """The merged result of the same run done to the end undisturbed (in this process: the
     flow's shards give the same records as the in-process dispatcher, test_flow checks that)."""
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
 
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     # Without the delay and with more requests in flight: neither changes what is generated.
@@ -204,7 +204,7 @@ def _stopped_cleanly(text: str, out, stopped_pattern: str) -> list:
     assert int(stopped.group(1)) == len(committed) > 0
     assert len(committed) < TOTAL, "the Ctrl-C came after the run had finished: nothing was tested"
     assert "Traceback" not in text, text[-3000:]
-    lease = newest_lease(RunFolder(str(out)))
+    lease = newest_lease(StorageFolder(str(out)))
     assert lease is not None and lease.released, lease
     assert not (out / "trajectories.pkl").exists()
     return committed
@@ -282,7 +282,7 @@ def test_a_second_ctrl_c_quits_at_once_and_the_same_command_takes_over_and_resum
     # resumes exactly. This is make test's run killed at once (the state kill -9 leaves: lease
     # held, flow run left Running, shard workers cut off mid-part); the chaos schedules, in
     # make test-all, kill -9 at random moments.
-    lease = newest_lease(RunFolder(str(out)))
+    lease = newest_lease(StorageFolder(str(out)))
     assert lease is not None and lease.state(time.time()) in ("released", "owner gone"), lease
     # The same command, to the end, as `make demo` runs it (output not a terminal): exactly what
     # was missing is generated, and the output is the few lines a person needs.
@@ -407,13 +407,13 @@ def test_a_ctrl_c_while_replicas_boot_or_during_the_merge_exits_at_once_and_the_
     # What was committed, once; the lease released: the same command goes on from there.
     keys = committed_keys(out) if (out / "shards").exists() else []
     assert len(keys) == len(set(keys)) == committed
-    assert newest_lease(RunFolder(str(out))).released
+    assert newest_lease(StorageFolder(str(out))).released
     assert not (out / "trajectories.pkl").exists()
 
 
-def _plant_dying_lease(out) -> RunFolder:
+def _plant_dying_lease(out) -> StorageFolder:
     """The lease of a run on another host that missed its heartbeats: a genrun waits out its hour."""
-    folder = RunFolder(str(out))
+    folder = StorageFolder(str(out))
     now = time.time()
     planted = {"generation": 1, "owner": "x", "host": "another-host", "pid": 1, "seconds": 3600, "acquired": now - 2000, "renewed": now - 2000, "released": False}
     folder.put_atomic("lease/00000001.json", json.dumps(planted).encode())
@@ -467,8 +467,8 @@ def test_a_genrun_killed_with_kill_9_leaves_no_prefect_server_or_ray_behind(few_
 IN_PROCESS = """
 import sys
 from generation_core.console import setup_logging
-from generation_core.dispatch import run_in_process
-from generation_core.preflight import preflight
+from generation_core.driver.in_process import run_in_process
+from generation_core.plan.preflight import preflight
 
 setup_logging()
 try:
@@ -513,8 +513,8 @@ def test_a_ctrl_c_stops_an_in_process_run_cleanly_with_progress_shown_and_the_ru
     _stopped_cleanly(text, out, r"in-process: stopped on request: (\d+) trajectories committed in .*; run the same command again to resume")
 
     # The same call again (here, in this process) generates exactly what is missing.
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
 
     summary = run_in_process(preflight([*_args(prompts, out), "generation.show_progress=false"]))
     assert summary["num_trajectories"] == TOTAL

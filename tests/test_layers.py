@@ -69,3 +69,56 @@ def test_what_an_engine_replica_process_loads_imports_no_verl():
             todo += [i for i in imports[name] if i in imports]
     assert {name: sorted(i for i in imports[name] if i.split(".")[0] == "verl") for name in sorted(loaded) if any(i.split(".")[0] == "verl" for i in imports[name])} == {}
     assert "generation_core.engines.server" in loaded and "generation_core.engines.base" in loaded
+
+
+# The rooms of generation_core from the ground up: a module imports from its own room or from
+# rooms below it, never above (docs/architecture.md shows the same order). The top-level
+# modules are the ground, except run_plan.py, the run's vocabulary, which names a run folder
+# (store) and stands between store and the rooms that read a plan.
+ROOM_ORDER = ["ground", "config", "store", "run_plan", "inputs", "engines", "serving", "shard", "plan", "outputs", "report", "driver"]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 2 and parts[1] not in ROOM_ORDER:
+        return "ground"
+    return parts[1]
+
+
+def test_every_module_imports_only_its_own_room_or_rooms_below():
+    upward = sorted(
+        f"{name} imports {found}"
+        for name, imports in _module_imports().items() if name != "generation_core"
+        for found in imports if found.startswith("generation_core.") and ROOM_ORDER.index(_room(found)) > ROOM_ORDER.index(_room(name))
+    )
+    assert upward == []
+    assert {_room(name) for name in _module_imports() if name != "generation_core"} == set(ROOM_ORDER)
+
+
+# Size that hides more than one job: a function longer than this says why in its docstring (a
+# line starting "Long:"), and a module over MODULE_LINES is named here with the one thing it owns.
+FUNCTION_LINES = 60
+MODULE_LINES = 400
+ONE_JOB_THOUGH_LONG = {
+    "generation_core/engines/hf.py": "one engine: its request queue, decode loop and KV bookkeeping share one thread's state",
+    "generation_core/store/folder.py": "StorageFolder and the two atomic writers (local rename, S3 multipart) its `open_write` returns",
+    "generation_core/store/commit_log.py": "a shard's commit records and their fold; repair and fencing live beside it",
+}
+
+
+def test_no_function_is_long_without_saying_why():
+    long = []
+    for path in sorted(PACKAGE.parent.glob("*/**/*.py")):
+        if path.parts[len(PACKAGE.parent.parts)] not in ("generation_core", "flows", "tasks"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                if "\nLong:" not in "\n" + (ast.get_docstring(node) or ""):
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert long == []
+
+
+def test_no_module_is_long_unless_it_owns_one_thing():
+    long = {str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py") if len(path.read_text().splitlines()) > MODULE_LINES}
+    assert sorted(long - set(ONE_JOB_THOUGH_LONG)) == []
+    assert sorted(set(ONE_JOB_THOUGH_LONG) - long) == [], "no longer long: drop it from ONE_JOB_THOUGH_LONG"

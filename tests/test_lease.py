@@ -16,8 +16,8 @@ import time
 import pytest
 
 from generation_core.errors import GenrunError
-from generation_core.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
-from generation_core.storage import RunFolder
+from generation_core.store.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
+from generation_core.store.folder import StorageFolder
 from tests.conftest import REPO, S3_ENV
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=["local", "s3"])
 def folder(request, tmp_path):
     if request.param == "local":
-        return RunFolder(str(tmp_path / "run"))
+        return StorageFolder(str(tmp_path / "run"))
     env = request.getfixturevalue("s3_server")
-    return RunFolder(f"s3://genrun-test/lease-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
+    return StorageFolder(f"s3://genrun-test/lease-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
 
 
 def test_a_second_run_is_refused_until_the_first_releases(folder):
@@ -70,10 +70,10 @@ def test_of_runs_racing_for_a_free_folder_exactly_one_wins(folder):
 
 
 def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom generation_core.lease import RunLease\nfrom generation_core.storage import RunFolder\n"
-         "RunLease.acquire(RunFolder(sys.argv[1]), seconds=3600)\nprint('held', flush=True)\ntime.sleep(600)", folder.url],
+        [sys.executable, "-c", "import sys, time\nfrom generation_core.store.lease import RunLease\nfrom generation_core.store.folder import StorageFolder\n"
+         "RunLease.acquire(StorageFolder(sys.argv[1]), seconds=3600)\nprint('held', flush=True)\ntime.sleep(600)", folder.url],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -90,7 +90,7 @@ def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_pa
         holder.wait()
 
 
-def _plant(folder: RunFolder, *, host: str, renewed_ago: float, seconds: float = 60) -> None:
+def _plant(folder: StorageFolder, *, host: str, renewed_ago: float, seconds: float = 60) -> None:
     now = time.time()
     record = {"generation": 1, "owner": "x", "host": host, "pid": 1, "seconds": seconds, "acquired": now - renewed_ago, "renewed": now - renewed_ago, "released": False}
     folder.put_atomic(f"{LEASE_DIR}/00000001.json", json.dumps(record).encode())
@@ -106,7 +106,7 @@ def test_a_lease_from_another_host_holds_until_it_expires(folder):
 
 
 def test_a_lease_that_missed_its_heartbeats_is_waited_out_not_refused(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _plant(folder, host="another-host", renewed_ago=6, seconds=8)
     started = time.monotonic()
     with RunLease.acquire(folder) as lease:
@@ -117,7 +117,7 @@ def test_a_lease_that_missed_its_heartbeats_is_waited_out_not_refused(tmp_path):
 
 
 def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     with RunLease.acquire(folder, seconds=4) as lease:
         time.sleep(5.5)
         record = newest_lease(folder)
@@ -127,10 +127,10 @@ def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
 
 def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
-    from generation_core.data import ShardSpec
-    from generation_core.job import run_shard
+    from generation_core.inputs.shard_rows import ShardSpec
+    from generation_core.shard.job import run_shard_with_worker
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     ours = RunLease.acquire(folder, seconds=60)
     fence = ours.fence()
     # Our heartbeat stalled past expiry and another run took the folder over.
@@ -140,7 +140,7 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     with RunLease.acquire(folder, seconds=60):
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence))
+            asyncio.run(run_shard_with_worker(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence))
     assert not folder.list("shards/shard-00000/commits"), "nothing committed after the takeover"
     assert LeaseFence(2).check(folder) is None
 
@@ -151,9 +151,9 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
 class _LostAnswer:
     """fs.pipe_file whose first exclusive create gets no answer: the connection drops after the
     PUT (`store=True`: the object was stored; with `planted`: someone else's was) and s3fs
-    raises a connection error, which RunFolder retries."""
+    raises a connection error, which StorageFolder retries."""
 
-    def __init__(self, folder: RunFolder, store: bool, planted: bytes | None = None):
+    def __init__(self, folder: StorageFolder, store: bool, planted: bytes | None = None):
         self.original, self.store, self.planted, self.fired = folder.fs.pipe_file, store, planted, 0
 
     def __call__(self, path, data, **kwargs):
@@ -169,7 +169,7 @@ class _LostAnswer:
 
 @pytest.fixture
 def s3_folder(s3_server, tmp_path):
-    folder = RunFolder(f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
+    folder = StorageFolder(f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
     folder.retry_delays = (0.05, 0.05)
     return folder
 
@@ -204,7 +204,7 @@ def _dead_pid() -> int:
     return process.pid
 
 
-def _plant_on_this_host(folder: RunFolder, *, renewed_ago: float, **identity) -> None:
+def _plant_on_this_host(folder: StorageFolder, *, renewed_ago: float, **identity) -> None:
     """A lease of a process that no longer exists here, under this hostname."""
     now = time.time()
     record = {"generation": 1, "owner": "x", "host": socket.gethostname(), "pid": _dead_pid(), "seconds": 60.0, "acquired": now - renewed_ago, "renewed": now - renewed_ago, "released": False, **identity}
@@ -222,7 +222,7 @@ OTHER_MACHINES = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("identity", list(OTHER_MACHINES), ids=list(OTHER_MACHINES))
 def test_a_lease_from_another_machine_with_this_hostname_holds_until_it_expires(tmp_path, identity):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     machine = OTHER_MACHINES[identity](*this_machine())
     _plant_on_this_host(folder, renewed_ago=5, **machine)
     # Its pid is gone here, which says nothing about a process on another machine (or in another
@@ -237,7 +237,7 @@ def test_a_lease_from_another_machine_with_this_hostname_holds_until_it_expires(
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="boot id and pid namespace from /proc")
 def test_a_lease_records_this_machine_and_a_gone_owner_here_is_taken_over_at_once(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     with RunLease.acquire(folder) as lease:
         written = newest_lease(folder)
         assert written.boot_id == open("/proc/sys/kernel/random/boot_id").read().strip() == lease.record.boot_id
@@ -258,25 +258,25 @@ def test_a_folder_whose_lease_files_were_removed_resumes_exactly(tmp_path):
     exactly instead of finding its shard claimed by a "later" run forever."""
     import shutil
 
-    from generation_core.data import ShardSpec
-    from generation_core.job import run_shard
+    from generation_core.inputs.shard_rows import ShardSpec
+    from generation_core.shard.job import run_shard_with_worker
     from tests.run_folder_helpers import committed_keys
     from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
     run_dir = tmp_path / "run"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     shard = ShardSpec(0, 0, 6)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1", "generation.max_failed_fraction=0.5")
     # Two runs whose sample 101:0 fails: the shard stays unfinished under lease 2.
     for generation in (1, 2):
         with RunLease.acquire(folder, seconds=60) as lease:
             assert lease.record.generation == generation
-            asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()))
+            asyncio.run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()))
     shutil.rmtree(run_dir / LEASE_DIR)
     worker = ScriptedWorker()
     with RunLease.acquire(folder, seconds=60) as lease:
         assert lease.record.generation == 3, "numbered above the leases the commit records hold"
-        manifest = asyncio.run(run_shard(cfg, shard, folder, FakePrompts(shard), worker, lease.fence()))
+        manifest = asyncio.run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), worker, lease.fence()))
     assert worker.started == [(101, 0)], "exactly the one sample no record holds"
     assert manifest.num_trajectories == 6 and manifest.failures == 0
     assert sorted(committed_keys(run_dir, shard.name)) == sorted(f"{100 + p}:0" for p in range(6))

@@ -1,6 +1,6 @@
 """The read-only commands load no engine stack (issue 32, item 2): `genrun status` imports no
 torch, verl, Ray, transformers or Prefect, nor omegaconf (the plan's vocabulary lives in
-generation_core/plan.py, and status.py reads run.json and the commit records only). Each
+generation_core/run_plan.py, and status.py reads run.json and the commit records only). Each
 command runs in a fresh interpreter, as a user types it; what it loaded is read from
 sys.modules at its end, so an import hidden in a function counts too.
 
@@ -19,9 +19,9 @@ import sys
 
 import pytest
 
-from generation_core.commit_log import ShardCheckpoint, write_marker
-from generation_core.run_folder import PartEntry, ShardManifest, shard_name
-from generation_core.storage import RunFolder
+from generation_core.store.commit_log import ShardCheckpoint, write_marker
+from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name
+from generation_core.store.folder import StorageFolder
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,10 +45,10 @@ def command_loads(arguments: list[str]) -> set[str]:
     return set(result["loaded"])
 
 
-def finished_shards_folder(path, shards: int, rows: int = 3) -> RunFolder:
+def finished_shards_folder(path, shards: int, rows: int = 3) -> StorageFolder:
     """run.json and, per shard, a committed part's record, its done record and its marker, as a
     finished shard leaves them (the part files themselves are not written: status reads none)."""
-    folder = RunFolder(str(path))
+    folder = StorageFolder(str(path))
     folder.put_json("run.json", {
         "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
         "shards": [{"name": shard_name(i), "range": [i * rows, (i + 1) * rows]} for i in range(shards)],
@@ -58,7 +58,7 @@ def finished_shards_folder(path, shards: int, rows: int = 3) -> RunFolder:
         name, keys = shard_name(i), [f"{i * rows + row}:0" for row in range(rows)]
         part = PartEntry(name="part-00000.parquet", count=rows, bytes=1, sha256="0" * 64)
         ShardCheckpoint.start_attempt(folder, name).commit_part(folder, name, part, keys)
-        write_marker(folder, ShardManifest(shard=name, shard_id=i, range=[i * rows, (i + 1) * rows], num_trajectories=rows, expected_trajectories=rows, parts=[part]))
+        write_marker(folder, SuccessMarker(shard=name, shard_id=i, range=[i * rows, (i + 1) * rows], num_trajectories=rows, expected_trajectories=rows, parts=[part]))
     return folder
 
 
@@ -74,9 +74,9 @@ def test_status_loads_no_engine_stack(tmp_path):
 
 
 def test_the_plan_vocabulary_is_light_to_import():
-    """generation_core/plan.py, which every task and read-only path passes plans through:
-    omegaconf (the plan's config) and fsspec (its RunFolder), no engine stack."""
+    """generation_core/run_plan.py, which every task and read-only path passes plans through:
+    omegaconf (the plan's config) and fsspec (its StorageFolder), no engine stack."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    listing = "import sys, generation_core.plan; print(' '.join(sorted({name.partition('.')[0] for name in sys.modules})))"
+    listing = "import sys, generation_core.run_plan; print(' '.join(sorted({name.partition('.')[0] for name in sys.modules})))"
     loaded = set(subprocess.run([sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60).stdout.split())
     assert "omegaconf" in loaded and sorted(loaded & set(ENGINE_STACK)) == []

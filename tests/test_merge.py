@@ -8,8 +8,8 @@ import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 from verl.protocol import DataProto
 
-from generation_core.config import load_config
-from generation_core.streaming import StreamingWorker
+from generation_core.config.loading import load_config
+from generation_core.shard.streaming import StreamingWorker
 from tests.merge_oracles import build_dataproto
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,7 +98,7 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
 
 
 def test_reward_extra_keys_that_vary_per_sample_become_columns_with_gaps():
-    from generation_core.records import TrajectoryRecord
+    from generation_core.store.trajectory_record import TrajectoryRecord
 
     records = [
         TrajectoryRecord(0, 0, [1, 2], [3, 2], [1, 1], None, 1.0, 2, {"index": 0}, {"reward_extra_info": {"score": 1.0, "acc": True}}, {}),
@@ -118,10 +118,10 @@ import pickle  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from generation_core.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
-from generation_core.records import TrajectoryRecord, records_to_parquet  # noqa: E402
-from generation_core.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
-from generation_core.storage import RunFolder  # noqa: E402
+from generation_core.outputs.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet  # noqa: E402
+from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
+from generation_core.store.folder import StorageFolder  # noqa: E402
 from tests.merge_oracles import load_chunks, read_committed_records  # noqa: E402
 
 PROMPT_LENGTH, RESPONSE_LENGTH, PAD = 12, 10, 2
@@ -156,11 +156,11 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
     return records
 
 
-def _write_run(folder: RunFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
+def _write_run(folder: StorageFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
     """A finished run folder: the records spread over shards in shuffled parts, as shards commit them."""
-    from generation_core.commit_log import ShardCheckpoint
-    from generation_core.data import ShardSpec
-    from generation_core.run_folder import PartEntry
+    from generation_core.store.commit_log import ShardCheckpoint
+    from generation_core.inputs.shard_rows import ShardSpec
+    from generation_core.store.run_folder import PartEntry
 
     order = np.random.default_rng(1).permutation(len(records))
     for shard in range(shards):
@@ -202,7 +202,7 @@ def _lengths():
 @pytest.mark.parametrize("with_logprobs", [True, False])
 def test_merged_folder_equals_build_dataproto_of_its_records(tmp_path, with_logprobs):
     records = _random_records(41, with_logprobs=with_logprobs)
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _write_run(folder, records)
     committed = read_committed_records(folder)
     assert [r.__dict__ for r in committed] == [r.__dict__ for r in sorted(records, key=lambda r: r.key)]
@@ -219,7 +219,7 @@ def test_merged_folder_equals_build_dataproto_of_its_records(tmp_path, with_logp
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("length_field", ["4 bytes", "8 bytes (blobs of 4 GiB and more)"])
 def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypatch, length_field):
-    import generation_core.merge as merge
+    import generation_core.outputs.merge as merge
 
     if length_field.startswith("8"):
         monkeypatch.setattr(merge, "_BINBYTES_LIMIT", 0)
@@ -244,7 +244,7 @@ def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypa
 @pytest.mark.timeout(60)
 def test_chunks_concatenate_to_the_unchunked_dataproto_and_remerging_leaves_no_stale_chunk(tmp_path):
     records = _random_records(23)
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _write_run(folder, records)
     whole = merge_run(folder, **_lengths())
 
@@ -273,9 +273,9 @@ def test_chunks_concatenate_to_the_unchunked_dataproto_and_remerging_leaves_no_s
 def test_the_zip_holds_the_chunk_files_and_their_index(tmp_path):
     import zipfile
 
-    from generation_core.publish import write_zip
+    from generation_core.driver.publish import write_zip
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _write_run(folder, _random_records(7))
     folder.put_json("run.json", {})
     folder.put_json("manifest.json", {})
@@ -300,11 +300,11 @@ def test_a_trajectory_longer_than_the_run_allows_is_named():
 
 @pytest.mark.timeout(60)
 def test_finish_run_merges_in_chunks_when_configured(tmp_path):
-    from generation_core.config import load_config
-    from generation_core.finish import finish_run
-    from generation_core.preflight import RunPlan
+    from generation_core.config.loading import load_config
+    from generation_core.outputs.finish import finish_run
+    from generation_core.plan.preflight import RunPlan
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     records = _random_records(9)
     _write_run(folder, records)
     for chunk_size, entry in (("4", CHUNK_INDEX_FILE), ("null", MERGED_FILE)):
@@ -318,9 +318,10 @@ def test_finish_run_merges_in_chunks_when_configured(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_without_a_chunk_size_a_run_past_the_file_size_limit_is_merged_in_chunks(tmp_path):
-    from generation_core.merge import Padding, merge_output, padded_row_bytes, scan_run
+    from generation_core.outputs.merge import merge_output, scan_run
+    from generation_core.outputs.padding import Padding, padded_row_bytes
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _write_run(folder, _random_records(9))
     padding = Padding(PROMPT_LENGTH, RESPONSE_LENGTH, PAD)
     whole = merge_run(folder, **_lengths())
@@ -340,9 +341,9 @@ def test_without_a_chunk_size_a_run_past_the_file_size_limit_is_merged_in_chunks
 
 @pytest.mark.timeout(60)
 def test_a_chunked_remerge_that_crashes_leaves_no_index_over_rewritten_chunks(tmp_path, monkeypatch):
-    import generation_core.merge as merge
+    import generation_core.outputs.merge as merge
 
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _write_run(folder, _random_records(9))
     merge_run_chunked(folder, chunk_size=3, **_lengths())
     real_dump, written = merge.dump_dataproto, []
@@ -368,8 +369,8 @@ def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, 
     """A real run (hf engine, the bundled model, sampled, n=2, logprobs): verl's own
     per-sample and batch postprocessing of the agent-loop outputs the run produced equals the
     trajectories.pkl that the run's merge wrote from its parts."""
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     captured: dict[tuple[int, int], tuple[AgentLoopOutput, dict]] = {}

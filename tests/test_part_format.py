@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from generation_core.records import PART_SCHEMA, TrajectoryRecord, read_part_table, records_from_parquet, records_to_parquet
+from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, read_part_table, records_from_parquet, records_to_parquet
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -76,13 +76,13 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     # And the merge reads such a part next to a new one, the raw prompt in extra_fields alike.
     import hashlib
 
-    from generation_core.commit_log import ShardCheckpoint
-    from generation_core.merge import merge_run
-    from generation_core.run_folder import PartEntry
-    from generation_core.storage import RunFolder
+    from generation_core.store.commit_log import ShardCheckpoint
+    from generation_core.outputs.merge import merge_run
+    from generation_core.store.run_folder import PartEntry
+    from generation_core.store.folder import StorageFolder
     from tests.merge_oracles import build_dataproto, read_committed_records
 
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     checkpoint = ShardCheckpoint()
     for name, index, data in (("old.parquet", 3, old_part), ("new.parquet", 4, records_to_parquet([_record(4, [-1.0, 0.0, 0.0, -2.0])]))):
         folder.put_atomic(f"shards/shard-00000/{name}", data)

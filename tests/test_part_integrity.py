@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from generation_core.commit_log import repair_shard
-from generation_core.data import ShardSpec
+from generation_core.store.part_repair import repair_shard
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
-from generation_core.finish import merge_repairing
-from generation_core.job import run_shard
-from generation_core.storage import RunFolder
+from generation_core.outputs.finish import merge_repairing
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.folder import StorageFolder
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -24,8 +24,8 @@ OWED = sorted(f"{100 + p}:{n}" for p in range(6) for n in range(2))
 
 def _finished_run(tmp_path):
     cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=2", "actor_rollout_ref.rollout.n=2")
-    folder = RunFolder(str(tmp_path))
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    folder = StorageFolder(str(tmp_path))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     checkpoint = checkpoint_dict(tmp_path)
     assert [p["count"] for p in checkpoint["parts"]] == [4, 4, 4]
     return cfg, folder, checkpoint
@@ -51,7 +51,7 @@ def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path,
     _damage(tmp_path, damaged, how)
 
     worker = ScriptedWorker()
-    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
+    marker = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(lost), "only the damaged part's samples run again"
     assert len(marker.repaired_parts) == 1
     repair = marker.repaired_parts[0]
@@ -75,14 +75,14 @@ def test_the_driver_size_check_finds_truncation_without_reading_parts(tmp_path):
 
 
 def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_next_run_regenerates_it(tmp_path):
-    from generation_core.merge import merge_run
+    from generation_core.outputs.merge import merge_run
 
     cfg, folder, before = _finished_run(tmp_path)
     _damage(tmp_path, before["parts"][0], "bit flip")
     with pytest.raises(GenrunError, match=rf"part .*{before['parts'][0]['name']} does not match the checksum .*run the same command again"):
         merge_repairing(folder, lambda: merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0))
     worker = ScriptedWorker()
-    asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert sorted(f"{i}:{n}" for i, n in worker.started) == sorted(before["completed"][:4])
     data = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0)
     assert len(data) == 12
@@ -95,14 +95,14 @@ def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_o
     that pickles, as it crosses from a Ray worker)."""
     import pickle
 
-    from generation_core import commit_log
-    from generation_core.job import FinishedRowsChanged, finished_shard
+    from generation_core.store import commit_log
+    from generation_core.shard.finished import FinishedRowsChanged, finished_shard
 
     cfg = _cfg("generation.save_batch_size=4")
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     prompts = FakePrompts(SHARD)
     prompts.rows_digest = "a" * 64
-    asyncio.run(run_shard(cfg, SHARD, folder, prompts, ScriptedWorker()))
+    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, prompts, ScriptedWorker()))
 
     folds, asked = [], []
     load = commit_log.ShardCheckpoint.load.__func__

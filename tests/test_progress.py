@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from generation_core.console import ProgressDisplay
-from generation_core.data import ShardSpec
-from generation_core.progress import ProgressBoard, RunProgress, ShardReport, ShardReporter, format_seconds
+from generation_core.inputs.shard_rows import ShardSpec
+from generation_core.shard.progress import ProgressBoard, RunProgress, ShardReport, ShardReporter, format_seconds
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ import socket
 
 import pytest
 
-from generation_core.config import load_config
+from generation_core.config.loading import load_config
 from generation_core.engines.base import SamplingParams
-from generation_core.engines.layout import remote_urls
+from generation_core.config.layout import remote_urls
 from generation_core.engines.remote import (
     CompletionsServers,
     RemoteRequestRejected,
@@ -20,8 +20,8 @@ from generation_core.engines.remote import (
     parse_completion,
 )
 from generation_core.errors import GenrunError
-from generation_core.request_retry import RetryingClient
-from generation_core.routing import RoutingClient
+from generation_core.serving.request_retry import RetryingClient
+from generation_core.serving.routing import RoutingClient
 from tests.scripted_server import ScriptedServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -278,7 +278,7 @@ def test_preflight_refuses_servers_of_different_models_or_a_wrong_name():
 def test_api_key_is_not_written_to_run_json():
     from omegaconf import OmegaConf
 
-    from generation_core.run_folder import config_without_secrets
+    from generation_core.store.run_folder import config_without_secrets
 
     cfg = _cfg(["http://127.0.0.1:1"], "actor_rollout_ref.rollout.engine_kwargs.remote.api_key=sekrit")
     stored = config_without_secrets(OmegaConf.to_container(cfg, resolve=True))

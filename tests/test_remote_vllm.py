@@ -69,7 +69,7 @@ def vllm_server(model_dir, tmp_path_factory):
 
 
 def _cfg(urls, *extra):
-    from generation_core.config import load_config
+    from generation_core.config.loading import load_config
 
     return load_config([
         "actor_rollout_ref.rollout.name=remote",
@@ -85,7 +85,7 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
 
     from generation_core.engines.hf import EngineSettings, HFEngine
     from generation_core.engines.remote import CompletionsServers
-    from generation_core.routing import RoutingClient
+    from generation_core.serving.routing import RoutingClient
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True) for row in chat_rows(4)]
@@ -117,8 +117,8 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
 def test_context_overflow_is_a_sample_failure_and_the_server_stays(vllm_server):
     from generation_core.engines.remote import RemoteRequestRejected
     from generation_core.engines.remote import CompletionsServers
-    from generation_core.routing import RoutingClient
-    from generation_core.request_retry import RetryingClient
+    from generation_core.serving.routing import RoutingClient
+    from generation_core.serving.request_retry import RetryingClient
 
     # genrun's own limit is above the server's: the server is the one to refuse (400).
     cfg = _cfg([vllm_server], "data.max_prompt_length=2048", "data.max_response_length=8")

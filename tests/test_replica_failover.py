@@ -34,10 +34,10 @@ async def _health_once_restarted(handle, seconds: float = 300):
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
     from verl.utils import hf_tokenizer
 
-    from generation_core.data import ShardPrompts
-    from generation_core.pool import ReplicaPool
-    from generation_core.job import build_streaming_worker, run_shard
-    from generation_core.preflight import preflight
+    from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.serving.pool import ReplicaPool
+    from generation_core.shard.job import build_streaming_worker, run_shard_with_worker
+    from generation_core.plan.preflight import preflight
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
     plan = preflight([
@@ -63,7 +63,7 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             routing = pool.client()
             shard_prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
             worker = build_streaming_worker(plan.cfg, routing, shard_prompts)
-            shard = asyncio.ensure_future(run_shard(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker))
+            shard = asyncio.ensure_future(run_shard_with_worker(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker))
             while not has_committed_part(tmp_path / "run"):
                 assert not shard.done(), shard.exception()
                 await asyncio.sleep(0.05)
@@ -82,7 +82,7 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
         finally:
             pool.shutdown()
 
-    with caplog.at_level(logging.WARNING, logger="generation_core.routing"):
+    with caplog.at_level(logging.WARNING, logger="generation_core.serving.routing"):
         before, marker, restarted = asyncio.run(scenario())
 
     completed = committed_keys(tmp_path / "run", "shard-00000")

@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from flows.cli import main
-from generation_core.records import TrajectoryRecord, records_to_table
-from generation_core.report_data import STOP_REASONS, Limits, sample_hash, stop_reasons
-from generation_core.report_html import REPORT_FILE, split_report_arguments
-from generation_core.storage import RunFolder
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
+from generation_core.report.data import STOP_REASONS, Limits, sample_hash, stop_reasons
+from generation_core.report.html import REPORT_FILE, split_report_arguments
+from generation_core.store.folder import StorageFolder
 from tests.conftest import chat_rows, write_parquet
 from tests.report_runs import COMMITTED, FAILING_ROW, ROLLOUT_N, ROWS, WRONG_ROW, committed_records, tool_run
 from tests.scripted_engine import ScriptedEngine
@@ -90,7 +90,7 @@ def test_sample_argument_is_read_and_checked():
 def test_viewer_data_holding_html_markup_stays_valid_json_inside_its_script_element():
     """Text with `<!--`, `</script>` and `&` (a model may write any of them) neither ends the
     viewer's <script> element nor breaks its JSON: the viewer would go blank."""
-    from generation_core.report_html import _viewer_section
+    from generation_core.report.html import _viewer_section
 
     nasty = "a <!-- comment --> then </script><script>alert(1)</script> & &amp; <\\!-- -->"
     payload = {"total": 1, "trajectories": [{"id": "0:0", "text": nasty}], "pieces": {"7": "</SCRIPT>"}, "stop_reasons": {}, "decoded": True}
@@ -135,7 +135,7 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
 
     # The viewer: every committed trajectory, exactly as stored, turn by turn.
     data = viewer_data(page)
-    records = committed_records(RunFolder(str(run_dir)))
+    records = committed_records(StorageFolder(str(run_dir)))
     assert data["total"] == COMMITTED and [t["id"] for t in data["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in records]
     engine = ScriptedEngine(tokenizer)
     for shown, record in zip(data["trajectories"], records):
@@ -164,7 +164,7 @@ def test_the_viewer_holds_a_capped_uniform_sample(run_dir, capsys, tmp_path):
     assert out.endswith(f"({COMMITTED} trajectories; the viewer holds 3)\n")
     page = (copy / REPORT_FILE).read_text()
     data = viewer_data(page)
-    records = committed_records(RunFolder(str(copy)))
+    records = committed_records(StorageFolder(str(copy)))
     hashes = sample_hash(np.array([r.index for r in records]), np.array([r.rollout_n for r in records]))
     lowest = sorted(records[i].key for i in np.argsort(hashes)[:3])
     assert [t["id"] for t in data["trajectories"]] == [f"{i}:{n}" for i, n in lowest]
@@ -225,14 +225,14 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
     assert code == 0, err
     assert out == f"report: {url}/{REPORT_FILE} ({COMMITTED} trajectories; the viewer holds {COMMITTED})\n"
     page = fs.cat_file(f"{url}/{REPORT_FILE}").decode()
-    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in committed_records(RunFolder(str(run_dir)))]
+    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in committed_records(StorageFolder(str(run_dir)))]
     assert options["secret"] not in page + out
 
 
 @pytest.mark.timeout(600)
 def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path, wandb_offline_dir):
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
     from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
@@ -257,7 +257,7 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from generation_core.report_html import write_report
+    from generation_core.report.html import write_report
     from tasks.publish import report_artifacts
 
     copy = tmp_path / "run"
@@ -267,7 +267,7 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
     def show(location: str) -> str:
         from prefect.runtime import flow_run
 
-        report_artifacts(write_report(RunFolder(location)), "report-test")
+        report_artifacts(write_report(StorageFolder(location)), "report-test")
         return flow_run.id
 
     with temporary_settings({PREFECT_API_URL: prefect_server.url}):

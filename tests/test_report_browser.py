@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageStat
 
-from generation_core.report_html import REPORT_FILE, write_report
-from generation_core.storage import RunFolder
+from generation_core.report.html import REPORT_FILE, write_report
+from generation_core.store.folder import StorageFolder
 from tests.report_runs import COMMITTED, ROWS, committed_records, tool_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,8 +32,8 @@ def runs(tmp_path_factory, model_dir):
     tool_run(directory, model_dir)
     full, capped = directory / "run", directory / "capped"
     shutil.copytree(full, capped)
-    write_report(RunFolder(str(full)))
-    write_report(RunFolder(str(capped)), sample_size=3)
+    write_report(StorageFolder(str(full)))
+    write_report(StorageFolder(str(capped)), sample_size=3)
     return full, capped
 
 
@@ -96,7 +96,7 @@ def test_the_page_renders_its_plots_and_lists_every_trajectory(runs, open_report
     assert sizes == [[True, 700, 360]] * 5
     assert page.locator("#shard-table tbody tr").count() == 2
     assert page.locator("#failure-table tbody tr").count() == 2
-    records = committed_records(RunFolder(str(full)))
+    records = committed_records(StorageFolder(str(full)))
     assert shown(page) == [f"{r.index}:{r.rollout_n}" for r in records]
     assert page.inner_text("#shown-count") == f"{COMMITTED} of {COMMITTED} shown"
     viewer = page.locator("#viewer")
@@ -107,7 +107,7 @@ def test_the_page_renders_its_plots_and_lists_every_trajectory(runs, open_report
 def test_filters_change_the_list(runs, open_report):
     full, _ = runs
     page = open_report(full)
-    records = committed_records(RunFolder(str(full)))
+    records = committed_records(StorageFolder(str(full)))
 
     def expect(predicate):
         ids = [f"{r.index}:{r.rollout_n}" for r in records if predicate(r)]
@@ -136,7 +136,7 @@ def test_a_trajectory_shows_its_turns_mask_and_logprobs(runs, open_report, model
 
     full, _ = runs
     page = open_report(full)
-    record = next(r for r in committed_records(RunFolder(str(full))) if (r.index, r.rollout_n) == (1, 1))
+    record = next(r for r in committed_records(StorageFolder(str(full))) if (r.index, r.rollout_n) == (1, 1))
     page.click('.traj-row[data-id="1:1"]')
     assert page.locator(".traj-row.selected").evaluate_all("rows => rows.map(row => row.dataset.id)") == ["1:1"]
     assert page.locator("#traj-detail .turn").evaluate_all("turns => turns.map(turn => turn.className)") == ["turn prompt", "turn model", "turn tool", "turn model"]

@@ -1,4 +1,4 @@
-"""Many engine requests per Ray call (generation_core/request_batching.py), on a real Ray actor:
+"""Many engine requests per Ray call (generation_core/engines/request_batching.py), on a real Ray actor:
 every request gets its own answer (the one a direct call gives), fewer calls than requests, a
 short answer is not held back by a long one in the same call, one request's error stays its
 own, and a replica that dies under a batch fails every request of it as a server failure."""
@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.engines.server import EngineServer
-from generation_core.routing import RayReplicaBackend
+from generation_core.serving.routing import RayReplicaBackend
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from generation_core.engines.base import EngineStepFailed, EngineStopped
 from generation_core.engines.remote import RemoteRequestRejected, RemoteServerUnavailable
 from generation_core.errors import GenrunError
-from generation_core.records import SampleFailure
-from generation_core.request_retry import RequestTimeout, RetryingClient, is_transient
+from generation_core.store.trajectory_record import SampleFailure
+from generation_core.serving.request_retry import RequestTimeout, RetryingClient, is_transient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""The user's reward function (generation_core/rewards.py): an `async def` one is awaited on the
+"""The user's reward function (generation_core/shard/rewards.py): an `async def` one is awaited on the
 run's event loop, and the reward file's content is part of the run fingerprint."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from generation_core.config import load_config
+from generation_core.config.loading import load_config
 from generation_core.errors import GenrunError
-from generation_core.preflight import preflight
-from generation_core.rewards import RewardScorer, _as_result
+from generation_core.plan.preflight import preflight
+from generation_core.shard.rewards import RewardScorer, _as_result
 
 pytestmark = pytest.mark.timeout(300)
 

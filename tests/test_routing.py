@@ -17,9 +17,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-import generation_core.routing as routing
+import generation_core.serving.routing as routing
 from generation_core.errors import GenrunError
-from generation_core.routing import RayReplicaBackend, RoutingClient, ServerGone
+from generation_core.serving.routing import RayReplicaBackend, RoutingClient, ServerGone
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""run.json through its typed record (generation_core/run_record.py): written exactly as before,
+"""run.json through its typed record (generation_core/store/run_record.py): written exactly as before,
 read leniently (a run.json of an earlier genrun lacks keys added since)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 
 from generation_core.errors import GenrunError
-from generation_core.run_folder import RUN_FILE, read_run_record
-from generation_core.run_record import RunRecord, ShardRange
-from generation_core.storage import RunFolder
+from generation_core.store.run_folder import RUN_FILE, read_run_record
+from generation_core.store.run_record import RunRecord, ShardRange
+from generation_core.store.folder import StorageFolder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ def test_a_full_run_json_reads_and_writes_back_byte_for_byte():
 
 
 def test_an_earlier_run_json_reads_with_its_absent_keys_as_none(tmp_path):
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     folder.put_json(RUN_FILE, {"fingerprint": "e" * 64, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
                                "config": {"actor_rollout_ref": {"rollout": {"n": 2}}}})
     record = read_run_record(folder)
@@ -46,4 +46,4 @@ def test_an_earlier_run_json_reads_with_its_absent_keys_as_none(tmp_path):
 
 def test_a_folder_without_run_json_is_refused(tmp_path):
     with pytest.raises(GenrunError, match="is not a genrun run folder"):
-        read_run_record(RunFolder(str(tmp_path)))
+        read_run_record(StorageFolder(str(tmp_path)))

@@ -15,13 +15,13 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.data import ShardSpec
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
 from tests.merge_oracles import read_committed_records
-from generation_core.dispatch import run_in_process
-from generation_core.preflight import preflight
-from generation_core.job import run_shard
-from generation_core.storage import RunFolder
+from generation_core.driver.in_process import run_in_process
+from generation_core.plan.preflight import preflight
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.folder import StorageFolder
 from tests.conftest import GENRUN, REPO, S3_ENV, chat_rows, kill_group, run_genrun, start_moto, write_parquet
 from tests.run_folder_helpers import committed_keys, has_committed_part
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -86,7 +86,7 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
     assert "shards: 3 done, 0 running or interrupted, 0 failed, 0 pending; trajectories 10/10" in status.stdout
     before = fs.cat_file(f"{url}/trajectories.pkl")
     # An orphan part (a PUT no commit record lists, as a crash leaves it) is ignored on S3 too.
-    from generation_core.records import TrajectoryRecord, records_to_parquet
+    from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 
     fs.pipe_file(f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet", records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]))
     merged = run_genrun(["merge", url], env=dict(os.environ, **s3_env), timeout=120)
@@ -105,7 +105,7 @@ def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, 
     args = [f"data.train_files={prompts}", f"trainer.default_local_dir={url}", "actor_rollout_ref.rollout.temperature=0",
             "data.max_prompt_length=64", "data.max_response_length=16", "generation.save_batch_size=4", "generation.max_inflight=4", "generation.show_progress=false"]
     fs = _s3()
-    folder = RunFolder(url)
+    folder = StorageFolder(url)
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(GENRUN + args, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log, start_new_session=True)
         try:
@@ -143,7 +143,7 @@ class _FailOnce:
 
     METHODS = ("put_object", "upload_part")
 
-    def __init__(self, folder: RunFolder, marker: str, error: Exception):
+    def __init__(self, folder: StorageFolder, marker: str, error: Exception):
         from fsspec.asyn import sync
 
         sync(folder.fs.loop, folder.fs.set_session)
@@ -168,12 +168,12 @@ class _FailOnce:
 
 @pytest.mark.parametrize("marker", ["batch-", "/commits/"])
 def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
-    folder = RunFolder(f"s3://genrun-test/faults/transient-{marker.strip('./-')}")
+    folder = StorageFolder(f"s3://genrun-test/faults/transient-{marker.strip('./-')}")
     folder.retry_delays = (0.05, 0.1)
     fault = _FailOnce(folder, marker, _s3_answer("SlowDown", 503, "Please reduce your request rate."))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     try:
-        manifest = asyncio_run(run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker()))
+        manifest = asyncio_run(run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker()))
     finally:
         fault.restore()
     assert fault.fired == 1 and manifest.num_trajectories == 6
@@ -182,18 +182,18 @@ def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
 
 @pytest.mark.parametrize("marker", ["batch-", "/commits/"])
 def test_a_failed_put_fails_the_shard_and_resume_loses_nothing(s3_env, tmp_path, marker):
-    folder = RunFolder(f"s3://genrun-test/faults/permanent-{marker.strip('./-')}")
+    folder = StorageFolder(f"s3://genrun-test/faults/permanent-{marker.strip('./-')}")
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    asyncio_run(run_shard(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker()))  # a first committed part
+    asyncio_run(run_shard_with_worker(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker()))  # a first committed part
     folder.remove("shards/shard-00000/_SUCCESS.json")
     shard = ShardSpec(0, 0, 6)
     fault = _FailOnce(folder, marker, _s3_answer("AccessDenied", 403, "Access Denied"))
     try:
         with pytest.raises(PermissionError):
-            asyncio_run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
+            asyncio_run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
     finally:
         fault.restore()
-    manifest = asyncio_run(run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
+    manifest = asyncio_run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
     keys = [r.key for r in read_committed_records(folder)]
     assert manifest.num_trajectories == 6 and keys == [(100 + p, 0) for p in range(6)], "nothing lost, nothing twice"
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from generation_core.config import load_config
+from generation_core.config.loading import load_config
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.errors import GenrunError
-from generation_core.streaming import StreamingWorker, sample_seed
+from generation_core.shard.streaming import StreamingWorker, sample_seed
 
 pytestmark = pytest.mark.timeout(120)
 

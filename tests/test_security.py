@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from generation_core.config import load_config
+from generation_core.config.loading import load_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,18 +22,18 @@ def test_trust_remote_code_is_off_by_default():
 
 
 def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
-    import generation_core.preflight
-    from generation_core.preflight import preflight
+    import generation_core.plan.preflight
+    from generation_core.plan.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     calls = []
-    real = generation_core.preflight.hf_tokenizer
+    real = generation_core.plan.preflight.hf_tokenizer
 
     def recording_hf_tokenizer(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generation_core.preflight, "hf_tokenizer", recording_hf_tokenizer)
+    monkeypatch.setattr(generation_core.plan.preflight, "hf_tokenizer", recording_hf_tokenizer)
     prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
     preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}"])
     assert calls and all(call.get("trust_remote_code") is False for call in calls), calls
@@ -69,9 +69,9 @@ def test_credential_overrides_move_to_the_environment(monkeypatch):
 def test_run_json_holds_no_credentials(tmp_path):
     """Credentials that reach the config anyway (a deployment's parameters, a Python caller)
     are masked in run.json, also inside nested options such as s3fs' client_kwargs."""
-    from generation_core.data import plan_shards
-    from generation_core.preflight import RunPlan
-    from generation_core.run_folder import RUN_FILE
+    from generation_core.inputs.shard_rows import plan_shards
+    from generation_core.plan.preflight import RunPlan
+    from generation_core.store.run_folder import RUN_FILE
 
     overrides = [f"storage.options.{name}={value}" for name, value in SECRETS.items()]
     overrides += ["+storage.options.client_kwargs.aws_secret_access_key=nested-secret-789", "storage.options.endpoint_url=http://127.0.0.1:9000"]
@@ -139,8 +139,8 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     the S3 client kwargs reach s3fs, the judge's key the reward function."""
     from omegaconf import OmegaConf
 
-    from generation_core.preflight import RunPlan, preflight
-    from generation_core.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
+    from generation_core.plan.preflight import RunPlan, preflight
+    from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
     from generation_core.errors import GenrunError
     from generation_core.secrets import SECRETS_ENV
     from tests.conftest import chat_rows, write_parquet
@@ -171,7 +171,7 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
     import tempfile
     from pathlib import Path
 
-    from generation_core.storage import RunFolder
+    from generation_core.store.folder import StorageFolder
     from tests.conftest import chat_rows, run_genrun, write_parquet
     from tests.report_runs import committed_records
 
@@ -188,7 +188,7 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
     try:
         result = _run_without_inherited_env(run_genrun, args, env)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert [r.reward_score for r in committed_records(RunFolder(str(out)))] == [1.0, 1.0], "the worker got the secrets back"
+        assert [r.reward_score for r in committed_records(StorageFolder(str(out)))] == [1.0, 1.0], "the worker got the secrets back"
         written = [p for root in (tmp_path, ray_tmp) for p in Path(root).rglob("*") if p.is_file() and p.name != "judge_reward.py"]
         names = {p.name for p in written}
         assert {"run.json", "manifest.json", "trajectories.zip", "report.html", "prefect.db"} <= names, sorted(names)
@@ -232,7 +232,7 @@ def _run_without_inherited_env(run_genrun, args, env):
 def test_parts_are_parquet_and_a_pickle_in_their_place_is_never_loaded(tmp_path):
     import pyarrow as pa
 
-    from generation_core.records import TrajectoryRecord, records_from_parquet, records_to_parquet
+    from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet, records_to_parquet
 
     record = TrajectoryRecord(index=0, rollout_n=0, prompt_ids=[1, 2], response_ids=[3], response_mask=[1], response_logprobs=None, reward_score=None, num_turns=2)
     data = records_to_parquet([record])
@@ -260,7 +260,7 @@ def test_ray_started_by_genrun_listens_on_loopback_only(monkeypatch):
     import ray
     from ray._private import ray_constants, services
 
-    from generation_core.ray_setup import ray_init_kwargs
+    from generation_core.serving.ray_setup import ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "1")
@@ -277,7 +277,7 @@ def test_ray_started_by_genrun_listens_on_loopback_only(monkeypatch):
 def test_ray_of_an_existing_cluster_is_left_as_configured(monkeypatch):
     from ray._private import ray_constants
 
-    from generation_core.ray_setup import ray_init_kwargs
+    from generation_core.serving.ray_setup import ray_init_kwargs
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     kwargs = ray_init_kwargs(load_config(["ray_kwargs.ray_init.address=10.0.0.5:6379"]), "0" * 64)
@@ -324,8 +324,8 @@ def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
 _LISTENING_SOCKETS_OF_GENRUN_RAY = """
 import json, os, sys
 import psutil, ray
-from generation_core.config import load_config
-from generation_core.ray_setup import ray_init_kwargs
+from generation_core.config.loading import load_config
+from generation_core.serving.ray_setup import ray_init_kwargs
 
 ray.init(**ray_init_kwargs(load_config([]), "0" * 64))
 try:

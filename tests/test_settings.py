@@ -1,4 +1,4 @@
-"""genrun.yaml is the reference a user reads, generation_core/settings.py the defaults the code
+"""genrun.yaml is the reference a user reads, generation_core/config/settings.py the defaults the code
 uses: every default written in both must be the same value, and every setting the code reads must
 have its key in genrun.yaml, so the two can never disagree."""
 
@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 import generation_core
 from generation_core.errors import GenrunError
-from generation_core.settings import (
+from generation_core.config.settings import (
     ENGINE_KWARGS,
     GenerationSettings,
     HfEngineKwargs,

@@ -7,14 +7,15 @@ import pytest
 from botocore.exceptions import ClientError, ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 from s3fs.errors import translate_boto_error
 
-from generation_core.records import TrajectoryRecord, records_from_parquet, records_to_parquet
-from generation_core.storage import RunFolder, _is_transient
+from generation_core.store.folder import StorageFolder
+from generation_core.store.storage_errors import is_transient
+from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet, records_to_parquet
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_put_atomic_leaves_no_temporary_files(tmp_path):
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     folder.put_atomic("shards/shard-00000/a.bin", b"one")
     folder.put_atomic("shards/shard-00000/a.bin", b"two")
     assert folder.read_bytes("shards/shard-00000/a.bin") == b"two"
@@ -24,7 +25,7 @@ def test_put_atomic_leaves_no_temporary_files(tmp_path):
 
 
 def test_streaming_writer_commits_only_on_success(tmp_path):
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     try:
         with folder.open_write("big.bin") as handle:
             handle.write(b"partial")
@@ -52,7 +53,7 @@ def test_records_round_trip_through_parquet():
 
 @pytest.mark.timeout(30)
 def test_a_streamed_write_whose_finishing_fails_leaves_the_previous_file_and_no_temporary(tmp_path, monkeypatch):
-    folder = RunFolder(str(tmp_path))
+    folder = StorageFolder(str(tmp_path))
     folder.put_atomic("big.bin", b"previous")
 
     def full_disk(descriptor):
@@ -90,8 +91,8 @@ TRANSIENT_ANSWERS = [
 @pytest.mark.parametrize("code, status, message", TRANSIENT_ANSWERS, ids=[f"{c}-{s}" for c, s, _ in TRANSIENT_ANSWERS])
 def test_s3_throttling_and_5xx_are_transient_as_botocore_and_s3fs_raise_them(code, status, message):
     error = _client_error(code, status, message)
-    assert _is_transient(error), "botocore's ClientError"
-    assert _is_transient(translate_boto_error(error)), "the OSError s3fs raises, the ClientError in its __cause__"
+    assert is_transient(error), "botocore's ClientError"
+    assert is_transient(translate_boto_error(error)), "the OSError s3fs raises, the ClientError in its __cause__"
 
 
 @pytest.mark.timeout(10)
@@ -108,7 +109,7 @@ def test_s3_throttling_and_5xx_are_transient_as_botocore_and_s3fs_raise_them(cod
     ids=lambda e: type(e).__name__,
 )
 def test_dropped_and_timed_out_connections_are_transient(error):
-    assert _is_transient(error)
+    assert is_transient(error)
 
 
 PERMANENT = [
@@ -127,7 +128,7 @@ PERMANENT = [
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("error", PERMANENT, ids=lambda e: f"{type(e).__name__}:{str(e)[:40]}")
 def test_an_error_that_merely_mentions_500_or_internalerror_is_not_transient(error):
-    assert not _is_transient(error)
+    assert not is_transient(error)
 
 
 class _ScriptedS3(http.server.BaseHTTPRequestHandler):
@@ -176,13 +177,13 @@ def scripted_s3():
     ids=["503-SlowDown", "500-InternalError", "400-in-a-shard-00500-path", "403-in-a-shard-00500-path"],
 )
 def test_a_real_s3_error_answer_is_retried_only_when_transient(scripted_s3, status, code, message, retried):
-    """The whole path: an HTTP answer, botocore's parsing, s3fs's translation, RunFolder's retry
+    """The whole path: an HTTP answer, botocore's parsing, s3fs's translation, StorageFolder's retry
     (botocore's and s3fs's own retries off, so every request counted is one of ours)."""
     options = {
         "endpoint_url": scripted_s3, "key": "k", "secret": "s",
         "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}}, "client_kwargs": {"region_name": "us-east-1"},
     }
-    folder = RunFolder("s3://genrun-test/run", options)
+    folder = StorageFolder("s3://genrun-test/run", options)
     folder.fs.retries = 1  # s3fs's own retry loop (an attribute, not an option): one attempt
     folder.retry_delays = (0.01, 0.01)
     _ScriptedS3.answer, _ScriptedS3.requests = (status, code, message), []

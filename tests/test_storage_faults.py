@@ -1,5 +1,5 @@
 """Local storage failing mid-shard: a real full disk (a small tmpfs, where this machine lets us
-mount one) and the same error injected under RunFolder. The shard fails cleanly with a message
+mount one) and the same error injected under StorageFolder. The shard fails cleanly with a message
 that says what to do, the committed parts and commit records stay intact, no temporary file is left
 behind, and once there is space the next attempt resumes: every sample exactly once. S3 errors
 (5xx retried, a refused PUT failing the shard) are in test_s3."""
@@ -11,11 +11,11 @@ import subprocess
 
 import pytest
 
-from generation_core.data import ShardSpec
+from generation_core.inputs.shard_rows import ShardSpec
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict
-from generation_core.job import run_shard
-from generation_core.storage import RunFolder
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.folder import StorageFolder
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,7 +27,7 @@ class _DiskFullAfter:
     """The folder's disk fills up after `allowed` writes (whole files, commit records, streamed
     parts), until `free()`: a write then fails with ENOSPC where a full disk fails it."""
 
-    def __init__(self, folder: RunFolder, allowed: int):
+    def __init__(self, folder: StorageFolder, allowed: int):
         self.allowed, self.full = allowed, True
         self.write_local, self.open_write = folder._write_local, folder.open_write
         folder._write_local, folder.open_write = self._write_local, self._open_write
@@ -79,7 +79,7 @@ def _assert_intact(run_dir):
 
 def _resume_and_check(cfg, folder, run_dir, committed_before):
     worker = ScriptedWorker()
-    marker = asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker))
+    marker = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker))
     assert len(worker.started) == 60 - committed_before, "only what was not committed runs again"
     assert marker.num_trajectories == 60
     completed = _assert_intact(run_dir)["completed"]
@@ -90,9 +90,9 @@ def _resume_and_check(cfg, folder, run_dir, committed_before):
 def test_a_real_full_disk_fails_the_shard_cleanly_and_the_retry_resumes(small_disk):
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=4")
     run_dir = small_disk / "run"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     with pytest.raises(OSError, match="no space left on the device of .*free space there or choose another trainer.default_local_dir"):
-        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
@@ -102,10 +102,10 @@ def test_a_real_full_disk_fails_the_shard_cleanly_and_the_retry_resumes(small_di
 def test_an_injected_disk_full_fails_the_shard_cleanly_and_the_retry_resumes(tmp_path):
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=4")
     run_dir = tmp_path / "run"
-    folder = RunFolder(str(run_dir))
+    folder = StorageFolder(str(run_dir))
     disk = _DiskFullAfter(folder, allowed=9)
     with pytest.raises(OSError, match="(?i)no space left"):
-        asyncio.run(run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     disk.free()

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from generation_core.commit_log import read_failure_log
-from generation_core.config import load_config
-from generation_core.data import ShardPrompts, ShardSpec
-from generation_core.dataset_files import inspect_dataset
-from generation_core.job import TooManyFailedSamples, run_shard
-from generation_core.merge import merge_run
-from generation_core.rewards import RewardScorer
-from generation_core.storage import RunFolder
-from generation_core.streaming import StreamingWorker
+from generation_core.store.commit_log import read_failure_log
+from generation_core.config.loading import load_config
+from generation_core.inputs.shard_rows import ShardPrompts, ShardSpec
+from generation_core.inputs.dataset_files import inspect_dataset
+from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
+from generation_core.outputs.merge import merge_run
+from generation_core.shard.rewards import RewardScorer
+from generation_core.store.folder import StorageFolder
+from generation_core.shard.streaming import StreamingWorker
 from tests import sample_deadline
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
@@ -103,7 +103,7 @@ def _run_shard(cfg, tokenizer, data_file, folder, engine, reward=True):
     scorer = RewardScorer.from_config(cfg, tokenizer) if reward else None
     worker = StreamingWorker(cfg, engine, scorer)
     try:
-        return asyncio.run(run_shard(cfg, shard, folder, prompts, worker))
+        return asyncio.run(run_shard_with_worker(cfg, shard, folder, prompts, worker))
     finally:
         worker.shutdown()
 
@@ -117,7 +117,7 @@ def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, t
     cfg = tool_config(model_dir, "actor_rollout_ref.rollout.n=2", "generation.save_batch_size=4")
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
     engine = ScriptedEngine(tokenizer, EXPRESSIONS)
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
     assert manifest.num_trajectories == 6 and manifest.failures == 0
 
@@ -149,7 +149,7 @@ def test_reward_function_fills_rm_scores_at_the_last_response_token(model_dir, t
     rows = tool_rows()
     rows[1]["reward_model"]["ground_truth"] = "13"
     data_file = write_parquet(tmp_path / "tools.parquet", rows)
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
     data = _merge(cfg, folder)
     rm_scores = data.batch["rm_scores"]
@@ -170,7 +170,7 @@ def test_a_raising_reward_function_is_a_recorded_sample_failure(model_dir, token
     )
     cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", "generation.max_failed_fraction=0.5")
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
     assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
     [failure] = read_failure_log(folder, "shard-00000")
@@ -185,7 +185,7 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
     # "seven" fails twice (recovered by 2 retries); "twelve" always fails (recorded).
     engine = ScriptedEngine(tokenizer, EXPRESSIONS, failures={"seven": 2, "twelve": None})
-    folder = RunFolder(str(tmp_path / "run"))
+    folder = StorageFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, engine, reward=False)
     assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"]
     assert engine.failed_calls == 2 + 3, "seven: 2 failures then success; twelve: 1 try + 2 retries"
@@ -195,7 +195,7 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     # max_failed_fraction=0: the same failure fails the shard; a later attempt with a healthy
     # engine regenerates only the failed sample.
     strict = tool_config(model_dir, "generation.request_retries=1")
-    other = RunFolder(str(tmp_path / "strict"))
+    other = StorageFolder(str(tmp_path / "strict"))
     with pytest.raises(TooManyFailedSamples, match="1 of 3 trajectories failed"):
         _run_shard(strict, tokenizer, data_file, other, ScriptedEngine(tokenizer, EXPRESSIONS, failures={"twelve": None}), reward=False)
     healthy = ScriptedEngine(tokenizer, EXPRESSIONS)
@@ -255,7 +255,7 @@ def test_a_reward_function_that_never_returns_fails_its_sample_at_the_deadline(m
     reward_file.write_text(HANGING_REWARDS[reward])
     cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", *DEADLINE, ONE_AT_A_TIME)
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
-    manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS))
+    manifest = _run_shard(cfg, tokenizer, data_file, StorageFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS))
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "in score")
 
 
@@ -267,7 +267,7 @@ def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(model_d
     tools.write_text("tools:\n  - class_name: tests.sample_deadline.CalculatorThatHangsInAThread\n    config:\n      type: native\n")
     cfg = tool_config(model_dir, *DEADLINE, ONE_AT_A_TIME, tools=tools)
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
-    manifest = _run_shard(cfg, tokenizer, data_file, RunFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
+    manifest = _run_shard(cfg, tokenizer, data_file, StorageFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "tool_agent_loop.py")
     assert not sample_deadline.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"
 
@@ -320,7 +320,7 @@ def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajector
     through the routing client and a replica backend, each turn goes with a fresh request id (as
     verl's client sends it) and the agent loop's own id as `trajectory_key`."""
     from generation_core.engines.admission import RequestIds
-    from generation_core.routing import RayReplicaBackend, RoutingClient
+    from generation_core.serving.routing import RayReplicaBackend, RoutingClient
 
     cfg = tool_config(model_dir)
     engine = KeyRecordingEngine(tokenizer, EXPRESSIONS)

@@ -28,7 +28,7 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 from generation_core import verl_adapter
-from generation_core.agent_loops import PLUGIN_GROUP
+from generation_core.inputs.agent_loops import PLUGIN_GROUP
 from generation_core.console import QUIET_AT_ANY_LEVEL
 from tests.conftest import REPO
 
@@ -276,7 +276,7 @@ def test_the_manager_starts_its_balancer_after_its_servers():
     assert {"server_handles", "server_addresses"} <= _assigned_self_attributes(LLMServerManager._initialize_llm_servers)
     assert "self.global_load_balancer" in _source(LLMServerManager._init_global_load_balancer)
     started = []
-    manager_class = verl_adapter.server_manager_with_balancer(lambda servers: started.append(servers) or "balancer")
+    manager_class = verl_adapter.server_manager_with_registry(lambda servers: started.append(servers) or "balancer")
     assert issubclass(manager_class, LLMServerManager)
     manager = object.__new__(manager_class)
     manager.server_addresses, manager.server_handles = ["a", "b"], ["handle-a", "handle-b"]
@@ -333,7 +333,7 @@ def test_prompt_length_settings_are_what_verls_text_doc2len_reads(tokenizer):
         "doc[prompt_key], add_generation_prompt=True, tokenize=True, **apply_kwargs",
         "doc2len(doc) <= self.max_prompt_length",
     ):
-        assert line in source, f"verl's doc2len changed: {line!r} is gone (generation_core/data.py's _BatchedLengths replays it)"
+        assert line in source, f"verl's doc2len changed: {line!r} is gone (generation_core/inputs/shard_rows.py's _BatchedLengths replays it)"
     data = _data_config(max_prompt_length=99, apply_chat_template_kwargs={"enable_thinking": False, "tokenize": True})
     settings = verl_adapter.prompt_length_settings(verl_adapter.rows_dataset(data, tokenizer))
     assert settings == verl_adapter.PromptLengthSettings(prompt_key="prompt", max_prompt_length=99, template_kwargs={"enable_thinking": False}, has_processor=False)

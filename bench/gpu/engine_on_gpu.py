@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-from generation_core.bundled import BUNDLED_PROMPTS  # noqa: E402
+from generation_core.config.bundled import BUNDLED_PROMPTS  # noqa: E402
 from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
 
 

@@ -34,6 +34,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.cache_utils import CacheLayerMixin
 
+from generation_core.config.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, EngineStepFailed, EngineStopped, SamplingParams, response_budget
@@ -43,7 +44,6 @@ from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.sampling import sample_next_tokens
 from generation_core.engines.server import cpu_threads_per_replica
 from generation_core.engines.slot_batch import KVShape, SlotBatch
-from generation_core.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,29 @@ class _Sequence:
     """It continues a trajectory this engine served before (admission.py)."""
 
 
+def _new_stats() -> dict[str, Any]:
+    """The engine's counters, all zero (`genrun status`, the report and the bench read them)."""
+    return {
+        "forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0,
+        # prefill_tokens: prompt tokens run through the model (padding and reused tokens not counted).
+        # prefix_hits: prompts that extend their trajectory's previous turn (its KV reused);
+        # shared_prefix_hits: prompts that reuse a prefix they share with another (a system
+        # prompt, another sample of the same prompt); prefix_misses: all but prefix_hits.
+        "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
+        "shared_prefix_hits": 0, "shared_prefix_tokens": 0,
+        # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
+        # tokens one pass ran.
+        "mixed_steps": 0, "largest_step_tokens": 0,
+        # Requests that continued a trajectory and went ahead of queued first turns.
+        "later_turns": 0,
+        # Sequences moved down into slots that others left (SlotBatch.compact).
+        "slot_moves": 0,
+        # Decode rows that read the batch's shared prefix once instead of their own copy
+        # (shared_prefix.py), summed over steps.
+        "shared_prefix_reads": 0,
+    }
+
+
 class HFEngine:
     """Continuous-batching generation over a transformers causal LM."""
 
@@ -143,25 +166,7 @@ class HFEngine:
         self._joining: list[_Sequence] = []
         # Touched by the decode thread only.
         self._prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes > 0 else None
-        self.stats = {
-            "forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0,
-            # prefill_tokens: prompt tokens run through the model (padding and reused tokens not counted).
-            # prefix_hits: prompts that extend their trajectory's previous turn (its KV reused);
-            # shared_prefix_hits: prompts that reuse a prefix they share with another (a system
-            # prompt, another sample of the same prompt); prefix_misses: all but prefix_hits.
-            "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
-            "shared_prefix_hits": 0, "shared_prefix_tokens": 0,
-            # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
-            # tokens one pass ran.
-            "mixed_steps": 0, "largest_step_tokens": 0,
-            # Requests that continued a trajectory and went ahead of queued first turns.
-            "later_turns": 0,
-            # Sequences moved down into slots that others left (SlotBatch.compact).
-            "slot_moves": 0,
-            # Decode rows that read the batch's shared prefix once instead of their own copy
-            # (shared_prefix.py), summed over steps.
-            "shared_prefix_reads": 0,
-        }
+        self.stats = _new_stats()
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
 

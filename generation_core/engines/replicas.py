@@ -22,10 +22,10 @@ import ray
 from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutReplica
 
+from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
 from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
 from generation_core.engines.server import EngineServer
-from generation_core.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
 from generation_core.verl_adapter import register_replica_class, serve_standalone
 
 ENGINE_RESTARTS = 3

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable
 
 from generation_core.engines.base import Engine
+from generation_core.engines.request_batching import serve_batch
 from generation_core.instrumentation import mark
-from generation_core.request_batching import serve_batch
 
 logger = logging.getLogger(__name__)
 

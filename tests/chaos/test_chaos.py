@@ -76,8 +76,8 @@ def _reference(prompts: Path, out: Path):
     """The undisturbed run, in this process (delay 0: the tokens do not depend on it; no gate)."""
     from verl.protocol import DataProto
 
-    from generation_core.dispatch import run_in_process
-    from generation_core.preflight import preflight
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
 
     run_in_process(preflight(_args(prompts, out, 0.0)))
     return DataProto.load_from_disk(str(out / "trajectories.pkl"))

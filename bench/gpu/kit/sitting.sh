@@ -57,7 +57,7 @@ print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
 ' || exit 1
 # Order: the 1B pair first (the ratio), then the bundled model through genrun, then the hf engine.
 # The verl replica boots in ~130 s on an H200 (CUDA graphs for up to max_num_seqs), the engine alone in ~60.
-stage smol_model 90 python3 -m generation_core.bundled
+stage smol_model 90 python3 -m generation_core.config.bundled
 stage prompts 30 python3 bench/gpu/sglang_offline.py --make-prompts /tmp/prompts528.parquet --repeat 11
 stage model_1b 60 python3 bench/gpu/build_model.py "$SMOL" /tmp/model1b
 stage engine_1b 120 python3 bench/gpu/sglang_offline.py /tmp/model1b /tmp/prompts528.parquet --n 4 --max-new-tokens 128 --json "$OUT/engine_1b.json"

@@ -1,0 +1,355 @@
+"""`genrun export`: a run's committed trajectories as one SFT Parquet file (local or s3://).
+
+One row per trajectory, read part by part from the committed parts (never the whole run at
+once), with the chat messages rebuilt from its tokens by sft_messages.py:
+- layout `messages` (default): `messages` (the prompt's messages, then the assistant and the
+  tool/user turns), what verl's `MultiTurnSFTDataset` reads (`data.messages_key`);
+- layout `prompt-response`: `prompt` (the prompt's messages) and `response` (the turns after
+  it), the conversational prompt/completion layout;
+and in both: `index`, `rollout_n`, `data_source`, `reward` (null where the trajectory has no
+score), `num_turns`, `truncated` (the last turn was cut at the length limit: it has no
+end-of-sequence token, which rendering the messages adds) and, when the run had tools, `tools`
+(their schemas, as the agent loop rendered them into the prompt; verl's `data.tools_key`).
+
+Filters: `--min-reward X` keeps trajectories scored at least X; `--best-of-n` keeps the
+highest-scored trajectory of each prompt (ties: the lowest rollout_n; a prompt with no scored
+trajectory has no best and is left out, counted apart), which needs a first pass
+over the parts' index/rollout_n/reward columns. Rows come out shard by shard, sorted by
+(index, rollout_n) within each part. The output file appears whole or not at all
+(StorageFolder.open_write), also when the export fails half way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, TypeGuard, cast
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from generation_core.errors import GenrunError
+from generation_core.inputs.agent_loops import existing_config_file
+from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
+from generation_core.store.run_folder import read_run_record
+from generation_core.store.trajectory_record import TrajectoryRecord, read_part_table, records_from_parquet, score_or_none
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("messages", "prompt-response")
+USAGE = "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
+MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+MESSAGES = pa.list_(MESSAGE)
+
+
+@dataclass
+class ExportOptions:
+    min_reward: float | None = None
+    """Keep trajectories whose reward is at least this (unscored ones are dropped)."""
+    best_of_n: bool = False
+    """Keep the highest-scored trajectory of each prompt."""
+    layout: str = "messages"
+    tokenizer: str | None = None
+    """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
+    trust_remote_code: bool = False
+    """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
+
+
+@dataclass
+class ExportSummary:
+    output: str
+    rows: int = 0
+    committed: int = 0
+    scored: int = 0
+    below_min_reward: int = 0
+    not_best: int = 0
+    unscored_prompts: int = 0
+    """Trajectories of prompts none of whose trajectories is scored: --best-of-n has no best there."""
+    truncated: int = 0
+    unmatched_turns: int = 0
+
+    def line(self, options: ExportOptions) -> str:
+        dropped = []
+        if options.min_reward is not None:
+            dropped.append(f"{self.below_min_reward} below --min-reward {options.min_reward:g} or unscored")
+        if options.best_of_n:
+            dropped.append(f"{self.not_best} not the best of their prompt")
+            if self.unscored_prompts:
+                dropped.append(f"{self.unscored_prompts} of prompts with no scored trajectory, which have no best")
+        text = f"exported {self.rows} of {self.committed} committed trajectories to {self.output}"
+        text += f" ({'; '.join(dropped)})" if dropped else ""
+        text += f"; {self.truncated} cut at the length limit (truncated=true)"
+        if self.unmatched_turns:
+            text += f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, kept as raw text in user messages"
+        return text
+
+
+def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, list[str]]:
+    """(run folder, output, options, the remaining storage.options.KEY=VALUE arguments)."""
+    positional, rest, options = [], [], ExportOptions()
+    arguments = list(argv)
+    while arguments:
+        argument = arguments.pop(0)
+        name, has_value, value = argument.partition("=")
+        if name in ("--min-reward", "--layout", "--tokenizer"):
+            if not has_value:
+                if not arguments:
+                    raise GenrunError(f"{name} needs a value; {USAGE}")
+                value = arguments.pop(0)
+            if name == "--min-reward":
+                try:
+                    options.min_reward = float(value)
+                except ValueError:
+                    raise GenrunError(f"--min-reward {value!r} is not a number") from None
+                if options.min_reward != options.min_reward:
+                    raise GenrunError("--min-reward nan keeps nothing; give a number")
+            elif name == "--layout":
+                if value not in LAYOUTS:
+                    raise GenrunError(f"--layout {value!r} is not one of {', '.join(LAYOUTS)}")
+                options.layout = value
+            else:
+                options.tokenizer = value
+        elif argument == "--best-of-n":
+            options.best_of_n = True
+        elif argument == "--trust-remote-code":
+            options.trust_remote_code = True
+        elif argument.startswith("-"):
+            raise GenrunError(f"unknown option {argument!r}; {USAGE}")
+        elif argument.lstrip("+").startswith("storage."):
+            rest.append(argument)
+        else:
+            positional.append(argument)
+    if len(positional) != 2:
+        raise GenrunError(USAGE)
+    return positional[0], positional[1], options, rest
+
+
+def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
+    summary = export_run(run_url, out_url, options, storage_options)
+    print(summary.line(options))
+    return 0
+
+
+def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
+    folder = StorageFolder(run_url, storage_options)
+    config = read_run_record(folder).config
+    parts = committed_parts(folder)
+    if not parts:
+        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+    out_folder, out_name = _output_location(out_url, storage_options)
+    tools = run_tool_schemas(config, options.trust_remote_code)
+    rebuilder = MessageRebuilder(_tokenizer(config, options), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
+    schema = export_schema(options.layout, tools)
+    keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
+    keep_prompts = {index for index, _ in keep} if keep is not None else None
+    summary = ExportSummary(out_folder.display(out_name))
+    with out_folder.open_write(out_name) as sink:
+        writer = pq.ParquetWriter(sink, schema, compression="zstd")
+        try:
+            for part in parts:
+                records = sorted(records_from_parquet(read_verified_part(folder, part)), key=lambda r: r.key)
+                rows = _part_rows(records, rebuilder, options, keep, keep_prompts, tools, summary)
+                if rows:
+                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        finally:
+            writer.close()
+        if not summary.rows:
+            # Raised inside the block: nothing is published.
+            if not summary.scored:
+                raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written")
+            raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written")
+    return summary
+
+
+def _part_rows(
+    records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, keep_prompts, tools, summary: ExportSummary
+) -> list[dict[str, Any]]:
+    rows = []
+    for record in records:
+        summary.committed += 1
+        summary.scored += record.reward_score is not None
+        if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
+            summary.below_min_reward += 1
+            continue
+        if keep is not None and record.index not in keep_prompts:
+            summary.unscored_prompts += 1
+            continue
+        if keep is not None and record.key not in keep:
+            summary.not_best += 1
+            continue
+        rebuilt = rebuilder.rebuild(_prompt_of(record), record.response_ids, record.response_mask)
+        summary.rows += 1
+        summary.truncated += rebuilt.truncated
+        summary.unmatched_turns += rebuilt.unmatched_turns
+        rows.append(_row(record, rebuilt, options.layout, tools))
+    return rows
+
+
+def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools) -> dict[str, Any]:
+    row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "response": rebuilt.response}
+    row.update(
+        index=record.index,
+        rollout_n=record.rollout_n,
+        data_source=record.input_fields.get("data_source"),
+        reward=record.reward_score,
+        num_turns=record.num_turns,
+        truncated=rebuilt.truncated,
+    )
+    if tools is not None:
+        row["tools"] = _selected_tools(tools, record.input_fields)
+    return row
+
+
+def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
+    text = [pa.field("messages", MESSAGES)] if layout == "messages" else [pa.field("prompt", MESSAGES), pa.field("response", MESSAGES)]
+    fields = [
+        *text,
+        pa.field("index", pa.int64()),
+        pa.field("rollout_n", pa.int32()),
+        pa.field("data_source", pa.string()),
+        pa.field("reward", pa.float64()),
+        pa.field("num_turns", pa.int32()),
+        pa.field("truncated", pa.bool_()),
+    ]
+    if tools is not None:
+        # One type for every row group, inferred from every schema (a row may carry a subset).
+        fields.append(pa.field("tools", pa.array([tools]).type))
+    return pa.schema(fields)
+
+
+def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_reward: float | None) -> set[tuple[int, int]]:
+    """The (index, rollout_n) of the highest-scored trajectory of each prompt (ties: the lowest
+    rollout_n), among those scored at least `min_reward`; reads three columns of every part."""
+    best: dict[int, tuple[float, int]] = {}
+    scored = 0
+    for part in parts:
+        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
+        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names), strict=True):
+            reward = score_or_none(reward)
+            scored += reward is not None
+            if not _scored_at_least(reward, min_reward):
+                continue
+            current = best.get(index)
+            if current is None or reward > current[0] or (reward == current[0] and rollout_n < current[1]):
+                best[index] = (reward, rollout_n)
+    if not scored:
+        raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)")
+    return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
+
+
+def _scored_at_least(reward: float | None, minimum: float | None) -> TypeGuard[float]:
+    """Scored and, with a minimum, at least that (rewards come through score_or_none: NaN is None)."""
+    if reward is None:
+        return False
+    return minimum is None or reward >= minimum
+
+
+def _prompt_of(record: TrajectoryRecord) -> Any:
+    # verl's RLHFDataset hands the agent loop the chat messages as raw_prompt.
+    fields = record.input_fields
+    prompt = fields.get("raw_prompt", record.extra_fields.get("raw_prompt"))
+    if prompt is None:
+        raise GenrunError(f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages")
+    return prompt
+
+
+def _output_location(out_url: str, storage_options: dict[str, Any] | None) -> tuple[StorageFolder, str]:
+    """The folder the output goes to (checked writable) and the file name in it."""
+    url = str(out_url)
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or url.endswith("/"):
+        raise GenrunError(f"output {out_url!r} names a folder; give a file name such as out.parquet")
+    if "://" not in url and os.path.isdir(url):
+        raise GenrunError(f"output {out_url!r} is a directory; give a file name such as {os.path.join(url, 'sft.parquet')}")
+    out_folder = StorageFolder(parent if parent else ".", storage_options)
+    if "://" not in url and parent and os.path.isfile(parent):
+        raise GenrunError(f"cannot write {out_url!r}: {parent!r} is a file, not a folder")
+    out_folder.check_writable()
+    return out_folder, name
+
+
+def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
+    model = config["actor_rollout_ref"]["model"]
+    path = os.path.expanduser(override or model.get("tokenizer_path") or model["path"])
+    if not os.path.isdir(path):
+        where = "--tokenizer" if override else "the run's actor_rollout_ref.model.path (run.json)"
+        raise GenrunError(f"tokenizer folder {path} ({where}) does not exist here; give the run's model or tokenizer folder with --tokenizer DIR")
+    return path
+
+
+def _tokenizer(config: dict[str, Any], options: ExportOptions):
+    """The run's tokenizer; code from its folder runs only with the user's --trust-remote-code
+    (run.json's trust_remote_code is not followed: reading a folder runs no code it names)."""
+    from verl.utils import hf_tokenizer
+
+    path = _tokenizer_dir(config, options.tokenizer)
+    try:
+        return hf_tokenizer(path, trust_remote_code=options.trust_remote_code)
+    except ValueError as exc:
+        # transformers' refusal to run a folder's code without trust_remote_code=True.
+        if options.trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise GenrunError(
+            f"the tokenizer in {path} is code from that folder, which genrun export runs only when asked: add --trust-remote-code "
+            "if you trust it, or give a tokenizer folder with --tokenizer DIR"
+        ) from None
+
+
+def _eos_ids(config: dict[str, Any], override: str | None) -> set[int]:
+    return eos_token_ids_of(_tokenizer_dir(config, override))
+
+
+def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) -> list[dict[str, Any]] | None:
+    """The run's tool schemas as verl's ToolAgentLoop renders them into prompts, or None when
+    the run had no tool config. The tool classes (code run.json names) are built only with the
+    user's --trust-remote-code; otherwise the schemas come from the tool config's `tool_schema`
+    entries, as verl validates them, and a tool whose schema only its code knows is refused."""
+    multi_turn = config["actor_rollout_ref"]["rollout"].get("multi_turn") or {}
+    paths = {name: multi_turn.get(name) for name in ("tool_config_path", "function_tool_path")}
+    if not any(paths.values()):
+        return None
+    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
+    if not trust_remote_code:
+        return _declared_tool_schemas(resolved)
+    from verl.tools.tool_registry import load_all_tools
+
+    try:
+        # verl's BaseTool prints every schema it builds.
+        with contextlib.redirect_stdout(io.StringIO()):
+            tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
+    except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
+        raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools] or None
+
+
+def _declared_tool_schemas(paths: dict[str, str | None]) -> list[dict[str, Any]] | None:
+    """The schemas a tool config declares, read without importing a tool class."""
+    from omegaconf import DictConfig, OmegaConf
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    needs_code = f"function_tool_path={paths['function_tool_path']}" if paths["function_tool_path"] else None
+    declared = (cast(DictConfig, OmegaConf.load(paths["tool_config_path"])).get("tools") or []) if paths["tool_config_path"] else []
+    schemas = []
+    for tool in declared:
+        if tool.get("tool_schema") is None:
+            needs_code = needs_code or f"{tool.get('class_name')} in {paths['tool_config_path']} (no tool_schema)"
+            continue
+        schemas.append(OpenAIFunctionToolSchema.model_validate(OmegaConf.to_container(tool.tool_schema, resolve=True)).model_dump(exclude_unset=True, exclude_none=True))
+    if needs_code:
+        raise GenrunError(
+            f"the run's tool schemas come from code ({needs_code}), which genrun export runs only when asked: add --trust-remote-code if you trust it"
+        )
+    return schemas or None
+
+
+def _selected_tools(tools: list[dict[str, Any]], input_fields: dict[str, Any]) -> list[dict[str, Any]]:
+    # verl's ToolAgentLoop offers a row only the tools its extra_info.tool_selection names.
+    selection = (input_fields.get("extra_info") or {}).get("tool_selection")
+    if not selection:
+        return tools
+    return [tool for tool in tools if tool.get("function", {}).get("name") in set(selection)]

@@ -1,0 +1,72 @@
+"""Finish a run: merge the committed parts as configured and write manifest.json (the summary);
+and `genrun merge DIR` (`merge_folder`), the same merge on demand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from generation_core.config.settings import GenerationSettings
+from generation_core.errors import GenrunError
+from generation_core.instrumentation import failpoint
+from generation_core.outputs.merge import check_shard_counts, merge_output
+from generation_core.outputs.padding import Padding
+from generation_core.outputs.summary import latency_percentiles, summarize
+from generation_core.run_plan import RunPlan
+from generation_core.store.fencing import fenced
+from generation_core.store.folder import StorageFolder
+from generation_core.store.lease import LeaseFence, RunLease
+from generation_core.store.part_repair import DamagedPart, mark_for_repair
+from generation_core.store.run_folder import MANIFEST_FILE, RUN_FILE, SuccessMarker, read_run_record
+
+T = TypeVar("T")
+
+
+def padding_of(rollout: Any, pad_token_id: int) -> Padding:
+    """The run's padding from its rollout config (a DictConfig or run.json's plain dict)."""
+    return Padding(prompt_length=int(rollout["prompt_length"]), response_length=int(rollout["response_length"]), pad_token_id=int(pad_token_id))
+
+
+def finish_run(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fence: LeaseFence | None = None) -> dict[str, Any]:
+    """Check that every shard accounts for its planned rows (merge.check_shard_counts), merge
+    (when configured) and write the run's manifest.json; returns the summary. `fence`: the run's
+    lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
+    and a damaged part found by the merge is dropped under it."""
+    failpoint("merge")
+    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n)
+    summary = summarize(plan, manifests, elapsed)
+    # Every file below is published only while the run still holds the folder.
+    folder = fenced(plan.folder, fence)
+    if plan.cfg.generation.final_merge:
+        padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
+        merged = merge_repairing(folder, lambda: merge_output(folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
+        summary["artifact"] = folder.display(merged.entry_file)
+        summary["merged_rows"] = merged.rows
+        summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
+    folder.put_json(MANIFEST_FILE, summary)
+    return summary
+
+
+def merge_repairing(folder: StorageFolder, merge: Callable[[], T], fence: LeaseFence | None = None) -> T:
+    """Run `merge`; a part it finds damaged is dropped from its shard's checkpoint, so that
+    running the same command again regenerates exactly its samples, and the error says so."""
+    try:
+        return merge()
+    except DamagedPart as damaged:
+        mark_for_repair(folder, damaged, fence)
+        raise GenrunError(f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge") from None
+
+
+def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Rebuild the merged output from the committed parts, chunked when the run's config says so."""
+    folder = StorageFolder(url, storage_options)
+    run = read_run_record(folder)
+    if run.pad_token_id is None:
+        raise GenrunError(f"{folder.display(RUN_FILE)} records no pad_token_id: this genrun cannot pad its trajectories")
+    generation = GenerationSettings.of(run.config)
+    padding = padding_of(run.rollout, run.pad_token_id)
+    # Not beside a run that is still writing parts (its own merge would follow anyway).
+    with RunLease.acquire(folder, generation.lease_seconds) as lease:
+        writing = fenced(folder, lease.fence())
+        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.merge_chunk_size, generation.merge_max_file_bytes), lease.fence())
+    print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

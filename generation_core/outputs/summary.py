@@ -1,0 +1,75 @@
+"""The run summary: per-shard stats that merge into run totals (manifest.json, the CLI's last
+lines, the Prefect shard table, tracker metrics). Rates are computed here and nowhere else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from generation_core.run_plan import RunPlan
+from generation_core.store.run_folder import SuccessMarker
+
+
+def shard_stats(manifest: SuccessMarker) -> dict[str, Any]:
+    """One row of the per-shard table (Prefect artifact, manifest.json)."""
+    return {
+        "shard": manifest.shard,
+        "samples": manifest.num_trajectories,
+        "tokens": manifest.generated_tokens,
+        "tokens_per_s": manifest.tokens_per_second,
+        "failures": manifest.failures,
+        "attempts": manifest.attempts,
+        "retries": max(manifest.attempts - 1, 0),
+    }
+
+
+def summarize(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float) -> dict[str, Any]:
+    generated_now = sum(m.last_attempt.trajectories for m in manifests)
+    shard_seconds = sum(m.last_attempt.seconds for m in manifests)
+    tokens_now = sum(m.last_attempt.generated_tokens for m in manifests)
+    return {
+        "fingerprint": plan.fingerprint,
+        "output": plan.folder.display(),
+        "num_trajectories": sum(m.num_trajectories for m in manifests),
+        "generated_tokens": sum(m.generated_tokens for m in manifests),
+        "failed_samples": sum(m.failures for m in manifests),
+        "retries": sum(max(m.attempts - 1, 0) for m in manifests),
+        # Each shard filters its own rows (data.ShardPrompts); a finished shard's marker keeps its count.
+        "filtered_overlong_prompts": sum(m.filtered_overlong for m in manifests),
+        "replica_failures": sum(m.last_attempt.engine.get("replica_failures", 0) for m in manifests),
+        # Damaged parts found over the run's life, dropped and regenerated (part_repair.repair_shard).
+        "repaired_parts": [dict(repair, shard=m.shard) for m in manifests for repair in m.repaired_parts],
+        "this_invocation": {
+            "trajectories": generated_now,
+            "generated_tokens": tokens_now,
+            "generation_seconds": round(shard_seconds, 3),
+            "trajectories_per_second": round(generated_now / shard_seconds, 2) if shard_seconds else 0.0,
+            "tokens_per_second": round(tokens_now / shard_seconds, 2) if shard_seconds else 0.0,
+            "wall_seconds": round(elapsed, 3),
+        },
+        "shards": [shard_stats(m) for m in manifests],
+    }
+
+
+def latency_percentiles(latencies: np.ndarray) -> dict[str, float]:
+    """p50/p95 of the time each trajectory spent waiting on the engine (verl's generate_sequences)."""
+    if len(latencies) == 0:
+        return {}
+    return {"p50": round(float(np.percentile(latencies, 50)), 4), "p95": round(float(np.percentile(latencies, 95)), 4)}
+
+
+def throughput_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's figures under tracker metric names."""
+    now = summary["this_invocation"]
+    metrics = {
+        "generation/trajectories": float(summary["num_trajectories"]),
+        "generation/generated_tokens": float(summary["generated_tokens"]),
+        "generation/samples_per_s": float(now["trajectories_per_second"]),
+        "generation/tokens_per_s": float(now["tokens_per_second"]),
+        "generation/failures": float(summary["failed_samples"]),
+        "generation/retries": float(summary["retries"]),
+    }
+    for name, value in summary.get("request_latency_s", {}).items():
+        metrics[f"generation/request_latency_{name}_s"] = float(value)
+    return metrics

@@ -1,0 +1,119 @@
+"""Preflight: every check that needs no model, and the shard plan, once per command.
+
+`preflight(overrides)` loads and validates the config, checks the engine (and that remote
+servers answer), the dataset files (from metadata: footers, one nested column, a tokenized
+sample of prompts), the model folder, the user code a run calls (agent loops, tools, reward
+function) and the output folder, and plans the shards as ranges of raw rows. A wrong input is
+refused in seconds with one line, before Prefect, Ray or a model start, and nothing is written.
+The result, a `RunPlan` (generation_core/run_plan.py), is plain data that crosses process boundaries
+(`to_dict` / `from_dict`): the CLI hands it to the flow, the flow hands each shard job its
+`ShardSpec` and the dataset's description (`DatasetFiles`), and nobody plans again.
+
+The run fingerprint (generation_core/plan/fingerprint.py) is computed here, once the inputs are
+checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from verl.utils import hf_tokenizer
+
+from generation_core.build import other_build_warning
+from generation_core.config import bundled
+from generation_core.config.layout import REMOTE_ENGINE
+from generation_core.config.loading import finalize_run_location, load_config
+from generation_core.engines.remote import check_servers
+from generation_core.errors import GenrunError
+from generation_core.inputs.agent_loops import check_agent_loops, check_tools
+from generation_core.inputs.dataset_files import inspect_dataset
+from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
+from generation_core.plan.fingerprint import run_fingerprint
+from generation_core.run_plan import RunPlan
+from generation_core.secrets import keep_in_environment, split_secrets
+from generation_core.serving.pool import check_rollout_name
+from generation_core.shard.rewards import load_reward_function
+from generation_core.store.run_folder import check_run_folder
+
+logger = logging.getLogger(__name__)
+
+
+def check_model_dir(cfg: DictConfig) -> Path:
+    path = Path(os.path.expanduser(cfg.actor_rollout_ref.model.path))
+    if path == bundled.bundled_model_dir() and not bundled.is_prepared(path):
+        logger.info("preparing the bundled model into %s (once)", path)
+        bundled.prepare_bundled_model(path)
+    if not path.is_dir():
+        raise GenrunError(f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory")
+    if not (path / "config.json").exists():
+        raise GenrunError(
+            f"model path {path} has no config.json; set actor_rollout_ref.model.path to a Hugging Face model directory "
+            "(config.json, weights and tokenizer files, as save_pretrained or huggingface-cli download write it)"
+        )
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise GenrunError(
+            f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
+            "there too (tokenizer.save_pretrained) or set actor_rollout_ref.model.path to a complete model directory"
+        )
+    return path
+
+
+def _check_context(cfg: DictConfig, model_dir: Path) -> None:
+    model_config = json.loads((model_dir / "config.json").read_text())
+    context = model_config.get("max_position_embeddings")
+    rollout = cfg.actor_rollout_ref.rollout
+    if context and rollout.prompt_length + rollout.response_length > context:
+        raise GenrunError(
+            f"prompt_length {rollout.prompt_length} + response_length {rollout.response_length} exceed the model's "
+            f"context of {context} tokens; lower data.max_prompt_length or data.max_response_length"
+        )
+
+
+def check_run_code(cfg: DictConfig, agent_names: set[str]) -> None:
+    """The user code a run calls, loaded once here so a broken piece stops the run before any
+    model loads: agent loops (names, YAML, plugins), tools, reward function. `agent_names`: every
+    agent loop the dataset's rows ask for."""
+    check_agent_loops(cfg, agent_names)
+    check_tools(cfg, agent_names)
+    load_reward_function(cfg)
+
+
+def preflight(overrides: list[str]) -> RunPlan:
+    """Check every input and plan the run from the dataset's metadata (no prompt is tokenized but
+    a sample: each shard filters its own rows)."""
+    cfg = load_config(overrides)
+    check_rollout_name(cfg)
+    served_model = None
+    if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
+        # Servers that do not answer are found now, before Prefect, Ray or any shard starts.
+        served = asyncio.run(check_servers(cfg))
+        # The model they serve (one: check_servers refuses a mix) shapes the output, also when
+        # engine_kwargs.remote.model is null.
+        served_model = next(iter(served.values()))
+    dataset = inspect_dataset(cfg)
+    model_dir = check_model_dir(cfg)
+    _check_context(cfg, model_dir)
+    # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
+    tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    check_overlong_sample(cfg, dataset.files, tokenizer)
+    shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
+    default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+    check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
+    fingerprint = run_fingerprint(cfg, dataset.digest, served_model)
+    finalize_run_location(cfg, fingerprint)
+    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files)
+    # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
+    keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
+    plan.folder.check_writable()
+    # Refused here when the folder holds another run; run.json itself is written under the lease.
+    existing = check_run_folder(plan.folder, fingerprint)
+    if existing is not None:
+        warning = other_build_warning(plan.folder.display(), existing.build)
+        if warning:
+            logger.warning(warning)
+    return plan

@@ -1,0 +1,1 @@
+"""The self-contained run report: its data, plots, trajectory viewer and HTML."""

@@ -1,0 +1,315 @@
+"""What a run report shows, read from a run folder without running anything.
+
+Committed parts are streamed one at a time (orphans of crashed writes are never read) and each
+is reduced to a few numbers per trajectory: response length, model tokens, reward, turns, data
+source and why the response stopped. Memory grows by about 25 bytes per trajectory, plus one
+part and the viewer's sample. The viewer's sample is the `sample_size` trajectories with the
+lowest hash of their sample id: uniform, the same on every report of the run, and chosen
+while streaming (a bounded heap), so no second pass over the parts is needed.
+
+Stop reasons are derived from the record, since engines' stop reasons are not stored: a last
+model token that is an end-of-sequence id is `eos`; a response that filled its budget is
+`length`; one that ends on tool or user tokens, `tool_turn` (verl's tool loop stopped after a
+tool answer filled the budget or hit a turn limit); a model turn count at
+`multi_turn.max_assistant_turns`, `turn_limit`; anything else (a stop string, an engine that
+stopped without EOS), `no_eos`.
+
+Throughput over time comes from the commit records' times: each part record adds its
+trajectories when it was committed (parts dropped later as damaged do not count).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from generation_core.errors import GenrunError
+from generation_core.outputs.status import shard_states
+from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
+from generation_core.store.run_folder import shard_file
+from generation_core.store.run_record import RunRecord
+from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
+
+logger = logging.getLogger(__name__)
+
+STOP_REASONS = {
+    "eos": "end of sequence (EOS)",
+    "length": "length limit (rollout.response_length)",
+    "tool_turn": "ended on tool/user tokens",
+    "turn_limit": "assistant-turn limit (multi_turn.max_assistant_turns)",
+    "no_eos": "no EOS (stop string or engine)",
+}
+"""Why a response stopped, as the report names it; the codes are indices into this order."""
+_STOP_CODES = {name: code for code, name in enumerate(STOP_REASONS)}
+
+FAILURES_LISTED = 200
+"""Failure log lines kept for the report's table (all of them are counted)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What decides a stop reason, from run.json's config and the tokenizer."""
+
+    prompt_length: int
+    response_length: int
+    max_assistant_turns: int | None
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def of_run(cls, run: RunRecord, eos_token_ids: frozenset[int]) -> Limits:
+        rollout = run.rollout
+        turns = (rollout.get("multi_turn") or {}).get("max_assistant_turns")
+        return cls(int(rollout["prompt_length"]), int(rollout["response_length"]), int(turns) if turns else None, eos_token_ids)
+
+
+@dataclass
+class TrajectoryStats:
+    """One entry per committed trajectory, in the order the parts were read."""
+
+    response_tokens: np.ndarray
+    model_tokens: np.ndarray
+    """Tokens with response_mask 1."""
+    reward: np.ndarray
+    """NaN where the trajectory has no reward."""
+    num_turns: np.ndarray
+    source: np.ndarray
+    """Index into ReportData.sources."""
+    stop: np.ndarray
+    """Index into STOP_REASONS."""
+
+    def __len__(self) -> int:
+        return len(self.response_tokens)
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    shard: str
+    time: float
+    trajectories: int
+    """Trajectories the record committed (0 for an attempt's start)."""
+
+
+@dataclass(frozen=True)
+class FailureEntry:
+    shard: str
+    index: int
+    rollout_n: int
+    error: str
+    traceback: str
+    recovered: bool
+    """A later attempt committed this sample."""
+
+
+@dataclass
+class ReportData:
+    run: RunRecord
+    location: str
+    limits: Limits
+    stats: TrajectoryStats
+    sources: list[str]
+    commits: list[CommitEvent]
+    shards: list[dict[str, Any]]
+    """shard_states rows, with parts, tokens and attempts added."""
+    failures: list[FailureEntry]
+    """The first FAILURES_LISTED lines of the failure logs."""
+    failure_count: int
+    failure_kinds: Counter
+    """Failure log lines by error (its first line), over all of them."""
+    sample: list[TrajectoryRecord]
+    """The viewer's trajectories, in (index, rollout_n) order."""
+    skipped_parts: list[str] = field(default_factory=list)
+    """Committed parts that no longer match their checksum (left out, named in the report)."""
+
+    @property
+    def has_rewards(self) -> bool:
+        return bool(np.isfinite(self.stats.reward).any())
+
+
+def sample_hash(index: np.ndarray, rollout_n: np.ndarray) -> np.ndarray:
+    """A 64-bit mix (splitmix64) of each sample id: the viewer samples the lowest values."""
+    with np.errstate(over="ignore"):
+        x = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + rollout_n.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _list_layout(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flattened values, start of each row in them, each row's length) of a list column."""
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
+    starts = np.cumsum(lengths) - lengths
+    return values, starts, lengths
+
+
+def _row_sums(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    total = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return total[starts + lengths] - total[starts]
+
+
+def stop_reasons(table: pa.Table, limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stop code, response tokens, model tokens) of each row of a part table."""
+    ids, starts, lengths = _list_layout(table.column("response_ids"))
+    mask = pc.list_flatten(table.column("response_mask")).to_numpy(zero_copy_only=False).astype(np.int8)
+    prompt_lengths = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
+    model_tokens = _row_sums(mask, starts, lengths)
+    # Model turns: runs of mask 1, each starting at a row's first token or after a 0.
+    row_start = np.zeros(len(mask), dtype=bool)
+    row_start[starts[lengths > 0]] = True
+    previous = np.concatenate([[0], mask[:-1]])
+    turn_starts = ((mask == 1) & (row_start | (previous != 1))).astype(np.int8)
+    model_turns = _row_sums(turn_starts, starts, lengths)
+
+    nonempty = lengths > 0
+    last = np.where(nonempty, starts + lengths - 1, 0)
+    last_id = np.where(nonempty, ids[last] if len(ids) else 0, -1)
+    last_mask = np.where(nonempty, mask[last] if len(mask) else 0, -1)
+    is_eos = np.isin(last_id, list(limits.eos_token_ids)) & (last_mask == 1)
+    full = (lengths >= limits.response_length) | (prompt_lengths + lengths >= limits.prompt_length + limits.response_length)
+    turn_limit = model_turns >= limits.max_assistant_turns if limits.max_assistant_turns else np.zeros(len(lengths), dtype=bool)
+    code = np.select(
+        [is_eos, full, last_mask == 0, turn_limit],
+        [_STOP_CODES["eos"], _STOP_CODES["length"], _STOP_CODES["tool_turn"], _STOP_CODES["turn_limit"]],
+        default=_STOP_CODES["no_eos"],
+    )
+    return code.astype(np.int8), lengths, model_tokens
+
+
+def records_of(table: pa.Table) -> list[TrajectoryRecord]:
+    """Trajectory records of a (small) part table: the viewer's sampled rows."""
+    inputs, extras, metrics = decode_fields(table)
+    columns = {name: table.column(name).to_pylist() for name in PART_SCHEMA.names if name not in ("input_fields", "extra_fields", "metrics", "raw_prompt_shared")}
+    return [
+        TrajectoryRecord(
+            **{name: values[row] for name, values in columns.items()},
+            input_fields=inputs[row], extra_fields=extras[row], metrics=metrics[row],
+        )
+        for row in range(table.num_rows)
+    ]
+
+
+def data_source_of(input_fields: dict[str, Any]) -> str:
+    source = input_fields.get("data_source")
+    return str(source) if source not in (None, "") else "(none)"
+
+
+class _Collector:
+    """Streams parts into per-trajectory arrays and the viewer's sample."""
+
+    def __init__(self, limits: Limits, sample_size: int):
+        self.limits = limits
+        self.sample_size = sample_size
+        self.sources: dict[str, int] = {}
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+        # Max-heap of the lowest hashes kept so far: (-hash, index, rollout_n, record).
+        self.heap: list[tuple[int, int, int, TrajectoryRecord]] = []
+
+    def add_part(self, table: pa.Table) -> None:
+        stop, lengths, model_tokens = stop_reasons(table, self.limits)
+        reward = pc.fill_null(table.column("reward_score"), float("nan")).to_numpy(zero_copy_only=False).astype(np.float64)
+        turns = table.column("num_turns").to_numpy(zero_copy_only=False).astype(np.int32)
+        source = np.array(
+            [self.sources.setdefault(data_source_of(json.loads(text)), len(self.sources)) for text in table.column("input_fields").to_pylist()],
+            dtype=np.int32,
+        )
+        self.chunks.append((lengths.astype(np.int32), model_tokens.astype(np.int32), reward, turns, source, stop))
+        self._sample(table)
+
+    def _sample(self, table: pa.Table) -> None:
+        if self.sample_size <= 0:
+            return
+        index = table.column("index").to_numpy(zero_copy_only=False)
+        rollout_n = table.column("rollout_n").to_numpy(zero_copy_only=False)
+        hashes = sample_hash(index, rollout_n)
+        if len(self.heap) >= self.sample_size:
+            rows = np.flatnonzero(hashes < np.uint64(-self.heap[0][0]))
+        else:
+            rows = np.arange(table.num_rows)
+        # Only the part's lowest hashes can enter the sample: decode at most sample_size rows.
+        rows = rows[np.argsort(hashes[rows], kind="stable")[: self.sample_size]]
+        if not len(rows):
+            return
+        for row, record in zip(rows, records_of(table.take(pa.array(rows))), strict=True):
+            entry = (-int(hashes[row]), record.index, record.rollout_n, record)
+            if len(self.heap) < self.sample_size:
+                heapq.heappush(self.heap, entry)
+            elif entry[0] > self.heap[0][0]:
+                heapq.heapreplace(self.heap, entry)
+
+    def stats(self) -> TrajectoryStats:
+        columns = list(zip(*self.chunks, strict=True)) if self.chunks else [[np.zeros(0, dtype)] for dtype in (np.int32, np.int32, np.float64, np.int32, np.int32, np.int8)]
+        return TrajectoryStats(*(np.concatenate(column) for column in columns))
+
+    def sample(self) -> list[TrajectoryRecord]:
+        return sorted((entry[3] for entry in self.heap), key=lambda record: record.key)
+
+
+def _commit_events(folder: StorageFolder, shard: str, live_parts: set[str]) -> list[CommitEvent]:
+    _, records = read_commit_records(folder, shard)
+    events = []
+    for record in records:
+        part = record.get("part") or {}
+        if record.get("kind") == "attempt":
+            events.append(CommitEvent(shard, float(record["time"]), 0))
+        elif record.get("kind") == "part" and part.get("name") in live_parts:
+            events.append(CommitEvent(shard, float(record["time"]), int(part["count"])))
+    return events
+
+
+def _failures(folder: StorageFolder, shard: str, committed: set[str]) -> list[FailureEntry]:
+    entries = []
+    for failure in read_failure_log(folder, shard):
+        index, rollout_n = int(failure["index"]), int(failure["rollout_n"])
+        entries.append(FailureEntry(shard, index, rollout_n, str(failure.get("error", "")), str(failure.get("traceback", "")), f"{index}:{rollout_n}" in committed))
+    return entries
+
+
+def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: frozenset[int], sample_size: int) -> ReportData:
+    """Everything the report shows, of the run whose run.json is `run` (read_run_record, which
+    refuses a folder that is not a run). Refuses a run with nothing committed yet."""
+    limits = Limits.of_run(run, eos_token_ids)
+    collector = _Collector(limits, sample_size)
+    states = {state["shard"]: state for state in shard_states(folder, run)}
+    shards: list[dict[str, Any]] = []
+    commits: list[CommitEvent] = []
+    failures: list[FailureEntry] = []
+    skipped: list[str] = []
+    failure_count, failure_kinds = 0, Counter[str]()
+    for spec in run.shards:
+        name = spec.name
+        checkpoint = ShardCheckpoint.load(folder, name)
+        for part in checkpoint.parts:
+            try:
+                data = read_verified_part(folder, CommittedPartRef(shard_file(name, part.name), part.sha256))
+            except DamagedPart as damaged:
+                logger.warning("report: %s (left out)", damaged)
+                skipped.append(damaged.path)
+                continue
+            collector.add_part(read_part_table(data))
+        commits.extend(_commit_events(folder, name, {part.name for part in checkpoint.parts}))
+        logged = _failures(folder, name, set(checkpoint.completed))
+        failure_count += len(logged)
+        failure_kinds.update(entry.error.splitlines()[0] if entry.error else "(no message)" for entry in logged)
+        failures.extend(logged[: max(FAILURES_LISTED - len(failures), 0)])
+        state = dict(states.get(name, {"shard": name}))
+        state.update(range=[spec.start, spec.end], parts=len(checkpoint.parts), generated_tokens=checkpoint.generated_tokens,
+                     response_tokens=checkpoint.response_tokens, attempts=checkpoint.attempts, builds=checkpoint.builds)
+        shards.append(state)
+    stats = collector.stats()
+    if not len(stats):
+        raise GenrunError(f"{folder.display()} has no committed trajectories yet: nothing to report (`genrun status {folder.display()}` shows its shards)")
+    return ReportData(
+        run=run, location=folder.display(), limits=limits, stats=stats, sources=list(collector.sources),
+        commits=sorted(commits, key=lambda event: event.time), shards=shards, failures=failures,
+        failure_count=failure_count, failure_kinds=failure_kinds, sample=collector.sample(), skipped_parts=skipped,
+    )

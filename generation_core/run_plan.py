@@ -1,0 +1,184 @@
+"""The run's vocabulary: what a run is (`RunPlan`), its shards (`ShardSpec`), its input files
+(`DataFile`, `DatasetFiles`) and the versions that shape its output (`versions`).
+
+Plain data, light to import: the read-only commands (`genrun status`, `report`, `export`) and
+every module that only passes a plan along import this one, not preflight.py (which checks
+inputs with verl's tokenizer, Hydra and the engines) or data.py (torch, datasets), so they load
+no torch, verl or Ray. Its third-party imports are omegaconf (the plan's config is a DictConfig)
+and, through storage.py, fsspec.
+
+A plan crosses process boundaries in one JSON shape, `RunPlan.to_dict` / `from_dict` (secrets
+masked on the way out, put back from the environment on the way in: generation_core.secrets):
+the CLI hands it to the flow, the flow hands each shard job its `ShardSpec` and the dataset's
+description (`DatasetFiles`), and each task parses it once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from generation_core.build import genrun_build
+from generation_core.errors import GenrunError
+from generation_core.secrets import SECRETS_ENV, from_environment, masked_paths, split_secrets, with_secrets
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import FINGERPRINT_VERSION, claim_run_folder, config_without_secrets, shard_name
+from generation_core.store.run_record import RunRecord, ShardRange
+
+
+def versions() -> dict[str, str]:
+    names = ("genrun", "verl", "transformers", "torch")
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return found
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One input file: its URL (as fsspec opens it), its row count and, to tell that it is still
+    the file the run was planned from (`check_planned`), its size and `planned_digest`."""
+
+    url: str
+    rows: int
+    size: int | None = None
+    """Bytes, at planning (None: a plan written before genrun recorded it)."""
+    digest: str | None = None
+    """sha256 of the Parquet footer (row groups, offsets, statistics) or of a JSON file whole."""
+
+    @property
+    def is_parquet(self) -> bool:
+        return self.url.endswith(".parquet")
+
+
+@dataclass(frozen=True)
+class DatasetFiles:
+    """The run's input: files in order, and the rows the run uses (`data.train_max_samples` caps
+    the total; rows are numbered across the files in order). Plain data: crosses to shard jobs."""
+
+    files: tuple[DataFile, ...]
+    num_rows: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest} for f in self.files], "num_rows": self.num_rows}
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> DatasetFiles:
+        return cls(
+            tuple(DataFile(str(f["url"]), int(f["rows"]), f.get("size"), f.get("digest")) for f in payload["files"]),
+            int(payload["num_rows"]),
+        )
+
+    def pieces(self, start: int, end: int) -> Iterator[tuple[DataFile, int, int]]:
+        """(file, first row, end row) in file-local numbers for every file overlapping the
+        dataset rows [start, end)."""
+        end = min(end, self.num_rows)
+        offset = 0
+        for data_file in self.files:
+            if offset >= end:
+                break
+            lo, hi = max(start, offset), min(end, offset + data_file.rows)
+            if lo < hi:
+                yield data_file, lo - offset, hi - offset
+            offset += data_file.rows
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A fixed range of raw dataset rows [start, end) and its stable name."""
+
+    shard_id: int
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.shard_id)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, int]) -> ShardSpec:
+        return cls(int(payload["shard_id"]), int(payload["start"]), int(payload["end"]))
+
+
+@dataclass
+class RunPlan:
+    """What a run is: its resolved config, fingerprint, input files and shards. Serializable."""
+
+    cfg: DictConfig
+    fingerprint: str
+    shards: list[ShardSpec]
+    pad_token_id: int
+    dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
+    """The input files and their row counts; shards are ranges of these rows."""
+    folder: StorageFolder = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.folder = StorageFolder(self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options)))
+
+    def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
+        """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
+        shard job, which is handed its own ShardSpec."""
+        return {
+            "config": split_secrets(OmegaConf.to_container(self.cfg, resolve=True))[0],
+            "fingerprint": self.fingerprint,
+            "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
+            "pad_token_id": self.pad_token_id,
+            "dataset": self.dataset.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
+        """The secrets to_dict masked come back from this process's environment (the driver's
+        own, or the runtime env Ray gives the run's workers: generation_core.secrets); a
+        placeholder left in their place would be sent as the secret, so it is refused."""
+        config = with_secrets(payload["config"], from_environment())
+        missing = masked_paths(config)
+        if missing:
+            raise GenrunError(
+                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from its environment. "
+                f"Ray workers get it from the driver's runtime env; set it in the environment of the cluster's workers, or set those keys "
+                "from the environment in the overrides (key='${oc.env:NAME}')"
+            )
+        return cls(
+            cfg=OmegaConf.create(config),
+            fingerprint=payload["fingerprint"],
+            shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
+            pad_token_id=int(payload["pad_token_id"]),
+            dataset=DatasetFiles.from_dict(payload["dataset"]),
+        )
+
+    def run_record(self) -> RunRecord:
+        """What run.json holds: written once, by the run that takes a new folder."""
+        return RunRecord(
+            fingerprint=self.fingerprint,
+            # Which recipe computed it: a later genrun tells this folder's owner what changed.
+            fingerprint_version=FINGERPRINT_VERSION,
+            versions=versions(),
+            # The genrun that took the folder (build.py: each shard's attempt records its own too).
+            build=genrun_build(),
+            pad_token_id=self.pad_token_id,
+            shards=[ShardRange(s.name, s.start, s.end) for s in self.shards],
+            dataset=self.dataset.to_dict(),
+            rollout_n=self.cfg.actor_rollout_ref.rollout.n,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # storage.options can hold credentials: never written.
+            config=config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
+        )
+
+    def claim_folder(self) -> None:
+        """Write run.json for a new run, or confirm the folder is this run's (the caller holds the lease)."""
+        claim_run_folder(self.folder, self.run_record())

@@ -1,0 +1,341 @@
+"""One routing client over inference backends: verl's routing policy, run in each shard worker,
+with failover.
+
+verl's AgentLoopWorker takes the `RoutingClient` as its llm client: it only calls
+`await client.generate(request_id, *, prompt_ids, sampling_params, **kw) -> TokenOutput`. The
+client picks a backend per request and hands the call on:
+- sticky per request id (LRU): a multi-turn request's turns reuse one server's prefix cache;
+- otherwise the backend with the fewest requests outstanding from this worker; hash routing
+  under `rollout.full_determinism` (as verl's GlobalRequestLoadBalancer);
+- failover: a backend that fails under a request (its `server_failures`) leaves the rotation at
+  once (the request fails with a transient error, and RetryingClient sends it again, to another
+  backend) and is probed in the background; it comes back when its probe answers, or stays out
+  when it is gone for good (`ServerGone`, or not back within REPLICA_RECOVERY_SECONDS). With no
+  backend up, requests wait for one to come back; with every backend gone, they fail.
+
+Two kinds of backend: `RayReplicaBackend` (the server actor of a booted verl replica: `hf`,
+`instant`, `sglang`, `vllm`) and engines/remote.py's `CompletionsServer` (`rollout.name=remote`).
+
+The client does not subclass verl's LLMServerClient: that class's `generate` is acquire,
+`server.generate.remote(...)`, release, which fits only Ray handles (an HTTP server would have
+to pose as one) and asks the balancer actor twice for every request (two of the three Ray calls
+a turn would cost).
+What verl's client adds to a replica call (a fresh request id per turn, multimodal and priority
+arguments) lives in RayReplicaBackend; what it adds to every output (min/max_global_steps) and
+its rollout trace stay here, for every backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cachetools import LRUCache
+from omegaconf import DictConfig
+from ray.exceptions import ActorUnavailableError, RayActorError
+from verl.utils.rollout_trace import rollout_trace_op
+from verl.workers.rollout.replica import TokenOutput
+from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE
+
+from generation_core.engines.request_batching import BATCH_METHOD, RequestBatcher
+from generation_core.errors import GenrunError
+
+if TYPE_CHECKING:
+    from generation_core.engines.base import EngineOutput
+
+logger = logging.getLogger(__name__)
+
+# How long a request waits for a failed backend to come back (Ray restarts a crashed engine
+# actor, which loads the model again) when no other backend is up.
+REPLICA_RECOVERY_SECONDS = 900.0
+
+
+class ServerGone(Exception):
+    """A backend's probe: the server will never serve again (e.g. its actor is out of restarts)."""
+
+
+class Backend(Protocol):
+    """One inference server as the routing client sees it."""
+
+    server_failures: tuple[type[BaseException], ...]
+    """What `generate` raises when the server failed (it leaves the rotation); anything else is
+    the request's own failure (the server stays)."""
+    probe_interval: float
+    """Seconds between two probes of a server out of rotation."""
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput | EngineOutput:
+        """The engine contract (engines/base.py); `as_token_output` makes either a TokenOutput."""
+        ...
+
+    async def probe(self) -> bool:
+        """Whether the server serves again: True (back in rotation), False (ask again later);
+        raises ServerGone when it never will."""
+        ...
+
+
+class BackendSource(Protocol):
+    """Where a routing client finds its backends."""
+
+    async def connect(self, wait_seconds: float) -> tuple[Mapping[str, Backend], dict[str, BaseException]]:
+        """The backends by server id, and why those that do not serve yet did not (they start
+        out of rotation). Waits up to `wait_seconds` for the servers to be there."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the backends hold in this event loop (connections)."""
+        ...
+
+
+class RoutingClient:
+    """Routes each request to one backend of `source`; see the module docstring."""
+
+    def __init__(self, config: DictConfig, source: BackendSource):
+        self.config = config
+        self._source = source
+        self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
+        self._backends: Mapping[str, Backend] | None = None
+        self._connecting: asyncio.Future | None = None
+        self._inflight: dict[str, int] = {}
+        self._sticky: LRUCache = LRUCache(maxsize=DEFAULT_ROUTING_CACHE_SIZE)
+        self._down: dict[str, asyncio.Task] = {}
+        self._gone: set[str] = set()
+        self.replica_failures = 0
+        """Server failures seen by this client (each took a backend out of rotation)."""
+
+    # ---- what callers see ------------------------------------------------------------------
+
+    async def connect(self, wait_seconds: float = 0.0) -> None:
+        """Find the backends (a first request does it too); with `wait_seconds`, wait that long
+        for them (shard workers start while the driver is still loading the model)."""
+        if self._backends is not None:
+            return
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect(wait_seconds))
+        # Concurrent first requests share one connect; a failed one is tried again next time.
+        try:
+            await asyncio.shield(self._connecting)
+        except BaseException:
+            self._connecting = None
+            raise
+
+    @rollout_trace_op
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+        server_id = await self._acquire(request_id)
+        backend = self._connected[server_id]
+        try:
+            output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        except backend.server_failures as exc:
+            self._take_out_of_rotation(server_id, exc)
+            raise
+        finally:
+            self._inflight[server_id] -= 1
+        output = as_token_output(output)
+        # What verl's LLMServerClient adds to every output (its agent loops read them).
+        global_steps = output.extra_fields.get("global_steps")
+        output.extra_fields.setdefault("min_global_steps", global_steps)
+        output.extra_fields.setdefault("max_global_steps", global_steps)
+        return output
+
+    async def aclose(self) -> None:
+        """Stop the background probes and release the backends' connections."""
+        probes = list(self._down.values())
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        await self._source.aclose()
+
+    @property
+    def down(self) -> frozenset[str]:
+        """Servers out of rotation and being probed."""
+        return frozenset(self._down)
+
+    @property
+    def gone(self) -> frozenset[str]:
+        """Servers out of rotation for good."""
+        return frozenset(self._gone)
+
+    def server_of(self, request_id: str) -> str | None:
+        """The server a request id sticks to (its last turn went there)."""
+        return self._sticky.get(request_id)
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    @property
+    def _connected(self) -> Mapping[str, Backend]:
+        """The backends, for the paths that run after a connect (a request connects first)."""
+        assert self._backends is not None, "not connected yet"
+        return self._backends
+
+    async def _connect(self, wait_seconds: float) -> None:
+        backends, unanswered = await self._source.connect(wait_seconds)
+        if not backends:
+            raise GenrunError("the inference pool has no replicas")
+        self._inflight = {server_id: 0 for server_id in backends}
+        self._backends = backends
+        for server_id, why in unanswered.items():
+            self._take_out_of_rotation(server_id, why)
+
+    async def _acquire(self, request_id: str) -> str:
+        if self._backends is None:
+            await self.connect()
+        up = await self._up_servers()
+        server_id = self._sticky.get(request_id)
+        if server_id is None or server_id not in up:
+            if self._full_determinism:
+                server_id = up[stable_hash(request_id) % len(up)]
+            else:
+                fewest = min(self._inflight[sid] for sid in up)
+                server_id = random.choice([sid for sid in up if self._inflight[sid] == fewest])
+            self._sticky[request_id] = server_id
+        self._inflight[server_id] += 1
+        return server_id
+
+    async def _up_servers(self) -> list[str]:
+        while True:
+            up = [sid for sid in self._connected if sid not in self._down and sid not in self._gone]
+            if up:
+                return up
+            if len(self._gone) == len(self._connected):
+                raise GenrunError(f"every inference replica of the pool died ({len(self._connected)}); the shard stops and its retry resumes from the checkpoint")
+            await asyncio.sleep(0.5)
+
+    # ---- failover --------------------------------------------------------------------------
+
+    def _take_out_of_rotation(self, server_id: str, exc: BaseException) -> None:
+        if server_id in self._down or server_id in self._gone:
+            return
+        self.replica_failures += 1
+        logger.warning(
+            "inference replica %s failed under a request (%s); its requests go to the other replicas until it is back",
+            server_id, type(exc).__name__,
+        )
+        self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
+
+    async def _wait_for_recovery(self, server_id: str) -> None:
+        backend = self._connected[server_id]
+        deadline = time.monotonic() + REPLICA_RECOVERY_SECONDS
+        try:
+            while True:
+                # asyncio.timeout, not wait_for: wait_for (3.11) swallows a cancellation (aclose)
+                # that arrives as the probe answers.
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
+                    if await backend.probe():
+                        break
+                if time.monotonic() >= deadline:
+                    raise TimeoutError()
+                await asyncio.sleep(backend.probe_interval)
+            logger.warning("inference replica %s is back in rotation", server_id)
+        except (TimeoutError, ServerGone) as exc:
+            why = type(exc.__cause__).__name__ if isinstance(exc, ServerGone) else "no answer in time"
+            self._gone.add(server_id)
+            logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._connected) - len(self._gone), len(self._connected))
+        finally:
+            self._down.pop(server_id, None)
+
+
+def stable_hash(request_id: str) -> int:
+    """A request id's hash, the same in every process (Python's `hash` of a str is salted per
+    process: two shard workers would route one id to different replicas)."""
+    return zlib.crc32(request_id.encode())
+
+
+def as_token_output(output: Any) -> TokenOutput:
+    """verl's TokenOutput, what its agent loops take, for a backend's answer: our engines answer
+    with an EngineOutput (engines/base.py, which keeps verl out of their processes), verl's own
+    servers with a TokenOutput."""
+    if isinstance(output, TokenOutput):
+        return output
+    # model_construct: the engine built the fields with their types; validating every token id
+    # again would be per-turn work in the shard worker for nothing.
+    return TokenOutput.model_construct(
+        token_ids=output.token_ids,
+        log_probs=output.log_probs,
+        routed_experts=output.routed_experts,
+        stop_reason=output.stop_reason,
+        num_preempted=output.num_preempted,
+        extra_fields=dict(output.extra_fields),
+    )
+
+
+class RayReplicaBackend:
+    """The server actor of one booted verl replica (`hf`, `instant`, `sglang`, `vllm`)."""
+
+    # An actor that died (ActorDiedError) or is restarting (ActorUnavailableError, a subclass).
+    server_failures: tuple[type[BaseException], ...] = (RayActorError,)
+    probe_interval = 1.0
+
+    def __init__(self, handle: Any, config: DictConfig):
+        self.handle = handle
+        rollout = config.actor_rollout_ref.rollout
+        self._engine = rollout.name
+        self._full_determinism = bool(rollout.get("full_determinism", False))
+        # Our engine servers take many requests per Ray call (request_batching.py); verl's SGLang
+        # and vLLM servers one. A batcher belongs to the event loop it was made in.
+        self._batches = hasattr(handle, BATCH_METHOD)
+        self._batchers: dict[asyncio.AbstractEventLoop, RequestBatcher] = {}
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        audio_data: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        # The call verl's LLMServerClient.generate makes on a replica server (verl 0.9.1; a test
+        # compares the two): each turn a fresh request id unless full_determinism, multimodal
+        # arguments in the shape each server takes, priority for vLLM only.
+        extra: dict[str, Any] = {}
+        if audio_data is not None:
+            extra["audio_data"] = audio_data
+        if mm_processor_kwargs:
+            extra["mm_processor_kwargs"] = mm_processor_kwargs
+        mm_processor_output = kwargs.pop("mm_processor_output", None)
+        if self._engine == "sglang":
+            video_data = mm_processor_output
+        priority = kwargs.pop("priority", 0)
+        if priority != 0 and self._engine == "vllm":
+            extra["priority"] = priority
+        if self._batches:
+            # Our own engines (hf, instant, ...) also get the agent loop's id, stable across the
+            # turns of one trajectory, as `trajectory_key`: what hf's later_turns_first
+            # recognises a later turn by (engines/admission.py). verl's servers take no such
+            # argument.
+            extra["trajectory_key"] = request_id
+        call = dict(
+            request_id=request_id if self._full_determinism else uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            sampling_params=sampling_params,
+            image_data=image_data,
+            video_data=video_data,
+            **extra,
+            **kwargs,
+        )
+        if not self._batches:
+            return await self.handle.generate.remote(**call)
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = self._batchers[loop] = RequestBatcher(self.handle)
+        return await batcher.call(call)
+
+    async def probe(self) -> bool:
+        try:
+            await self.handle.__ray_ready__.remote()
+            return True
+        except ActorUnavailableError:
+            # Restarting (the engine loads its model again): ask again shortly.
+            return False
+        except RayActorError as exc:
+            # ActorDiedError: out of restarts (or killed on purpose); it never comes back.
+            raise ServerGone(f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,127 @@
+"""Is this shard finished? One decision, asked by the shard job before any work, by the flow for
+every shard as a run starts (`finished_shards`), and handed on to Prefect's cache policy
+(tasks/run_shard.py: `shard_task`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from generation_core.errors import GenrunError
+from generation_core.inputs.dataset_files import data_storage_options
+from generation_core.inputs.shard_rows import read_rows, rows_digest
+from generation_core.run_plan import RunPlan, ShardSpec
+from generation_core.store.commit_log import ShardCheckpoint, read_marker
+from generation_core.store.folder import StorageFolder
+from generation_core.store.lease import LeaseFence
+from generation_core.store.part_repair import repair_shard
+from generation_core.store.run_folder import COMMITS_DIR, SuccessMarker, shard_file
+
+# Shards decided at once by `finished_shards` (the flow, as a run starts): object stores answer
+# many listings and range requests in parallel; each thread holds at most one shard's rows.
+RECHECK_THREADS = 8
+
+
+class FinishedRowsChanged(GenrunError):
+    """A finished shard's dataset rows changed since it was generated: its trajectories belong to
+    other prompts and are not reused (built by `of`, which keeps the shard and both digests)."""
+
+    shard: ShardSpec
+    current: str
+    recorded: str
+
+    @classmethod
+    def of(cls, folder: StorageFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> FinishedRowsChanged:
+        """The refusal: names the (first) shard, its digests and where the recorded one is;
+        `others`: more shards refused at once. The message is the exception's only argument, so
+        it pickles like any exception (a shard job's error crosses from a Ray worker)."""
+        others = others or []
+        more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
+        refusal = cls(
+            f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
+            f"{recorded[:12]} in {folder.display(shard_file(shard.name, COMMITS_DIR))}): its trajectories belong to other prompts "
+            "and are not reused. Restore the dataset as it was, or write to another trainer.default_local_dir"
+        )
+        refusal.shard, refusal.current, refusal.recorded = shard, current, recorded
+        return refusal
+
+
+def finished_shard(
+    folder: StorageFolder,
+    shard: ShardSpec,
+    *,
+    rows_digest_now: Callable[[], str | None] | None,
+    verify: Literal["sha256", "size"] = "sha256",
+    fence: LeaseFence | None = None,
+) -> SuccessMarker | None:
+    """The shard's manifest when it has nothing left to do, else None: the one decision. The
+    job calls it before any work, the flow for every shard as the run starts (`finished_shards`)
+    and hands its answer to Prefect's cache policy (tasks/run_shard.py: `shard_task`).
+
+    Finished means: its success marker stands for its commit records (`read_marker`), records no
+    failed samples (a later run retries those), its committed parts are intact, and its rows are
+    those it was generated from. A damaged part is dropped here (its samples are pending again,
+    the marker goes). `verify="sha256"` (the job itself) reads every part and repairs an
+    unfinished shard too, before it resumes; `verify="size"` (the flow, deciding whether
+    Prefect's cached result of a shard may stand in) is one listing, no reads. `fence`: the
+    run's lease; a run that lost it repairs nothing (LeaseLost).
+
+    The rows: the fingerprint samples the dataset (dataset_files.SAMPLE_SLICES) and can miss an
+    in-place edit that keeps every size and statistic (one ground truth changed in an
+    uncompressed file); each shard's first attempt recorded the exact digest of its rows
+    (data.rows_digest). `rows_digest_now` gives their digest now and is asked only for a
+    finished shard that recorded one (a shard recorded without a digest is not checked);
+    changed rows raise FinishedRowsChanged. None skips the check: `generation.recheck_finished_rows=false`
+    (bench/RESULTS.md: what it costs; docs/reliability.md, Resume: what is given up), or rows
+    this run has read and checked already."""
+    # One fold of the shard's records serves every step below (a repair folds into it).
+    checkpoint = ShardCheckpoint.load(folder, shard.name)
+    if verify == "sha256":
+        repair_shard(folder, shard.name, fence=fence, checkpoint=checkpoint)
+    marker = read_marker(folder, shard.name, checkpoint)
+    if marker is None or marker.failures:
+        return None
+    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
+        return None
+    recorded = checkpoint.rows_digest
+    if rows_digest_now is not None and recorded is not None:
+        current = rows_digest_now()
+        if current is not None and current != recorded:
+            raise FinishedRowsChanged.of(folder, shard, current, recorded)
+    return marker
+
+
+def rows_digest_reader(plan: RunPlan, shard: ShardSpec, options: dict[str, Any] | None = None) -> Callable[[], str | None] | None:
+    """`finished_shard`'s `rows_digest_now` for a shard of `plan`: its rows read again (Arrow
+    only: no tokenizer, no filter) and digested; None under `generation.recheck_finished_rows=false`.
+    `options`: the input files' storage options, when the caller has them."""
+    if not plan.cfg.generation.recheck_finished_rows:
+        return None
+    options = options if options is not None else data_storage_options(plan.cfg)
+    return lambda: rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
+
+
+def finished_shards(
+    plan: RunPlan, shards: list[ShardSpec], *, verify: Literal["sha256", "size"] = "size", fence: LeaseFence | None = None
+) -> dict[int, SuccessMarker | None]:
+    """`finished_shard` for each of `shards` (by shard id), RECHECK_THREADS at a time. Every
+    shard is decided before a refusal of changed rows, which names all the shards it found."""
+
+    # Built here, not in the threads: the config is read once.
+    options = data_storage_options(plan.cfg)
+    readers = {shard.shard_id: rows_digest_reader(plan, shard, options) for shard in shards}
+
+    def decide(shard: ShardSpec) -> tuple[SuccessMarker | None, FinishedRowsChanged | None]:
+        try:
+            return finished_shard(plan.folder, shard, rows_digest_now=readers[shard.shard_id], verify=verify, fence=fence), None
+        except FinishedRowsChanged as changed:
+            return None, changed
+
+    with ThreadPoolExecutor(max(1, min(RECHECK_THREADS, len(shards))), thread_name_prefix="finished-shards") as pool:
+        decided = list(pool.map(decide, shards))
+    refused = [changed for _, changed in decided if changed is not None]
+    if refused:
+        first = refused[0]
+        raise FinishedRowsChanged.of(plan.folder, first.shard, first.current, first.recorded, [other.shard.name for other in refused[1:]])
+    return {shard.shard_id: manifest for shard, (manifest, _) in zip(shards, decided, strict=True)}

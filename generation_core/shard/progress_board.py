@@ -1,0 +1,44 @@
+"""The Ray actor a run's shard jobs report their counts to, and the driver reads.
+
+Its own module, importing nothing but the standard library: the actor's process imports the
+module that defines its class, and on a 2-core machine the ~6 s of verl and torch imports that
+generation_core.shard.progress pulls in would be spent while the shards and replicas start beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProgressBoard:
+    """The Ray actor shard jobs report to; the driver reads `snapshot` and may `request_stop`."""
+
+    def __init__(self) -> None:
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.generated_by_attempt: dict[str, int] = {}
+        self.started: set[int] = set()
+        """Shards whose job has asked whether to start (`stop_requested`): from then on the
+        job answers a stop request itself, by committing what finished."""
+        self.stop = False
+
+    def report(self, report: dict[str, Any]) -> bool:
+        """Record a shard's report; answers whether the run is stopping."""
+        self.reports[report["shard_id"]] = report
+        self.generated_by_attempt[report["attempt"]] = report["generated"]
+        return self.stop
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"reports": list(self.reports.values()), "generated": sum(self.generated_by_attempt.values())}
+
+    def request_stop(self) -> list[int]:
+        """Stop the run; answers the shards whose jobs have started. The flag and the answer
+        are one actor call, so a job that did not make the list sees the flag when it asks,
+        before it generates anything: only those jobs may be cancelled from outside (a
+        cancelled job that was generating would lose what had finished but was not committed)."""
+        self.stop = True
+        return sorted(self.started)
+
+    def stop_requested(self, shard_id: int) -> bool:
+        """Whether the run is stopping; asked by a job about to start, naming its shard."""
+        self.started.add(shard_id)
+        return self.stop

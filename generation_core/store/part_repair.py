@@ -1,0 +1,119 @@
+"""Committed parts checked against their commit records (size and sha256), and the repair of a
+shard whose part is damaged: the part is dropped with a `repair` record, its samples pending
+again, so a loss is reported and regenerated, never silent; the damaged file stays where it is,
+listed by no live record."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+from generation_core.errors import GenrunError
+from generation_core.store.commit_log import ShardCheckpoint
+from generation_core.store.fencing import Fence
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import SHARDS_DIR, SUCCESS_FILE, PartEntry, shard_file
+
+logger = logging.getLogger(__name__)
+
+
+class DamagedPart(GenrunError):
+    """A committed part no longer matches what its checkpoint recorded."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class CommittedPartRef:
+    path: str
+    sha256: str
+
+
+def committed_parts(folder: StorageFolder) -> list[CommittedPartRef]:
+    """Every part a shard checkpoint lists (orphans of crashed writes are not), shard by shard."""
+    parts: list[CommittedPartRef] = []
+    for shard in folder.list(SHARDS_DIR):
+        checkpoint = ShardCheckpoint.load(folder, shard)
+        parts.extend(CommittedPartRef(shard_file(shard, p.name), p.sha256) for p in checkpoint.parts)
+    return parts
+
+
+def read_verified_part(folder: StorageFolder, part: CommittedPartRef) -> bytes:
+    try:
+        data = folder.read_bytes(part.path)
+    except FileNotFoundError:
+        raise DamagedPart(f"part {folder.display(part.path)}, listed by its shard's checkpoint, is missing", part.path) from None
+    if hashlib.sha256(data).hexdigest() != part.sha256:
+        raise DamagedPart(f"part {folder.display(part.path)} does not match the checksum its checkpoint recorded", part.path)
+    return data
+
+
+def part_damage(folder: StorageFolder, shard: str, part: PartEntry, *, sizes: dict[str, int] | None = None) -> str | None:
+    """Why a committed part is damaged, or None when it is intact. With `sizes` (one listing of
+    the shard's folder) only presence and size are checked; otherwise the sha256 too."""
+    if sizes is not None:
+        size = sizes.get(part.name)
+        if size is None:
+            return "missing"
+        return f"size {size} bytes, checkpoint recorded {part.bytes}" if size != part.bytes else None
+    try:
+        data = folder.read_bytes(shard_file(shard, part.name))
+    except FileNotFoundError:
+        return "missing"
+    if len(data) != part.bytes:
+        return f"size {len(data)} bytes, checkpoint recorded {part.bytes}"
+    if hashlib.sha256(data).hexdigest() != part.sha256:
+        return "sha256 does not match the checkpoint"
+    return None
+
+
+def drop_damaged_parts(
+    folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint, reasons: dict[str, str], fence: Fence | None = None
+) -> ShardCheckpoint:
+    """Drop the damaged parts (their samples are pending again) with a `repair` record, after
+    removing the shard's success marker; returns `checkpoint`, updated. With `fence`, only
+    while the run holds the folder, as the next record after those `checkpoint` was read from."""
+    now = round(time.time(), 3)
+    repaired = []
+    for part in checkpoint.parts:
+        if part.name in reasons:
+            samples = len(checkpoint.part_samples.get(part.name, []))
+            repaired.append({"name": part.name, "reason": reasons[part.name], "samples": samples, "time": now})
+            logger.warning(
+                "%s is damaged (%s): dropped from the checkpoint, its %d samples will be regenerated",
+                shard_file(shard, part.name), reasons[part.name], samples,
+            )
+    # Marker first: a crash between the two leaves an unfinished shard whose next attempt
+    # finds the same damage again. A run that lost its lease stops before either.
+    if fence is not None:
+        fence.check(folder)
+    folder.remove(shard_file(shard, SUCCESS_FILE))
+    if repaired:
+        checkpoint.commit_repair(folder, shard, repaired, fence)
+    return checkpoint
+
+
+def repair_shard(folder: StorageFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None, checkpoint: ShardCheckpoint | None = None) -> int:
+    """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
+    `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
+    corruption needs the full check). `fence`: the run's lease, when the caller holds one.
+    `checkpoint`: the shard's records as the caller just loaded them."""
+    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
+    if not checkpoint.parts:
+        return 0
+    sizes = folder.list_sizes(shard_file(shard)) if size_only else None
+    reasons = {part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))}
+    if reasons:
+        drop_damaged_parts(folder, shard, checkpoint, reasons, fence)
+    return len(reasons)
+
+
+def mark_for_repair(folder: StorageFolder, damaged: DamagedPart, fence: Fence | None = None) -> None:
+    """After the merge found `damaged`: drop it so the next run regenerates its samples."""
+    _, shard, part_name = damaged.path.split("/", 2)
+    checkpoint = ShardCheckpoint.load(folder, shard)
+    drop_damaged_parts(folder, shard, checkpoint, {part_name: "sha256 does not match the checkpoint (found by the merge)"}, fence)

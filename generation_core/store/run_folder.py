@@ -1,0 +1,334 @@
+"""The run folder: every name in it, the typed records its files hold (`PartEntry`,
+`SuccessMarker`, the success marker `_SUCCESS.json`), run.json, and the merge output's files.
+
+```
+run.json                      resolved config, fingerprint, versions, shard plan (written once)
+lease/00000001.json           who holds the folder (lease.py)
+shards/shard-00003/
+  batch-00000-<uid>.parquet   immutable part: unpadded trajectories
+  commits/0000000000.json     numbered commit records, each created exclusively (commit_log.py)
+  failures/0000000004.jsonl   samples that failed after retries, with the error: one file per
+                              commit record that counts failures, named by its number
+                              (failures.jsonl: one file rewritten at every commit, earlier versions)
+  last_error.json             the last failed attempt's error (until the shard finishes)
+  _SUCCESS.json               SuccessMarker, written last, after the `done` commit record it names
+trajectories.pkl              merged DataProto, or trajectories.json + trajectories-NNNNN.pkl chunks
+trajectories.zip              upload artifact
+manifest.json                 the run summary
+```
+
+Nothing else spells these names. What the commit records say, how they fold into a shard's
+state, how writes are fenced and damaged parts repaired is commit_log.py's; this module knows
+no record but the names and the shapes.
+
+A folder of the earlier format (run.json `fingerprint_version` < 3, or a shard with
+`checkpoint.json` and no commits) is refused (`check_run_folder`): finish it with the genrun
+that wrote it, or start a new output folder.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from generation_core.build import refusal_hint
+from generation_core.errors import GenrunError
+from generation_core.secrets import without_secrets
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_record import RunRecord
+
+RUN_FILE = "run.json"
+MANIFEST_FILE = "manifest.json"
+LEASE_DIR = "lease"
+SHARDS_DIR = "shards"
+CHECKPOINT_FILE = "checkpoint.json"
+"""A shard checkpoint of the earlier format (one file rewritten per commit): only to refuse it."""
+COMMITS_DIR = "commits"
+SUCCESS_FILE = "_SUCCESS.json"
+LAST_ERROR_FILE = "last_error.json"
+FAILURES_DIR = "failures"
+FAILURES_FILE = "failures.jsonl"
+"""The failure log of earlier versions (one file rewritten whole at every commit): read, never written."""
+MERGED_FILE = "trajectories.pkl"
+CHUNK_INDEX_FILE = "trajectories.json"
+CHUNK_FILE_PREFIX = "trajectories-"
+ZIP_FILE = "trajectories.zip"
+
+
+def shard_name(shard_id: int) -> str:
+    return f"shard-{shard_id:05d}"
+
+
+def shard_file(shard: str, name: str = "") -> str:
+    """`shards/<shard>/<name>` (the shard's folder when `name` is empty)."""
+    return f"{SHARDS_DIR}/{shard}/{name}" if name else f"{SHARDS_DIR}/{shard}"
+
+
+def new_part_name(number: int) -> str:
+    # A fresh name per write: a part from a crashed or concurrent attempt is never overwritten.
+    return f"batch-{number:05d}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+def failures_file(shard: str, seq: int) -> str:
+    """`shards/<shard>/failures/<seq:010d>.jsonl`: the failures commit record `seq` counts."""
+    return shard_file(shard, f"{FAILURES_DIR}/{seq:010d}.jsonl")
+
+
+def commit_file(shard: str, seq: int) -> str:
+    """`shards/<shard>/commits/<seq:010d>.json`: the shard's commit record number `seq`."""
+    return shard_file(shard, f"{COMMITS_DIR}/{seq:010d}.json")
+
+
+def chunk_file_name(chunk: int) -> str:
+    return f"{CHUNK_FILE_PREFIX}{chunk:05d}.pkl"
+
+
+def is_chunk_file(name: str) -> bool:
+    return name.startswith(CHUNK_FILE_PREFIX) and name.endswith(".pkl")
+
+
+def lease_file(generation: int) -> str:
+    return f"{LEASE_DIR}/{generation:08d}.json"
+
+
+def lease_generation(name: str) -> int | None:
+    """The generation a file name under lease/ stands for, or None for other files."""
+    return int(name[:-5]) if name.endswith(".json") and name[:-5].isdigit() else None
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+def record_from_dict(cls, payload: dict[str, Any]):
+    """Build a record from JSON, ignoring keys a newer or older writer added."""
+    known = {f.name for f in fields(cls)}
+    return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+@dataclass
+class PartEntry:
+    """One committed part, as its commit record lists it."""
+
+    name: str
+    count: int
+    """Trajectories in the part."""
+    bytes: int
+    sha256: str
+    response_tokens: int | None = None
+    """Response tokens of its trajectories (tool tokens included); None in parts of early versions."""
+    generated_tokens: int | None = None
+    """Model tokens (response_mask) of its trajectories."""
+
+
+@dataclass
+class AttemptStats:
+    """What one attempt at a shard did (zero when it found nothing to do)."""
+
+    trajectories: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    skipped: bool = False
+    """The shard was finished already: this attempt generated nothing."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds inside each stage (serialization, storage, postprocess), beside generation."""
+    engine: dict[str, int] = field(default_factory=dict)
+    """Engine requests, requests resent after a transient error, replica failures failed over."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory of the process that ran the shard."""
+    worker: dict[str, Any] = field(default_factory=dict)
+    """Where it ran: Ray node id, pid, GPU ids (none: the replicas own the GPUs)."""
+
+
+@dataclass
+class SuccessMarker:
+    """A finished shard: what `_SUCCESS.json` holds and what a shard job returns."""
+
+    shard: str
+    shard_id: int
+    range: list[int]
+    """Dataset positions [start, end) of the shard."""
+    num_trajectories: int
+    expected_trajectories: int
+    failures: int = 0
+    """Samples that failed in the last attempt; a shard with failures is run again by the next run."""
+    failed_samples: list[str] = field(default_factory=list)
+    response_tokens: int = 0
+    generated_tokens: int = 0
+    parts: list[PartEntry] = field(default_factory=list)
+    repaired_parts: list[dict[str, Any]] = field(default_factory=list)
+    attempts: int = 1
+    last_attempt: AttemptStats = field(default_factory=AttemptStats)
+    filtered_overlong: int = 0
+    """Rows of the shard's range dropped as longer than data.max_prompt_length (never generated)."""
+    done_record: int | None = None
+    """The number of the shard's `done` commit record this marker belongs to (None: a marker of
+    a version that wrote none)."""
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> SuccessMarker:
+        manifest = record_from_dict(cls, payload)
+        manifest.parts = [record_from_dict(PartEntry, part) for part in payload.get("parts", [])]
+        manifest.last_attempt = record_from_dict(AttemptStats, payload.get("last_attempt") or {})
+        return manifest
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def as_skipped(self) -> SuccessMarker:
+        """This manifest for an attempt that found the shard finished and did nothing."""
+        skipped = SuccessMarker.from_dict(self.to_dict())
+        skipped.last_attempt = AttemptStats(skipped=True)
+        return skipped
+
+    @property
+    def tokens_per_second(self) -> float:
+        seconds = self.last_attempt.seconds
+        return round(self.last_attempt.generated_tokens / seconds, 2) if seconds else 0.0
+
+
+def write_last_error(folder: StorageFolder, shard: str, payload: dict[str, Any]) -> None:
+    folder.put_json(shard_file(shard, LAST_ERROR_FILE), payload)
+
+
+def read_last_error(folder: StorageFolder, shard: str) -> dict[str, Any] | None:
+    path = shard_file(shard, LAST_ERROR_FILE)
+    return folder.read_json(path) if folder.exists(path) else None
+
+
+# --- run.json ---------------------------------------------------------------------------------
+
+
+FINGERPRINT_VERSION = 3
+"""The recipe of the run fingerprint (generation_core/plan/fingerprint.py) and the run-folder format that
+run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
+it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
+FINGERPRINT_ADDED = {
+    2: "engine_kwargs (e.g. instant.response_tokens, hf.dtype, hf.ignore_eos, remote.model), the model's files, "
+    "the agent-loop YAML and its classes' source, the tool config",
+    3: "the dataset from its file metadata plus a sampled content hash, and shard progress kept as numbered "
+    f"commit records (shards/<shard>/{COMMITS_DIR}/) instead of one checkpoint.json",
+}
+FOLDER_FORMAT_SINCE = 3
+"""The first version whose run folders this genrun resumes (shard progress as commit records)."""
+
+
+def _genrun_that_wrote(folder: StorageFolder) -> str | None:
+    """The genrun version run.json records, if any."""
+    try:
+        version = RunRecord.from_json(folder.read_json(RUN_FILE)).versions.get("genrun")
+    except (FileNotFoundError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, str) and version not in ("", "unknown") else None
+
+
+def _finish_or_start_fresh(folder: StorageFolder) -> str:
+    version = _genrun_that_wrote(folder)
+    install = f" (pip install genrun=={version})" if version else ""
+    return (
+        f"Nothing was changed there. Finish it with that genrun version{install}. To start fresh, set another "
+        "trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+    )
+
+
+def legacy_checkpoint_error(folder: StorageFolder, shard: str) -> GenrunError:
+    version = _genrun_that_wrote(folder)
+    return GenrunError(
+        f"output folder {folder.display()} holds shard progress in the earlier format ({shard_file(shard, CHECKPOINT_FILE)}, no "
+        f"{COMMITS_DIR}/; run.json names {'genrun ' + version if version else 'no genrun version'}): this genrun keeps numbered commit "
+        f"records and cannot resume it. {_finish_or_start_fresh(folder)}"
+    )
+
+
+def _legacy_shard(folder: StorageFolder) -> str | None:
+    """A shard holding a checkpoint.json and no commit records (the earlier format), or None."""
+    for shard in folder.list(SHARDS_DIR):
+        names = folder.list(shard_file(shard))
+        if CHECKPOINT_FILE in names and COMMITS_DIR not in names:
+            return shard
+    return None
+
+
+def check_run_folder(folder: StorageFolder, run_fingerprint: str) -> RunRecord | None:
+    """The folder's run record when it already belongs to this run (a resume), None when it
+    holds no run; refuses a folder of another run or of an earlier folder format, changing nothing."""
+    if not folder.exists(RUN_FILE):
+        if folder.list(SHARDS_DIR):
+            # Shard progress without the run.json that says which run it belongs to (run.json is
+            # written before any shard): adopting it could mix another run's trajectories in.
+            raise GenrunError(
+                f"output folder {folder.display()} holds {folder.display(SHARDS_DIR)} but no {RUN_FILE}, so nothing says which run "
+                "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
+                "trainer.experiment_name, when that folder is derived from it), or delete that folder"
+            )
+        return None
+    existing = RunRecord.from_json(folder.read_json(RUN_FILE))
+    written_by = existing.fingerprint_version
+    if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
+        uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
+        version = _genrun_that_wrote(folder)
+        raise GenrunError(
+            f"output folder {folder.display()} was written by an earlier genrun whose fingerprint did not cover {uncovered} "
+            f"({'genrun ' + version if version else 'its version is not recorded'}, fingerprint version {written_by}; this genrun's "
+            f"is {FINGERPRINT_VERSION}): this genrun cannot resume it. {_finish_or_start_fresh(folder)}"
+        )
+    if existing.fingerprint == run_fingerprint:
+        legacy = _legacy_shard(folder)
+        if legacy is not None:
+            raise legacy_checkpoint_error(folder, legacy)
+        return existing
+    if written_by == FINGERPRINT_VERSION:
+        what = (
+            f"holds a different run (fingerprint {str(existing.fingerprint)[:12]}, this one is {run_fingerprint[:12]}): "
+            f"the config, dataset, user code or versions changed (its config is in {folder.display(RUN_FILE)}){refusal_hint(existing.build)}. "
+            "Nothing was changed there."
+        )
+    else:
+        what = (
+            f"holds a different run or the same run written by a genrun with another fingerprint recipe (fingerprint version "
+            f"{written_by!r}, this genrun's is {FINGERPRINT_VERSION}). Nothing was changed there. Finish it with that genrun version."
+        )
+    raise GenrunError(
+        f"output folder {folder.display()} {what} To start fresh, set another trainer.default_local_dir "
+        "(or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+    )
+
+
+def claim_run_folder(folder: StorageFolder, run_record: RunRecord) -> None:
+    """Write run.json for a new run (the caller holds the lease), or confirm a resume."""
+    if check_run_folder(folder, str(run_record.fingerprint)) is None:
+        folder.put_json(RUN_FILE, run_record.to_json())
+
+
+def read_run_record(folder: StorageFolder) -> RunRecord:
+    if not folder.exists(RUN_FILE):
+        raise GenrunError(f"{folder.display()} is not a genrun run folder (no {RUN_FILE})")
+    return RunRecord.from_json(folder.read_json(RUN_FILE))
+
+
+def config_without_secrets(container: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config with every secret masked (generation_core.secrets): run.json, logs
+    and trackers never hold credentials."""
+    return without_secrets(container)
+
+
+# --- merged output ------------------------------------------------------------------------------
+
+
+def merged_files(folder: StorageFolder) -> list[str]:
+    """The files of the current merge output: the chunk index and its chunks, or trajectories.pkl."""
+    if folder.exists(CHUNK_INDEX_FILE):
+        return [CHUNK_INDEX_FILE, *(chunk["name"] for chunk in folder.read_json(CHUNK_INDEX_FILE)["chunks"])]
+    return [MERGED_FILE] if folder.exists(MERGED_FILE) else []
+
+
+def remove_stale_merge_output(folder: StorageFolder, keep: set[str]) -> None:
+    """Remove the other layout's files and chunks beyond the current count, once the new output
+    is complete. An index that is not current goes first: chunk files without one are not an
+    output (merged_files ignores them), an index over stale chunks would be."""
+    names = folder.list("")
+    if CHUNK_INDEX_FILE in names and CHUNK_INDEX_FILE not in keep:
+        folder.remove(CHUNK_INDEX_FILE)
+    for name in names:
+        if (is_chunk_file(name) or name == MERGED_FILE) and name not in keep:
+            folder.remove(name)
