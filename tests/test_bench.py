@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(400)
 def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path, prompts_file):
     out = tmp_path / "bench.json"
     # Prompts from the user's dataset (12 rows; the first 6 taken), rollout.n from the overrides.
-    result = run_genrun(["bench", "--sittings", "1", "--prompts", "6", "--tokens", "5", "--json", str(out),
+    result = run_genrun(["bench", "--sittings", "1", "--prompts", "6", "--tokens", "5", "--json", str(out), "--report",
                          f"data.train_files={prompts_file}", "actor_rollout_ref.rollout.n=2"], timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     bench = json.loads(out.read_text())
@@ -26,11 +26,33 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
     assert sitting["engine_tokens"] == sitting["genrun_tokens"] == 12 * 5
     assert sitting["engine_seconds"] > 0 and sitting["genrun_generation_seconds"] > 0
     assert sitting["genrun_wall_seconds"] > sitting["genrun_generation_seconds"]
-    assert sitting["ratio"] == pytest.approx(sitting["genrun_tokens_per_s"] / sitting["engine_tokens_per_s"], rel=1e-3)
+    # From the unrounded figures: the tokens/s fields are rounded to 0.01, coarse on a busy machine.
+    genrun_rate = sitting["genrun_tokens"] / sitting["genrun_generation_seconds"]
+    assert sitting["ratio"] == pytest.approx(genrun_rate / (sitting["engine_tokens"] / sitting["engine_seconds"]), rel=1e-3)
     assert bench["ratio"]["min"] <= bench["ratio"]["median"] <= bench["ratio"]["max"]
     assert "genrun/engine: median" in result.stdout and "sitting 1: engine" in result.stdout
+    # --report: the figures beside the last sitting's run, and in its report.
     scratch = result.stdout.split("scratch: ")[1].split()[0]
-    assert not os.path.exists(scratch), "the scratch folder (prompts, the run's folder) is removed once the JSON is written"
+    run_folder = os.path.join(scratch, "sitting-1")
+    assert json.loads(open(os.path.join(run_folder, "bench.json")).read()) == bench
+    report = open(os.path.join(run_folder, "report.html")).read()
+    assert '<section id="bench">' in report and f"genrun/engine median {bench['ratio']['median']}" in report
+
+
+def test_the_scratch_folder_goes_once_the_json_is_elsewhere_unless_kept(tmp_path):
+    from generation_core.driver.bench import _write_figures, parse_bench_arguments
+
+    figures = {"sittings": [], "ratio": {"median": 1.0}}
+    for extra, kept in (([], False), (["--keep"], True)):
+        scratch = tmp_path / f"scratch{len(extra)}"
+        scratch.mkdir()
+        args, _ = parse_bench_arguments(["--json", str(tmp_path / "out.json"), *extra])
+        _write_figures(args, figures, scratch)
+        assert scratch.exists() == kept
+        assert json.loads((tmp_path / "out.json").read_text()) == figures
+    args, _ = parse_bench_arguments([])
+    _write_figures(args, figures, scratch)  # no --json: the scratch folder holds the only copy
+    assert json.loads((scratch / "bench.json").read_text()) == figures
 
 
 @pytest.mark.parametrize(
@@ -49,3 +71,14 @@ def test_bad_bench_arguments_are_one_line_before_anything_starts(args, message, 
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("genrun: error:")
+
+
+@pytest.mark.parametrize("content", [b"not json {", b"[1, 2]", b'{"sittings": "many"}'])
+def test_a_report_leaves_out_a_bench_file_that_is_not_a_benchs_figures(tmp_path, content):
+    from generation_core.report.data import read_bench_figures
+    from generation_core.store.folder import StorageFolder
+
+    folder = StorageFolder(str(tmp_path))
+    assert read_bench_figures(folder) is None  # no bench.json: no section
+    (tmp_path / "bench.json").write_bytes(content)
+    assert read_bench_figures(folder) is None

@@ -1,6 +1,6 @@
 """`genrun bench`: how much of the engine's own throughput survives the pipeline, in one sitting.
 
-    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [key=value ...]
+    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] [key=value ...]
 
 Each sitting runs, on the same prompts, rollout.n and response length, the engine's own offline
 benchmark and then a whole `genrun` run (Prefect flow, Ray, shard tasks, agent loops, parts,
@@ -43,7 +43,7 @@ from typing import Any
 
 from generation_core.errors import GenrunError
 
-USAGE = "usage: genrun bench [--sittings N] [--prompts N] [--tokens N] [--json OUT] [key=value ...]"
+USAGE = "usage: genrun bench [--sittings N] [--prompts N] [--tokens N] [--json OUT] [--keep] [--report] [key=value ...]"
 
 
 @dataclass
@@ -79,6 +79,7 @@ def parse_bench_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the runs' folders and logs)")
+    parser.add_argument("--report", action="store_true", help="the figures into the last sitting's run report (keeps the scratch folder)")
     args, overrides = parser.parse_known_args(argv)
     unknown = [item for item in overrides if item.startswith("-")]
     if unknown:
@@ -307,13 +308,28 @@ def bench_command(argv: list[str]) -> int:
         "genrun_tokens_per_s": spread([s.genrun_rate for s in sittings]),
     }
     print(f"genrun/engine: median {result['ratio']['median']:.2f} (min {result['ratio']['min']:.2f}, max {result['ratio']['max']:.2f}) over {len(sittings)} sitting(s)")
+    _write_figures(args, result, scratch)
+    return 0
+
+
+def _write_figures(args: argparse.Namespace, result: dict[str, Any], scratch: Path) -> None:
+    """The figures as JSON (--json, else into the scratch folder); with --report also into the
+    last sitting's run folder, whose report.html then shows them; the scratch folder goes unless
+    it holds the only copy (no --json), or --keep or --report keep it."""
     out = Path(args.json) if args.json else scratch / "bench.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"written: {out}")
-    if args.json and not args.keep:  # without --json the figures live in the scratch folder
+    if args.report:
+        from generation_core.report.html import write_report
+        from generation_core.store.folder import StorageFolder
+        from generation_core.store.run_folder import BENCH_FILE
+
+        run_folder = StorageFolder(str(scratch / f"sitting-{args.sittings}"))
+        run_folder.put_json(BENCH_FILE, result)
+        print(f"report: {write_report(run_folder).location} (the last sitting's run, with the bench's figures)")
+    if args.json and not (args.keep or args.report):
         import shutil
 
         shutil.rmtree(scratch, ignore_errors=True)
-    elif args.keep:
+    elif args.keep or args.report:
         print(f"kept: {scratch} (the runs' folders, logs and timelines)")
-    return 0

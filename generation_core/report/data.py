@@ -36,7 +36,7 @@ from generation_core.outputs.status import shard_states
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
-from generation_core.store.run_folder import shard_file
+from generation_core.store.run_folder import BENCH_FILE, shard_file
 from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
 
@@ -129,6 +129,8 @@ class ReportData:
     """The viewer's trajectories, in (index, rollout_n) order."""
     skipped_parts: list[str] = field(default_factory=list)
     """Committed parts that no longer match their checksum (left out, named in the report)."""
+    bench: dict[str, Any] | None = None
+    """`genrun bench --report`'s figures (bench.json in the folder), or None."""
 
     @property
     def has_rewards(self) -> bool:
@@ -312,4 +314,21 @@ def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: fr
         run=run, location=folder.display(), limits=limits, stats=stats, sources=list(collector.sources),
         commits=sorted(commits, key=lambda event: event.time), shards=shards, failures=failures,
         failure_count=failure_count, failure_kinds=failure_kinds, sample=collector.sample(), skipped_parts=skipped,
+        bench=read_bench_figures(folder),
     )
+
+
+def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:
+    """bench.json as `genrun bench --report` wrote it (plain JSON: nothing in it runs), or None
+    when the folder has none or it is not a bench's figures (then the report says nothing)."""
+    if not folder.exists(BENCH_FILE):
+        return None
+    try:
+        figures = json.loads(folder.read_bytes(BENCH_FILE))
+    except ValueError:
+        logger.warning("report: %s is not JSON (left out)", folder.display(BENCH_FILE))
+        return None
+    if not isinstance(figures, dict) or not isinstance(figures.get("sittings"), list) or not isinstance(figures.get("ratio"), dict):
+        logger.warning("report: %s holds no bench sittings (left out)", folder.display(BENCH_FILE))
+        return None
+    return figures
