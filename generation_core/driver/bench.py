@@ -16,10 +16,9 @@ sittings, not one number. The engine comes from the overrides (`actor_rollout_re
   max_num_seqs as max_running_requests, engine_kwargs.sglang);
 - `vllm`: `vllm.LLM.generate` in this process.
 
-Lengths: `hf` runs every response to --tokens on both sides (`min_new_tokens`, and the engine's
-`ignore_eos`). The others ask the engine side for ignore_eos, but verl's agent loop sends no
-ignore_eos, so genrun's responses may end at EOS; both sides' token counts are printed, and with
-a randomly initialised model (bench/gpu/build_model.py) they are equal in practice.
+Lengths: every response runs to --tokens on both sides: the engine side asks for ignore_eos
+(`min_new_tokens` for `hf`'s static batch), and the genrun run sets verl's
+`actor_rollout_ref.rollout.ignore_eos=true`, which genrun sends with every request.
 
 genrun's figure is its generation phase, as bench/pipeline_efficiency.py defines it: tokens over
 (first shard worker ready with the engine up -> last shard done), from the run's timeline
@@ -254,8 +253,8 @@ def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Pa
     # The bench's subset of the dataset stands in for data.train_files (the source of its prompts).
     overrides = [item for item in overrides if _key(item) != "data.train_files"]
     fixed = [f"data.train_files={prompts_file}", f"data.max_response_length={tokens}", f"trainer.default_local_dir={folder}", "generation.show_progress=false"]
-    if engine == "hf":
-        fixed.append("actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true")
+    # Every response runs to --tokens, as on the engine side (every engine honours it).
+    fixed.append("actor_rollout_ref.rollout.ignore_eos=true")
     log = folder.with_suffix(".log")
     started = time.perf_counter()
     with log.open("w") as out:

@@ -136,6 +136,10 @@ class StreamingWorker:
             repetition_penalty=1.0,
             logprobs=rollout.calculate_log_probs,
         )
+        if rollout.ignore_eos:
+            # verl's key, sent with every request so that every engine honours it (verl's vLLM
+            # server reads it from its config, its SGLang server does not).
+            self.sampling_params["ignore_eos"] = True
         self.sample_seed = gen.sample_seed
         if gen.sample_timeout_seconds is not None:
             self.sample_timeout = float(gen.sample_timeout_seconds)
