@@ -13,8 +13,9 @@ resumed run equals an uninterrupted one; one without draws from the engine's own
 arrival order. The tokens are the instant engine's (`instant.answer_tokens`).
 
 `time_scale` is wall seconds per simulated second: at 0.01 several replicas on one CPU run
-thousands of trajectories in seconds. bench/scheduling.py runs it under a virtual clock instead
-(every sleep is a jump of the event loop's clock), where time_scale 1 costs no wall time at all.
+thousands of trajectories in seconds. bench/scheduling.py and the tests run it under
+`VirtualClockLoop` instead (every wait is a jump of the event loop's clock), where time_scale 1
+costs no wall time at all.
 
 The counters the pool reads (`stats`, a replica's `health()`): `running` and `waiting` now,
 `busy_slot_seconds` (running sequences x simulated seconds, summed over steps) and
@@ -29,6 +30,7 @@ import asyncio
 import hashlib
 import math
 import random
+import selectors
 import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -234,9 +236,25 @@ class SimulatedEngine:
         self.stats["running"], self.stats["waiting"] = len(self._running), len(self._waiting)
 
 
-def prefix_hit_rate(stats: dict[str, Any]) -> float | None:
-    """Prompt tokens reused from a prefix cache / prompt tokens, from an engine's counters (this
-    engine's, or the transformers engine's, which counts a shared prefix apart); None when none."""
-    reused = int(stats.get("prefix_reused_tokens", 0)) + int(stats.get("shared_prefix_tokens", 0))
-    total = reused + int(stats.get("prefill_tokens", 0))
-    return reused / total if total else None
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock advances only where it would wait, by exactly the wait: simulated
+    engines, routing clients and their timers run in simulated time, as fast as the CPU allows
+    (it never waits for I/O: everything it runs must be in this process)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        super().__init__(_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    def __init__(self, loop: VirtualClockLoop):
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None):
+        if timeout is not None and timeout > 0:
+            self._loop.now += timeout
+        return super().select(0)

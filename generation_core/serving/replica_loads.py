@@ -25,6 +25,7 @@ the replicas level to within a group's size.
 from __future__ import annotations
 
 import array
+import asyncio
 import random
 import time
 import zlib
@@ -59,7 +60,7 @@ class ReplicaLoads:
 
     def report(self, server_id: str, load: int, answered: int = 0) -> None:
         """The replica's own count, sent after `answered` answers this client has not counted off yet."""
-        self._reported[server_id] = (int(load), self.mine[server_id] - answered, time.monotonic())
+        self._reported[server_id] = (int(load), self.mine[server_id] - answered, _now())
 
     def estimate(self, server_id: str) -> int:
         mine = self.mine[server_id]
@@ -71,7 +72,7 @@ class ReplicaLoads:
 
     def quiet(self, server_ids: Sequence[str], older_than: float) -> list[str]:
         """The replicas whose last report is older than `older_than` seconds (or that never reported)."""
-        now = time.monotonic()
+        now = _now()
         return [sid for sid in server_ids if sid not in self._reported or now - self._reported[sid][2] > older_than]
 
     @property
@@ -107,6 +108,14 @@ class ReplicaChooser:
         load = {sid: loads.estimate(sid) if self.shares_load else loads.mine[sid] for sid in up}
         fewest = min(load.values())
         return self._rng.choice([sid for sid in up if load[sid] == fewest])
+
+
+def _now() -> float:
+    """The event loop's clock (bench/scheduling.py runs one whose time is simulated), else monotonic."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 def prompt_key(prompt_ids: Sequence[int]) -> int:

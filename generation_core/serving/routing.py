@@ -194,6 +194,8 @@ class RoutingClient:
             for server_id, backend in backends.items():
                 if hasattr(backend, "watch_load"):
                     backend.watch_load(self._load_report(server_id))
+            # Once at connect: a new shard worker's first requests do not go blind.
+            await self._read_loads(list(backends))
             self._refresher = asyncio.ensure_future(self._refresh_loads())
         for server_id, why in unanswered.items():
             self._take_out_of_rotation(server_id, why)
@@ -223,15 +225,18 @@ class RoutingClient:
             if not self.loads.outstanding:
                 continue
             quiet = [sid for sid in self.loads.quiet(list(self._connected), LOAD_REFRESH_SECONDS) if sid not in self._down and sid not in self._gone]
-            readers = {sid: getattr(self._connected[sid], "read_load", None) for sid in quiet}
-            for sid, read in readers.items():
-                if read is None:
-                    continue
-                with contextlib.suppress(Exception):  # a server that fails is the requests' business (failover)
-                    async with asyncio.timeout(1.0):
-                        load = await read()
-                    if load is not None:
-                        self.loads.report(sid, load)
+            await self._read_loads(quiet)
+
+    async def _read_loads(self, server_ids: list[str]) -> None:
+        for sid in server_ids:
+            read = getattr(self._connected[sid], "read_load", None)
+            if read is None:
+                continue
+            with contextlib.suppress(Exception):  # a server that fails is the requests' business (failover)
+                async with asyncio.timeout(1.0):
+                    load = await read()
+                if load is not None:
+                    self.loads.report(sid, load)
 
     async def _up_servers(self) -> list[str]:
         while True:
