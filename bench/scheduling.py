@@ -17,7 +17,9 @@ Each scenario runs every routing mode on the same samples (the same prompts, see
 shared load) and `prefix_affinity` (the shared load, the n samples of a prompt on one replica).
 Figures: trajectories and generated tokens per simulated second, the replica load imbalance
 (max/mean over replicas of each one's busy slots, time-averaged, and the instantaneous max/mean
-averaged over 0.1 s samples, both while work remains to be sent), and the prefix-cache hit rate:
+averaged over 0.1 s samples, both while work remains to be sent), the tail (the share of the
+run's time its last 1% of trajectories take: from the 99th-percentile finish to the last), and
+the prefix-cache hit rate:
 prompt tokens reused / prompt tokens, and reused / reusable (the prompt tokens an earlier request
 already had in its prompt, anywhere: what one shared, unbounded cache could have reused).
 """
@@ -107,6 +109,7 @@ class Scenario:
 class Outcome:
     trajectories: int = 0
     request_ids: list[str] = field(default_factory=list)
+    finished_at: list[float] = field(default_factory=list)
     reusable_tokens: int = 0
     samples: list[list[int]] = field(default_factory=list)
     sent_all_at: float = 0.0
@@ -147,6 +150,7 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
         await client.generate(request_id, prompt_ids=prompt, sampling_params={"temperature": 1.0, "seed": (w * 1_000_003 + p) * 64 + k})
         outcome.trajectories += 1
         outcome.request_ids.append(request_id)
+        outcome.finished_at.append(loop.time())
 
     async def worker(w: int) -> None:
         client = RoutingClient(config, _Source(backends), chooser=ReplicaChooser(mode, random.Random(s.seed * 100 + w)))
@@ -189,6 +193,8 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
         "hit_rate": prefix_hit_rate({"prefix_reused_tokens": reused, "prefill_tokens": sum(st["prefill_tokens"] for st in stats)}),
         "hit_of_reusable": reused / outcome.reusable_tokens if outcome.reusable_tokens else None,
         "replica_hit_rates": [prefix_hit_rate(st) for st in stats], "sent_all_at": sent_at,
+        # The tail (item 5): the share of the run's time its last 1% of trajectories take.
+        "last_1pct_share": (makespan - sorted(outcome.finished_at)[int(0.99 * len(outcome.finished_at)) - 1]) / makespan,
     }
 
 
@@ -229,19 +235,19 @@ def main() -> None:
         # As many requests in flight as the replicas have slots: where a pile-up leaves slots idle.
         Scenario("in flight = slots (8/worker)", max_inflight=8, **base),
     ]
-    print("| scenario | routing | trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant) | prefix hit rate | hit / reusable | per replica |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| scenario | routing | trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant) | prefix hit rate | hit / reusable | per replica | last 1% share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in scenarios:
         rows = {mode: run_scenario(s, mode) for mode in MODES}
         for mode, r in rows.items():
             per_replica = " ".join(_fmt(h, 2) for h in r["replica_hit_rates"])
             print(
                 f"| {s.name} | {mode} | {r['trajectories']} ({r['unique']}) | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                f"{_fmt(r['imbalance'])} | {_fmt(r['inst_imbalance'])} | {_fmt(r['hit_rate'])} | {_fmt(r['hit_of_reusable'])} | {per_replica} |"
+                f"{_fmt(r['imbalance'])} | {_fmt(r['inst_imbalance'])} | {_fmt(r['hit_rate'])} | {_fmt(r['hit_of_reusable'])} | {per_replica} | {_fmt(r['last_1pct_share'])} |"
             )
         local = rows["local"]
         for mode in MODES[1:]:
-            print(f"| {s.name} | {mode} / local | | | {rows[mode]['traj_per_s'] / local['traj_per_s']:.2f} | {rows[mode]['tokens_per_s'] / local['tokens_per_s']:.2f} | | | | | |")
+            print(f"| {s.name} | {mode} / local | | | {rows[mode]['traj_per_s'] / local['traj_per_s']:.2f} | {rows[mode]['tokens_per_s'] / local['tokens_per_s']:.2f} | | | | | | |")
 
 
 if __name__ == "__main__":
