@@ -228,15 +228,18 @@ class RoutingClient:
             await self._read_loads(quiet)
 
     async def _read_loads(self, server_ids: list[str]) -> None:
-        for sid in server_ids:
-            read = getattr(self._connected[sid], "read_load", None)
-            if read is None:
-                continue
-            with contextlib.suppress(Exception):  # a server that fails is the requests' business (failover)
-                async with asyncio.timeout(1.0):
-                    load = await read()
-                if load is not None:
-                    self.loads.report(sid, load)
+        """Ask these servers for their load, all at once (a second at most)."""
+        await asyncio.gather(*[self._read_load(sid) for sid in server_ids])
+
+    async def _read_load(self, server_id: str) -> None:
+        read = getattr(self._connected[server_id], "read_load", None)
+        if read is None:
+            return
+        with contextlib.suppress(Exception):  # a server that fails is the requests' business (failover)
+            async with asyncio.timeout(1.0):
+                load = await read()
+            if load is not None:
+                self.loads.report(server_id, load)
 
     async def _up_servers(self) -> list[str]:
         while True:
