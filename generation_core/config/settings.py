@@ -1,6 +1,6 @@
 """genrun's own settings as typed dataclasses, each default written once.
 
-`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`) are read
+`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`, `simulated`) are read
 through these classes, not through `cfg.generation.get(key, default)`: a default lives in the
 field, and a value derived from others (`max_inflight` from `max_num_seqs`, the request and
 sample deadlines from the response budget) is computed by `GenerationSettings.of`, here and
@@ -33,6 +33,9 @@ UNLIMITED_TURNS_ALLOWANCE = 16
 # Requests in flight per sequence of the engine's decode batch: the batch stays full while
 # finished trajectories are processed and new ones start.
 INFLIGHT_PER_BATCH_SEQUENCE = 2
+
+ROUTING_MODES = ("prefix_affinity", "least_loaded", "local")
+"""generation.routing's values (serving/replica_loads.py)."""
 
 
 def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
@@ -94,6 +97,10 @@ class GenerationSettings:
     upload_artifact: bool = False
     artifact_mode: str = "upload"
     """upload: the zip itself to W&B; reference: its s3:// objects."""
+    routing: str = "prefix_affinity"
+    """How a shard worker picks a replica per request (serving/replica_loads.py; ROUTING_MODES):
+    prefix_affinity (global load, the n samples of a prompt together), least_loaded (global
+    load), local (this worker's own requests outstanding)."""
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Self:
@@ -242,5 +249,29 @@ class RemoteEngineKwargs:
         return cls(**_section((engine_kwargs or {}).get("remote"), cls))
 
 
-ENGINE_KWARGS: dict[str, type] = {"hf": HfEngineKwargs, "instant": InstantEngineKwargs, "remote": RemoteEngineKwargs}
+@dataclass(frozen=True)
+class SimulatedEngineKwargs:
+    """`actor_rollout_ref.rollout.engine_kwargs.simulated`: the scheduling simulator (engines/simulated.py)."""
+
+    decode_seconds_per_step: float = 0.02
+    """Simulated seconds of one decode step: every running sequence gets one token."""
+    prefill_seconds_per_token: float = 0.0001
+    """Simulated seconds per prompt token prefilled (a prefix-cache hit costs nothing)."""
+    prefix_cache_tokens: int = 65536
+    """Tokens the prefix cache holds (LRU by block); 0: no cache."""
+    cache_block_tokens: int = 16
+    """Tokens per cache block: a prefix is reused in whole blocks, as vLLM's and SGLang's are."""
+    response_tokens_median: int = 64
+    response_tokens_sigma: float = 0.0
+    """Response lengths: lognormal around the median (0: every response the median)."""
+    seed: int = 0
+    time_scale: float = 1.0
+    """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""
+
+    @classmethod
+    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
+        return cls(**_section((engine_kwargs or {}).get("simulated"), cls))
+
+
+ENGINE_KWARGS: dict[str, type] = {"hf": HfEngineKwargs, "instant": InstantEngineKwargs, "remote": RemoteEngineKwargs, "simulated": SimulatedEngineKwargs}
 """engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""

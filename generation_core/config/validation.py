@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from generation_core.config.layout import resolve_layout
-from generation_core.config.settings import HfEngineKwargs
+from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs
 from generation_core.errors import GenrunError
 
 
@@ -94,6 +94,7 @@ def _check_generation(cfg: DictConfig) -> None:
         gen.sample_seed is None or rollout.name in SEEDED_ENGINES,
         "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
+    _require(gen.routing in ROUTING_MODES, "generation.routing", gen.routing, f"must be one of {', '.join(ROUTING_MODES)}")
     _require(
         gen.save_batch_size is None or (isinstance(gen.save_batch_size, int) and not isinstance(gen.save_batch_size, bool) and gen.save_batch_size >= 1),
         "generation.save_batch_size", gen.save_batch_size, "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
@@ -136,7 +137,7 @@ def _check_inputs_and_trackers(cfg: DictConfig) -> None:
 
 
 # Engines that take a `seed` in each request's sampling parameters (verl's SGLang server does not).
-SEEDED_ENGINES = ("hf", "instant", "remote")
+SEEDED_ENGINES = ("hf", "instant", "remote", "simulated")
 
 _TRACKING_BACKENDS = ("console", "wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "clearml", "trackio", "file")
 

@@ -120,6 +120,19 @@ def boot_pool(plan: RunPlan, registry_name: str) -> ReplicaPool:
     return asyncio.run(ReplicaPool.boot(plan.cfg, registry_name))
 
 
+def _prefix_cache_report(pool: ReplicaPool) -> dict[str, Any] | None:
+    """The replicas' prefix-cache hit rates, logged, for the run's summary (None: not counted)."""
+    try:
+        report = asyncio.run(pool.prefix_cache_report())
+    except Exception as exc:  # noqa: BLE001 - a replica that died already said so; the run goes on
+        logger.warning("could not read the replicas' prefix-cache counters: %s", exc)
+        return None
+    if report is not None:
+        replicas = ", ".join("-" if rate is None else f"{rate:.0%}" for rate in report["replicas"])
+        logger.info("prefix cache: %.0f%% of prompt tokens reused (per replica: %s)", 100 * (report["run"] or 0.0), replicas)
+    return report
+
+
 def drive_run(
     plan: RunPlan, submitter: ShardSubmitter, *, started: float, finish: Finish = finish_run, publish: Publish = publish_summary,
     on_progress: Callable[[ProgressTotals], None] | None = None,
@@ -180,6 +193,7 @@ def _drive_holding(
             if submitter.pending():
                 logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
         finally:
+            prefix_cache = _prefix_cache_report(pool)
             pool.shutdown()
     if stopping or STOP.requested():
         return None
@@ -194,5 +208,7 @@ def _drive_holding(
     # command does them again (the merged files are written whole or not at all).
     with STOP.interruptible():
         summary = finish(plan, manifests, time.perf_counter() - started, fence)
+        if prefix_cache is not None:
+            summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")
         return publish(plan, summary, manifests, fence)

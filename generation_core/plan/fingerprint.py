@@ -67,6 +67,7 @@ OPERATIONAL_KEYS = (
     "generation.progress_seconds",
     "generation.upload_artifact",
     "generation.artifact_mode",
+    "generation.routing",
     "data.dataloader_num_workers",
     "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.rollout.max_num_seqs",
