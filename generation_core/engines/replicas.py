@@ -108,6 +108,7 @@ class InstantReplica(_EngineReplica):
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             response_tokens=int(instant_kwargs.response_tokens),
             delay_seconds=float(instant_kwargs.delay_seconds),
+            delay_sigma=float(instant_kwargs.delay_sigma),
             vocab_size=int(model_config.get("vocab_size", 1000)),
         )
         return functools.partial(instant.InstantEngine, settings)
