@@ -5,7 +5,7 @@ counters, about once a second, to one named Ray actor of the run (`ProgressBoard
 shard had committed when the attempt started, what it has generated, committed and failed
 since, what it owes. The driver reads the board and adds what it knows without it (shards that
 finished, what an earlier run committed in shards no job has started yet: `committed_counts`)
-into `RunProgress`: trajectories done / total, rate, ETA, failures. The same numbers feed the
+into `RunProgress`: trajectories done / total, rate, ETA (shard/eta.py), failures. The same numbers feed the
 terminal and the flow run's Prefect progress artifact.
 
 The board also carries the driver's stop request (a first Ctrl-C) to the shard jobs: each job
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.run_plan import ShardSpec
+from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
 from generation_core.shard.progress_board import ProgressBoard
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
@@ -39,7 +40,7 @@ BOARD_TIMEOUT_SECONDS = 10.0
 """The longest a shard job waits for the board's answer (a board that never started must not
 hold a shard up)."""
 RATE_WINDOW_SECONDS = 60.0
-"""The rate (and so the ETA) is measured over the generation of the last minute."""
+"""The rate shown is measured over the generation of the last minute (the ETA's is not: eta.py)."""
 PROGRESS_BOARD_PREFIX = "genrun_progress"
 
 
@@ -167,6 +168,8 @@ class ProgressTotals:
     rate: float | None
     """Trajectories per second over the last RATE_WINDOW_SECONDS (None: not measurable yet)."""
     eta: float | None
+    """Seconds left: shard/eta.py's estimate from the rate since generation started and each
+    running shard's rows left (None: not measurable yet)."""
 
     @property
     def percent(self) -> float:
@@ -184,17 +187,6 @@ class ProgressTotals:
         return ", ".join(parts)
 
 
-def format_seconds(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 @dataclass
 class _Shard:
     expected: int
@@ -202,6 +194,8 @@ class _Shard:
     report: ShardReport | None = None
     finished: tuple[int, int, int] | None = None
     """(done, failed, expected) from the shard's manifest."""
+    started: tuple[str, float, int] | None = None
+    """(attempt, when its first report came, what it had generated then): its own rate."""
 
 
 @dataclass
@@ -219,6 +213,7 @@ class RunProgress:
         self._state = {s.shard_id: _Shard(expected=(s.end - s.start) * self.rollout_n) for s in self.shards}
         self._started = self.clock()
         self._samples = collections.deque([(self._started, 0)])
+        self._generating_since: tuple[float, int] | None = None
 
     def set_baseline(self, counts: dict[int, int]) -> None:
         """What each shard had committed before this invocation (committed_counts)."""
@@ -231,17 +226,47 @@ class RunProgress:
 
     def update(self, snapshot: dict[str, Any]) -> None:
         """Take a board snapshot (ProgressBoard.snapshot)."""
+        now = self.clock()
         for payload in snapshot.get("reports", []):
             report = ShardReport(**payload)
             if report.shard_id in self._state:
-                self._state[report.shard_id].report = report
+                shard = self._state[report.shard_id]
+                shard.report = report
+                if shard.started is None or shard.started[0] != report.attempt:
+                    shard.started = (report.attempt, now, report.generated)
         self._generated = max(self._generated, int(snapshot.get("generated", 0)))
-        now = self.clock()
+        if self._generating_since is None and snapshot.get("reports"):
+            # The ETA's rate counts from the first shard at work, not from the replicas' boot.
+            self._generating_since = (now, self._generated)
         self._samples.append((now, self._generated))
         # The window starts at the last moment nothing had been generated yet (workers still
         # starting) or RATE_WINDOW_SECONDS ago, whichever is later.
         while len(self._samples) > 2 and (now - self._samples[1][0] >= RATE_WINDOW_SECONDS or self._samples[1][1] == self._samples[0][1]):
             self._samples.popleft()
+
+    def _eta(self, remaining: int, now: float) -> float | None:
+        """estimate_eta over the run's rate since its first shard reported and each running
+        shard's rate since its attempt's first report."""
+        if remaining == 0:
+            return 0.0
+        if self._generating_since is None:
+            return None
+        since, generated_then = self._generating_since
+        paces = [
+            ShardPace(
+                remaining=max(s.report.owed - s.report.committed_at_start - s.report.generated - s.report.failed, 0),
+                done=s.report.generated - s.started[2], seconds=now - s.started[1],
+            )
+            for s in self._state.values() if s.report is not None and s.finished is None and s.started is not None
+        ]
+        return estimate_eta(remaining, self._generated - generated_then, now - since, paces)
+
+    def activity(self) -> dict[str, tuple[str, int, int]]:
+        """Each running shard's (attempt, generated, committed): what the stall alarm watches."""
+        return {
+            shard_name(shard_id): (s.report.attempt, s.report.generated, s.report.committed)
+            for shard_id, s in self._state.items() if s.report is not None and s.finished is None
+        }
 
     def totals(self) -> ProgressTotals:
         done = failed = total = shards_done = 0
@@ -260,7 +285,7 @@ class RunProgress:
         span = now - first_time
         rate = (self._generated - first_generated) / span if span >= 2.0 and self._generated > first_generated else None
         remaining = max(total - done - failed, 0)
-        eta = remaining / rate if rate else (0.0 if remaining == 0 else None)
+        eta = self._eta(remaining, now)
         return ProgressTotals(
             done=done, failed=failed, total=total, shards_done=shards_done, shards=len(self._state),
             generated=self._generated, elapsed=now - self._started, rate=rate, eta=eta,
