@@ -62,6 +62,9 @@ class ShardReport:
     generated: int = 0
     committed: int = 0
     failed: int = 0
+    sent: float = 0.0
+    """Unix time the job sent it (0: unknown): the ETA's rates count to when the counts were true,
+    not to when the driver happened to read them (up to two report periods later)."""
 
 
 def new_board_name() -> str:
@@ -117,6 +120,7 @@ class ShardReporter:
     async def send(self) -> None:
         if self.board is None:
             return
+        self.report.sent = time.time()
         try:
             answer = await asyncio.wait_for(self.board.report.remote(asdict(self.report)), BOARD_TIMEOUT_SECONDS)
             self.stop = bool(answer) or self.stop
@@ -195,7 +199,9 @@ class _Shard:
     finished: tuple[int, int, int] | None = None
     """(done, failed, expected) from the shard's manifest."""
     started: tuple[str, float, int] | None = None
-    """(attempt, when its first report came, what it had generated then): its own rate."""
+    """(attempt, when its first report was sent, what it had generated then): its own rate."""
+    reported_at: float = 0.0
+    """When its latest report was sent (on RunProgress's clock)."""
 
 
 @dataclass
@@ -214,6 +220,7 @@ class RunProgress:
         self._started = self.clock()
         self._samples = collections.deque([(self._started, 0)])
         self._generating_since: tuple[float, int] | None = None
+        self._generated_at: float | None = None
 
     def set_baseline(self, counts: dict[int, int]) -> None:
         """What each shard had committed before this invocation (committed_counts)."""
@@ -227,17 +234,23 @@ class RunProgress:
     def update(self, snapshot: dict[str, Any]) -> None:
         """Take a board snapshot (ProgressBoard.snapshot)."""
         now = self.clock()
+        newest = None
         for payload in snapshot.get("reports", []):
             report = ShardReport(**payload)
             if report.shard_id in self._state:
                 shard = self._state[report.shard_id]
                 shard.report = report
+                # When the report was true, on this progress's clock.
+                shard.reported_at = now - max(0.0, time.time() - report.sent) if report.sent else now
+                newest = shard.reported_at if newest is None else max(newest, shard.reported_at)
                 if shard.started is None or shard.started[0] != report.attempt:
-                    shard.started = (report.attempt, now, report.generated)
+                    shard.started = (report.attempt, shard.reported_at, report.generated)
+        if newest is not None:
+            self._generated_at = newest  # the board's total was true then (unchanged counts too)
         self._generated = max(self._generated, int(snapshot.get("generated", 0)))
-        if self._generating_since is None and snapshot.get("reports"):
+        if self._generating_since is None and newest is not None:
             # The ETA's rate counts from the first shard at work, not from the replicas' boot.
-            self._generating_since = (now, self._generated)
+            self._generating_since = (newest, self._generated)
         self._samples.append((now, self._generated))
         # The window starts at the last moment nothing had been generated yet (workers still
         # starting) or RATE_WINDOW_SECONDS ago, whichever is later.
@@ -246,20 +259,22 @@ class RunProgress:
 
     def _eta(self, remaining: int, now: float) -> float | None:
         """estimate_eta over the run's rate since its first shard reported and each running
-        shard's rate since its attempt's first report."""
+        shard's rate since its attempt's first report, each to when its counts were sent; less
+        the time since then."""
         if remaining == 0:
             return 0.0
-        if self._generating_since is None:
+        if self._generating_since is None or self._generated_at is None:
             return None
         since, generated_then = self._generating_since
         paces = [
             ShardPace(
                 remaining=max(s.report.owed - s.report.committed_at_start - s.report.generated - s.report.failed, 0),
-                done=s.report.generated - s.started[2], seconds=now - s.started[1],
+                done=s.report.generated - s.started[2], seconds=s.reported_at - s.started[1],
             )
             for s in self._state.values() if s.report is not None and s.finished is None and s.started is not None
         ]
-        return estimate_eta(remaining, self._generated - generated_then, now - since, paces)
+        eta = estimate_eta(remaining, self._generated - generated_then, self._generated_at - since, paces)
+        return None if eta is None else max(eta - (now - self._generated_at), 0.0)
 
     def activity(self) -> dict[str, tuple[str, int, int]]:
         """Each running shard's (attempt, generated, committed): what the stall alarm watches."""
