@@ -130,3 +130,40 @@ def test_a_run_whose_engine_stops_answering_raises_the_alarm_and_status_says_sin
     stalled = [line for line in status.splitlines() if line.startswith("stalled since ")]
     assert len(stalled) == 1 and stalled[0].endswith("without a commit): shard-00000"), status
     assert "ETA - for 4 trajectories left" in status  # nothing committed: no rate yet
+
+
+def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_shards(tmp_path):
+    """From the folder alone: shard 0 committed 6 of its 10 under the running run's lease and
+    shard 1 nothing yet (started, quiet); shard 2 was not started by this run (no attempt of its
+    lease: waiting for a worker, never called stalled)."""
+    from generation_core.outputs.pace import pace_lines
+    from generation_core.outputs.status import shard_states
+    from generation_core.store.commit_log import ShardCheckpoint
+    from generation_core.store.folder import StorageFolder
+    from generation_core.store.lease import RunLease
+    from generation_core.store.run_folder import PartEntry, read_run_record, shard_name
+
+    folder = StorageFolder(str(tmp_path / "run"))
+    folder.put_json("run.json", {
+        "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
+        "shards": [{"name": shard_name(i), "range": [i * 10, (i + 1) * 10]} for i in range(3)],
+        "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {"stall_seconds": 5}},
+    })
+    with RunLease.acquire(folder, 60.0) as lease:
+        fence = lease.fence()
+        started = time.time()
+        first = ShardCheckpoint.start_attempt(folder, shard_name(0), fence)
+        first.commit_part(folder, shard_name(0), PartEntry(name="part-00000.parquet", count=6, bytes=1, sha256="0" * 64), [f"{i}:0" for i in range(6)], fence=fence)
+        ShardCheckpoint.start_attempt(folder, shard_name(1), fence)
+        run = read_run_record(folder)
+        states = shard_states(folder, run)
+        # 10 s after shard 0 started: 6 committed in 10 s (0.6/s) -> its 4 left take 6.7 s; the
+        # run's 24 left at its 0.6/s take 40 s: the later bound.
+        now = started + 10.0
+        lines = pace_lines(folder, run, states, now=now)
+        assert lines[0] == "ETA 40s for 24 trajectories left (from the commits of this run)"
+        assert len(lines) == 2 and lines[1].startswith("stalled since ") and lines[1].endswith("without a commit): shard-00000, shard-00001")
+        # Within stall_seconds of their commits: an ETA, no stall line.
+        assert [line for line in pace_lines(folder, run, states, now=started + 3.0) if line.startswith("stalled")] == []
+    # No genrun holds the folder: an interrupted run is not a stalled one.
+    assert pace_lines(folder, run, states, now=time.time()) == []
