@@ -167,3 +167,19 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
         assert [line for line in pace_lines(folder, run, states, now=started + 3.0) if line.startswith("stalled")] == []
     # No genrun holds the folder: an interrupted run is not a stalled one.
     assert pace_lines(folder, run, states, now=time.time()) == []
+
+
+def test_the_flow_puts_the_alarm_in_the_flow_runs_log_and_an_artifact(monkeypatch):
+    """flows/generate.py's on_stall: a warning in the flow run's log and a markdown artifact
+    keyed by the experiment (the Prefect calls replaced: their own behaviour is Prefect's)."""
+    import flows.generate as generate
+
+    logged, artifacts = [], []
+    monkeypatch.setattr(generate, "get_run_logger", lambda: types.SimpleNamespace(warning=lambda fmt, *args: logged.append(fmt % args)))
+    monkeypatch.setattr(generate, "create_markdown_artifact", lambda **kwargs: artifacts.append(kwargs))
+    stall = Stall(since=1_000_000.0, seconds=240.0, shards=("shard-00001",))
+    tasks = types.SimpleNamespace(artifact_key="gen-abc", plan=types.SimpleNamespace(folder=types.SimpleNamespace(display=lambda: "/runs/x")))
+    generate.ShardTasksOnRay.stall_alarm(tasks, stall)  # type: ignore[arg-type]
+    assert logged == [stall.message()]
+    (artifact,) = artifacts
+    assert artifact["key"] == "gen-abc-stall" and stall.message() in artifact["markdown"] and "genrun status /runs/x" in artifact["markdown"]
