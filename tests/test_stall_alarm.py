@@ -75,7 +75,9 @@ def test_the_alarm_reaches_the_dispatcher_and_wandb_and_a_failing_one_stops_noth
     fake = types.SimpleNamespace(run=None, init=lambda **kwargs: alerts.append(kwargs) or Run())
     monkeypatch.setitem(sys.modules, "wandb", fake)
     stall = Stall(since=1_000_000.0, seconds=300.0, shards=("shard-00002",))
-    raise_alarm(stall, seen.append, ("genrun", "exp-1"))
+    sender = raise_alarm(stall, seen.append, ("genrun", "exp-1"))
+    assert sender is not None
+    sender.join(timeout=30)
     assert seen == [stall]
     init, alert, finished = alerts
     assert init["project"] == "genrun" and init["name"] == "exp-1"

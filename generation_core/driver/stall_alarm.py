@@ -15,6 +15,7 @@ folder alone (outputs/stalls.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -86,9 +87,10 @@ def wandb_alert(project: str, experiment: str, stall: Stall) -> None:
             run.finish()
 
 
-def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_run: tuple[str, str] | None) -> None:
+def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_run: tuple[str, str] | None) -> threading.Thread | None:
     """Every place the alarm goes: the terminal, the dispatcher's `on_stall`, W&B (`wandb_run`:
-    (project, experiment) when wandb is in trainer.logger). None of them may fail the run."""
+    (project, experiment) when wandb is in trainer.logger; answers the thread that sends it).
+    None of them may fail the run."""
     logger.warning("%s", stall.message())
     if on_stall is not None:
         try:
@@ -96,7 +98,15 @@ def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_ru
         except Exception as exc:  # noqa: BLE001 - an alarm that cannot be shown must not stop the run
             logger.warning("could not pass on the stall alarm (%s: %s)", type(exc).__name__, exc)
     if wandb_run is not None:
-        try:
-            wandb_alert(*wandb_run, stall)
-        except Exception as exc:  # noqa: BLE001 - as above: W&B down is no reason to stop
-            logger.warning("could not send the stall alarm to W&B (%s: %s)", type(exc).__name__, exc)
+        # In a thread: wandb.init may take long (or time out) and the driver's loop must go on.
+        alert = threading.Thread(target=_wandb_alert_logged, args=(*wandb_run, stall), name="genrun-stall-wandb", daemon=True)
+        alert.start()
+        return alert
+    return None
+
+
+def _wandb_alert_logged(project: str, experiment: str, stall: Stall) -> None:
+    try:
+        wandb_alert(project, experiment, stall)
+    except Exception as exc:  # noqa: BLE001 - as above: W&B down is no reason to stop
+        logger.warning("could not send the stall alarm to W&B (%s: %s)", type(exc).__name__, exc)
