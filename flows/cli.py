@@ -2,7 +2,8 @@
 
     genrun [key=value ...]          run (or resume) generation with Hydra-style overrides
     genrun status DIR [storage.options.KEY=VALUE ...]
-                                    shards done / running / pending with counts
+                                    shards done / running / pending with counts; on a
+                                    running run its ETA and "stalled since ..." if it is
     genrun merge DIR [storage.options.KEY=VALUE ...]
                                     (re)build trajectories.pkl from committed parts
     genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]

@@ -52,6 +52,7 @@ class StallWatch:
     stall_seconds: float
     clock: Callable[[], float] = time.time
     _run_signal: Hashable = field(init=False, default=None)
+    _tokens: int | None = field(init=False, default=None)
     _last_change: float | None = field(init=False, default=None)
     alarm: Stall | None = field(init=False, default=None)
     """The stall now going on (None: none, or progress since)."""
@@ -61,11 +62,14 @@ class StallWatch:
         progress); `engine_tokens`: tokens the engines generated so far (None: not known).
         Answers a new stall the first time one is seen, else None."""
         now = self.clock()
-        signal = (tuple(sorted(shards.items())), engine_tokens)
-        if self._last_change is None or signal != self._run_signal:
+        counters = tuple(sorted(shards.items()))
+        tokens_moved = engine_tokens is not None and self._tokens is not None and engine_tokens != self._tokens
+        if engine_tokens is not None:
+            self._tokens = engine_tokens  # the first count known is no progress, only a baseline
+        if self._last_change is None or counters != self._run_signal or tokens_moved:
             if self.alarm is not None:
                 logger.warning("progress again after %s without any: the stall is over", format_seconds(now - self.alarm.since))
-            self._run_signal, self._last_change, self.alarm = signal, now, None
+            self._run_signal, self._last_change, self.alarm = counters, now, None
         if self.alarm is not None or now - self._last_change < self.stall_seconds:
             return None
         # Any shard's counter moving is progress of the run: every shard running now is quiet.
