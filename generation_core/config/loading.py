@@ -102,6 +102,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     cfg.generation.max_inflight = settings.max_inflight
     cfg.generation.request_timeout = settings.request_timeout
     cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
+    cfg.generation.stall_seconds = settings.stall_seconds
     return cfg
 
 

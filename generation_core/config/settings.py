@@ -37,6 +37,11 @@ INFLIGHT_PER_BATCH_SEQUENCE = 2
 ROUTING_MODES = ("prefix_affinity", "least_loaded", "local")
 """generation.routing's values (serving/replica_loads.py)."""
 
+# The stall alarm's default: a quarter of the request timeout (a request that legitimately takes
+# long still leaves the others of a full batch finishing meanwhile), never under two minutes.
+STALL_SHARE_OF_REQUEST_TIMEOUT = 0.25
+STALL_MIN_SECONDS = 120.0
+
 
 def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
     """The keys of `mapping` that are fields of `cls`. A key absent keeps the field's default: a
@@ -92,6 +97,9 @@ class GenerationSettings:
     this: a run past it is merged into chunks of about this size, so a 10M-trajectory run never
     builds one pickle in memory, while runs up to tens of thousands of trajectories at verl's
     usual lengths stay one trajectories.pkl."""
+    stall_seconds: float | None = None
+    """No committed trajectory and no generated token for this long: the stall alarm (None:
+    `default_stall_seconds` of the request timeout, filled in by `of`)."""
     show_progress: bool = True
     progress_seconds: float = 30.0
     upload_artifact: bool = False
@@ -122,7 +130,12 @@ class GenerationSettings:
         sample_timeout = self.sample_timeout_seconds
         if sample_timeout is None and request_timeout is not None:
             sample_timeout = default_sample_timeout(model_turns(rollout), self.request_retries, request_timeout)
-        return dataclasses.replace(self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout)
+        stall_seconds = self.stall_seconds
+        if stall_seconds is None and request_timeout is not None:
+            stall_seconds = default_stall_seconds(request_timeout)
+        return dataclasses.replace(
+            self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout, stall_seconds=stall_seconds,
+        )
 
     @property
     def inflight_limit(self) -> int:
@@ -143,6 +156,11 @@ class GenerationSettings:
 def default_request_timeout(response_length: int) -> float:
     """generation.request_timeout when left null: base + per-token allowance x response budget."""
     return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
+
+
+def default_stall_seconds(request_timeout: float) -> float:
+    """generation.stall_seconds when left null: a share of the request timeout, at least STALL_MIN_SECONDS."""
+    return max(STALL_MIN_SECONDS, STALL_SHARE_OF_REQUEST_TIMEOUT * float(request_timeout))
 
 
 def model_turns(rollout: Mapping[str, Any]) -> int:
@@ -221,7 +239,11 @@ class InstantEngineKwargs:
 
     response_tokens: int = 8
     delay_seconds: float = 0.0
-    """Seconds each request takes (tests use it to have requests in flight)."""
+    """Seconds each request takes (tests use it to have requests in flight); with delay_sigma,
+    the median."""
+    delay_sigma: float = 0.0
+    """> 0: each request's delay and response length scaled by one long-tailed (log-normal,
+    this sigma) factor drawn from the request itself, so a run is the same every time."""
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:

@@ -104,6 +104,10 @@ def _check_generation(cfg: DictConfig) -> None:
     _require(first is None or (_is_number(first) and first > 0), "generation.first_part_max_seconds", first, "must be null or a number of seconds > 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(_is_number(gen.progress_seconds) and gen.progress_seconds > 0, "generation.progress_seconds", gen.progress_seconds, "must be a number of seconds > 0")
+    _require(
+        gen.stall_seconds is None or (_is_number(gen.stall_seconds) and gen.stall_seconds > 0),
+        "generation.stall_seconds", gen.stall_seconds, "must be null (a quarter of generation.request_timeout) or a number of seconds > 0",
+    )
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
 
 

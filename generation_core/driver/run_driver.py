@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
 from generation_core.driver.run_watch import RunWatch
+from generation_core.driver.stall_alarm import Stall
 from generation_core.instrumentation import failpoint, mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
@@ -135,17 +136,18 @@ def _prefix_cache_report(pool: ReplicaPool) -> dict[str, Any] | None:
 
 def drive_run(
     plan: RunPlan, submitter: ShardSubmitter, *, started: float, finish: Finish = finish_run, publish: Publish = publish_summary,
-    on_progress: Callable[[ProgressTotals], None] | None = None,
+    on_progress: Callable[[ProgressTotals], None] | None = None, on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
     """Generate every missing trajectory, merge, publish: the run's summary, or None when a
     Ctrl-C stopped the run (what is committed stays; the lease is released). `started`: when the
     run began (time.perf_counter()), for the summary's elapsed time. `on_progress`: the progress
-    numbers every few seconds (the Prefect progress artifact)."""
+    numbers every few seconds (the Prefect progress artifact); `on_stall`: the stall alarm, once
+    per stall (stall_alarm.py; the terminal line and the W&B alert are the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
         with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
             plan.claim_folder()
-            return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress)
+            return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
         # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing
         # (STOP.interruptible): that stage ended at once, the lease is released on the way out.
@@ -154,10 +156,10 @@ def drive_run(
 
 def _drive_holding(
     plan: RunPlan, submitter: ShardSubmitter, fence: LeaseFence, started: float, finish: Finish, publish: Publish,
-    on_progress: Callable[[ProgressTotals], None] | None,
+    on_progress: Callable[[ProgressTotals], None] | None, on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
     manifests, failures, stopping = [], [], False
-    with submitter, RunWatch(plan, on_update=on_progress) as watch:
+    with submitter, RunWatch(plan, on_update=on_progress, on_stall=on_stall) as watch:
         mark("ray_ready")
         # Shard jobs first: where they run beside the driver, their workers start (imports,
         # tokenizer, prompts) while the replicas load, and each waits for the pool by name.
@@ -173,6 +175,7 @@ def _drive_holding(
             submitter.stop(set())
             raise
         mark("engine_ready")
+        watch.watch_engines(pool)
         try:
             stop_deadline = float("inf")
             while submitter.pending() and time.monotonic() < stop_deadline:

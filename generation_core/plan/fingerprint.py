@@ -65,6 +65,7 @@ OPERATIONAL_KEYS = (
     "generation.reward_workers",
     "generation.show_progress",
     "generation.progress_seconds",
+    "generation.stall_seconds",
     "generation.upload_artifact",
     "generation.artifact_mode",
     "generation.routing",

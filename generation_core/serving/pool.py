@@ -120,9 +120,14 @@ class ReplicaPool:
 
     async def check_health(self) -> list[dict]:
         """Each genrun engine replica's counters (verl's own replicas have no health call)."""
+        return await asyncio.gather(*self.health_requests())
+
+    def health_requests(self) -> list[Any]:
+        """`check_health` as Ray object refs, for a caller that must not block (the stall alarm
+        reads the engines' generated_tokens); none for verl's own replicas."""
         if self.manager is None or self.config.actor_rollout_ref.rollout.name not in GENRUN_ENGINES:
             return []
-        return await asyncio.gather(*[handle.health.remote() for handle in self.manager.server_handles])
+        return [handle.health.remote() for handle in self.manager.server_handles]
 
     async def prefix_cache_report(self) -> dict[str, Any] | None:
         """The prefix cache's hit rate (prompt tokens reused / prompt tokens) per replica and for
