@@ -158,7 +158,8 @@ def _drive_holding(
     plan: RunPlan, submitter: ShardSubmitter, fence: LeaseFence, started: float, finish: Finish, publish: Publish,
     on_progress: Callable[[ProgressTotals], None] | None, on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
-    manifests, failures, stopping = [], [], False
+    manifests: list[SuccessMarker] = []
+    failures: list[str] = []
     with submitter, RunWatch(plan, on_update=on_progress, on_stall=on_stall) as watch:
         mark("ray_ready")
         # Shard jobs first: where they run beside the driver, their workers start (imports,
@@ -177,24 +178,7 @@ def _drive_holding(
         mark("engine_ready")
         watch.watch_engines(pool)
         try:
-            stop_deadline = float("inf")
-            while submitter.pending() and time.monotonic() < stop_deadline:
-                watch.tick()
-                if STOP.requested() and not stopping:
-                    # A first Ctrl-C: no new shard starts; running shard jobs commit what has
-                    # finished and stop (ShardStopped).
-                    stopping, stop_deadline = True, time.monotonic() + STOP_GRACE_SECONDS
-                    submitter.stop(watch.stop())
-                ended = submitter.next_ended(TICK_SECONDS)
-                if ended is None:
-                    continue
-                if ended.manifest is not None:
-                    watch.shard_finished(ended.manifest)
-                    manifests.append(ended.manifest)
-                elif ended.failure is not None and not stopping:
-                    failures.append(ended.failure)
-            if submitter.pending():
-                logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
+            stopping = _until_every_shard_ended(submitter, watch, manifests, failures)
         finally:
             prefix_cache = _prefix_cache_report(pool)
             pool.shutdown()
@@ -215,3 +199,28 @@ def _drive_holding(
             summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")
         return publish(plan, summary, manifests, fence)
+
+
+def _until_every_shard_ended(submitter: ShardSubmitter, watch: RunWatch, manifests: list[SuccessMarker], failures: list[str]) -> bool:
+    """Watch the shard jobs until every one ended (or, after a first Ctrl-C, until they stopped
+    or STOP_GRACE_SECONDS passed), collecting their success markers and failures; whether the
+    run is stopping."""
+    stopping, stop_deadline = False, float("inf")
+    while submitter.pending() and time.monotonic() < stop_deadline:
+        watch.tick()
+        if STOP.requested() and not stopping:
+            # A first Ctrl-C: no new shard starts; running shard jobs commit what has
+            # finished and stop (ShardStopped).
+            stopping, stop_deadline = True, time.monotonic() + STOP_GRACE_SECONDS
+            submitter.stop(watch.stop())
+        ended = submitter.next_ended(TICK_SECONDS)
+        if ended is None:
+            continue
+        if ended.manifest is not None:
+            watch.shard_finished(ended.manifest)
+            manifests.append(ended.manifest)
+        elif ended.failure is not None and not stopping:
+            failures.append(ended.failure)
+    if submitter.pending():
+        logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
+    return stopping
