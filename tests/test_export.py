@@ -264,14 +264,15 @@ def test_min_reward_and_best_of_n(sampled_run, tmp_path):
     assert sorted((r["index"], r["rollout_n"]) for r in both) == sorted((i, n) for i, n in best.items() if rewards[(i, n)] >= threshold)
 
 
-def test_prompt_response_layout(sampled_run, tmp_path):
+def test_prompt_completion_layout(sampled_run, tmp_path):
     messages = _export(sampled_run, tmp_path / "messages.parquet")
-    layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-response")
-    assert list(layout[0]) == ["prompt", "response", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
-    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "response")}, "messages": row["prompt"] + row["response"]} for row in layout] == [
+    layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-completion")
+    assert list(layout[0]) == ["prompt", "completion", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
+    assert _export(sampled_run, tmp_path / "alias.parquet", "--layout", "prompt-response") == layout, "the earlier layout name still works"
+    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "completion")}, "messages": row["prompt"] + row["completion"]} for row in layout] == [
         {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated")} | {"messages": row["messages"]} for row in messages
     ]
-    assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["response"]] == ["assistant"] for row in layout)
+    assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["completion"]] == ["assistant"] for row in layout)
 
 
 # ---- multi-turn: verl's tool loop ---------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
     assert "a-file" in _refused(capsys, tool_run, blocker / "out.parquet")
     assert "is a directory" in _refused(capsys, tool_run, tmp_path)
     assert "--min-reward 'high' is not a number" in _refused(capsys, tool_run, out, "--min-reward", "high")
-    assert "--layout 'chat' is not one of messages, prompt-response" in _refused(capsys, tool_run, out, "--layout=chat")
+    assert "--layout 'chat' is not one of messages, prompt-completion" in _refused(capsys, tool_run, out, "--layout=chat")
     assert "unknown option '--best'" in _refused(capsys, tool_run, out, "--best")
     assert "usage: genrun export RUN_DIR OUT.parquet" in _refused(capsys, tool_run)
     assert "only storage.options.KEY=VALUE may follow" in _refused(capsys, tool_run, out, "storage.bad=1")
