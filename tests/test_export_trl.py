@@ -1,7 +1,9 @@
 """Both SFT layouts of `genrun export` load into TRL's SFTTrainer as they are (issue 36, item 3):
 the `messages` layout as TRL's conversational language-modeling dataset, `prompt-completion`
 as its conversational prompt-completion dataset (loss on the completion only). A short run of
-the instant engine is exported both ways; each file trains two steps of the bundled model."""
+the instant engine is exported both ways; each file trains two steps of a tiny random Llama with
+the bundled model's tokenizer and chat template (make test), and of the bundled model itself
+(extended: about a minute on 2 cores)."""
 
 from __future__ import annotations
 
@@ -18,19 +20,60 @@ QUESTIONS = ["Say hi.", "What is 2 + 2?", "Name a color.", "Write one short sent
 
 
 @pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, model_dir):
+    """Two layers of width 16 over the bundled model's tokenizer (its vocabulary, chat template)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(params=["tiny", pytest.param("bundled", marks=[pytest.mark.extended, pytest.mark.slow])])
+def sft_model(request, tiny_chat_model, model_dir):
+    return tiny_chat_model if request.param == "tiny" else model_dir
+
+
+@pytest.fixture(scope="module")
 def instant_run(tmp_path_factory, model_dir):
-    from generation_core.driver.in_process import run_in_process
+    """4 prompts, one sample each, of the instant engine, generated in this process (no Ray)."""
+    import asyncio
+
+    from verl.utils import hf_tokenizer
+
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.inputs.shard_rows import ShardPrompts
     from generation_core.plan.preflight import preflight
+    from generation_core.shard.job import run_shard_with_worker
+    from generation_core.shard.streaming import StreamingWorker
 
     base = tmp_path_factory.mktemp("trl")
     rows = [
         {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
         for i, q in enumerate(QUESTIONS)
     ]
-    run_in_process(preflight([
+    plan = preflight([
         f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}", f"trainer.default_local_dir={base / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
-    ]))
+    ])
+    plan.claim_folder()
+    tokenizer = hf_tokenizer(str(model_dir))
+    [shard] = plan.shards
+    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+    worker = StreamingWorker(plan.cfg, engine)
+    try:
+        assert asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker)).num_trajectories == 4
+    finally:
+        worker.shutdown()
     return base / "run"
 
 
@@ -52,22 +95,22 @@ def _train(data_file, model_dir, tmp_path, columns):
     return trainer, batch, result
 
 
-def test_the_messages_layout_trains_in_trl(instant_run, model_dir, tmp_path):
+def test_the_messages_layout_trains_in_trl(instant_run, sft_model, tmp_path):
     out = tmp_path / "messages.parquet"
     assert main(["export", str(instant_run), str(out)]) == 0
-    trainer, batch, result = _train(out, model_dir, tmp_path, ["messages"])
+    trainer, batch, result = _train(out, sft_model, tmp_path, ["messages"])
     assert result.global_step == 2 and math.isfinite(result.training_loss)
     # Language modeling over the whole conversation: every non-padding token is a target.
     assert (batch["labels"] != -100).sum() == batch["attention_mask"].sum()
 
 
-def test_the_prompt_completion_layout_trains_on_the_completion_only(instant_run, model_dir, tmp_path):
+def test_the_prompt_completion_layout_trains_on_the_completion_only(instant_run, sft_model, tmp_path):
     import pyarrow.parquet as pq
 
     out = tmp_path / "pc.parquet"
     assert main(["export", str(instant_run), str(out), "--layout", "prompt-completion"]) == 0
     assert pq.read_schema(out).names[:2] == ["prompt", "completion"]
-    trainer, batch, result = _train(out, model_dir, tmp_path, ["prompt", "completion"])
+    trainer, batch, result = _train(out, sft_model, tmp_path, ["prompt", "completion"])
     assert result.global_step == 2 and math.isfinite(result.training_loss)
     # TRL's completion-only loss: the prompt's tokens are not targets, the completion's are.
     targets = (batch["labels"] != -100).sum(dim=1)
