@@ -26,7 +26,7 @@ import contextlib
 import io
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
 import pyarrow as pa
@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file
+from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
 from generation_core.outputs.openai_batch_output import BatchExportSummary, export_openai_batch
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.store.folder import StorageFolder
@@ -82,6 +83,9 @@ class ExportSummary:
     """Trajectories of prompts none of whose trajectories is scored: --best-of-n has no best there."""
     truncated: int = 0
     unmatched_turns: int = 0
+    stats: RowStats = field(default_factory=RowStats)
+    """Lengths and rewards of the exported rows, for the dataset card."""
+    card: str | None = None
 
     def line(self, options: ExportOptions) -> str:
         dropped = []
@@ -94,6 +98,7 @@ class ExportSummary:
         text = f"exported {self.rows} of {self.committed} committed trajectories to {self.output}"
         text += f" ({'; '.join(dropped)})" if dropped else ""
         text += f"; {self.truncated} cut at the length limit (truncated=true)"
+        text += f"; dataset card {self.card}" if self.card else ""
         if self.unmatched_turns:
             text += f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, kept as raw text in user messages"
         return text
@@ -166,7 +171,8 @@ def export_batch_output(run_url: str, out_url: str, options: ExportOptions, stor
 
 def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
     folder = StorageFolder(run_url, storage_options)
-    config = read_run_record(folder).config
+    record = read_run_record(folder)
+    config = record.config
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
@@ -192,7 +198,9 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
             if not summary.scored:
                 raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written")
             raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written")
+    summary.card = out_folder.display(write_dataset_card(out_folder, out_name, record, card_counts(summary), card_filters(options, summary), options.layout, summary.stats))
     return summary
+
 
 
 def _part_rows(
@@ -215,6 +223,7 @@ def _part_rows(
         summary.rows += 1
         summary.truncated += rebuilt.truncated
         summary.unmatched_turns += rebuilt.unmatched_turns
+        summary.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
         rows.append(_row(record, rebuilt, options.layout, tools))
     return rows
 
