@@ -79,11 +79,12 @@ def test_bad_lines_are_refused_with_their_line_numbers():
         ({"logprobs": True}, "line 1: body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true"),
         ({"presence_penalty": 0.5}, "line 1: body.presence_penalty=0.5 is not applied"),
         ({"temperature": "hot"}, "line 1: body.temperature=\"hot\" is not a number"),
+        ({"seed": 3}, "line 1: body.seed: rollout.name=sglang does not honour per-request seeds"),
     ],
 )
 def test_line_parameters_that_contradict_the_run_are_refused(body, message):
     with pytest.raises(GenrunError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        batch_table("in.jsonl", _jsonl([_chat("a", "x", **body)]), BatchLimits(n=2, response_length=16, calculate_log_probs=False))
+        batch_table("in.jsonl", _jsonl([_chat("a", "x", **body)]), BatchLimits(n=2, response_length=16, calculate_log_probs=False, engine="sglang"))
 
 
 def test_a_bad_batch_file_stops_genrun_in_one_line_before_any_work(tmp_path, model_dir, capsys):

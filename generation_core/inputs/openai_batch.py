@@ -32,6 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from generation_core.config.validation import SEEDED_ENGINES
 from generation_core.errors import GenrunError
 
 CHAT_URL = "/v1/chat/completions"
@@ -77,11 +78,13 @@ class BatchLimits:
     n: int
     response_length: int
     calculate_log_probs: bool
+    engine: str = "hf"
+    """actor_rollout_ref.rollout.name: a line's seed needs an engine that honours seeds."""
 
     @classmethod
     def of(cls, cfg) -> BatchLimits:
         rollout = cfg.actor_rollout_ref.rollout
-        return cls(int(rollout.n), int(rollout.response_length), bool(rollout.calculate_log_probs))
+        return cls(int(rollout.n), int(rollout.response_length), bool(rollout.calculate_log_probs), str(rollout.name))
 
 
 def is_batch_file(content: bytes) -> bool:
@@ -237,6 +240,8 @@ def _check_limits(body: dict[str, Any], sampling: dict[str, Any], limits: BatchL
             f"max_tokens {sampling['max_tokens']} is above the run's response length {limits.response_length}; "
             f"raise data.max_response_length to at least {sampling['max_tokens']}"
         )
+    if sampling["seed"] is not None and limits.engine not in SEEDED_ENGINES:
+        raise _BadLine(f"body.seed: rollout.name={limits.engine} does not honour per-request seeds (these do: {', '.join(SEEDED_ENGINES)}); remove it")
     if sampling["logprobs"] and not limits.calculate_log_probs:
         raise _BadLine("body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
 
