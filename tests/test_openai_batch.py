@@ -164,3 +164,23 @@ def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, m
         if number % 2:
             # The line's own max_tokens=6 bounds each of its samples (the instant engine makes 8 otherwise).
             assert usage["completion_tokens"] <= 2 * 6
+
+
+def test_the_fingerprint_covers_every_byte_of_a_batch_file(tmp_path):
+    """One character of one prompt changed (same length) is another dataset; the same bytes under
+    another name are the same one."""
+    from generation_core.config.loading import load_config
+    from generation_core.inputs.dataset_files import inspect_dataset
+
+    def digest(path):
+        return inspect_dataset(load_config([f"data.train_files={path}", "actor_rollout_ref.rollout.name=instant"])).digest
+
+    lines = [_chat(f"c{i}", f"Question {i}?") for i in range(50)]
+    first = tmp_path / "a.jsonl"
+    first.write_bytes(_jsonl(lines))
+    copy = tmp_path / "b.jsonl"
+    copy.write_bytes(first.read_bytes())
+    edited = tmp_path / "c.jsonl"
+    edited.write_bytes(_jsonl([*lines[:25], _chat("c25", "Question 2X?"), *lines[26:]]))
+    assert edited.stat().st_size == first.stat().st_size
+    assert digest(first) == digest(copy) != digest(edited)
