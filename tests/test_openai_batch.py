@@ -29,8 +29,12 @@ def _jsonl(lines) -> bytes:
 
 
 def _write_batch(path, count: int):
-    """`count` requests alternating chat (with their own temperature and max_tokens) and completions (with a seed)."""
-    lines = [_chat(f"chat-{i}", f"Question {i}?", temperature=0.5, max_tokens=6) if i % 2 else _completion(f"text-{i}", f"Once upon a time {i}", seed=i) for i in range(count)]
+    """`count` requests alternating chat (with their own temperature and max_tokens, asking for
+    logprobs) and completions (with a seed)."""
+    lines = [
+        _chat(f"chat-{i}", f"Question {i}?", temperature=0.5, max_tokens=6, logprobs=True) if i % 2 else _completion(f"text-{i}", f"Once upon a time {i}", seed=i)
+        for i in range(count)
+    ]
     path.write_bytes(_jsonl(lines))
     return path
 
@@ -106,7 +110,8 @@ class _Killed(BaseException):
 def _run_args(batch, out, model_dir):
     return [
         f"data.train_files={batch}", f"trainer.default_local_dir={out}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=64", "data.max_response_length=16",
+        "actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "data.max_prompt_length=64", "data.max_response_length=16",
         "generation.save_batch_size=4", "generation.num_shards=2", "generation.max_inflight=4", "generation.show_progress=false", "generation.final_merge=false",
     ]
 
@@ -164,6 +169,11 @@ def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, m
         if number % 2:
             # The line's own max_tokens=6 bounds each of its samples (the instant engine makes 8 otherwise).
             assert usage["completion_tokens"] <= 2 * 6
+            # It asked for logprobs: one per generated token.
+            assert sum(len(choice["logprobs"]["content"]) for choice in body["choices"]) == usage["completion_tokens"]
+            assert all(isinstance(t["logprob"], float) and t["top_logprobs"] == [] for c in body["choices"] for t in c["logprobs"]["content"])
+        else:
+            assert all(choice["logprobs"] is None for choice in body["choices"]), "not asked for"
 
 
 def test_the_fingerprint_covers_every_byte_of_a_batch_file(tmp_path):
@@ -184,3 +194,4 @@ def test_the_fingerprint_covers_every_byte_of_a_batch_file(tmp_path):
     edited.write_bytes(_jsonl([*lines[:25], _chat("c25", "Question 2X?"), *lines[26:]]))
     assert edited.stat().st_size == first.stat().st_size
     assert digest(first) == digest(copy) != digest(edited)
+

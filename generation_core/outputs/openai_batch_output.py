@@ -4,7 +4,8 @@
 One line per request whose `rollout.n` samples are all committed, in the input file's line
 order: `id`, `custom_id`, `response` (`status_code` 200, `request_id`, `body`: a
 `chat.completion` or `text_completion` with `n` `choices`, each with `message` / `text` and
-`finish_reason` ("length" where the sample was cut at its token budget, else "stop"), and `usage`),
+`finish_reason` ("length" where the sample was cut at its token budget, else "stop"), `logprobs`
+(the sampled tokens' log-probabilities where the line asked for them; no top_logprobs), and `usage`),
 `error` null. Every other request goes to the error file beside it (`<stem>_errors.jsonl`), as
 the Batch API's error file: `response` null, `error` {`code`, `message`}: `generation_failed` with
 the failure log's error for a sample that failed after its retries, `not_generated` for one
@@ -19,6 +20,7 @@ file left by an earlier export of the same name is removed when there is no erro
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -132,18 +134,37 @@ def _add_choice(requests: dict[int, _Request], trajectory: TrajectoryRecord, tok
             "use --format parquet for it"
         )
     request = requests.setdefault(trajectory.index, _Request(str(info["custom_id"]), str(info.get("url") or CHAT_URL)))
-    generated = [token for token, mask in zip(trajectory.response_ids, trajectory.response_mask, strict=True) if mask]
+    positions = [position for position, mask in enumerate(trajectory.response_mask) if mask]
+    generated = [trajectory.response_ids[position] for position in positions]
     text = tokenizer.decode(generated, skip_special_tokens=True)
     finish = "stop" if trajectory.response_ids and trajectory.response_ids[-1] in eos_ids else "length"
+    asked = bool((info.get("sampling_params") or {}).get("logprobs")) and trajectory.response_logprobs is not None
+    values = [float(trajectory.response_logprobs[position]) for position in positions] if asked and trajectory.response_logprobs is not None else None
     choice: dict[str, Any] = {"index": trajectory.rollout_n}
     if request.url == CHAT_URL:
-        choice.update(message={"role": "assistant", "content": text}, logprobs=None, finish_reason=finish)
+        choice.update(message={"role": "assistant", "content": text}, logprobs=_chat_logprobs(tokenizer, generated, values), finish_reason=finish)
     else:
-        choice.update(text=text, logprobs=None, finish_reason=finish)
+        choice.update(text=text, logprobs=_completion_logprobs(tokenizer, generated, values), finish_reason=finish)
     request.choices = request.choices or {}
     request.choices[trajectory.rollout_n] = choice
     request.prompt_tokens = len(trajectory.prompt_ids)
     request.completion_tokens += len(generated)
+
+
+def _chat_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> dict[str, Any] | None:
+    """The chat layout's logprobs (no top_logprobs: genrun's engines return the sampled token's only)."""
+    if values is None:
+        return None
+    texts = [tokenizer.decode([token]) for token in tokens]
+    return {"content": [{"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []} for text, value in zip(texts, values, strict=True)]}
+
+
+def _completion_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> dict[str, Any] | None:
+    if values is None:
+        return None
+    texts = [tokenizer.decode([token]) for token in tokens]
+    offsets = [0, *itertools.accumulate(len(text) for text in texts)][: len(texts)]
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
 def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any]], model: str) -> str:
