@@ -60,6 +60,7 @@ def test_batch_lines_become_rows_in_verls_layout():
 
 def test_bad_lines_are_refused_with_their_line_numbers():
     content = _jsonl([
+        "{broken",
         _chat("a", "one"),
         "{not json",
         {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
@@ -70,8 +71,9 @@ def test_bad_lines_are_refused_with_their_line_numbers():
     with pytest.raises(GenrunError) as refused:
         batch_table("in.jsonl", content)
     message = str(refused.value)
-    assert "\n" not in message and "4 bad line(s)" in message
-    for expected in ("line 2: not JSON", "line 3: no custom_id", "line 4: custom_id 'a' repeats (first on line 1)", "line 5: url '/v1/embeddings'"):
+    assert is_batch_file(content), "a broken first line does not hide the file's kind"
+    assert "\n" not in message and "5 bad line(s)" in message
+    for expected in ("line 1: not JSON", "line 3: not JSON", "line 4: no custom_id", "line 5: custom_id 'a' repeats (first on line 2)", "line 6: url '/v1/embeddings'"):
         assert expected in message, message
 
 

@@ -40,6 +40,7 @@ COMPLETIONS_URL = "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 DATA_SOURCE = "openai-batch"
 SHOWN_PROBLEMS = 5
+DETECT_LINES = 100
 
 SAMPLING_TYPES = {"temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(), "seed": pa.int64(), "max_tokens": pa.int64(), "logprobs": pa.bool_()}
 SAMPLING = pa.struct([pa.field(name, kind) for name, kind in SAMPLING_TYPES.items()])
@@ -88,16 +89,16 @@ class BatchLimits:
 
 
 def is_batch_file(content: bytes) -> bool:
-    """Whether a JSON/JSONL file's first request line is an OpenAI batch request."""
-    for raw in content.splitlines():
+    """Whether a JSON/JSONL file holds OpenAI batch requests: the first of its first
+    DETECT_LINES lines that parses as JSON is an object with a `custom_id` or a `body` (a
+    broken first line does not hide the file's kind: its line is refused by number)."""
+    for raw in content.splitlines()[:DETECT_LINES]:
         if not raw.strip():
             continue
         try:
             first = json.loads(raw)
         except ValueError:
-            # Not one JSON object per line: a JSON array or a broken file, read as before; a
-            # broken line of a batch file is found when a valid one before it marks the file.
-            return False
+            continue
         return isinstance(first, dict) and ("custom_id" in first or "body" in first)
     return False
 
