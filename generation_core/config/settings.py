@@ -34,6 +34,11 @@ UNLIMITED_TURNS_ALLOWANCE = 16
 # finished trajectories are processed and new ones start.
 INFLIGHT_PER_BATCH_SEQUENCE = 2
 
+# Trajectories open per model-call slot: a trajectory in its tool or reward function holds no
+# slot, so up to this many per slot may be open for the engine to stay full while tools run (a
+# trajectory that spends 7/8 of its time in tools still leaves none idle).
+OPEN_TRAJECTORIES_PER_CALL_SLOT = 8
+
 
 def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
     """The keys of `mapping` that are fields of `cls`. A key absent keeps the field's default: a
@@ -59,8 +64,12 @@ class GenerationSettings:
     num_shards: int = 1
     """Fixed index ranges of the dataset; output-shaping (in the fingerprint)."""
     max_inflight: int | None = None
-    """Most agent-loop requests outstanding per shard (None: INFLIGHT_PER_BATCH_SEQUENCE x
-    actor_rollout_ref.rollout.max_num_seqs, filled in by `of`)."""
+    """Most model calls in flight per shard (None: INFLIGHT_PER_BATCH_SEQUENCE x
+    actor_rollout_ref.rollout.max_num_seqs, filled in by `of`); a trajectory in its tool or
+    reward function holds none."""
+    max_open_trajectories: int | None = None
+    """Most trajectories open per shard, in a model call or not (None:
+    OPEN_TRAJECTORIES_PER_CALL_SLOT x max_inflight, filled in by `of`)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
     recheck_finished_rows: bool = True
@@ -109,13 +118,18 @@ class GenerationSettings:
         max_inflight = self.max_inflight
         if max_inflight is None and rollout.get("max_num_seqs") is not None:
             max_inflight = INFLIGHT_PER_BATCH_SEQUENCE * int(rollout["max_num_seqs"])
+        max_open = self.max_open_trajectories
+        if max_open is None and max_inflight is not None:
+            max_open = OPEN_TRAJECTORIES_PER_CALL_SLOT * max_inflight
         request_timeout = self.request_timeout
         if request_timeout is None and rollout.get("response_length") is not None:
             request_timeout = default_request_timeout(int(rollout["response_length"]))
         sample_timeout = self.sample_timeout_seconds
         if sample_timeout is None and request_timeout is not None:
             sample_timeout = default_sample_timeout(model_turns(rollout), self.request_retries, request_timeout)
-        return dataclasses.replace(self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout)
+        return dataclasses.replace(
+            self, max_inflight=max_inflight, max_open_trajectories=max_open, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout,
+        )
 
     @property
     def inflight_limit(self) -> int:
@@ -123,6 +137,13 @@ class GenerationSettings:
         if self.max_inflight is None:
             raise ValueError("generation.max_inflight is undecided: build the settings with GenerationSettings.of(config)")
         return self.max_inflight
+
+    @property
+    def open_trajectories_limit(self) -> int:
+        """max_open_trajectories, decided, and never under max_inflight."""
+        if self.max_open_trajectories is None:
+            return OPEN_TRAJECTORIES_PER_CALL_SLOT * self.inflight_limit
+        return max(self.max_open_trajectories, self.inflight_limit)
 
     @property
     def systematic_failure_margin(self) -> int:
