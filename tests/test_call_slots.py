@@ -197,3 +197,21 @@ def test_max_open_trajectories_defaults_to_eight_slots_each_and_a_bad_value_is_o
     for bad in ("0", "true", "many"):
         with pytest.raises(GenrunError, match="generation.max_open_trajectories=.*must be null"):
             load_config([f"generation.max_open_trajectories={bad}"])
+
+
+def test_a_waiter_cancelled_before_a_release_reaches_it_is_skipped():
+    async def scenario():
+        slots = CallSlots(1)
+        await slots.acquire(False)
+        cancelled = asyncio.ensure_future(slots.acquire(False))
+        waiting = asyncio.ensure_future(slots.acquire(False))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        slots.release()  # before the cancelled task ran its cleanup: the slot goes to the next one
+        outcomes = await asyncio.gather(cancelled, waiting, return_exceptions=True)
+        return slots, waiting, outcomes[0]
+
+    slots, waiting, cancelled_outcome = asyncio.run(scenario())
+    assert isinstance(cancelled_outcome, asyncio.CancelledError), "its cleanup finds it gone and raises nothing else"
+    assert waiting.done() and not waiting.cancelled() and waiting.exception() is None
+    assert slots.in_flight == 1 and slots.waiting == 0

@@ -115,7 +115,10 @@ class CallSlots:
                 # Handed the slot just as the call was cancelled: pass it on.
                 self.release()
             else:
-                (self._later if later_turn else self._first).remove(waiter)
+                queue = self._later if later_turn else self._first
+                # A release may have dropped it already (it skips waiters cancelled meanwhile).
+                if waiter in queue:
+                    queue.remove(waiter)
             raise
 
     def release(self) -> None:
