@@ -60,7 +60,7 @@ class CallSlots:
         self._starting: set[SampleKey] = set()
         self._called: set[SampleKey] = set()
         self.freed = asyncio.Event()
-        """Set when a slot is released (the stream may start a new trajectory); the stream clears it."""
+        """Set when a release leaves a spare slot (the stream may start a new trajectory); the stream clears it."""
         self.peak_in_flight = 0
         self.calls = 0
         self.later_turn_calls = 0
@@ -130,7 +130,8 @@ class CallSlots:
                 self._take()
                 waiter.set_result(None)
                 break
-        self.freed.set()
+        if self.spare > 0:
+            self.freed.set()
 
     def _take(self) -> None:
         self.in_flight += 1

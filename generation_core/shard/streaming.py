@@ -4,8 +4,9 @@ verl's `generate_sequences` gathers a whole batch before returning; a generation
 not wait for its slowest sample. This worker keeps verl's AgentLoopWorker for everything it
 sets up (tokenizer, tools, the agent-loop registry including `agent_loop_config_path` loops),
 runs each sample's agent loop (`AgentLoopBase.run`) with at most `max_inflight` model calls in
-flight (a trajectory in its tool or reward function holds none: shard/call_slots.py), and yields each result the moment it completes, as an unpadded record: verl's per-sample padding is
-skipped because the merge pads once, exactly as verl's postprocessing does (tested).
+flight (a trajectory in its tool or reward function holds none: shard/call_slots.py), and yields
+each result the moment it completes, as an unpadded record: verl's per-sample padding is skipped
+because the merge pads once, exactly as verl's postprocessing does (tested).
 
 Agent loops are built the way verl's `_run_agent_loop` builds them, with two shortcuts: a
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
@@ -204,7 +205,7 @@ class StreamingWorker:
         try:
             while inflight:
                 wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
-                done, _ = await asyncio.wait([*inflight, freed], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait([*inflight, *([] if open_samples.exhausted else [freed])], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if freed in done:
                     # A slot came back (a trajectory went to its tool or finished): maybe start more.
                     done.discard(freed)
@@ -288,6 +289,9 @@ class _OpenSamples:
         self.limit = limit
         self.tasks: dict[asyncio.Task, tuple[SampleKey, float]] = {}
         """Each sample's task -> (its key, its deadline on the monotonic clock)."""
+        self.exhausted = False
+        """Every pending sample has started (a freed slot then has nothing new to start: the stream
+        stops waking for it)."""
 
     def refill(self, run_one, sample_timeout: float) -> None:
         """Start samples while a model-call slot would otherwise go unused, up to `limit` open.
@@ -297,6 +301,7 @@ class _OpenSamples:
             try:
                 key, kwargs = next(self.pending)
             except StopIteration:
+                self.exhausted = True
                 return
             self.slots.sample_started(key)
             self.tasks[asyncio.ensure_future(run_one(key, kwargs))] = (key, time.monotonic() + sample_timeout)
