@@ -446,7 +446,8 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     manifest.json, and logs nothing to its trackers."""
     from types import SimpleNamespace
 
-    from generation_core.outputs import merge, publish
+    from generation_core.driver import publish
+    from generation_core.outputs import merge
     from generation_core.outputs.finish import finish_run
     from generation_core.store.run_folder import MANIFEST_FILE, MERGED_FILE, RUN_FILE, ZIP_FILE
 

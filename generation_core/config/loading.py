@@ -100,6 +100,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     # the values that apply.
     settings = GenerationSettings.of(cfg)
     cfg.generation.max_inflight = settings.max_inflight
+    cfg.generation.max_open_trajectories = settings.max_open_trajectories
     cfg.generation.request_timeout = settings.request_timeout
     cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
     cfg.generation.stall_seconds = settings.stall_seconds

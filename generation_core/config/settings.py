@@ -42,6 +42,11 @@ ROUTING_MODES = ("prefix_affinity", "least_loaded", "local")
 STALL_SHARE_OF_REQUEST_TIMEOUT = 0.25
 STALL_MIN_SECONDS = 120.0
 
+# Trajectories open per model-call slot: a trajectory in its tool or reward function holds no
+# slot, so up to this many per slot may be open for the engine to stay full while tools run (a
+# trajectory that spends 7/8 of its time in tools still leaves none idle).
+OPEN_TRAJECTORIES_PER_CALL_SLOT = 8
+
 
 def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
     """The keys of `mapping` that are fields of `cls`. A key absent keeps the field's default: a
@@ -67,8 +72,12 @@ class GenerationSettings:
     num_shards: int = 1
     """Fixed index ranges of the dataset; output-shaping (in the fingerprint)."""
     max_inflight: int | None = None
-    """Most agent-loop requests outstanding per shard (None: INFLIGHT_PER_BATCH_SEQUENCE x
-    actor_rollout_ref.rollout.max_num_seqs, filled in by `of`)."""
+    """Most model calls in flight per shard (None: INFLIGHT_PER_BATCH_SEQUENCE x
+    actor_rollout_ref.rollout.max_num_seqs, filled in by `of`); a trajectory in its tool or
+    reward function holds none."""
+    max_open_trajectories: int | None = None
+    """Most trajectories open per shard, in a model call or not (None:
+    OPEN_TRAJECTORIES_PER_CALL_SLOT x max_inflight, filled in by `of`)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
     recheck_finished_rows: bool = True
@@ -124,6 +133,9 @@ class GenerationSettings:
         max_inflight = self.max_inflight
         if max_inflight is None and rollout.get("max_num_seqs") is not None:
             max_inflight = INFLIGHT_PER_BATCH_SEQUENCE * int(rollout["max_num_seqs"])
+        max_open = self.max_open_trajectories
+        if max_open is None and max_inflight is not None:
+            max_open = OPEN_TRAJECTORIES_PER_CALL_SLOT * max_inflight
         request_timeout = self.request_timeout
         if request_timeout is None and rollout.get("response_length") is not None:
             request_timeout = default_request_timeout(int(rollout["response_length"]))
@@ -134,7 +146,8 @@ class GenerationSettings:
         if stall_seconds is None and request_timeout is not None:
             stall_seconds = default_stall_seconds(request_timeout)
         return dataclasses.replace(
-            self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout, stall_seconds=stall_seconds,
+            self, max_inflight=max_inflight, max_open_trajectories=max_open, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout,
+            stall_seconds=stall_seconds,
         )
 
     @property
@@ -143,6 +156,13 @@ class GenerationSettings:
         if self.max_inflight is None:
             raise ValueError("generation.max_inflight is undecided: build the settings with GenerationSettings.of(config)")
         return self.max_inflight
+
+    @property
+    def open_trajectories_limit(self) -> int:
+        """max_open_trajectories, decided, and never under max_inflight."""
+        if self.max_open_trajectories is None:
+            return OPEN_TRAJECTORIES_PER_CALL_SLOT * self.inflight_limit
+        return max(self.max_open_trajectories, self.inflight_limit)
 
     @property
     def systematic_failure_margin(self) -> int:

@@ -65,6 +65,11 @@ def _check_generation(cfg: DictConfig) -> None:
         gen.max_inflight is None or (isinstance(gen.max_inflight, int) and not isinstance(gen.max_inflight, bool) and gen.max_inflight >= 1),
         "generation.max_inflight", gen.max_inflight, "must be null (twice actor_rollout_ref.rollout.max_num_seqs) or an integer >= 1",
     )
+    max_open = gen.get("max_open_trajectories")
+    _require(
+        max_open is None or (isinstance(max_open, int) and not isinstance(max_open, bool) and max_open >= 1),
+        "generation.max_open_trajectories", max_open, "must be null (8 x generation.max_inflight) or an integer >= 1",
+    )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")

@@ -2,7 +2,8 @@
 
 A multi-turn trajectory (a tool call, then the tool's reply, then the model again) sends its
 next turn only after the previous one finished. In arrival order, that next turn waits behind
-every first turn queued meanwhile (up to max_inflight - max_num_seqs of them per shard), so the
+every first turn queued meanwhile (up to max_inflight - max_num_seqs of them per shard; the
+shard's model-call slots, shard/call_slots.py, order their own queue the same way), so the
 multi-turn trajectories finish last and the end of a run decodes their remaining turns in a
 nearly empty batch. Taking later turns first keeps trajectories moving once they started; first
 turns keep arrival order among themselves, so none waits forever (a later turn exists only

@@ -50,6 +50,7 @@ OPERATIONAL_KEYS = (
     "generation.first_part_max_seconds",
     "generation.pull_timeout",
     "generation.max_inflight",
+    "generation.max_open_trajectories",
     "generation.final_merge",
     "generation.merge_chunk_size",
     "generation.merge_max_file_bytes",

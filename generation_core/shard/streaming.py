@@ -3,9 +3,10 @@
 verl's `generate_sequences` gathers a whole batch before returning; a generation pipeline must
 not wait for its slowest sample. This worker keeps verl's AgentLoopWorker for everything it
 sets up (tokenizer, tools, the agent-loop registry including `agent_loop_config_path` loops),
-runs each sample's agent loop (`AgentLoopBase.run`) with at most `max_inflight` outstanding, and
-yields each result the moment it completes, as an unpadded record: verl's per-sample padding is
-skipped because the merge pads once, exactly as verl's postprocessing does (tested).
+runs each sample's agent loop (`AgentLoopBase.run`) with at most `max_inflight` model calls in
+flight (a trajectory in its tool or reward function holds none: shard/call_slots.py), and yields
+each result the moment it completes, as an unpadded record: verl's per-sample padding is skipped
+because the merge pads once, exactly as verl's postprocessing does (tested).
 
 Agent loops are built the way verl's `_run_agent_loop` builds them, with two shortcuts: a
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
@@ -29,7 +30,7 @@ import hashlib
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +42,7 @@ from generation_core.config.settings import GenerationSettings
 from generation_core.inputs.openai_batch import line_sampling_params
 from generation_core.instrumentation import SampleTrace
 from generation_core.serving.request_retry import RetryingClient
+from generation_core.shard.call_slots import CallSlots, SlottedClient, sample_context
 from generation_core.shard.rewards import RewardScorer
 from generation_core.store.trajectory_record import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
 from generation_core.verl_adapter import agent_loop_arguments, agent_loop_entry, rebind_worker_client, share_continuous_token_builders
@@ -120,13 +122,17 @@ class StreamingWorker:
     """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
     sample_timeout: float = float("inf")
     """generation.sample_timeout_seconds: a sample's deadline from its start to its score."""
+    slotted_client: SlottedClient | None = None
+    """The agent loops' client: each model call holds one of the stream's slots."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         # A config load_config did not build gets its derived defaults here, the same ones.
         gen = GenerationSettings.of(cfg)
         # Agent loops reach the engine only through this client: every model turn gets retries.
         self.client = RetryingClient(llm_client, retries=gen.request_retries, backoff_seconds=gen.request_backoff_seconds, timeout=gen.request_timeout)
-        self.worker = _agent_loop_worker(cfg, self.client)
+        # ...and each of its calls holds one of the stream's model-call slots (shard/call_slots.py).
+        self.slotted_client = SlottedClient(self.client)
+        self.worker = _agent_loop_worker(cfg, self.slotted_client)
         self.reward_scorer = reward_scorer
         rollout = cfg.actor_rollout_ref.rollout
         # The same sampling parameters verl's generate_sequences sends for a training step.
@@ -174,7 +180,8 @@ class StreamingWorker:
         sampling_params.update(own)
         if seed is not None:
             sampling_params["seed"] = sample_seed(seed, key)
-        output = await agent_loop.run(sampling_params, **sample_kwargs)
+        with sample_context(key):
+            output = await agent_loop.run(sampling_params, **sample_kwargs)
         started = time.perf_counter()
         record = self.record_from_output(key, output, kwargs)
         self.postprocess_seconds += time.perf_counter() - started
@@ -186,30 +193,37 @@ class StreamingWorker:
         return record
 
     async def stream(
-        self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float
+        self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float, max_open: int | None = None,
     ) -> AsyncGenerator[TrajectoryRecord | SampleFailure | None, None]:
         """Yield each finished record as it completes, or a SampleFailure for a sample whose
         agent loop raised (after the engine-request retries) or that ran past its deadline
         (`sample_timeout`); yield None after `idle_timeout` seconds without either so the caller
-        can flush what it holds."""
-        pending_samples = iter(samples)
-        # Each sample's task -> (its key, its deadline on the monotonic clock).
-        inflight: dict[asyncio.Task, tuple[SampleKey, float]] = {}
+        can flush what it holds.
 
-        def refill() -> None:
-            while len(inflight) < max_inflight:
-                try:
-                    key, kwargs = next(pending_samples)
-                except StopIteration:
-                    return
-                inflight[asyncio.ensure_future(self.run_one(key, kwargs))] = (key, time.monotonic() + self.sample_timeout)
-
-        refill()
+        At most `max_inflight` model calls are in flight, later turns of started trajectories
+        first (shard/call_slots.py); a new trajectory starts while a slot would otherwise go
+        unused, up to `max_open` trajectories open at once (None: `max_inflight`, one slot's
+        worth of trajectories each, as when a trajectory held its slot from start to finish)."""
+        slots = CallSlots(max_inflight)
+        if self.slotted_client is not None:
+            self.slotted_client.slots = slots
+        open_samples = _OpenSamples(iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight))
+        inflight = open_samples.tasks
+        open_samples.refill(self.run_one, self.sample_timeout)
         trace = SampleTrace()
+        freed = asyncio.ensure_future(slots.freed.wait())
         try:
             while inflight:
                 wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
-                done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait([*inflight, *([] if open_samples.exhausted else [freed])], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if freed in done:
+                    # A slot came back (a trajectory went to its tool or finished): maybe start more.
+                    done.discard(freed)
+                    slots.freed.clear()
+                    freed = asyncio.ensure_future(slots.freed.wait())
+                    open_samples.refill(self.run_one, self.sample_timeout)
+                    if not done:
+                        continue
                 now = time.monotonic()
                 expired = [task for task, (_, deadline) in inflight.items() if task not in done and deadline <= now]
                 if not done and not expired:
@@ -217,10 +231,9 @@ class StreamingWorker:
                     continue
                 for task in expired:
                     # Its slot is free now, whether or not the cancelled code ever stops.
-                    key, _ = inflight.pop(task)
-                    yield self._timed_out(key, task)
+                    yield self._timed_out(open_samples.close(task), task)
                 for task in done:
-                    key, _ = inflight.pop(task)
+                    key = open_samples.close(task)
                     try:
                         record = task.result()
                     except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's
@@ -229,13 +242,16 @@ class StreamingWorker:
                         continue
                     trace.finished(record.index, record.rollout_n)
                     yield record
-                refill()
+                open_samples.refill(self.run_one, self.sample_timeout)
         finally:
             trace.close()
+            freed.cancel()
             for task in inflight:
                 task.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
+            if self.slotted_client is not None:
+                self.slotted_client.slots = None
 
     def _timed_out(self, key: SampleKey, task: asyncio.Task) -> SampleFailure:
         """Cancel a sample past its deadline; its failure carries where it was waiting."""
@@ -272,6 +288,39 @@ class StreamingWorker:
             extra_fields=extra_fields,
             metrics=output.metrics.model_dump(),
         )
+
+
+class _OpenSamples:
+    """A stream's open samples: their tasks, and which pending sample starts when."""
+
+    def __init__(self, pending: Iterator[tuple[SampleKey, dict[str, Any]]], slots: CallSlots, limit: int):
+        self.pending = pending
+        self.slots = slots
+        self.limit = limit
+        self.tasks: dict[asyncio.Task, tuple[SampleKey, float]] = {}
+        """Each sample's task -> (its key, its deadline on the monotonic clock)."""
+        self.exhausted = False
+        """Every pending sample has started (a freed slot then has nothing new to start: the stream
+        stops waking for it)."""
+
+    def refill(self, run_one, sample_timeout: float) -> None:
+        """Start samples while a model-call slot would otherwise go unused, up to `limit` open.
+        With nothing open, one starts whatever the slots say (a cancelled sample may not have
+        given its slot back yet): the stream never ends with samples left."""
+        while len(self.tasks) < self.limit and (self.slots.spare > 0 or not self.tasks):
+            try:
+                key, kwargs = next(self.pending)
+            except StopIteration:
+                self.exhausted = True
+                return
+            self.slots.sample_started(key)
+            self.tasks[asyncio.ensure_future(run_one(key, kwargs))] = (key, time.monotonic() + sample_timeout)
+
+    def close(self, task: asyncio.Task) -> SampleKey:
+        """The sample of `task` is no longer open (finished, failed or past its deadline)."""
+        key, _ = self.tasks.pop(task)
+        self.slots.sample_ended(key)
+        return key
 
 
 def _plain_class_entry(config) -> tuple[type, dict[str, Any]] | None:

@@ -1,0 +1,161 @@
+"""Model-call slots: `generation.max_inflight` bounds the model calls a shard has in flight, not
+its trajectories.
+
+A multi-turn trajectory spends part of its life outside the engine: in a tool call, in its
+reward function, between turns. Were it to hold an engine slot all along (one slot per open
+trajectory, as a plain semaphore around the agent loop does), the engine would starve while the
+tools sleep. Here a trajectory holds a slot only for the duration of one model call:
+
+- `CallSlots` hands out at most `limit` slots; a call that finds none free waits, and a freed
+  slot goes to the longest-waiting later turn of a started trajectory before any first turn
+  (first turns keep their arrival order, so none waits forever: a later turn exists only after
+  its first turn ran). This is the client's half of what the `hf` engine's
+  `engine_kwargs.hf.later_turns_first` does inside the engine (engines/admission.py); it acts
+  with every engine, SGLang and vLLM included.
+- `SlottedClient` wraps the agent loops' llm client: every `generate` takes a slot first.
+  Which sample a call belongs to comes from a context variable the shard's stream sets in each
+  sample's task (`sample_context`), so a later turn is recognised whatever request ids the agent
+  loop sends, and calls from tasks a loop spawns itself count for their sample too.
+- The stream (shard/streaming.py) starts a new trajectory only while `spare` is positive: fewer
+  calls in flight, waiting or about to be made (started samples that made no call yet) than
+  slots. Trajectories in tools therefore let new ones start, up to
+  `generation.max_open_trajectories`, and a later turn back from its tool is never queued
+  behind a trajectory started after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+SampleKey = tuple[int, int]
+
+_current_sample: contextvars.ContextVar[SampleKey | None] = contextvars.ContextVar("genrun_current_sample", default=None)
+
+
+@contextmanager
+def sample_context(key: SampleKey) -> Iterator[None]:
+    """Inside: model calls count for sample `key` (set in the sample's own task)."""
+    token = _current_sample.set(key)
+    try:
+        yield
+    finally:
+        _current_sample.reset(token)
+
+
+class CallSlots:
+    """At most `limit` model calls in flight; a freed slot goes to later turns first."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"CallSlots needs a limit >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+        self._later: deque[asyncio.Future] = deque()
+        self._first: deque[asyncio.Future] = deque()
+        self._starting: set[SampleKey] = set()
+        self._called: set[SampleKey] = set()
+        self.freed = asyncio.Event()
+        """Set when a release leaves a spare slot (the stream may start a new trajectory); the stream clears it."""
+        self.peak_in_flight = 0
+        self.calls = 0
+        self.later_turn_calls = 0
+
+    # ---- the stream's side -----------------------------------------------------------------
+
+    def sample_started(self, key: SampleKey) -> None:
+        """A sample's task was started: it is about to make its first call."""
+        self._starting.add(key)
+
+    def sample_ended(self, key: SampleKey) -> None:
+        """A sample finished, failed or was cancelled."""
+        self._starting.discard(key)
+        self._called.discard(key)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._later) + len(self._first)
+
+    @property
+    def spare(self) -> int:
+        """Slots that neither a call in flight, a waiting call nor a started sample's first call
+        will take: how many new trajectories may start now."""
+        return self.limit - self.in_flight - self.waiting - len(self._starting)
+
+    # ---- the calls' side ---------------------------------------------------------------------
+
+    def is_later_turn(self) -> bool:
+        """Whether the current task's sample made a model call before (marking that it has)."""
+        key = _current_sample.get()
+        if key is None:
+            return False
+        later = key in self._called
+        self._called.add(key)
+        self._starting.discard(key)
+        return later
+
+    async def acquire(self, later_turn: bool) -> None:
+        """Take a slot, waiting for one when none is free or an earlier-ranked call waits."""
+        self.calls += 1
+        self.later_turn_calls += int(later_turn)
+        ahead = self._later if later_turn else (self._later or self._first)
+        if self.in_flight < self.limit and not ahead:
+            self._take()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        (self._later if later_turn else self._first).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                # Handed the slot just as the call was cancelled: pass it on.
+                self.release()
+            else:
+                queue = self._later if later_turn else self._first
+                # A release may have dropped it already (it skips waiters cancelled meanwhile).
+                if waiter in queue:
+                    queue.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the next waiting later turn, else first turn, else free."""
+        self.in_flight -= 1
+        while self._later or self._first:
+            waiter = (self._later or self._first).popleft()
+            if not waiter.done():
+                self._take()
+                waiter.set_result(None)
+                break
+        if self.spare > 0:
+            self.freed.set()
+
+    def _take(self) -> None:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+
+class SlottedClient:
+    """The agent loops' llm client: each `generate` holds one of `slots` while it runs (no slots:
+    calls pass straight through, as outside a shard's stream)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.slots: CallSlots | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else verl reads from its client comes from the one underneath.
+        return getattr(self.client, name)
+
+    async def generate(self, request_id: str, **kwargs: Any):
+        slots = self.slots
+        if slots is None:
+            return await self.client.generate(request_id, **kwargs)
+        await slots.acquire(slots.is_later_turn())
+        try:
+            return await self.client.generate(request_id, **kwargs)
+        finally:
+            slots.release()
