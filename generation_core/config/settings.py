@@ -91,6 +91,8 @@ class GenerationSettings:
     usual lengths stay one trajectories.pkl."""
     show_progress: bool = True
     progress_seconds: float = 30.0
+    gpu_hour_price: float | None = None
+    """Price of one GPU-hour (None: the capacity ledger gives no cost figures)."""
     upload_artifact: bool = False
     artifact_mode: str = "upload"
     """upload: the zip itself to W&B; reference: its s3:// objects."""

@@ -38,7 +38,7 @@ from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
 from generation_core.store.run_folder import shard_file
 from generation_core.store.run_record import RunRecord
-from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
+from generation_core.store.trajectory_record import TrajectoryRecord, read_part_table, records_of_table
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +187,7 @@ def stop_reasons(table: pa.Table, limits: Limits) -> tuple[np.ndarray, np.ndarra
 
 def records_of(table: pa.Table) -> list[TrajectoryRecord]:
     """Trajectory records of a (small) part table: the viewer's sampled rows."""
-    inputs, extras, metrics = decode_fields(table)
-    columns = {name: table.column(name).to_pylist() for name in PART_SCHEMA.names if name not in ("input_fields", "extra_fields", "metrics", "raw_prompt_shared")}
-    return [
-        TrajectoryRecord(
-            **{name: values[row] for name, values in columns.items()},
-            input_fields=inputs[row], extra_fields=extras[row], metrics=metrics[row],
-        )
-        for row in range(table.num_rows)
-    ]
+    return records_of_table(table)
 
 
 def data_source_of(input_fields: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE
 
 from generation_core.engines.request_batching import BATCH_METHOD, RequestBatcher
 from generation_core.errors import GenrunError
+from generation_core.serving.turn_log import note_replica
 
 if TYPE_CHECKING:
     from generation_core.engines.base import EngineOutput
@@ -127,6 +128,7 @@ class RoutingClient:
     @rollout_trace_op
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
         server_id = await self._acquire(request_id)
+        note_replica(server_id)
         backend = self._connected[server_id]
         try:
             output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
