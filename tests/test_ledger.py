@@ -101,3 +101,24 @@ def test_status_shows_the_ledger(finished_run, capsys):
     assert print_status(str(out)) == 0
     text = capsys.readouterr().out
     assert "capacity:      2 replica(s)" in text and "time split:" in text and "at 3/GPU-hour" in text
+
+
+def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_replica_and_time(finished_run):
+    import re
+
+    from generation_core.report.html import REPORT_FILE, write_report
+
+    out, summary = finished_run
+    report = write_report(StorageFolder(str(out)))
+    assert {"replica-timeline", "time-split"} <= {plot.name for plot in report.plots}
+    page = (out / REPORT_FILE).read_text()
+    table = re.search(r'<table id="replica-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(summary["ledger"]["per_replica"])
+    payload = json.loads(re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page, re.S).group(1))
+    folder = StorageFolder(str(out))
+    records = {f"{r.index}:{r.rollout_n}": r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))}
+    assert len(payload["trajectories"]) == PROMPTS
+    for shown in payload["trajectories"]:
+        record = records[shown["id"]]
+        assert shown["replicas"] == [record.provenance["turns"][0]["replica"]]
+        assert shown["time"]["decode"] == round(record.timings["decode"], 4) and shown["time"]["prefill"] is None
