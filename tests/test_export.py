@@ -274,7 +274,7 @@ def test_prompt_response_layout(sampled_run, tmp_path):
     layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-response")
     assert list(layout[0]) == ["prompt", "response", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings"]
     assert [{**{k: v for k, v in row.items() if k not in ("prompt", "response")}, "messages": row["prompt"] + row["response"]} for row in layout] == [
-        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated")} | {"messages": row["messages"]} for row in messages
+        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings")} | {"messages": row["messages"]} for row in messages
     ]
     assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["response"]] == ["assistant"] for row in layout)
 
