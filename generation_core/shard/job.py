@@ -204,7 +204,9 @@ class ShardGeneration:
         # attempts are pending again.
         self.checkpoint = ShardCheckpoint.start_attempt(folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None))
         self.done = set(self.checkpoint.completed)
-        worker.provenance["attempt"] = self.checkpoint.attempts
+        # Every trajectory of this attempt names it (a library caller's worker may keep none).
+        if isinstance(getattr(worker, "provenance", None), dict):
+            worker.provenance["attempt"] = self.checkpoint.attempts
         self.n = cfg.actor_rollout_ref.rollout.n
         logger.info("%s: %d rows, %d trajectories committed", shard.name, prompts.num_rows, len(self.done))
         self.started = time.perf_counter()
