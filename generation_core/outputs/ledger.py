@@ -138,8 +138,9 @@ def capacity_ledger(
     }
     if gpu_hour_price is not None:
         cost = device_seconds / 3600.0 * gpu_hour_price
-        ledger["cost"] = round(cost, 4)
-        ledger["cost_per_million_output_tokens"] = round(cost / output_tokens * 1e6, 4) if output_tokens else None
+        # Six significant digits: a short run's cost is a fraction of a cent.
+        ledger["cost"] = float(f"{cost:.6g}")
+        ledger["cost_per_million_output_tokens"] = float(f"{cost / output_tokens * 1e6:.6g}") if output_tokens else None
     return ledger
 
 
