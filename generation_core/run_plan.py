@@ -124,6 +124,9 @@ class RunPlan:
     pad_token_id: int
     dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
     """The input files and their row counts; shards are ranges of these rows."""
+    model_digest: str | None = None
+    """The model's identity as the fingerprint took it (plan.fingerprint.model_identity, or the
+    model a remote server serves); every trajectory's provenance names it."""
     folder: StorageFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +141,7 @@ class RunPlan:
             "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
             "pad_token_id": self.pad_token_id,
             "dataset": self.dataset.to_dict(),
+            "model_digest": self.model_digest,
         }
 
     @classmethod
@@ -159,6 +163,7 @@ class RunPlan:
             shards=[ShardSpec.from_dict(shard) for shard in payload["shards"]],
             pad_token_id=int(payload["pad_token_id"]),
             dataset=DatasetFiles.from_dict(payload["dataset"]),
+            model_digest=payload.get("model_digest"),
         )
 
     def run_record(self) -> RunRecord:

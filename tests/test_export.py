@@ -6,6 +6,7 @@ mask checked token by token) and by the chat template (token ids checked against
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import numpy as np
@@ -228,6 +229,10 @@ def test_single_turn_messages_give_back_the_token_ids(sampled_run, tokenizer, tm
         record = records[(row["index"], row["rollout_n"])]
         assert row["reward"] == record.reward_score and row["num_turns"] == record.num_turns == 2
         assert "tools" not in row
+        # Provenance and the time split travel with the row; the hf engine reports slot wait and prefill.
+        assert json.loads(row["provenance"]) == record.provenance and record.provenance["engine"] == "hf"
+        assert {k: v for k, v in row["timings"].items() if k != "storage"} == record.timings
+        assert record.timings["slot_wait"] is not None and record.timings["prefill"] is not None and row["timings"]["storage"] is not None
         messages = row["messages"]
         assert messages[0] == {"role": "user", "content": QUESTIONS[row["index"]]}
         assert [m["role"] for m in messages] == ["user", "assistant"]
@@ -267,10 +272,10 @@ def test_min_reward_and_best_of_n(sampled_run, tmp_path):
 def test_prompt_completion_layout(sampled_run, tmp_path):
     messages = _export(sampled_run, tmp_path / "messages.parquet")
     layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-completion")
-    assert list(layout[0]) == ["prompt", "completion", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
+    assert list(layout[0]) == ["prompt", "completion", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings"]
     assert _export(sampled_run, tmp_path / "alias.parquet", "--layout", "prompt-response") == layout, "the earlier layout name still works"
     assert [{**{k: v for k, v in row.items() if k not in ("prompt", "completion")}, "messages": row["prompt"] + row["completion"]} for row in layout] == [
-        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated")} | {"messages": row["messages"]} for row in messages
+        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings")} | {"messages": row["messages"]} for row in messages
     ]
     assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["completion"]] == ["assistant"] for row in layout)
 

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, read_part_table, records_from_parquet, records_to_parquet
+from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
+from generation_core.store.trajectory_record import OPTIONAL_COLUMNS, PART_SCHEMA, TrajectoryRecord, read_part_table, records_from_parquet, records_to_parquet
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,6 +56,20 @@ def test_parts_round_trip_exactly_with_logprobs_bit_for_bit():
     assert back[0].input_fields["raw_prompt"] == MESSAGES
 
 
+def test_provenance_and_timings_round_trip_and_a_part_without_them_reads_none():
+    provenance = {
+        "engine": "hf", "engine_version": "5.10.4", "model_digest": "ab" * 32, "seed": 7, "sampling_digest": "0123456789abcdef",
+        "attempt": 2, "retries": 1, "started_at": 1764000000.25,
+        "turns": [{"replica": "r0", "stop_reason": "stop", "start": 0.0, "seconds": 0.5, "tokens": 4, "slot_wait": 0.25, "prefill": 0.125, "prefix_hit": False}],
+    }
+    timed = _record(3, None)
+    timed.provenance = provenance
+    timed.timings = {"slot_wait": 0.25, "prefill": None, "decode": 1.5, "tools": 0.0, "reward": None}
+    back = records_from_parquet(records_to_parquet([timed, _record(4, None)]))
+    assert back[0].provenance == provenance and back[0].timings == timed.timings
+    assert back[1].provenance is None and back[1].timings is None
+
+
 def test_the_raw_prompt_is_stored_once_when_both_field_dicts_hold_it():
     records = [_record(3, None), _record(5, None, raw_prompt=[{"role": "user", "content": "a different prompt"}])]
     table = pq.read_table(io.BytesIO(records_to_parquet(records)))
@@ -65,7 +80,8 @@ def test_the_raw_prompt_is_stored_once_when_both_field_dicts_hold_it():
 
 def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     record = _record(3, [-0.5, 0.0, 0.0, -0.25])
-    old_schema = pa.schema([field for field in PART_SCHEMA if field.name != "raw_prompt_shared"])
+    # Parts of that time had no provenance or timing columns either: they read as None.
+    old_schema = pa.schema([field for field in PART_SCHEMA if field.name != "raw_prompt_shared" and field.name not in OPTIONAL_COLUMNS])
     old_columns = {name: [getattr(record, name)] for name in ("index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns")}
     old_columns.update({name: [json.dumps(getattr(record, name), sort_keys=True)] for name in ("input_fields", "extra_fields", "metrics")})
     buffer = io.BytesIO()
@@ -90,4 +106,4 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     merged = merge_run(folder, prompt_length=4, response_length=4, pad_token_id=2)
     expected = build_dataproto(read_committed_records(folder), prompt_length=4, response_length=4, pad_token_id=2)
     assert merged.non_tensor_batch["raw_prompt"].tolist() == [MESSAGES, MESSAGES]
-    assert {key: value.tolist() for key, value in merged.non_tensor_batch.items()} == {key: value.tolist() for key, value in expected.non_tensor_batch.items()}
+    assert {key: value.tolist() for key, value in merged.non_tensor_batch.items() if key not in RUN_DEPENDENT_KEYS} == {key: value.tolist() for key, value in expected.non_tensor_batch.items() if key not in RUN_DEPENDENT_KEYS}

@@ -27,7 +27,9 @@ from tests.scripted_engine import ScriptedEngine
 pytestmark = pytest.mark.timeout(300)
 
 TOOL_TURN = "<|im_start|>tool\nRESULT<|im_end|>\n<|im_start|>assistant\n"
-PLOTS = ["Response length", "Reward per data source", "Turns per trajectory", "Why responses stopped", "Throughput over time"]
+# The scripted engine is the shard's client itself (no routing): no replica ids, so no replica
+# timeline; the time split is drawn in the Capacity section, after the others.
+PLOTS = ["Response length", "Reward per data source", "Turns per trajectory", "Why responses stopped", "Throughput over time", "Where the time went"]
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +250,9 @@ def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path
     (run_file,) = offline_run_files(wandb_offline_dir)
     # An image is logged as nested keys (report/<plot>/format, .../width, ...; the PNG is a media file).
     images = {key.rsplit("/", 1)[0] for key in history_keys(run_file) if key.startswith("report/") and key.endswith("/format")}
-    assert images == {"report/response-length", "report/turns", "report/stop-reasons", "report/throughput"}, "no reward in this run: no reward plot"
+    assert images == {"report/response-length", "report/turns", "report/stop-reasons", "report/throughput", "report/replica-timeline", "report/time-split"}, (
+        "no reward in this run: no reward plot"
+    )
     assert artifacts(run_file) == [], "images in the run's history, no artifact beside the trajectories' own"
 
 
@@ -273,7 +277,7 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
     with temporary_settings({PREFECT_API_URL: prefect_server.url}):
         flow_run_id = show(str(copy))
     artifacts = {a["key"]: a for a in prefect_server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
-    names = ["response-length", "reward", "turns", "stop-reasons", "throughput"]
+    names = ["response-length", "reward", "turns", "stop-reasons", "throughput", "time-split"]
     assert sorted(artifacts) == sorted([f"report-test-{name}" for name in names] + ["report-test-report"])
     for name in names:
         image = artifacts[f"report-test-{name}"]

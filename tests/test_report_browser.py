@@ -93,7 +93,7 @@ def test_the_page_renders_its_plots_and_lists_every_trajectory(runs, open_report
     page = open_report(full)
     assert not_blank(page.screenshot(full_page=True)) > 20
     sizes = page.locator("figure img").evaluate_all("images => images.map(image => [image.complete, image.naturalWidth, image.naturalHeight])")
-    assert sizes == [[True, 700, 360]] * 5
+    assert sizes == [[True, 700, 360]] * 6, "five plots, and the time split in the Capacity section"
     assert page.locator("#shard-table tbody tr").count() == 2
     assert page.locator("#failure-table tbody tr").count() == 2
     records = committed_records(StorageFolder(str(full)))
@@ -158,6 +158,30 @@ def test_a_trajectory_shows_its_turns_mask_and_logprobs(runs, open_report, model
             assert css == "tok tool" and logprob is None and colour == "rgb(226, 232, 240)"
     first = page.locator(".tok.model").first.get_attribute("title")
     assert first.startswith("#0 token ") and f"logprob {record.response_logprobs[0]:.3f}" in first
+
+
+def test_the_viewer_sorts_by_a_timing_keeps_the_slowest_and_shows_the_time_split(runs, open_report):
+    """Issue 35 item 5: sort by any timing (slowest first), "slowest 1%", the split per trajectory."""
+    from generation_core.report.viewer import _timing_fields
+
+    full, _ = runs
+    page = open_report(full)
+    records = committed_records(StorageFolder(str(full)))
+    totals = {f"{r.index}:{r.rollout_n}": _timing_fields(r)["time"]["total"] for r in records}
+    decode = {f"{r.index}:{r.rollout_n}": _timing_fields(r)["time"]["decode"] for r in records}
+    page.select_option("#f-sort", "decode")
+    assert shown(page) == sorted(decode, key=lambda key: -decode[key])
+    page.select_option("#f-sort", "total")
+    assert shown(page) == sorted(totals, key=lambda key: -totals[key])
+    page.check("#f-slowest")
+    slowest = max(totals.values())
+    assert shown(page) == [key for key in sorted(totals, key=lambda key: -totals[key]) if totals[key] >= slowest]
+    page.uncheck("#f-slowest")
+    page.select_option("#f-sort", "")
+    assert shown(page) == list(totals), "back to sample id order"
+    page.click('.traj-row[data-id="1:1"]')
+    split = page.inner_text("#traj-detail .time-split")
+    assert all(label in split for label in ("slot wait:", "prefill:", "decode:", "tool calls:", "reward fn:", "total:", "replica(s):"))
 
 
 def test_a_capped_viewer_says_how_many_of_how_many(runs, open_report):

@@ -111,6 +111,8 @@ class GenerationSettings:
     `default_stall_seconds` of the request timeout, filled in by `of`)."""
     show_progress: bool = True
     progress_seconds: float = 30.0
+    gpu_hour_price: float | None = None
+    """Price of one GPU-hour (None: the capacity ledger gives no cost figures)."""
     upload_artifact: bool = False
     artifact_mode: str = "upload"
     """upload: the zip itself to W&B; reference: its s3:// objects."""

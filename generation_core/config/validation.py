@@ -81,6 +81,10 @@ def _check_generation(cfg: DictConfig) -> None:
         "generation.sample_timeout_seconds", gen.sample_timeout_seconds, "must be null (derived from turns, request_retries and request_timeout) or a number of seconds > 0",
     )
     _require(_is_number(gen.max_failed_fraction) and 0 <= gen.max_failed_fraction <= 1, "generation.max_failed_fraction", gen.max_failed_fraction, "must be a fraction between 0 and 1")
+    _require(
+        gen.gpu_hour_price is None or (_is_number(gen.gpu_hour_price) and gen.gpu_hour_price >= 0),
+        "generation.gpu_hour_price", gen.gpu_hour_price, "must be null (no cost figures) or the price of one GPU-hour, a number >= 0 (e.g. 2.5)",
+    )
     _require(isinstance(gen.recheck_finished_rows, bool), "generation.recheck_finished_rows", gen.recheck_finished_rows, "must be true or false")
     _require(isinstance(gen.reward_workers, int) and not isinstance(gen.reward_workers, bool) and gen.reward_workers >= 1, "generation.reward_workers", gen.reward_workers, "must be an integer >= 1")
     _require(

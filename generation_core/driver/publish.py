@@ -64,7 +64,9 @@ def publish_run(
     check = (lambda: fence.check(folder)) if fence is not None else (lambda: None)
     check()
     gen = cfg.generation
-    backends = list(cfg.trainer.logger)
+    # The terminal summary (flows/cli.py) is where a run's figures are read: verl's console
+    # backend would print them again as one raw `step:0 - generation/...` line.
+    backends = [backend for backend in cfg.trainer.logger if backend != "console"]
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}
     if "artifact" in summary:
         published["zip"] = write_zip(folder)
@@ -74,6 +76,8 @@ def publish_run(
         published["report"] = report.location
         if on_report is not None:
             on_report(report)
+    if not backends:
+        return published
     tracking = Tracking(
         project_name=cfg.trainer.project_name,
         experiment_name=cfg.trainer.experiment_name,

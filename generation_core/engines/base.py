@@ -28,6 +28,11 @@ STOP_EOS = "stop"
 """The model ended the response: it sampled an end-of-sequence (or stop) token."""
 STOP_LENGTH = "length"
 """The response reached its token budget (`response_budget`, or max_tokens when sent)."""
+TURN_TIMING_KEY = "genrun_turn_timing"
+"""The `extra_fields` key under which an engine may give its own account of one request:
+`slot_wait` (seconds queued before it joined the batch), `prefill` (from joining to its first
+token), `prefix_hit` (its prompt reused cached KV). The shard's request client takes it off
+before the agent loop sees the output (serving/turn_log.py)."""
 
 
 class EngineStepFailed(RuntimeError):

@@ -37,7 +37,7 @@ from transformers.cache_utils import CacheLayerMixin
 from generation_core.config.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
-from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, EngineStepFailed, EngineStopped, SamplingParams, response_budget
+from generation_core.engines.base import STOP_EOS, STOP_LENGTH, TURN_TIMING_KEY, EngineOutput, EngineStepFailed, EngineStopped, SamplingParams, response_budget
 from generation_core.engines.cpu_linear import use_weight_first_linears
 from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
@@ -98,6 +98,18 @@ class _Sequence:
     stop_reason: str = STOP_LENGTH
     later_turn: bool = False
     """It continues a trajectory this engine served before (admission.py)."""
+    queued: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    """When it left the queue to join the batch (perf_counter)."""
+    first_token: float | None = None
+    prefix_hit: bool = False
+    """Its prompt reused cached KV (its trajectory's previous turn, or a shared prefix)."""
+
+    def timing(self) -> dict[str, Any]:
+        """The request's own account (engines/base.TURN_TIMING_KEY)."""
+        admitted = self.queued if self.admitted is None else self.admitted
+        first = admitted if self.first_token is None else self.first_token
+        return {"slot_wait": round(admitted - self.queued, 6), "prefill": round(first - admitted, 6), "prefix_hit": self.prefix_hit}
 
 
 def _new_stats() -> dict[str, Any]:
@@ -211,6 +223,7 @@ class HFEngine:
             log_probs=seq.log_probs if params.logprobs else None,
             stop_reason=seq.stop_reason,
             num_preempted=0,
+            extra_fields={TURN_TIMING_KEY: seq.timing()},
         )
 
     def shutdown(self) -> None:
@@ -355,9 +368,12 @@ class HFEngine:
             batch.leave(slots[row])
 
     def _look_up_prefix(self, seq: _Sequence) -> PrefixHit | None:
+        # Every joiner passes here as it leaves the queue.
+        seq.admitted = time.perf_counter()
         if self._prefix_cache is None:
             return None
         hit = self._prefix_cache.take(seq.prompt_ids)
+        seq.prefix_hit = hit is not None
         if hit is not None and hit.own:
             self.stats["prefix_hits"] += 1
             self.stats["prefix_reused_tokens"] += hit.reused
@@ -501,6 +517,8 @@ class HFEngine:
         for n, seq in enumerate(seqs):
             token = tokens[n]
             seq.token_ids.append(token)
+            if len(seq.token_ids) == 1:
+                seq.first_token = time.perf_counter()
             if want_logprobs:
                 seq.log_probs.append(picked[n])
             stop_at_eos = token in self.eos_token_ids and not seq.params.ignore_eos

@@ -40,7 +40,7 @@ from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajec
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
-from generation_core.store.trajectory_record import TrajectoryRecord, read_part_table, records_from_parquet, score_or_none
+from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_from_parquet, score_or_none, to_json
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
         try:
             for part in parts:
                 records = sorted(records_from_parquet(read_verified_part(folder, part)), key=lambda r: r.key)
-                rows = _part_rows(records, rebuilder, options, keep, keep_prompts, tools, summary)
+                rows = _part_rows(records, rebuilder, options, keep, keep_prompts, tools, summary, part.storage_seconds_per_row)
                 if rows:
                     writer.write_table(pa.Table.from_pylist(rows, schema=schema))
         finally:
@@ -204,7 +204,8 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
 
 
 def _part_rows(
-    records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, keep_prompts, tools, summary: ExportSummary
+    records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, keep_prompts, tools, summary: ExportSummary,
+    storage_seconds: float | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     for record in records:
@@ -224,11 +225,11 @@ def _part_rows(
         summary.truncated += rebuilt.truncated
         summary.unmatched_turns += rebuilt.unmatched_turns
         summary.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
-        rows.append(_row(record, rebuilt, options.layout, tools))
+        rows.append(_row(record, rebuilt, options.layout, tools, storage_seconds))
     return rows
 
 
-def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools) -> dict[str, Any]:
+def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools, storage_seconds: float | None) -> dict[str, Any]:
     row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "completion": rebuilt.response}
     row.update(
         index=record.index,
@@ -237,6 +238,10 @@ def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tool
         reward=record.reward_score,
         num_turns=record.num_turns,
         truncated=rebuilt.truncated,
+        # Where and how it was made, and where its time went (records.PROVENANCE_KEYS, TIMINGS);
+        # null for trajectories of genruns that did not keep them.
+        provenance=None if record.provenance is None else to_json(record.provenance),
+        timings=None if record.timings is None else dict(record.timings, storage=storage_seconds),
     )
     if tools is not None:
         row["tools"] = _selected_tools(tools, record.input_fields)
@@ -253,6 +258,8 @@ def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
         pa.field("reward", pa.float64()),
         pa.field("num_turns", pa.int32()),
         pa.field("truncated", pa.bool_()),
+        pa.field("provenance", pa.string()),
+        pa.field("timings", pa.struct([pa.field(name, pa.float64()) for name in (*TIMINGS, "storage")])),
     ]
     if tools is not None:
         # One type for every row group, inferred from every schema (a row may carry a subset).

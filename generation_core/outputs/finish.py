@@ -3,12 +3,15 @@ and `genrun merge DIR` (`merge_folder`), the same merge on demand."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from generation_core.config.layout import resolve_layout
 from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import failpoint
+from generation_core.outputs.ledger import capacity_ledger, replica_activity
 from generation_core.outputs.merge import check_shard_counts, merge_output
 from generation_core.outputs.padding import Padding
 from generation_core.outputs.summary import latency_percentiles, summarize
@@ -43,8 +46,20 @@ def finish_run(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fe
         summary["artifact"] = folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
+    summary["ledger"] = run_ledger(plan, summary, elapsed)
     folder.put_json(MANIFEST_FILE, summary)
     return summary
+
+
+def run_ledger(plan: RunPlan, summary: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    """The run's capacity ledger (outputs/ledger.py): this invocation's wall time and replicas,
+    every committed trajectory's time split."""
+    layout = resolve_layout(plan.cfg)
+    activity = replica_activity(plan.folder, since=time.time() - elapsed)
+    return capacity_ledger(
+        activity, wall_seconds=elapsed, replicas=layout.replicas, gpus_per_replica=layout.gpus_per_replica,
+        output_tokens=summary["this_invocation"]["generated_tokens"], gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
+    )
 
 
 def merge_repairing(folder: StorageFolder, merge: Callable[[], T], fence: LeaseFence | None = None) -> T:

@@ -34,7 +34,7 @@ from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder, Pad
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, SuccessMarker, chunk_file_name, remove_stale_merge_output
-from generation_core.store.trajectory_record import SHARED_RAW_PROMPT, decode_fields, read_part_table, scored_mask
+from generation_core.store.trajectory_record import OPTIONAL_COLUMNS, SHARED_RAW_PROMPT, decode_fields, decode_provenance, read_part_table, scored_mask
 from generation_core.verl_adapter import dataproto_state
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,12 @@ def build_rows(folder: StorageFolder, merge_input: MergeInput, start: int, stop:
         wanted = (part.positions >= start) & (part.positions < stop)
         if not wanted.any():
             continue
-        table = read_part_table(read_verified_part(folder, part.ref), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared"])
+        table = read_part_table(read_verified_part(folder, part.ref), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared", *sorted(OPTIONAL_COLUMNS)])
         if not wanted.all():
             table = table.filter(pa.array(wanted))
-        builder.add(table, part.positions[wanted] - start, *decode_fields(table))
+        positions = part.positions[wanted] - start
+        builder.add(table, positions, *decode_fields(table))
+        builder.add_provenance(positions, *decode_provenance(table), storage_seconds=part.ref.storage_seconds_per_row)
     return builder.finish()
 
 

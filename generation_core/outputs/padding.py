@@ -18,6 +18,14 @@ from verl.protocol import DataProto
 
 from generation_core.errors import GenrunError
 
+PROVENANCE_KEY = "genrun_provenance"
+"""The merged DataProto's non-tensor column of each trajectory's provenance (records.PROVENANCE_KEYS)."""
+TIMINGS_KEY = "genrun_timings"
+"""The merged DataProto's non-tensor column of each trajectory's time split (records.TIMINGS and `storage`)."""
+RUN_DEPENDENT_KEYS = (PROVENANCE_KEY, TIMINGS_KEY)
+"""Non-tensor columns that differ between two runs that made the same trajectories (which
+replica, which attempt, how long): a resumed run equals an undisturbed one in every other."""
+
 
 @dataclass(frozen=True)
 class Padding:
@@ -67,6 +75,8 @@ class PaddedBatchBuilder:
         self.objects = {key: np.empty(rows, dtype=object) for key in dict.fromkeys(keys)}
         self.reward_objects = {key: np.empty(rows, dtype=object) for key in layout.reward_extra_keys}
         self.metrics: list[Any] = [None] * rows
+        self.provenance = np.full(rows, None, dtype=object)
+        self.timings = np.full(rows, None, dtype=object)
         self.filled = 0
 
     def add(self, tokens: pa.Table, positions: np.ndarray, inputs: list[dict], extras: list[dict], metrics: list[dict]) -> None:
@@ -103,6 +113,12 @@ class PaddedBatchBuilder:
         for position, row_metrics in zip(positions.tolist(), metrics, strict=True):
             self.metrics[position] = row_metrics
         self.filled += len(positions)
+
+    def add_provenance(self, positions: np.ndarray, provenance: list[dict | None], timings: list[dict | None], *, storage_seconds: float | None) -> None:
+        """Each row's provenance and time split (records.TIMINGS, plus `storage`: its part's
+        write time over its rows); None for rows of parts written before genrun kept them."""
+        self.provenance[positions] = object_array(provenance)
+        self.timings[positions] = object_array([None if split is None else dict(split, storage=storage_seconds) for split in timings])
 
     def _check_lengths(self, tokens: pa.Table, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> None:
         too_long = np.flatnonzero((prompt_lengths > self.prompt_length) | (response_lengths > self.response_length))
@@ -147,6 +163,9 @@ class PaddedBatchBuilder:
         non_tensor["multi_modal_inputs"] = object_array([{} for _ in range(self.rows)])
         for key in layout.extra_keys:
             non_tensor[key] = self.objects[key]
+        # genrun's own: where each trajectory was made and where its time went (records.py).
+        non_tensor[PROVENANCE_KEY] = self.provenance
+        non_tensor[TIMINGS_KEY] = self.timings
 
         meta_info: dict[str, Any] = {"metrics": self.metrics}
         if self.rm_scores is not None:

@@ -4,14 +4,16 @@ torch, verl or Ray (the on-demand merge, which builds a DataProto, is finish.mer
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from generation_core.build import describe_build, other_build_warning, same_build
+from generation_core.outputs.ledger import ledger_lines
 from generation_core.outputs.pace import pace_lines
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import describe_holder
-from generation_core.store.run_folder import FAILURES_DIR, merged_files, read_last_error, read_run_record, shard_file
+from generation_core.store.run_folder import FAILURES_DIR, MANIFEST_FILE, merged_files, read_last_error, read_run_record, shard_file
 from generation_core.store.run_record import RunRecord
 
 
@@ -66,7 +68,20 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     )
     output = merged_files(folder)
     print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
+    ledger = _finished_ledger(folder)
+    if ledger:
+        print("\n".join(ledger_lines(ledger)))
     return 0
+
+
+def _finished_ledger(folder: StorageFolder) -> dict[str, Any] | None:
+    """The capacity ledger the run's last finish wrote into manifest.json (None before one)."""
+    if not folder.exists(MANIFEST_FILE):
+        return None
+    try:
+        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
+    except ValueError:
+        return None
 
 
 def _distinct(builds: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -72,4 +72,21 @@ def throughput_metrics(summary: dict[str, Any]) -> dict[str, float]:
     }
     for name, value in summary.get("request_latency_s", {}).items():
         metrics[f"generation/request_latency_{name}_s"] = float(value)
+    metrics.update(ledger_metrics(summary.get("ledger") or {}))
+    return metrics
+
+
+def ledger_metrics(ledger: dict[str, Any]) -> dict[str, float]:
+    """The capacity ledger (outputs/ledger.py) under tracker metric names."""
+    if not ledger:
+        return {}
+    metrics = {f"ledger/{name}": float(ledger[name]) for name in ("wall_seconds", "replica_seconds", "gpu_seconds") if ledger.get(name) is not None}
+    for name, seconds in (ledger.get("time_split_seconds") or {}).items():
+        metrics[f"ledger/time_split/{name}_s"] = float(seconds)
+    for replica, row in (ledger.get("per_replica") or {}).items():
+        metrics[f"ledger/replica/{replica}/tokens_per_s"] = float(row["tokens_per_second"])
+        metrics[f"ledger/replica/{replica}/idle_fraction"] = float(row["idle_fraction"])
+    for name in ("prefix_cache_hit_rate", "cost", "cost_per_million_output_tokens"):
+        if ledger.get(name) is not None:
+            metrics[f"ledger/{name}"] = float(ledger[name])
     return metrics

@@ -67,6 +67,7 @@ OPERATIONAL_KEYS = (
     "generation.show_progress",
     "generation.progress_seconds",
     "generation.stall_seconds",
+    "generation.gpu_hour_price",
     "generation.upload_artifact",
     "generation.artifact_mode",
     "generation.routing",
@@ -277,6 +278,12 @@ def run_fingerprint(cfg: DictConfig, dataset_digest: str, served_model: str | No
     """The fingerprint of a checked run: its config, the dataset's digest
     (dataset_files.inspect_dataset), the digests of its other files and user code, and for
     remote servers the model they serve (also when engine_kwargs.remote.model is null)."""
+    return fingerprint_and_model(cfg, dataset_digest, served_model)[0]
+
+
+def fingerprint_and_model(cfg: DictConfig, dataset_digest: str, served_model: str | None = None) -> tuple[str, str | None]:
+    """`run_fingerprint`, and the model's digest it took (the served model for remote servers;
+    None for a model given by hub name): what each trajectory's provenance names."""
     files = {"served model": served_model} if served_model is not None else {}
     files.update(output_file_digests(cfg))
-    return fingerprint(cfg, dataset_digest, files)
+    return fingerprint(cfg, dataset_digest, files), files.get("actor_rollout_ref.model.path", served_model)

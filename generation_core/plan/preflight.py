@@ -33,7 +33,7 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import inspect_dataset
 from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
-from generation_core.plan.fingerprint import run_fingerprint
+from generation_core.plan.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan
 from generation_core.secrets import keep_in_environment, split_secrets
 from generation_core.serving.pool import check_rollout_name
@@ -104,9 +104,9 @@ def preflight(overrides: list[str]) -> RunPlan:
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
-    fingerprint = run_fingerprint(cfg, dataset.digest, served_model)
+    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model)
     finalize_run_location(cfg, fingerprint)
-    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files)
+    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()

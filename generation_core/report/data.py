@@ -32,13 +32,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from generation_core.errors import GenrunError
+from generation_core.outputs.ledger import ReplicaActivity
 from generation_core.outputs.status import shard_states
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
-from generation_core.store.run_folder import BENCH_FILE, shard_file
+from generation_core.store.run_folder import BENCH_FILE, MANIFEST_FILE, shard_file
 from generation_core.store.run_record import RunRecord
-from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, decode_fields, read_part_table
+from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class ReportData:
     """Committed parts that no longer match their checksum (left out, named in the report)."""
     bench: dict[str, Any] | None = None
     """`genrun bench --report`'s figures (bench.json in the folder), or None."""
+    activity: ReplicaActivity = field(default_factory=ReplicaActivity)
+    """Each replica's busy spans and the time split totals, from the trajectories' provenance."""
+    ledger: dict[str, Any] | None = None
+    """manifest.json's capacity ledger (outputs/ledger.py), once a run has finished."""
 
     @property
     def has_rewards(self) -> bool:
@@ -189,15 +194,7 @@ def stop_reasons(table: pa.Table, limits: Limits) -> tuple[np.ndarray, np.ndarra
 
 def records_of(table: pa.Table) -> list[TrajectoryRecord]:
     """Trajectory records of a (small) part table: the viewer's sampled rows."""
-    inputs, extras, metrics = decode_fields(table)
-    columns = {name: table.column(name).to_pylist() for name in PART_SCHEMA.names if name not in ("input_fields", "extra_fields", "metrics", "raw_prompt_shared")}
-    return [
-        TrajectoryRecord(
-            **{name: values[row] for name, values in columns.items()},
-            input_fields=inputs[row], extra_fields=extras[row], metrics=metrics[row],
-        )
-        for row in range(table.num_rows)
-    ]
+    return records_of_table(table)
 
 
 def data_source_of(input_fields: dict[str, Any]) -> str:
@@ -215,6 +212,7 @@ class _Collector:
         self.chunks: list[tuple[np.ndarray, ...]] = []
         # Max-heap of the lowest hashes kept so far: (-hash, index, rollout_n, record).
         self.heap: list[tuple[int, int, int, TrajectoryRecord]] = []
+        self.activity = ReplicaActivity()
 
     def add_part(self, table: pa.Table) -> None:
         stop, lengths, model_tokens = stop_reasons(table, self.limits)
@@ -225,7 +223,15 @@ class _Collector:
             dtype=np.int32,
         )
         self.chunks.append((lengths.astype(np.int32), model_tokens.astype(np.int32), reward, turns, source, stop))
+        self._fold_provenance(table)
         self._sample(table)
+
+    def _fold_provenance(self, table: pa.Table) -> None:
+        for name in TIMINGS:
+            self.activity.time_split[name] += sum(v for v in table.column(f"seconds_{name}").to_pylist() if v is not None)
+        for text in table.column("provenance").to_pylist():
+            if text is not None:
+                self.activity.add_trajectory(json.loads(text), since=0.0)
 
     def _sample(self, table: pa.Table) -> None:
         if self.sample_size <= 0:
@@ -298,6 +304,7 @@ def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: fr
                 skipped.append(damaged.path)
                 continue
             collector.add_part(read_part_table(data))
+            collector.activity.time_split["storage"] += part.storage_seconds or 0.0
         commits.extend(_commit_events(folder, name, {part.name for part in checkpoint.parts}))
         logged = _failures(folder, name, set(checkpoint.completed))
         failure_count += len(logged)
@@ -315,7 +322,17 @@ def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: fr
         commits=sorted(commits, key=lambda event: event.time), shards=shards, failures=failures,
         failure_count=failure_count, failure_kinds=failure_kinds, sample=collector.sample(), skipped_parts=skipped,
         bench=read_bench_figures(folder),
+        activity=collector.activity, ledger=_manifest_ledger(folder),
     )
+
+
+def _manifest_ledger(folder: StorageFolder) -> dict[str, Any] | None:
+    if not folder.exists(MANIFEST_FILE):
+        return None
+    try:
+        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
+    except ValueError:
+        return None
 
 
 def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:

@@ -84,7 +84,10 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
 
 
 def _plots_section(data: ReportData, plots: list[Plot]) -> str:
-    figures = "".join(f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>' for p in plots)
+    figures = "".join(
+        f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
+        for p in plots if p.name not in ("replica-timeline", "time-split")
+    )
     drawn = {p.name for p in plots}
     notes = []
     if "reward" not in drawn:
@@ -92,6 +95,39 @@ def _plots_section(data: ReportData, plots: list[Plot]) -> str:
     if "throughput" not in drawn:
         notes.append("No throughput plot: no part commit records with times.")
     return f'<section id="plots"><h2>Plots</h2><div class="plots">{figures}</div>{"".join(f"<p class=note>{_e(n)}</p>" for n in notes)}</section>'
+
+
+def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
+    """The capacity ledger (manifest.json's, once the run finished) beside the replica timeline
+    and the time split charts."""
+    ledger = data.ledger
+    figures = "".join(
+        f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
+        for p in plots if p.name in ("replica-timeline", "time-split")
+    )
+    if not ledger:
+        body = "<p class=note>No capacity ledger yet: manifest.json has none until the run finishes (the charts come from the trajectories committed so far).</p>"
+    else:
+        facts = [("wall time", f"{ledger['wall_seconds']:,.1f} s"), ("replicas", f"{ledger['replicas']} x {ledger['gpus_per_replica']} GPU(s)"),
+                 ("replica-seconds", f"{ledger['replica_seconds']:,.1f}"), ("GPU-seconds", f"{ledger['gpu_seconds']:,.1f}"),
+                 ("output tokens", f"{ledger['output_tokens']:,}")]
+        if ledger.get("prefix_cache_hit_rate") is not None:
+            facts.append(("prefix-cache hit rate", f"{100 * ledger['prefix_cache_hit_rate']:.1f}%"))
+        if ledger.get("cost") is not None:
+            per_million = ledger.get("cost_per_million_output_tokens")
+            facts.append(("cost", f"{ledger['cost']:.4g} ({ledger['gpu_hour_price']:g} per GPU-hour)"))
+            facts.append(("cost per 1M output tokens", "n/a" if per_million is None else f"{per_million:.4g}"))
+        rows = "".join(
+            f'<tr><td>{_e(replica)}</td><td class=num>{row["requests"]:,}</td><td class=num>{row["output_tokens"]:,}</td>'
+            f'<td class=num>{row["tokens_per_second"]:,.1f}</td><td class=num>{100 * row["idle_fraction"]:.1f}%</td></tr>'
+            for replica, row in (ledger.get("per_replica") or {}).items()
+        )
+        body = (
+            f'<dl class="facts">{"".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts)}</dl>'
+            f'<table id="replica-table"><thead><tr><th>replica</th><th class=num>requests</th><th class=num>output tokens</th>'
+            f'<th class=num>tokens/s</th><th class=num>idle</th></tr></thead><tbody>{rows}</tbody></table>'
+        )
+    return f'<section id="capacity"><h2>Capacity</h2>{body}<div class="plots">{figures}</div></section>'
 
 
 def _shards_section(data: ReportData) -> str:
@@ -143,7 +179,12 @@ def _viewer_section(payload: dict[str, Any], sample_size: int) -> str:
         '<label>reward ≥<input id="f-reward-min" type="number" step="any"></label><label>reward ≤<input id="f-reward-max" type="number" step="any"></label>'
         '<label>data source<select id="f-source"><option value="">all</option></select></label>'
         '<label>length ≥ (tokens)<input id="f-length-min" type="number" min="0"></label><label>length ≤ (tokens)<input id="f-length-max" type="number" min="0"></label>'
-        '<label>stopped<select id="f-stop"><option value="">any</option></select></label><span id="shown-count"></span>'
+        '<label>stopped<select id="f-stop"><option value="">any</option></select></label>'
+        '<label>replica<select id="f-replica"><option value="">any</option></select></label>'
+        '<label>sort by<select id="f-sort"><option value="">sample id</option><option value="total">total time</option>'
+        '<option value="slot_wait">slot wait</option><option value="prefill">prefill</option><option value="decode">decode</option>'
+        '<option value="tools">tool calls</option><option value="reward">reward function</option></select></label>'
+        '<label><input id="f-slowest" type="checkbox">slowest 1%</label><span id="shown-count"></span>'
     )
     return (
         f'<section id="viewer"><h2>Trajectories</h2><p id="viewer-sample" data-shown="{shown}" data-total="{total}">{_e(how)}</p>'
@@ -182,9 +223,9 @@ def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sa
         f'<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>genrun report: {_e(data.location)}</title><style>{_asset('report.css')}</style></head><body>"
         f'<header><h1>Run report</h1><p class="where">{_e(data.location)} · written {generated}</p><dl class="facts">{facts}</dl>{warnings}</header>'
-        '<nav><a href="#plots">Plots</a><a href="#shards">Shards</a><a href="#failures">Failures</a><a href="#viewer">Trajectories</a>'
+        '<nav><a href="#plots">Plots</a><a href="#capacity">Capacity</a><a href="#shards">Shards</a><a href="#failures">Failures</a><a href="#viewer">Trajectories</a>'
         f'{"<a href=#bench>Benchmark</a>" if data.bench else ""}</nav>'
-        f"{_plots_section(data, plots)}{_shards_section(data)}{_failures_section(data)}{_viewer_section(payload, sample_size)}"
+        f"{_plots_section(data, plots)}{_capacity_section(data, plots)}{_shards_section(data)}{_failures_section(data)}{_viewer_section(payload, sample_size)}"
         f"{_bench_section(data.bench)}</body></html>\n"
     )
 

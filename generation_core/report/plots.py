@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from generation_core.outputs.ledger import busy_spans
 from generation_core.report.data import STOP_REASONS, ReportData
 
 SOURCES_DRAWN = 8
@@ -165,7 +166,51 @@ def throughput(data: ReportData) -> Plot | None:
     return Plot("throughput", "Throughput over time", _png(figure))
 
 
+REPLICAS_DRAWN = 32
+"""Replicas drawn in the timeline (the first, by id); a bigger pool's table has every one."""
+
+
+def replica_timeline(data: ReportData) -> Plot | None:
+    """Each replica's busy spans (a request running on it) over time, from the trajectories'
+    per-turn provenance; the gaps are its idle time."""
+    intervals = data.activity.intervals
+    window = data.activity.window
+    if not intervals or window is None:
+        return None
+    start, span = window[0], max(window[1] - window[0], 1e-3)
+    scale, unit = _time_unit(span)
+    replicas = sorted(intervals)[:REPLICAS_DRAWN]
+    figure = _figure()
+    axes = figure.add_subplot()
+    for row, replica in enumerate(replicas):
+        spans = busy_spans(intervals[replica])
+        busy = sum(end - begin for begin, end in spans)
+        axes.broken_barh([((begin - start) / scale, max((end - begin) / scale, 1e-9)) for begin, end in spans], (row - 0.4, 0.8),
+                         color=_COLORS[row % len(_COLORS)], label=f"{replica}: busy {100 * busy / span:.0f}%")
+    axes.set_yticks(range(len(replicas)), [str(r)[:24] for r in replicas])
+    axes.set(xlabel=f"{unit} since the first request", title="Replicas busy (bars) and idle (gaps)")
+    return Plot("replica-timeline", "Replicas busy and idle over time", _png(figure))
+
+
+def time_split(data: ReportData) -> Plot | None:
+    """Where the trajectories' time went, summed: slot wait, prefill, decode, tools, reward, storage."""
+    split = {name: seconds for name, seconds in data.activity.time_split.items() if seconds > 0}
+    if not split:
+        return None
+    total = sum(split.values())
+    figure = _figure()
+    axes = figure.add_subplot()
+    names = list(split)
+    axes.barh(names, [split[n] for n in names], color=[_COLORS[i % len(_COLORS)] for i in range(len(names))])
+    for row, name in enumerate(names):
+        axes.text(split[name], row, f" {100 * split[name] / total:.1f}%", va="center", fontsize=8)
+    axes.invert_yaxis()
+    axes.set(xlabel="seconds, summed over trajectories", title="Where the time went")
+    return Plot("time-split", "Where the time went", _png(figure))
+
+
 def all_plots(data: ReportData) -> list[Plot]:
-    """Every plot the data allows (no rewards: no reward plot; no part commits: no throughput)."""
-    drawn = [response_lengths(data), rewards(data), turns(data), stops(data), throughput(data)]
+    """Every plot the data allows (no rewards: no reward plot; no part commits: no throughput;
+    no provenance: no replica timeline or time split)."""
+    drawn = [response_lengths(data), rewards(data), turns(data), stops(data), throughput(data), replica_timeline(data), time_split(data)]
     return [plot for plot in drawn if plot is not None]

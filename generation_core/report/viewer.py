@@ -22,7 +22,7 @@ import numpy as np
 
 from generation_core.report.data import STOP_REASONS, ReportData, data_source_of, sample_hash, stop_reasons
 from generation_core.store.run_record import RunRecord
-from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
+from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, records_to_table
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,26 @@ def _trajectory(record: TrajectoryRecord, texts: TokenTexts, stop: str) -> dict[
         "runs": mask_runs(record.response_mask),
         "logprobs": None if logprobs is None else [round(float(v), 3) for v in logprobs],
         "fix": {str(position): text for position, text in texts.add(record.response_ids).items()},
+        **_timing_fields(record),
+    }
+
+
+def _timing_fields(record: TrajectoryRecord) -> dict[str, Any]:
+    """Its time split (records.TIMINGS and `total`, seconds; None where unknown) and per model
+    turn the replica that served it, its stop reason and seconds; empty for trajectories of
+    genruns that did not keep them."""
+    if record.timings is None:
+        return {"time": None, "replicas": [], "turn_info": []}
+    time: dict[str, float | None] = {}
+    for name in TIMINGS:
+        value = record.timings.get(name)
+        time[name] = None if value is None else round(float(value), 4)
+    time["total"] = round(sum(v for v in time.values() if v is not None), 4)
+    turns = (record.provenance or {}).get("turns") or []
+    return {
+        "time": time,
+        "replicas": sorted({str(t["replica"]) for t in turns if t.get("replica") is not None}),
+        "turn_info": [[t.get("replica"), t.get("stop_reason"), round(float(t.get("seconds") or 0.0), 4)] for t in turns],
     }
 
 

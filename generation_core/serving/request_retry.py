@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 from ray.exceptions import OutOfMemoryError as RayOutOfMemoryError
+
+from generation_core.serving.turn_log import ENGINE_TIMING_KEY, Turn, current_log
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,18 @@ class RetryingClient:
         return getattr(self.client, name)
 
     async def generate(self, request_id: str, **kwargs: Any):
+        log = current_log()
+        # Outside a streaming worker's sample (library use) the turn is noted nowhere.
+        turn = log.begin_turn() if log is not None else Turn(start=0.0)
+        started = time.perf_counter()
+        try:
+            output = await self._generate(request_id, **kwargs)
+        finally:
+            turn.seconds = time.perf_counter() - started
+        _note_output(turn, output)
+        return output
+
+    async def _generate(self, request_id: str, **kwargs: Any):
         self.stats.requests += 1
         attempt = 0
         while True:
@@ -115,7 +130,22 @@ class RetryingClient:
                     raise
                 attempt += 1
                 self.stats.retries += 1
+                log = current_log()
+                if log is not None:
+                    log.retries += 1
                 # Full jitter: replicas that failed together are not hit again in lockstep.
                 delay = self.backoff_seconds * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                 logger.warning("engine request %s failed (%s: %s); retry %d/%d in %.2fs", request_id, kind, str(exc).splitlines()[0] if str(exc) else "", attempt, self.retries, delay)
                 await asyncio.sleep(delay)
+
+
+def _note_output(turn: Turn, output: Any) -> None:
+    """What the turn's answer tells: why it stopped, its tokens, the engine's own timing (taken
+    off the output: agent loops copy extra_fields into the trajectory)."""
+    turn.stop_reason = getattr(output, "stop_reason", None)
+    turn.tokens = len(getattr(output, "token_ids", None) or [])
+    extra = getattr(output, "extra_fields", None)
+    if isinstance(extra, dict):
+        engine = extra.pop(ENGINE_TIMING_KEY, None)
+        if isinstance(engine, dict):
+            turn.engine = engine

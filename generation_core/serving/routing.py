@@ -50,6 +50,7 @@ from generation_core.config.settings import GenerationSettings
 from generation_core.engines.request_batching import BATCH_METHOD, LoadReport, RequestBatcher
 from generation_core.errors import GenrunError
 from generation_core.serving.replica_loads import LOAD_REFRESH_SECONDS, ReplicaChooser, ReplicaLoads
+from generation_core.serving.turn_log import note_replica
 
 if TYPE_CHECKING:
     from generation_core.engines.base import EngineOutput
@@ -139,6 +140,7 @@ class RoutingClient:
     @rollout_trace_op
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
         server_id = await self._acquire(request_id, prompt_ids)
+        note_replica(server_id)
         backend = self._connected[server_id]
         try:
             output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)

@@ -94,6 +94,7 @@ def run_shard_job(
     prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     client = attach_client(cfg, registry_name)
     worker = build_streaming_worker(cfg, client, prompts)
+    worker.provenance["model_digest"] = plan.model_digest
     mark(f"shard_worker_ready {shard.shard_id}")
 
     async def when_the_pool_is_up() -> SuccessMarker:
@@ -203,6 +204,9 @@ class ShardGeneration:
         # attempts are pending again.
         self.checkpoint = ShardCheckpoint.start_attempt(folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None))
         self.done = set(self.checkpoint.completed)
+        # Every trajectory of this attempt names it (a library caller's worker may keep none).
+        if isinstance(getattr(worker, "provenance", None), dict):
+            worker.provenance["attempt"] = self.checkpoint.attempts
         self.n = cfg.actor_rollout_ref.rollout.n
         logger.info("%s: %d rows, %d trajectories committed", shard.name, prompts.num_rows, len(self.done))
         self.started = time.perf_counter()

@@ -167,6 +167,8 @@ class PartWriter:
         """Sample keys of the uncommitted part, written or pending."""
         self.part_response_tokens = 0
         self.part_generated_tokens = 0
+        self.part_storage_seconds = 0.0
+        """Serialization and storage time of the open part (its entry's `storage_seconds`)."""
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
         self.stage_seconds = {"serialization": 0.0, "storage": 0.0}
@@ -228,6 +230,7 @@ class PartWriter:
     def _write_row_group(self) -> None:
         if not self.pending:
             return
+        began = time.perf_counter()
         try:
             if self.part is None:
                 failpoint("before_part_write")
@@ -241,6 +244,7 @@ class PartWriter:
             self.stage_seconds["serialization"] += serialized - started
             self.part.parquet.write_table(table)
             self.stage_seconds["storage"] += time.perf_counter() - serialized
+            self.part_storage_seconds += time.perf_counter() - began
         except OSError as exc:
             self.discard()
             raise self._explained(exc) from exc
@@ -263,6 +267,7 @@ class PartWriter:
         self.pending, self.pending_bytes = [], 0
         self.part_keys, self.new_failures = [], []
         self.part_response_tokens = self.part_generated_tokens = 0
+        self.part_storage_seconds = 0.0
         self.first_buffered_at = None
         if part is not None:
             part.discard()
@@ -302,6 +307,7 @@ class PartWriter:
             logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard, len(self.new_failures), self.folder.display(shard_file(self.shard, FAILURES_DIR)))
         self.part_keys = []
         self.part_response_tokens = self.part_generated_tokens = 0
+        self.part_storage_seconds = 0.0
         self.new_failures = []
         self.first_buffered_at = None
         self.parts_committed += 1
@@ -317,6 +323,7 @@ class PartWriter:
         except OSError as exc:
             raise self._explained(exc) from exc
         self.stage_seconds["storage"] += time.perf_counter() - started
+        self.part_storage_seconds += time.perf_counter() - started
         return PartEntry(
             name=part.name,
             count=len(self.part_keys),
@@ -324,6 +331,7 @@ class PartWriter:
             sha256=sha256,
             response_tokens=self.part_response_tokens,
             generated_tokens=self.part_generated_tokens,
+            storage_seconds=round(self.part_storage_seconds, 6),
         )
 
     def _failure_lines(self) -> str:

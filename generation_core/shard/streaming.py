@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 import traceback
 from collections.abc import AsyncGenerator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from typing import Any
 
 import hydra
@@ -42,6 +44,7 @@ from generation_core.config.settings import GenerationSettings
 from generation_core.inputs.openai_batch import line_sampling_params
 from generation_core.instrumentation import SampleTrace
 from generation_core.serving.request_retry import RetryingClient
+from generation_core.serving.turn_log import start_trajectory
 from generation_core.shard.call_slots import CallSlots, SlottedClient, sample_context
 from generation_core.shard.rewards import RewardScorer
 from generation_core.store.trajectory_record import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
@@ -148,6 +151,15 @@ class StreamingWorker:
             # server reads it from its config, its SGLang server does not).
             self.sampling_params["ignore_eos"] = True
         self.sample_seed = gen.sample_seed
+        self.provenance: dict[str, Any] = {
+            "engine": str(rollout.name),
+            "engine_version": engine_version(str(rollout.name)),
+            "model_digest": None,
+            "sampling_digest": hashlib.sha256(json.dumps(self.sampling_params, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "attempt": None,
+        }
+        """What every trajectory of this worker shares (records.PROVENANCE_KEYS); the shard job
+        sets the model digest and its attempt number."""
         if gen.sample_timeout_seconds is not None:
             self.sample_timeout = float(gen.sample_timeout_seconds)
         # agent name -> (class, plain arguments), or None where hydra must build it.
@@ -180,16 +192,27 @@ class StreamingWorker:
         sampling_params.update(own)
         if seed is not None:
             sampling_params["seed"] = sample_seed(seed, key)
+        # This sample's task only: the request clients note each turn in it (serving/turn_log.py).
+        log = start_trajectory()
         with sample_context(key):
             output = await agent_loop.run(sampling_params, **sample_kwargs)
         started = time.perf_counter()
         record = self.record_from_output(key, output, kwargs)
         self.postprocess_seconds += time.perf_counter() - started
+        reward_seconds = None
         # A score the agent loop set itself (e.g. from its tools) is kept, as verl keeps it.
         if self.reward_scorer is not None and record.reward_score is None:
+            started = time.perf_counter()
             reward = await self.reward_scorer.score(record.response_ids, kwargs, record.num_turns, record.extra_fields)
+            reward_seconds = round(time.perf_counter() - started, 6)
             record.reward_score = reward.score
             record.extra_fields["reward_extra_info"] = reward.extra_info
+        record.provenance = dict(
+            self.provenance, seed=sampling_params.get("seed"), retries=log.retries, started_at=round(log.started_at, 6),
+            turns=[turn.as_dict() for turn in log.turns],
+        )
+        tools = record.metrics.get("tool_calls")
+        record.timings = dict(log.time_split(), tools=None if tools is None else round(float(tools), 6), reward=reward_seconds)
         return record
 
     async def stream(
@@ -321,6 +344,16 @@ class _OpenSamples:
         key, _ = self.tasks.pop(task)
         self.slots.sample_ended(key)
         return key
+
+
+def engine_version(engine: str) -> str:
+    """The version of the package that serves `engine` in this process's environment
+    (transformers for hf, genrun for the instant and remote engines); "unknown" when absent."""
+    package = {"hf": "transformers", "sglang": "sglang", "vllm": "vllm"}.get(engine, "genrun")
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _plain_class_entry(config) -> tuple[type, dict[str, Any]] | None:

@@ -31,6 +31,9 @@ class DamagedPart(GenrunError):
 class CommittedPartRef:
     path: str
     sha256: str
+    storage_seconds_per_row: float | None = None
+    """Its rows' share of the time spent writing it (PartEntry.storage_seconds); None for
+    parts of earlier versions."""
 
 
 def committed_parts(folder: StorageFolder) -> list[CommittedPartRef]:
@@ -38,8 +41,12 @@ def committed_parts(folder: StorageFolder) -> list[CommittedPartRef]:
     parts: list[CommittedPartRef] = []
     for shard in folder.list(SHARDS_DIR):
         checkpoint = ShardCheckpoint.load(folder, shard)
-        parts.extend(CommittedPartRef(shard_file(shard, p.name), p.sha256) for p in checkpoint.parts)
+        parts.extend(CommittedPartRef(shard_file(shard, p.name), p.sha256, _per_row(p.storage_seconds, p.count)) for p in checkpoint.parts)
     return parts
+
+
+def _per_row(seconds: float | None, rows: int) -> float | None:
+    return None if seconds is None or not rows else round(seconds / rows, 6)
 
 
 def read_verified_part(folder: StorageFolder, part: CommittedPartRef) -> bytes:

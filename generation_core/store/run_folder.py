@@ -121,6 +121,9 @@ class PartEntry:
     """Response tokens of its trajectories (tool tokens included); None in parts of early versions."""
     generated_tokens: int | None = None
     """Model tokens (response_mask) of its trajectories."""
+    storage_seconds: float | None = None
+    """Seconds spent serializing and writing the part (its commit record not counted), shared
+    over its rows as each trajectory's storage time; None in parts of earlier versions."""
 
 
 @dataclass

@@ -41,9 +41,28 @@ PART_SCHEMA = pa.schema(
         # postprocessing copies the chat messages there) and is stored once, in input_fields.
         # Parts written before this column existed keep raw_prompt in extra_fields.
         pa.field("raw_prompt_shared", pa.bool_()),
+        # Where and how the trajectory was made (PROVENANCE_KEYS, as JSON) and where its time
+        # went (TIMINGS, seconds). Parts written before these columns existed read as null.
+        pa.field("provenance", pa.string(), nullable=True),
+        *(pa.field(f"seconds_{name}", pa.float32(), nullable=True) for name in ("slot_wait", "prefill", "decode", "tools", "reward")),
     ]
 )
 SHARED_RAW_PROMPT = "raw_prompt"
+TIMINGS = ("slot_wait", "prefill", "decode", "tools", "reward")
+"""A trajectory's time split, in seconds, summed over its turns: waiting for a slot in the
+engine's batch and prefill (null where the engine does not report them), decode (the rest of
+each request's time, retries included), tool calls (verl's tool_calls metric), the reward
+function (null without one). The storage share is its part's write time over its rows
+(`PartEntry.storage_seconds`), known once the part is committed: the merge adds it."""
+PROVENANCE_KEYS = (
+    "engine", "engine_version", "model_digest", "seed", "sampling_digest", "attempt", "retries", "started_at", "turns",
+)
+"""What `TrajectoryRecord.provenance` holds: the engine (rollout.name) and its version, the
+model's digest (the fingerprint's model identity), the sample's seed (null without
+generation.sample_seed), a digest of the sampling parameters, the shard attempt that made it,
+engine requests resent, when it started (Unix seconds) and one entry per model turn: `replica`
+(the server that answered), `stop_reason`, `start` (seconds after the trajectory's start),
+`seconds`, `tokens`, and where the engine reports them `slot_wait`, `prefill` and `prefix_hit`."""
 
 
 @dataclass
@@ -74,6 +93,10 @@ class TrajectoryRecord:
     """The agent loop's `extra_fields` (turn_scores, tool_rewards, raw_prompt, ...)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """verl's AgentLoopMetrics for this trajectory (timings in seconds)."""
+    provenance: dict[str, Any] | None = None
+    """Where and how it was made (PROVENANCE_KEYS); None in parts written before genrun kept it."""
+    timings: dict[str, float | None] | None = None
+    """Its time split (TIMINGS), seconds; None in parts written before genrun kept it."""
 
     def __post_init__(self) -> None:
         # Every record, built by an agent loop or read from a part (older parts may hold NaN).
@@ -159,7 +182,10 @@ def _json_default(value: Any) -> Any:
 # then byte 1, ...: the high bytes of token ids (< 2^24) and the sign/exponent bytes of floats
 # become long runs zstd shrinks (lossless; readers need Parquet format 2.11, pyarrow >= 17).
 # zstd level 6: level 9 is no smaller on these parts, 19 is ~2% smaller but ~15x slower.
-_BYTE_STREAM_SPLIT = ("prompt_ids.list.element", "response_ids.list.element", "response_logprobs.list.element", "reward_score")
+_BYTE_STREAM_SPLIT = (
+    "prompt_ids.list.element", "response_ids.list.element", "response_logprobs.list.element", "reward_score",
+    *(f"seconds_{name}" for name in TIMINGS),
+)
 _PARQUET_OPTIONS = dict(
     compression="zstd",
     compression_level=6,
@@ -202,7 +228,10 @@ def records_to_table(records: list[TrajectoryRecord]) -> pa.Table:
         ],
         "metrics": [to_json(r.metrics) for r in records],
         "raw_prompt_shared": shared,
+        "provenance": [None if r.provenance is None else to_json(r.provenance) for r in records],
     }
+    for name in TIMINGS:
+        columns[f"seconds_{name}"] = [None if r.timings is None else r.timings.get(name) for r in records]
     return pa.table(columns, schema=PART_SCHEMA)
 
 
@@ -231,7 +260,8 @@ def part_parquet_writer(sink) -> pq.ParquetWriter:
 
 def read_part_table(data: bytes, columns: list[str] | None = None) -> pa.Table:
     """A part's columns as an Arrow table with PART_SCHEMA's types, whichever version wrote it
-    (an older part lacks `raw_prompt_shared`: it reads as all false)."""
+    (an older part lacks `raw_prompt_shared`: it reads as all false; `provenance` and the
+    timings: null)."""
     part = pq.ParquetFile(io.BytesIO(data))
     stored = set(part.schema_arrow.names)
     wanted = list(PART_SCHEMA.names) if columns is None else list(columns)
@@ -243,9 +273,27 @@ def read_part_table(data: bytes, columns: list[str] | None = None) -> pa.Table:
             arrays.append(table.column(name).cast(field_type))
         elif name == "raw_prompt_shared":
             arrays.append(pa.chunked_array([pa.array([False] * table.num_rows, pa.bool_())]))
+        elif PART_SCHEMA.field(name).nullable and name in OPTIONAL_COLUMNS:
+            arrays.append(pa.chunked_array([pa.nulls(table.num_rows, field_type)]))
         else:
             raise ValueError(f"part has no column {name!r}")
     return pa.Table.from_arrays(arrays, names=wanted)
+
+
+OPTIONAL_COLUMNS = frozenset(["provenance", *(f"seconds_{name}" for name in TIMINGS)])
+"""Columns later genruns added: a part without them reads them as null."""
+
+
+def decode_provenance(table: pa.Table) -> tuple[list[dict[str, Any] | None], list[dict[str, float | None] | None]]:
+    """(provenance, timings) of every row of a part table read with those columns; None for a
+    row written before genrun kept them."""
+    provenance = [None if text is None else json.loads(text) for text in table.column("provenance").to_pylist()]
+    seconds = {name: table.column(f"seconds_{name}").to_pylist() for name in TIMINGS}
+    timings: list[dict[str, float | None] | None] = []
+    for row, known in enumerate(provenance):
+        values = {name: seconds[name][row] for name in TIMINGS}
+        timings.append(None if known is None and all(v is None for v in values.values()) else values)
+    return provenance, timings
 
 
 def decode_fields(table: pa.Table) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -261,9 +309,14 @@ def decode_fields(table: pa.Table) -> tuple[list[dict[str, Any]], list[dict[str,
 
 
 def records_from_parquet(data: bytes) -> list[TrajectoryRecord]:
-    table = read_part_table(data)
+    return records_of_table(read_part_table(data))
+
+
+def records_of_table(table: pa.Table) -> list[TrajectoryRecord]:
+    """The records of a part table read with every column (`read_part_table(data)`)."""
     inputs, extras, metrics = decode_fields(table)
-    columns = {name: table.column(name).to_pylist() for name in PART_SCHEMA.names if name not in ("input_fields", "extra_fields", "metrics", "raw_prompt_shared")}
+    provenance, timings = decode_provenance(table)
+    columns = {name: table.column(name).to_pylist() for name in ("index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns")}
     return [
         TrajectoryRecord(
             index=columns["index"][row],
@@ -277,6 +330,8 @@ def records_from_parquet(data: bytes) -> list[TrajectoryRecord]:
             input_fields=inputs[row],
             extra_fields=extras[row],
             metrics=metrics[row],
+            provenance=provenance[row],
+            timings=timings[row],
         )
         for row in range(table.num_rows)
     ]

@@ -10,7 +10,9 @@
   const filters = {
     rewardMin: $("f-reward-min"), rewardMax: $("f-reward-max"), source: $("f-source"),
     lengthMin: $("f-length-min"), lengthMax: $("f-length-max"), stop: $("f-stop"),
+    replica: $("f-replica"), sort: $("f-sort"), slowest: $("f-slowest"),
   };
+  const TIMES = [["slot_wait", "slot wait"], ["prefill", "prefill"], ["decode", "decode"], ["tools", "tool calls"], ["reward", "reward fn"], ["total", "total"]];
   let selected = null;
 
   function el(tag, className, text) {
@@ -27,6 +29,7 @@
     }
   }
   addOptions(filters.source, [...new Set(all.map((t) => t.source))].sort());
+  addOptions(filters.replica, [...new Set(all.flatMap((t) => t.replicas || []))].sort());
   addOptions(filters.stop, Object.keys(data.stop_reasons).filter((s) => all.some((t) => t.stop === s)), (s) => data.stop_reasons[s]);
 
   function number(input) {
@@ -43,18 +46,40 @@
     if (lMax !== null && t.length > lMax) return false;
     if (filters.source.value && t.source !== filters.source.value) return false;
     if (filters.stop.value && t.stop !== filters.stop.value) return false;
+    if (filters.replica.value && !(t.replicas || []).includes(filters.replica.value)) return false;
     return true;
   }
+  // A timing of a trajectory (seconds), null where unknown (an engine that does not report it,
+  // a trajectory of a genrun that did not keep timings).
+  function timing(t, name) { return t.time && t.time[name] !== null && t.time[name] !== undefined ? t.time[name] : null; }
+  // The sort timing, or the total when sorting by sample id: "slowest 1%" keeps the sampled
+  // trajectories at or above its 99th percentile (at least one).
+  function slowestCut(name) {
+    const values = all.map((t) => timing(t, name)).filter((v) => v !== null).sort((a, b) => a - b);
+    if (!values.length) return null;
+    return values[Math.min(values.length - 1, Math.floor(0.99 * values.length))];
+  }
+  function fmtSeconds(s) { return s === null ? "–" : (s >= 10 ? s.toFixed(1) : s.toFixed(3)) + " s"; }
   function fmtReward(r) { return r === null ? "–" : String(Math.round(r * 1000) / 1000); }
 
   function renderList() {
-    const shown = all.filter(passes);
+    let shown = all.filter(passes);
+    const key = filters.sort.value || "total";
+    if (filters.slowest.checked) {
+      const cut = slowestCut(key);
+      shown = shown.filter((t) => cut !== null && timing(t, key) !== null && timing(t, key) >= cut);
+    }
+    if (filters.sort.value) {
+      // Slowest first; unknown timings last.
+      shown = shown.slice().sort((a, b) => (timing(b, key) ?? -Infinity) - (timing(a, key) ?? -Infinity));
+    }
     list.replaceChildren();
     for (const t of shown) {
       const row = el("div", "traj-row");
       row.dataset.id = t.id;
       row.title = `sample ${t.id} · ${t.source} · reward ${fmtReward(t.reward)} · ${t.length} tokens · ${t.turns} turns · ${data.stop_reasons[t.stop]}`;
       row.append(el("span", "mono", t.id), el("span", "src", t.source), el("span", "mono", "r " + fmtReward(t.reward)), el("span", "mono", t.length + " tok"));
+      if (filters.sort.value) row.append(el("span", "mono", fmtSeconds(timing(t, key))));
       row.addEventListener("click", () => select(t));
       list.appendChild(row);
     }
@@ -99,6 +124,12 @@
       ["turns", t.turns], ["stopped", data.stop_reasons[t.stop]]];
     for (const [k, v] of facts) { const s = el("span"); s.append(k + ": ", el("b", "", String(v))); head.appendChild(s); }
     detail.appendChild(head);
+    if (t.time) {
+      const split = el("div", "detail-head time-split");
+      for (const [name, label] of TIMES) { const s = el("span"); s.append(label + ": ", el("b", "", fmtSeconds(timing(t, name)))); split.appendChild(s); }
+      const s = el("span"); s.append("replica(s): ", el("b", "", (t.replicas || []).join(", ") || "–")); split.appendChild(s);
+      detail.appendChild(split);
+    }
     const legend = el("div", "legend");
     if (t.logprobs) legend.append("model token logprob:", el("span", "", "p=0"), el("span", "bar"), el("span", "", "p=1"));
     else { const sw = el("span", "swatch"); sw.style.background = "#dbeafe"; legend.append(sw, "model token (no logprobs in this run)"); }
@@ -113,6 +144,8 @@
       const model = mask === 1;
       const turn = el("div", model ? "turn model" : "turn tool");
       let label = model ? `model turn ${++modelTurn} · ${length} tokens` : `tool / user tokens · ${length}`;
+      const served = model && t.turn_info ? t.turn_info[modelTurn - 1] : undefined;
+      if (served) label += ` · replica ${served[0] ?? "–"} · ${served[2].toFixed(3)} s · stop ${served[1] ?? "–"}`;
       if (model && t.logprobs) {
         const lps = t.logprobs.slice(position, position + length);
         label += ` · mean logprob ${(lps.reduce((a, b) => a + b, 0) / Math.max(lps.length, 1)).toFixed(3)}`;

@@ -1,0 +1,163 @@
+"""The capacity ledger of a run: what it cost and where its time went.
+
+Read from what the run committed (light to read: only the `provenance` and timing columns of
+each part, and the parts' commit records), beside the run's wall time and replica layout:
+
+- wall seconds, replica-seconds (replicas x wall) and GPU-seconds (x GPUs per replica; a replica
+  on the CPU counts as one device for the cost);
+- per replica (the server that answered each turn): requests, output tokens, tokens/s over the
+  generation window and its idle fraction: the share of the window (first request sent to last
+  answer of this invocation, while work remained) in which it ran no request;
+- the prefix-cache hit rate, where the engine reports hits (hf);
+- the time split totals of every trajectory (records.TIMINGS) plus storage (the parts' write time);
+- with `generation.gpu_hour_price`, the cost in total and per 1M output tokens.
+
+Trajectories of earlier invocations (a resumed run) count in the time split; the per-replica
+figures and the window are this invocation's (`since`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from generation_core.store.commit_log import ShardCheckpoint
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import SHARDS_DIR, shard_file
+from generation_core.store.trajectory_record import TIMINGS
+
+LEDGER_COLUMNS = ["provenance", *(f"seconds_{name}" for name in TIMINGS)]
+
+
+@dataclass
+class ReplicaActivity:
+    """What the trajectories say each replica did: its turns' busy intervals (Unix seconds)."""
+
+    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    prefix_hits: int = 0
+    prefix_reported: int = 0
+    time_split: dict[str, float] = field(default_factory=lambda: dict.fromkeys([*TIMINGS, "storage"], 0.0))
+    trajectories: int = 0
+    """Trajectories that carry provenance (parts of earlier genruns do not)."""
+
+    def add_trajectory(self, provenance: dict[str, Any], since: float) -> None:
+        self.trajectories += 1
+        started_at = float(provenance.get("started_at") or 0.0)
+        for turn in provenance.get("turns") or []:
+            if "prefix_hit" in turn:
+                self.prefix_reported += 1
+                self.prefix_hits += bool(turn["prefix_hit"])
+            replica = turn.get("replica")
+            if replica is None or started_at < since:
+                continue
+            start = started_at + float(turn.get("start") or 0.0)
+            self.intervals.setdefault(replica, []).append((start, start + float(turn.get("seconds") or 0.0)))
+            self.tokens[replica] = self.tokens.get(replica, 0) + int(turn.get("tokens") or 0)
+            self.requests[replica] = self.requests.get(replica, 0) + 1
+
+    @property
+    def window(self) -> tuple[float, float] | None:
+        """(first request sent, last answer) over every replica; None without any."""
+        spans = [span for spans in self.intervals.values() for span in spans]
+        if not spans:
+            return None
+        return min(start for start, _ in spans), max(end for _, end in spans)
+
+
+def busy_spans(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals`, as sorted disjoint spans."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def replica_activity(folder: StorageFolder, since: float = 0.0) -> ReplicaActivity:
+    """Every committed trajectory's provenance and time split, folded (see the module docstring)."""
+    activity = ReplicaActivity()
+    for shard in folder.list(SHARDS_DIR):
+        checkpoint = ShardCheckpoint.load(folder, shard)
+        for part in checkpoint.parts:
+            activity.time_split["storage"] += part.storage_seconds or 0.0
+            with folder.open_read(shard_file(shard, part.name)) as handle:
+                parquet = pq.ParquetFile(handle)
+                present = [name for name in LEDGER_COLUMNS if name in parquet.schema_arrow.names]
+                if "provenance" not in present:
+                    continue
+                table = parquet.read(columns=present)
+            for name in TIMINGS:
+                if f"seconds_{name}" in present:
+                    activity.time_split[name] += sum(v for v in table.column(f"seconds_{name}").to_pylist() if v is not None)
+            for text in table.column("provenance").to_pylist():
+                if text is not None:
+                    activity.add_trajectory(json.loads(text), since)
+    return activity
+
+
+def capacity_ledger(
+    activity: ReplicaActivity, *, wall_seconds: float, replicas: int, gpus_per_replica: int, output_tokens: int, gpu_hour_price: float | None,
+) -> dict[str, Any]:
+    """The ledger as manifest.json holds it. `output_tokens`: model tokens generated in this
+    invocation (the cost's denominator); `replicas` / `gpus_per_replica`: the run's layout."""
+    replica_seconds = replicas * wall_seconds
+    device_seconds = replica_seconds * max(gpus_per_replica, 1)
+    window = activity.window
+    window_seconds = (window[1] - window[0]) if window else 0.0
+    per_replica = {}
+    for replica in sorted(activity.intervals):
+        busy = sum(end - start for start, end in busy_spans(activity.intervals[replica]))
+        per_replica[replica] = {
+            "requests": activity.requests[replica],
+            "output_tokens": activity.tokens[replica],
+            "tokens_per_second": round(activity.tokens[replica] / window_seconds, 2) if window_seconds else 0.0,
+            "busy_seconds": round(busy, 3),
+            "idle_fraction": round(max(0.0, 1.0 - busy / window_seconds), 4) if window_seconds else 0.0,
+        }
+    ledger: dict[str, Any] = {
+        "wall_seconds": round(wall_seconds, 3),
+        "replicas": replicas,
+        "gpus_per_replica": gpus_per_replica,
+        "replica_seconds": round(replica_seconds, 3),
+        "gpu_seconds": round(replica_seconds * gpus_per_replica, 3),
+        "generation_window_seconds": round(window_seconds, 3),
+        "per_replica": per_replica,
+        "prefix_cache_hit_rate": round(activity.prefix_hits / activity.prefix_reported, 4) if activity.prefix_reported else None,
+        "time_split_seconds": {name: round(seconds, 3) for name, seconds in activity.time_split.items()},
+        "output_tokens": output_tokens,
+        "gpu_hour_price": gpu_hour_price,
+        "cost": None,
+        "cost_per_million_output_tokens": None,
+    }
+    if gpu_hour_price is not None:
+        cost = device_seconds / 3600.0 * gpu_hour_price
+        # Six significant digits: a short run's cost is a fraction of a cent.
+        ledger["cost"] = float(f"{cost:.6g}")
+        ledger["cost_per_million_output_tokens"] = float(f"{cost / output_tokens * 1e6:.6g}") if output_tokens else None
+    return ledger
+
+
+def ledger_lines(ledger: dict[str, Any]) -> list[str]:
+    """The ledger in a few terminal lines (the run's summary, `genrun status`)."""
+    split = ledger.get("time_split_seconds") or {}
+    total = sum(split.values()) or 1.0
+    lines = [
+        f"capacity:      {ledger['replicas']} replica(s) x {ledger['wall_seconds']:.1f} s = {ledger['replica_seconds']:.1f} replica-s"
+        f" ({ledger['gpu_seconds']:.1f} GPU-s)",
+        "time split:    " + ", ".join(f"{name} {seconds:.1f} s ({100 * seconds / total:.0f}%)" for name, seconds in split.items() if seconds),
+    ]
+    for replica, row in (ledger.get("per_replica") or {}).items():
+        lines.append(f"  replica {replica}: {row['requests']} requests, {row['tokens_per_second']:.1f} tok/s, idle {100 * row['idle_fraction']:.0f}%")
+    if ledger.get("prefix_cache_hit_rate") is not None:
+        lines.append(f"prefix cache:  {100 * ledger['prefix_cache_hit_rate']:.0f}% of requests reused cached KV")
+    if ledger.get("cost") is not None:
+        per_million = ledger.get("cost_per_million_output_tokens")
+        lines.append(f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour" + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else ""))
+    return lines

@@ -1,0 +1,124 @@
+"""Per-trajectory provenance and timings, and the capacity ledger (issue 35, items 1 and 2): a
+run on the instant engine with two replicas stores each trajectory's replica, engine, seed,
+attempt and time split in its part, carries them to the merged DataProto, and manifest.json's
+ledger adds up to exactly what the trajectories say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from generation_core.outputs.padding import PROVENANCE_KEY, TIMINGS_KEY
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts
+from generation_core.store.trajectory_record import records_from_parquet
+from tests.conftest import chat_rows, write_parquet
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = 12
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_local, tmp_path_factory):
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
+
+    tmp = tmp_path_factory.mktemp("ledger")
+    prompts = write_parquet(tmp / "prompts.parquet", chat_rows(PROMPTS))
+    out = tmp / "run"
+    summary = run_in_process(preflight([
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "trainer.n_gpus_per_node=2",
+        "generation.sample_seed=11",
+        "generation.gpu_hour_price=3.0",
+        "generation.save_batch_size=5",
+        "generation.show_progress=false",
+    ]))
+    return out, summary
+
+
+def test_each_trajectory_carries_its_provenance_and_time_split_into_parts_and_the_merge(finished_run):
+    out, _ = finished_run
+    folder = StorageFolder(str(out))
+    records = [r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))]
+    assert sorted(r.key for r in records) == [(i, 0) for i in range(PROMPTS)]
+    seeds = set()
+    for record in records:
+        p = record.provenance
+        assert p is not None and record.timings is not None
+        assert (p["engine"], p["attempt"], p["retries"]) == ("instant", 1, 0)
+        assert len(p["sampling_digest"]) == 16 and p["model_digest"] and p["engine_version"] != "unknown"
+        seeds.add(p["seed"])
+        (turn,) = p["turns"]  # single-turn agent loop: one request
+        assert turn["replica"] is not None and turn["stop_reason"] == "stop" and turn["tokens"] == sum(record.response_mask)
+        # The instant engine reports no slot wait or prefill: null, and the request's time is decode.
+        assert record.timings["slot_wait"] is None and record.timings["prefill"] is None
+        assert record.timings["decode"] == pytest.approx(turn["seconds"], abs=1e-6)
+        assert record.timings["reward"] is None
+    assert len(seeds) == PROMPTS, "each sample its own seed"
+    assert len({r.provenance["sampling_digest"] for r in records}) == 1
+
+    from verl.protocol import DataProto
+
+    merged = DataProto.load_from_disk(str(out / "trajectories.pkl"))
+    by_key = {r.key: r for r in records}
+    provenance = merged.non_tensor_batch[PROVENANCE_KEY].tolist()
+    timings = merged.non_tensor_batch[TIMINGS_KEY].tolist()
+    for row, index in enumerate(merged.non_tensor_batch["index"].tolist()):
+        assert provenance[row] == by_key[(index, 0)].provenance
+        assert {k: v for k, v in timings[row].items() if k != "storage"} == by_key[(index, 0)].timings
+        assert timings[row]["storage"] is not None and timings[row]["storage"] >= 0
+
+
+def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
+    out, summary = finished_run
+    ledger = json.loads((out / "manifest.json").read_text())["ledger"]
+    assert ledger == summary["ledger"]
+    folder = StorageFolder(str(out))
+    records = [r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))]
+    turns = [t for r in records for t in r.provenance["turns"]]
+    assert ledger["replicas"] == 2
+    assert set(ledger["per_replica"]) == {t["replica"] for t in turns}
+    assert sum(row["requests"] for row in ledger["per_replica"].values()) == len(turns) == PROMPTS
+    assert sum(row["output_tokens"] for row in ledger["per_replica"].values()) == ledger["output_tokens"] == summary["generated_tokens"]
+    assert all(0 <= row["idle_fraction"] <= 1 for row in ledger["per_replica"].values())
+    assert ledger["time_split_seconds"]["decode"] == pytest.approx(sum(r.timings["decode"] for r in records), abs=1e-3)
+    assert ledger["replica_seconds"] == pytest.approx(2 * ledger["wall_seconds"], abs=1e-2)
+    # A CPU replica counts as one device: 3.0 per device-hour.
+    assert ledger["cost"] == pytest.approx(ledger["replica_seconds"] / 3600 * 3.0, rel=1e-3)
+    assert ledger["cost_per_million_output_tokens"] == pytest.approx(ledger["cost"] / ledger["output_tokens"] * 1e6, rel=1e-3)
+    assert ledger["prefix_cache_hit_rate"] is None, "the instant engine reports no prefix cache"
+
+
+def test_status_shows_the_ledger(finished_run, capsys):
+    from generation_core.outputs.status import print_status
+
+    out, _ = finished_run
+    assert print_status(str(out)) == 0
+    text = capsys.readouterr().out
+    assert "capacity:      2 replica(s)" in text and "time split:" in text and "at 3/GPU-hour" in text
+
+
+def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_replica_and_time(finished_run):
+    import re
+
+    from generation_core.report.html import REPORT_FILE, write_report
+
+    out, summary = finished_run
+    report = write_report(StorageFolder(str(out)))
+    assert {"replica-timeline", "time-split"} <= {plot.name for plot in report.plots}
+    page = (out / REPORT_FILE).read_text()
+    table = re.search(r'<table id="replica-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(summary["ledger"]["per_replica"])
+    payload = json.loads(re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page, re.S).group(1))
+    folder = StorageFolder(str(out))
+    records = {f"{r.index}:{r.rollout_n}": r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))}
+    assert len(payload["trajectories"]) == PROMPTS
+    for shown in payload["trajectories"]:
+        record = records[shown["id"]]
+        assert shown["replicas"] == [record.provenance["turns"][0]["replica"]]
+        assert shown["time"]["decode"] == round(record.timings["decode"], 4) and shown["time"]["prefill"] is None
