@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file
+from generation_core.outputs import rl_prompts
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
@@ -41,8 +42,11 @@ from generation_core.store.trajectory_record import TrajectoryRecord, read_part_
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("messages", "prompt-response")
-USAGE = "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
+LAYOUTS = ("messages", "prompt-response", rl_prompts.LAYOUT)
+USAGE = (
+    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response|rl-prompts] "
+    "[--pass-rate MIN MAX] [--pass-threshold X] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
+)
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
 
@@ -58,6 +62,10 @@ class ExportOptions:
     """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
     trust_remote_code: bool = False
     """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
+    pass_rate: tuple[float, float] | None = None
+    """rl-prompts: keep the prompts whose pass rate lies in [MIN, MAX] (`--pass-rate MIN MAX`)."""
+    pass_threshold: float = 0.0
+    """rl-prompts: a sample passes when its reward is above this (`--pass-threshold X`)."""
 
 
 @dataclass
@@ -96,6 +104,8 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
     while arguments:
         argument = arguments.pop(0)
         name, has_value, value = argument.partition("=")
+        if rl_prompts.parse_option(argument, arguments, options, USAGE):
+            continue
         if name in ("--min-reward", "--layout", "--tokenizer"):
             if not has_value:
                 if not arguments:
@@ -126,10 +136,14 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
             positional.append(argument)
     if len(positional) != 2:
         raise GenrunError(USAGE)
+    if options.layout != rl_prompts.LAYOUT and (options.pass_rate is not None or options.pass_threshold != 0.0):
+        raise GenrunError(f"--pass-rate and --pass-threshold go with --layout {rl_prompts.LAYOUT}; add it")
     return positional[0], positional[1], options, rest
 
 
 def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
+    if options.layout == rl_prompts.LAYOUT:
+        return rl_prompts.export_command(run_url, out_url, options, storage_options, _output_location)
     summary = export_run(run_url, out_url, options, storage_options)
     print(summary.line(options))
     return 0
