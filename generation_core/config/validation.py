@@ -95,6 +95,10 @@ def _check_generation(cfg: DictConfig) -> None:
         "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
     _require(
+        not gen.adaptive or (isinstance(gen.adaptive_k, int) and not isinstance(gen.adaptive_k, bool) and 1 <= gen.adaptive_k < rollout.n),
+        "generation.adaptive_k", gen.adaptive_k, f"must be an integer from 1 to actor_rollout_ref.rollout.n - 1 (n={rollout.n}) with generation.adaptive=true",
+    )
+    _require(
         gen.save_batch_size is None or (isinstance(gen.save_batch_size, int) and not isinstance(gen.save_batch_size, bool) and gen.save_batch_size >= 1),
         "generation.save_batch_size", gen.save_batch_size, "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
     )

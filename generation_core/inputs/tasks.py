@@ -103,6 +103,7 @@ class Task:
         """The dataset split the task reads (a `datasets.Dataset`)."""
         import datasets
 
+        datasets.disable_progress_bars()  # preflight prints its own few lines
         params = dict(self.config.loading_params)
         split = params.pop("split", "train")
         path = str(params.pop("path"))
