@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from generation_core.errors import GenrunError
 from generation_core.outputs.merge import check_shard_counts, merge_run
 from generation_core.shard.adaptive import shard_rewards
 from generation_core.store.commit_log import ShardCheckpoint
@@ -67,7 +68,7 @@ def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, m
     check_shard_counts([marker], N, adaptive=True)
     merged = merge_run(plan.folder, prompt_length=64, response_length=16, pad_token_id=0)
     assert len(merged) == marker.num_trajectories
-    with pytest.raises(Exception, match="accounts for"):
+    with pytest.raises(GenrunError, match="accounts for"):
         check_shard_counts([marker], N, adaptive=False)
 
     # kill -9 after the third part is written (round 1), then the same command resumes.
