@@ -2,13 +2,15 @@
 
     genrun [key=value ...]          run (or resume) generation with Hydra-style overrides
     genrun status DIR [storage.options.KEY=VALUE ...]
-                                    shards done / running / pending with counts
+                                    shards done / running / pending with counts; on a
+                                    running run its ETA and "stalled since ..." if it is
     genrun merge DIR [storage.options.KEY=VALUE ...]
                                     (re)build trajectories.pkl from committed parts
     genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     write DIR/report.html: plots, shard table, failures,
                                     a trajectory viewer (N trajectories at most, default 500)
-    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response|rl-prompts [--pass-rate MIN MAX]]
+    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts [--pass-rate MIN MAX]]
+                  [--format parquet|openai-batch]
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages)
     genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
@@ -38,6 +40,17 @@ from generation_core.instrumentation import mark
 
 USAGE = __doc__
 logger = logging.getLogger("genrun")
+
+SUBCOMMANDS = ("status", "merge", "report", "export", "bench")
+HELP_FLAGS = ("-h", "--help")
+
+
+def subcommand_usage(name: str) -> str:
+    """`genrun NAME`'s own lines of the usage text (its synopsis and what it does)."""
+    lines = USAGE.split("\n\n")[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(f"genrun {name} "))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("genrun ")), len(lines))
+    return "usage:\n" + "\n".join(lines[start:end])
 
 
 def _setup_environment() -> None:
@@ -212,6 +225,9 @@ def _print_stopped(plan) -> None:
 def _read_only_command(argv: list[str]) -> int | None:
     """Run `bench`, `export`, `report`, `status` or `merge` (each imports only what it needs:
     `status` no torch, verl or Ray); None when `argv` is a run."""
+    if argv and argv[0] in SUBCOMMANDS and any(argument in HELP_FLAGS for argument in argv[1:]):
+        print(subcommand_usage(argv[0]))
+        return 0
     if argv and argv[0] == "bench":
         from generation_core.driver.bench import bench_command
 

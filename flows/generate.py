@@ -23,8 +23,8 @@ from uuid import UUID
 
 import httpx
 import ray
-from prefect import flow
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.futures import PrefectFuture, PrefectWrappedFuture
 from prefect.states import Cancelled, State
 from prefect_ray import RayTaskRunner
@@ -33,6 +33,7 @@ from prefect_ray.context import remote_options
 from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.config.layout import SHARD_TASK_RESOURCES
 from generation_core.driver.run_driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
+from generation_core.driver.stall_alarm import Stall
 from generation_core.plan.preflight import preflight
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
@@ -59,7 +60,7 @@ def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = N
     result = drive_run(
         run_plan, shard_tasks, started=started, finish=merge,
         publish=lambda run, summary, manifests, fence: publish(run, summary, manifests, shard_tasks.artifact_key, fence),
-        on_progress=shard_tasks.update_progress_artifact,
+        on_progress=shard_tasks.update_progress_artifact, on_stall=shard_tasks.stall_alarm,
     )
     return result if result is not None else _stopped(run_plan)
 
@@ -112,6 +113,14 @@ class ShardTasksOnRay:
     def update_progress_artifact(self, totals: ProgressTotals) -> None:
         if self.progress_artifact is not None:
             _update_artifact(self.progress_artifact, totals)
+
+    def stall_alarm(self, stall: Stall) -> None:
+        """The stall alarm in the flow run: a warning in its log and a markdown artifact."""
+        get_run_logger().warning("%s", stall.message())
+        create_markdown_artifact(
+            key=f"{self.artifact_key}-stall", description="The run stalled",
+            markdown=f"**Stalled**: {stall.message()}\n\n`genrun status {self.plan.folder.display()}` shows each shard.",
+        )
 
     def submit(self, job: ShardJobArgs) -> list[SuccessMarker]:
         self.job = job

@@ -55,3 +55,16 @@ def test_the_console_script_refuses_bad_input_in_one_line(tmp_path, model_dir):
         result = run_genrun([*args, f"trainer.default_local_dir={out}"], timeout=120)
         _refused_in_one_line(result.returncode, result.stderr, args, message)
         assert not out.exists(), "a refused run writes nothing"
+
+
+@pytest.mark.parametrize("command", ["status", "merge", "report", "export", "bench"])
+def test_every_subcommand_answers_help(command, capsys):
+    """`genrun export --help` (and every other subcommand's) prints its usage and exits 0,
+    before reading any folder or loading anything."""
+    from flows.cli import main
+
+    for flag in ("--help", "-h"):
+        assert main([command, flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage:\n") and f"genrun {command} " in out
+        assert "genrun: error" not in out

@@ -158,18 +158,28 @@ ENGINE = "actor_rollout_ref.rollout.engine_kwargs"
 @pytest.mark.timeout(120)
 def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_others_are_not():
     base = fingerprint(load_config([]), "data")
-    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m", f"+{ENGINE}.sglang.attention_backend=fa3"]
+    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.instant.delay_sigma=1.0", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m", f"+{ENGINE}.sglang.attention_backend=fa3"]
     assert [o for o in shaping if fingerprint(load_config([o]), "data") == base] == []
     operational = [
         f"{ENGINE}.hf.num_threads=1", f"{ENGINE}.instant.delay_seconds=1.0", f"{ENGINE}.remote.base_urls=[http://h:1]", f"{ENGINE}.remote.api_key=k",
         f"{ENGINE}.remote.connect_timeout=1", f"{ENGINE}.remote.health_interval=1", f"{ENGINE}.remote.max_connections=1",
-        "generation.request_timeout=5", "actor_rollout_ref.rollout.agent.num_workers=3", "data.dataloader_num_workers=2",
+        "generation.request_timeout=5", "generation.stall_seconds=30", "trainer.logger=[console]",
+        "actor_rollout_ref.rollout.agent.num_workers=3", "data.dataloader_num_workers=2",
     ]
     assert [o for o in operational if fingerprint(load_config([o]), "data") != base] == []
     # A file given by its digest enters by content: its path may change, its content may not.
     moved = load_config(["actor_rollout_ref.model.path=/elsewhere/model"])
     assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"}) == fingerprint(load_config([]), "data", {"actor_rollout_ref.model.path": "m1"})
     assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m2"}) != fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"})
+
+
+@pytest.mark.timeout(120)
+def test_stall_seconds_defaults_to_a_quarter_of_the_request_timeout_and_at_least_two_minutes():
+    assert load_config([]).generation.stall_seconds == (600 + 2 * 128) / 4
+    assert load_config(["generation.request_timeout=60"]).generation.stall_seconds == 120
+    assert load_config(["generation.stall_seconds=30"]).generation.stall_seconds == 30
+    with pytest.raises(GenrunError, match=r"generation.stall_seconds=0\b.*must be null"):
+        load_config(["generation.stall_seconds=0"])
 
 
 @pytest.mark.timeout(120)

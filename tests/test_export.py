@@ -264,14 +264,15 @@ def test_min_reward_and_best_of_n(sampled_run, tmp_path):
     assert sorted((r["index"], r["rollout_n"]) for r in both) == sorted((i, n) for i, n in best.items() if rewards[(i, n)] >= threshold)
 
 
-def test_prompt_response_layout(sampled_run, tmp_path):
+def test_prompt_completion_layout(sampled_run, tmp_path):
     messages = _export(sampled_run, tmp_path / "messages.parquet")
-    layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-response")
-    assert list(layout[0]) == ["prompt", "response", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
-    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "response")}, "messages": row["prompt"] + row["response"]} for row in layout] == [
+    layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-completion")
+    assert list(layout[0]) == ["prompt", "completion", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated"]
+    assert _export(sampled_run, tmp_path / "alias.parquet", "--layout", "prompt-response") == layout, "the earlier layout name still works"
+    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "completion")}, "messages": row["prompt"] + row["completion"]} for row in layout] == [
         {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated")} | {"messages": row["messages"]} for row in messages
     ]
-    assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["response"]] == ["assistant"] for row in layout)
+    assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["completion"]] == ["assistant"] for row in layout)
 
 
 # ---- multi-turn: verl's tool loop ---------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
     assert "a-file" in _refused(capsys, tool_run, blocker / "out.parquet")
     assert "is a directory" in _refused(capsys, tool_run, tmp_path)
     assert "--min-reward 'high' is not a number" in _refused(capsys, tool_run, out, "--min-reward", "high")
-    assert "--layout 'chat' is not one of messages, prompt-response" in _refused(capsys, tool_run, out, "--layout=chat")
+    assert "--layout 'chat' is not one of messages, prompt-completion" in _refused(capsys, tool_run, out, "--layout=chat")
     assert "unknown option '--best'" in _refused(capsys, tool_run, out, "--best")
     assert "usage: genrun export RUN_DIR OUT.parquet" in _refused(capsys, tool_run)
     assert "only storage.options.KEY=VALUE may follow" in _refused(capsys, tool_run, out, "storage.bad=1")
@@ -574,3 +575,27 @@ def test_reading_a_folder_runs_no_code_it_names_unless_asked(unscored_run, model
     assert main(["report", str(folder), "--trust-remote-code"]) == 0
     assert '"decoded":true' in (folder / "report.html").read_text()
     assert all(m.exists() for m in markers), "asked for, the code ran"
+
+
+def test_the_export_writes_a_dataset_card_beside_its_file(nan_run, tmp_path):
+    """README.md beside the Parquet (Hugging Face's dataset card): what generated the rows, how
+    many, their rewards and lengths, the filters; a README.md that is not a card is never overwritten."""
+    record = read_run_record(StorageFolder(str(nan_run)))
+    every = _export(nan_run, tmp_path / "all" / "sft.parquet")
+    card = (tmp_path / "all" / "README.md").read_text()
+    assert card.startswith("---\ntags:\n- genrun\n") and "    path: sft.parquet\n" in card
+    assert f"| run fingerprint | `{record.fingerprint}` |" in card and "| engine | `instant` |" in card
+    assert "| committed trajectories | 6 |" in card and "| exported rows | 6 |" in card
+    assert "- none: every committed trajectory" in card
+    assert "4 of 6 rows scored: mean 2.5, std 0.5, min 2, max 3; 4 above 0." in card
+    lengths = sorted(len(row["messages"]) for row in every)
+    assert "- turns: mean 2.0, median 2, p90 2, min 2, max 2" in card and lengths == [2] * 6
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "README.md").write_text("my project\n")
+    kept = _export(nan_run, tmp_path / "mine" / "best.parquet", "--min-reward", "2.5")
+    assert sorted(row["index"] for row in kept) == [2, 2]
+    assert (tmp_path / "mine" / "README.md").read_text() == "my project\n"
+    card = (tmp_path / "mine" / "best.parquet.README.md").read_text()
+    assert "| exported rows | 2 |" in card and "2 of 2 rows scored: mean 3, std 0, min 3, max 3" in card
+    assert "- `--min-reward 2.5`: kept trajectories scored at least 2.5 (4 dropped, unscored ones included)" in card

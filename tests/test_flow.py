@@ -119,6 +119,9 @@ def test_a_shard_failing_once_is_retried_and_resumes_from_its_checkpoint(prefect
     # verl's whole-dataset load (RLHFDataset over data.train_files, which prints "filter dataset
     # len") runs nowhere: the driver plans from metadata and a sample, the shard reads its rows.
     assert (result.stdout + result.stderr).count("filter dataset len") == 0, result.stdout[-3000:]
+    # The terminal summary is the one place for the run's figures: verl's console logger line
+    # (`step:0 - generation/...`) only with trainer.logger=[console] asked for.
+    assert "step:0 - " not in result.stdout + result.stderr, result.stdout[-3000:]
     assert not flag.exists(), "the injected failure happened"
     marker = json.loads((tmp_path / "run" / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
     assert marker["attempts"] == 2 and marker["num_trajectories"] == 8

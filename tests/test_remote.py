@@ -54,6 +54,8 @@ def servers():
 
 
 def _client(cfg):
+    # Distinct prompts where a test wants requests spread: generation.routing's default groups
+    # requests with one prompt on one server (tests/test_scheduling.py).
     return RoutingClient(cfg, CompletionsServers(cfg))
 
 
@@ -140,7 +142,7 @@ def test_4xx_fails_the_sample_and_keeps_the_server(servers):
             rejected = len(servers[0].requests) + len(servers[1].requests)
             for server in servers:
                 server.fail_next.clear()
-            await asyncio.gather(*[retrying.generate(f"ok{i}", prompt_ids=[1], sampling_params=SAMPLING) for i in range(4)])
+            await asyncio.gather(*[retrying.generate(f"ok{i}", prompt_ids=[10 + i], sampling_params=SAMPLING) for i in range(4)])
             return retrying.stats, client.replica_failures, rejected
         finally:
             await client.aclose()
@@ -170,7 +172,7 @@ def test_dead_server_is_retried_elsewhere_and_rejoins_when_back():
                     break
                 await asyncio.sleep(0.1)
             assert not client.down, "the server that came back was not put back in rotation"
-            await asyncio.gather(*[retrying.generate(f"s{i}", prompt_ids=[1], sampling_params=SAMPLING) for i in range(6)])
+            await asyncio.gather(*[retrying.generate(f"s{i}", prompt_ids=[20 + i], sampling_params=SAMPLING) for i in range(6)])
             return outs, client.replica_failures
         finally:
             await client.aclose()

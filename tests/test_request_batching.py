@@ -79,6 +79,28 @@ def test_many_requests_go_in_few_calls_and_each_gets_its_own_answer(server):
     assert batches < 300 / 10, f"{batches} Ray calls for 300 requests sent together"
 
 
+def test_the_replica_sends_its_load_with_its_answers_and_tells_it_when_asked(server):
+    """The shared load routing uses (serving/replica_loads.py): every group of answers comes with
+    the replica's count of the requests it still holds, and `load()` answers it directly."""
+    backend = RayReplicaBackend(server, _config())
+    reports: list[tuple[int, int]] = []
+    backend.watch_load(lambda load, answered: reports.append((load, answered)))
+
+    async def scenario():
+        # One request held 0.3 s ([9, 3]) and four at once: the fast ones' report counts it.
+        slow = asyncio.ensure_future(backend.generate("slow", prompt_ids=[9, 3], sampling_params=SAMPLING))
+        await asyncio.gather(*(backend.generate(f"f{i}", prompt_ids=[3, i], sampling_params=SAMPLING) for i in range(4)))
+        held = await backend.read_load()
+        await slow
+        return held, await backend.read_load()
+
+    held, after = asyncio.run(scenario())
+    assert (held, after) == (1, 0)
+    assert sum(answered for _, answered in reports) == 5, "every answer came with a report"
+    assert reports[-1] == (0, 1), "the slow answer last, nothing left behind it"
+    assert all(load >= 1 for load, _ in reports[:-1]), "the slow request was held while the others were answered"
+
+
 def test_a_short_answer_is_not_held_back_by_a_long_one_in_the_same_call(server):
     backend = RayReplicaBackend(server, _config())
     finished: dict[str, float] = {}

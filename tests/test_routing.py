@@ -76,8 +76,10 @@ class FakeSource:
         self.closed = True
 
 
-def _config(name: str = "hf", full_determinism: bool = False):
-    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "full_determinism": full_determinism}}})
+def _config(name: str = "hf", full_determinism: bool = False, routing: str = "least_loaded"):
+    """`least_loaded`: these tests send one prompt many times (prefix affinity would group them;
+    tests/test_scheduling.py pins the groups)."""
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "full_determinism": full_determinism}}, "generation": {"routing": routing}})
 
 
 def _client(*backends: FakeBackend, unanswered=None, **config) -> tuple[RoutingClient, FakeSource]:

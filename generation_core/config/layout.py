@@ -9,7 +9,7 @@ placement group waited forever for GPUs that do not exist:
   placement group of GPU bundles (`[gpus_per_replica_node] * nodes_per_replica`).
 - `hf` (transformers): no model parallelism; one replica per "GPU" slot, each holding one
   GPU when `engine_kwargs.hf.device` is cuda, none on the CPU.
-- `instant`: the test/benchmark engine, like `hf` on the CPU.
+- `instant`, `simulated`: the test/benchmark engines, like `hf` on the CPU.
 - `remote`: servers that already run elsewhere; one "replica" per base URL (`remote_urls`),
   nothing placed.
 
@@ -31,7 +31,7 @@ from generation_core.errors import GenrunError
 GPU_ENGINES = ("sglang", "vllm")
 """verl's replicas, booted on the Ray cluster's GPUs."""
 
-CPU_CAPABLE_ENGINES = ("hf", "instant")
+CPU_CAPABLE_ENGINES = ("hf", "instant", "simulated")
 REMOTE_ENGINE = "remote"
 
 # A shard task runs agent loops, tokenization and storage I/O: one CPU, never a GPU, so that

@@ -61,7 +61,7 @@ FREE_FORM_SECTIONS = (
     "actor_rollout_ref.rollout.custom",
 )
 # genrun's own engines read exactly the keys genrun.yaml lists.
-CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant"))
+CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant", "simulated"))
 # data.* keys verl's RLHFDataset (which each shard builds) reads with a default, absent from the defaults.
 ADDED_DATA_KEYS = ("data.cache_dir", "data.chat_template_func", "data.filter_prompts", "data.need_tools_kwargs")
 
@@ -102,6 +102,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     cfg.generation.max_inflight = settings.max_inflight
     cfg.generation.request_timeout = settings.request_timeout
     cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
+    cfg.generation.stall_seconds = settings.stall_seconds
     return cfg
 
 

@@ -1,6 +1,6 @@
 """genrun's own settings as typed dataclasses, each default written once.
 
-`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`) are read
+`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`, `simulated`) are read
 through these classes, not through `cfg.generation.get(key, default)`: a default lives in the
 field, and a value derived from others (`max_inflight` from `max_num_seqs`, the request and
 sample deadlines from the response budget) is computed by `GenerationSettings.of`, here and
@@ -33,6 +33,14 @@ UNLIMITED_TURNS_ALLOWANCE = 16
 # Requests in flight per sequence of the engine's decode batch: the batch stays full while
 # finished trajectories are processed and new ones start.
 INFLIGHT_PER_BATCH_SEQUENCE = 2
+
+ROUTING_MODES = ("prefix_affinity", "least_loaded", "local")
+"""generation.routing's values (serving/replica_loads.py)."""
+
+# The stall alarm's default: a quarter of the request timeout (a request that legitimately takes
+# long still leaves the others of a full batch finishing meanwhile), never under two minutes.
+STALL_SHARE_OF_REQUEST_TIMEOUT = 0.25
+STALL_MIN_SECONDS = 120.0
 
 
 def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
@@ -96,11 +104,18 @@ class GenerationSettings:
     this: a run past it is merged into chunks of about this size, so a 10M-trajectory run never
     builds one pickle in memory, while runs up to tens of thousands of trajectories at verl's
     usual lengths stay one trajectories.pkl."""
+    stall_seconds: float | None = None
+    """No committed trajectory and no generated token for this long: the stall alarm (None:
+    `default_stall_seconds` of the request timeout, filled in by `of`)."""
     show_progress: bool = True
     progress_seconds: float = 30.0
     upload_artifact: bool = False
     artifact_mode: str = "upload"
     """upload: the zip itself to W&B; reference: its s3:// objects."""
+    routing: str = "prefix_affinity"
+    """How a shard worker picks a replica per request (serving/replica_loads.py; ROUTING_MODES):
+    prefix_affinity (global load, the n samples of a prompt together), least_loaded (global
+    load), local (this worker's own requests outstanding)."""
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Self:
@@ -122,7 +137,12 @@ class GenerationSettings:
         sample_timeout = self.sample_timeout_seconds
         if sample_timeout is None and request_timeout is not None:
             sample_timeout = default_sample_timeout(model_turns(rollout), self.request_retries, request_timeout)
-        return dataclasses.replace(self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout)
+        stall_seconds = self.stall_seconds
+        if stall_seconds is None and request_timeout is not None:
+            stall_seconds = default_stall_seconds(request_timeout)
+        return dataclasses.replace(
+            self, max_inflight=max_inflight, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout, stall_seconds=stall_seconds,
+        )
 
     @property
     def inflight_limit(self) -> int:
@@ -143,6 +163,11 @@ class GenerationSettings:
 def default_request_timeout(response_length: int) -> float:
     """generation.request_timeout when left null: base + per-token allowance x response budget."""
     return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
+
+
+def default_stall_seconds(request_timeout: float) -> float:
+    """generation.stall_seconds when left null: a share of the request timeout, at least STALL_MIN_SECONDS."""
+    return max(STALL_MIN_SECONDS, STALL_SHARE_OF_REQUEST_TIMEOUT * float(request_timeout))
 
 
 def model_turns(rollout: Mapping[str, Any]) -> int:
@@ -221,7 +246,11 @@ class InstantEngineKwargs:
 
     response_tokens: int = 8
     delay_seconds: float = 0.0
-    """Seconds each request takes (tests use it to have requests in flight)."""
+    """Seconds each request takes (tests use it to have requests in flight); with delay_sigma,
+    the median."""
+    delay_sigma: float = 0.0
+    """> 0: each request's delay and response length scaled by one long-tailed (log-normal,
+    this sigma) factor drawn from the request itself, so a run is the same every time."""
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
@@ -249,5 +278,29 @@ class RemoteEngineKwargs:
         return cls(**_section((engine_kwargs or {}).get("remote"), cls))
 
 
-ENGINE_KWARGS: dict[str, type] = {"hf": HfEngineKwargs, "instant": InstantEngineKwargs, "remote": RemoteEngineKwargs}
+@dataclass(frozen=True)
+class SimulatedEngineKwargs:
+    """`actor_rollout_ref.rollout.engine_kwargs.simulated`: the scheduling simulator (engines/simulated.py)."""
+
+    decode_seconds_per_step: float = 0.02
+    """Simulated seconds of one decode step: every running sequence gets one token."""
+    prefill_seconds_per_token: float = 0.0001
+    """Simulated seconds per prompt token prefilled (a prefix-cache hit costs nothing)."""
+    prefix_cache_tokens: int = 65536
+    """Tokens the prefix cache holds (LRU by block); 0: no cache."""
+    cache_block_tokens: int = 16
+    """Tokens per cache block: a prefix is reused in whole blocks, as vLLM's and SGLang's are."""
+    response_tokens_median: int = 64
+    response_tokens_sigma: float = 0.0
+    """Response lengths: lognormal around the median (0: every response the median)."""
+    seed: int = 0
+    time_scale: float = 1.0
+    """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""
+
+    @classmethod
+    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
+        return cls(**_section((engine_kwargs or {}).get("simulated"), cls))
+
+
+ENGINE_KWARGS: dict[str, type] = {"hf": HfEngineKwargs, "instant": InstantEngineKwargs, "remote": RemoteEngineKwargs, "simulated": SimulatedEngineKwargs}
 """engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""

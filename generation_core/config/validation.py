@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from generation_core.config.layout import resolve_layout
-from generation_core.config.settings import HfEngineKwargs
+from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs
 from generation_core.errors import GenrunError
 
 
@@ -94,6 +94,7 @@ def _check_generation(cfg: DictConfig) -> None:
         gen.sample_seed is None or rollout.name in SEEDED_ENGINES,
         "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
+    _require(gen.routing in ROUTING_MODES, "generation.routing", gen.routing, f"must be one of {', '.join(ROUTING_MODES)}")
     _require(
         not gen.adaptive or (isinstance(gen.adaptive_k, int) and not isinstance(gen.adaptive_k, bool) and 1 <= gen.adaptive_k < rollout.n),
         "generation.adaptive_k", gen.adaptive_k, f"must be an integer from 1 to actor_rollout_ref.rollout.n - 1 (n={rollout.n}) with generation.adaptive=true",
@@ -107,6 +108,10 @@ def _check_generation(cfg: DictConfig) -> None:
     _require(first is None or (_is_number(first) and first > 0), "generation.first_part_max_seconds", first, "must be null or a number of seconds > 0")
     _require(_is_number(gen.pull_timeout) and gen.pull_timeout > 0, "generation.pull_timeout", gen.pull_timeout, "must be a number of seconds > 0")
     _require(_is_number(gen.progress_seconds) and gen.progress_seconds > 0, "generation.progress_seconds", gen.progress_seconds, "must be a number of seconds > 0")
+    _require(
+        gen.stall_seconds is None or (_is_number(gen.stall_seconds) and gen.stall_seconds > 0),
+        "generation.stall_seconds", gen.stall_seconds, "must be null (a quarter of generation.request_timeout) or a number of seconds > 0",
+    )
     _require(gen.artifact_mode in ("upload", "reference"), "generation.artifact_mode", gen.artifact_mode, "must be upload or reference")
 
 
@@ -140,7 +145,7 @@ def _check_inputs_and_trackers(cfg: DictConfig) -> None:
 
 
 # Engines that take a `seed` in each request's sampling parameters (verl's SGLang server does not).
-SEEDED_ENGINES = ("hf", "instant", "remote")
+SEEDED_ENGINES = ("hf", "instant", "remote", "simulated")
 
 _TRACKING_BACKENDS = ("console", "wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "clearml", "trackio", "file")
 

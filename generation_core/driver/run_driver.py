@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
 from generation_core.driver.run_watch import RunWatch
+from generation_core.driver.stall_alarm import Stall
 from generation_core.instrumentation import failpoint, mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
@@ -120,19 +121,33 @@ def boot_pool(plan: RunPlan, registry_name: str) -> ReplicaPool:
     return asyncio.run(ReplicaPool.boot(plan.cfg, registry_name))
 
 
+def _prefix_cache_report(pool: ReplicaPool) -> dict[str, Any] | None:
+    """The replicas' prefix-cache hit rates, logged, for the run's summary (None: not counted)."""
+    try:
+        report = asyncio.run(pool.prefix_cache_report())
+    except Exception as exc:  # noqa: BLE001 - a replica that died already said so; the run goes on
+        logger.warning("could not read the replicas' prefix-cache counters: %s", exc)
+        return None
+    if report is not None:
+        replicas = ", ".join("-" if rate is None else f"{rate:.0%}" for rate in report["replicas"])
+        logger.info("prefix cache: %.0f%% of prompt tokens reused (per replica: %s)", 100 * (report["run"] or 0.0), replicas)
+    return report
+
+
 def drive_run(
     plan: RunPlan, submitter: ShardSubmitter, *, started: float, finish: Finish = finish_run, publish: Publish = publish_summary,
-    on_progress: Callable[[ProgressTotals], None] | None = None,
+    on_progress: Callable[[ProgressTotals], None] | None = None, on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
     """Generate every missing trajectory, merge, publish: the run's summary, or None when a
     Ctrl-C stopped the run (what is committed stays; the lease is released). `started`: when the
     run began (time.perf_counter()), for the summary's elapsed time. `on_progress`: the progress
-    numbers every few seconds (the Prefect progress artifact)."""
+    numbers every few seconds (the Prefect progress artifact); `on_stall`: the stall alarm, once
+    per stall (stall_alarm.py; the terminal line and the W&B alert are the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
         with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
             plan.claim_folder()
-            return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress)
+            return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
         # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing
         # (STOP.interruptible): that stage ended at once, the lease is released on the way out.
@@ -141,10 +156,11 @@ def drive_run(
 
 def _drive_holding(
     plan: RunPlan, submitter: ShardSubmitter, fence: LeaseFence, started: float, finish: Finish, publish: Publish,
-    on_progress: Callable[[ProgressTotals], None] | None,
+    on_progress: Callable[[ProgressTotals], None] | None, on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
-    manifests, failures, stopping = [], [], False
-    with submitter, RunWatch(plan, on_update=on_progress) as watch:
+    manifests: list[SuccessMarker] = []
+    failures: list[str] = []
+    with submitter, RunWatch(plan, on_update=on_progress, on_stall=on_stall) as watch:
         mark("ray_ready")
         # Shard jobs first: where they run beside the driver, their workers start (imports,
         # tokenizer, prompts) while the replicas load, and each waits for the pool by name.
@@ -160,26 +176,11 @@ def _drive_holding(
             submitter.stop(set())
             raise
         mark("engine_ready")
+        watch.watch_engines(pool)
         try:
-            stop_deadline = float("inf")
-            while submitter.pending() and time.monotonic() < stop_deadline:
-                watch.tick()
-                if STOP.requested() and not stopping:
-                    # A first Ctrl-C: no new shard starts; running shard jobs commit what has
-                    # finished and stop (ShardStopped).
-                    stopping, stop_deadline = True, time.monotonic() + STOP_GRACE_SECONDS
-                    submitter.stop(watch.stop())
-                ended = submitter.next_ended(TICK_SECONDS)
-                if ended is None:
-                    continue
-                if ended.manifest is not None:
-                    watch.shard_finished(ended.manifest)
-                    manifests.append(ended.manifest)
-                elif ended.failure is not None and not stopping:
-                    failures.append(ended.failure)
-            if submitter.pending():
-                logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
+            stopping = _until_every_shard_ended(submitter, watch, manifests, failures)
         finally:
+            prefix_cache = _prefix_cache_report(pool)
             pool.shutdown()
     if stopping or STOP.requested():
         return None
@@ -194,5 +195,32 @@ def _drive_holding(
     # command does them again (the merged files are written whole or not at all).
     with STOP.interruptible():
         summary = finish(plan, manifests, time.perf_counter() - started, fence)
+        if prefix_cache is not None:
+            summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")
         return publish(plan, summary, manifests, fence)
+
+
+def _until_every_shard_ended(submitter: ShardSubmitter, watch: RunWatch, manifests: list[SuccessMarker], failures: list[str]) -> bool:
+    """Watch the shard jobs until every one ended (or, after a first Ctrl-C, until they stopped
+    or STOP_GRACE_SECONDS passed), collecting their success markers and failures; whether the
+    run is stopping."""
+    stopping, stop_deadline = False, float("inf")
+    while submitter.pending() and time.monotonic() < stop_deadline:
+        watch.tick()
+        if STOP.requested() and not stopping:
+            # A first Ctrl-C: no new shard starts; running shard jobs commit what has
+            # finished and stop (ShardStopped).
+            stopping, stop_deadline = True, time.monotonic() + STOP_GRACE_SECONDS
+            submitter.stop(watch.stop())
+        ended = submitter.next_ended(TICK_SECONDS)
+        if ended is None:
+            continue
+        if ended.manifest is not None:
+            watch.shard_finished(ended.manifest)
+            manifests.append(ended.manifest)
+        elif ended.failure is not None and not stopping:
+            failures.append(ended.failure)
+    if submitter.pending():
+        logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
+    return stopping

@@ -4,7 +4,9 @@ display, periodic progress updates for elsewhere (the Prefect artifact), and the
 A dispatcher opens one `RunWatch` per run, passes `board_name` to its shard jobs, calls
 `tick()` while it waits for them (a non-blocking read of the board), `shard_finished()` as
 their manifests arrive, and `stop()` on a Ctrl-C: the shard jobs see the request within about
-a second, commit what has finished and stop.
+a second, commit what has finished and stop. `tick()` also feeds the stall alarm
+(stall_alarm.py): the shards' counters and, once `watch_engines` gave it the replica pool, the
+engines' generated-token counters, read without blocking.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
+from generation_core.config.settings import GenerationSettings
 from generation_core.console import ProgressDisplay
+from generation_core.driver.stall_alarm import Stall, StallWatch, raise_alarm
 from generation_core.run_plan import RunPlan
 from generation_core.shard.progress import ProgressTotals, RunProgress, committed_counts, new_board_name, start_board
 from generation_core.store.run_folder import SuccessMarker
@@ -26,11 +31,26 @@ logger = logging.getLogger(__name__)
 UPDATE_SECONDS = 10.0
 """How often `on_update` (the Prefect progress artifact) gets the numbers; the display redraws
 more often."""
+ENGINE_POLL_SECONDS = 5.0
+"""How often the engines' token counters are asked for (for the stall alarm)."""
 
 
 class RunWatch:
-    def __init__(self, plan: RunPlan, *, on_update: Callable[[ProgressTotals], None] | None = None, update_seconds: float = UPDATE_SECONDS):
+    def __init__(
+        self, plan: RunPlan, *, on_update: Callable[[ProgressTotals], None] | None = None, update_seconds: float = UPDATE_SECONDS,
+        on_stall: Callable[[Stall], None] | None = None,
+    ):
         gen = plan.cfg.generation
+        trainer = plan.cfg.trainer
+        self.stall_watch = StallWatch(float(GenerationSettings.of(plan.cfg).stall_seconds or float("inf")))
+        self.on_stall = on_stall
+        self.wandb_run = (str(trainer.project_name), str(trainer.experiment_name)) if "wandb" in list(trainer.logger) else None
+        self._pool: Any = None
+        self._health_refs: list[Any] | None = None
+        self._last_poll = float("-inf")
+        self.engine_tokens: int | None = None
+        self._watching_since: float | None = None
+        """When the stall alarm began watching: once a shard job reported (it is generating)."""
         self.plan = plan
         self.progress = RunProgress(plan.shards, plan.cfg.actor_rollout_ref.rollout.n)
         self.display = ProgressDisplay(enabled=bool(gen.show_progress), interval=float(gen.progress_seconds))
@@ -87,9 +107,39 @@ class RunWatch:
             self._snapshot_ref = self.board.snapshot.remote()
         totals = self.progress.totals()
         self.display.show(totals.line())
+        self._watch_stall()
         if self.on_update is not None and time.monotonic() - self._last_update >= self.update_seconds:
             self._update(self.on_update, totals)
         return totals
+
+    def watch_engines(self, pool: Any) -> None:
+        """The booted replica pool (serving.pool.ReplicaPool): its engines' token counters join
+        what the stall alarm watches."""
+        self._pool = pool
+
+    def _poll_engines(self) -> None:
+        if self._health_refs is not None:
+            ready, _ = ray.wait(self._health_refs, num_returns=len(self._health_refs), timeout=0)
+            if len(ready) < len(self._health_refs):
+                return
+            try:
+                self.engine_tokens = sum(int(h.get("generated_tokens", 0)) for h in ray.get(self._health_refs))
+            except Exception as exc:  # noqa: BLE001 - a replica restarting: the trajectories still count
+                logger.debug("engine counters unavailable: %s", exc)
+            self._health_refs = None
+        if self._pool is not None and time.monotonic() - self._last_poll >= ENGINE_POLL_SECONDS:
+            self._last_poll = time.monotonic()
+            self._health_refs = self._pool.health_requests() or None
+
+    def _watch_stall(self) -> None:
+        running = self.progress.activity()
+        if self._pool is None or (not running and self.stall_watch.alarm is None and self._watching_since is None):
+            return  # replicas booting, shard workers starting (imports, prompts): no stall yet
+        self._watching_since = self._watching_since or time.monotonic()
+        self._poll_engines()
+        stall = self.stall_watch.observe(running, self.engine_tokens)
+        if stall is not None:
+            raise_alarm(stall, self.on_stall, self.wandb_run)
 
     def _update(self, on_update: Callable[[ProgressTotals], None], totals: ProgressTotals) -> None:
         self._last_update = time.monotonic()

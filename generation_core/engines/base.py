@@ -133,3 +133,11 @@ def response_budget(prompt_length: int, response_length: int, prompt_len: int, a
     max_tokens that is sent can only lower it."""
     limit = min(response_length, prompt_length + response_length - prompt_len)
     return limit if asked is None else min(limit, int(asked))
+
+
+def prefix_hit_rate(stats: dict[str, Any]) -> float | None:
+    """Prompt tokens reused from a prefix cache / prompt tokens, from an engine's counters (this
+    engine's, or the transformers engine's, which counts a shared prefix apart); None when none."""
+    reused = int(stats.get("prefix_reused_tokens", 0)) + int(stats.get("shared_prefix_tokens", 0))
+    total = reused + int(stats.get("prefill_tokens", 0))
+    return reused / total if total else None

@@ -1,4 +1,4 @@
-"""Our engines as verl RolloutReplicas (`hf`, `instant`), each served by one Ray actor.
+"""Our engines as verl RolloutReplicas (`hf`, `instant`, `simulated`), each served by one Ray actor.
 
 Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them
 and the routing client (routing.py) call their server actors exactly as it calls `sglang` and
@@ -22,8 +22,8 @@ import ray
 from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutReplica
 
-from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
-from generation_core.engines import hf, instant
+from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, SimulatedEngineKwargs, hf_device
+from generation_core.engines import hf, instant, simulated
 from generation_core.engines.base import Engine
 from generation_core.engines.server import EngineServer
 from generation_core.verl_adapter import register_replica_class, serve_standalone
@@ -100,20 +100,46 @@ class InstantReplica(_EngineReplica):
 
     def build_engine(self) -> Callable[[], Engine]:
         instant_kwargs = InstantEngineKwargs.of(self.config.engine_kwargs)
-        model_config = json.loads((Path(os.path.expanduser(self.model_config.path)) / "config.json").read_text())
-        eos = model_config.get("eos_token_id", 2)
+        eos, vocab_size = _model_tokens(self.model_config.path)
         settings = instant.InstantSettings(
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=eos,
             response_tokens=int(instant_kwargs.response_tokens),
             delay_seconds=float(instant_kwargs.delay_seconds),
-            vocab_size=int(model_config.get("vocab_size", 1000)),
+            delay_sigma=float(instant_kwargs.delay_sigma),
+            vocab_size=vocab_size,
         )
         return functools.partial(instant.InstantEngine, settings)
 
 
-GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {"hf": HFReplica, "instant": InstantReplica}
+class SimulatedReplica(_EngineReplica):
+    engine_name = "simulated"
+
+    def build_engine(self) -> Callable[[], Engine]:
+        kwargs = SimulatedEngineKwargs.of(self.config.engine_kwargs)
+        eos, vocab_size = _model_tokens(self.model_config.path)
+        settings = simulated.SimulatedSettings(
+            prompt_length=self.config.prompt_length,
+            response_length=self.config.response_length,
+            eos_token_id=eos,
+            max_num_seqs=int(self.config.max_num_seqs),
+            vocab_size=vocab_size,
+            # Each replica its own length stream: replicas of one run do not draw the same lengths.
+            **dict(vars(kwargs), seed=int(kwargs.seed) + self.replica_rank),
+        )
+        return functools.partial(simulated.SimulatedEngine, settings)
+
+
+def _model_tokens(model_path: str) -> tuple[int, int]:
+    """The model's EOS id and vocabulary size, from its config.json (the engines without a model
+    answer in its tokens)."""
+    model_config = json.loads((Path(os.path.expanduser(model_path)) / "config.json").read_text())
+    eos = model_config.get("eos_token_id", 2)
+    return (eos[0] if isinstance(eos, list) else eos), int(model_config.get("vocab_size", 1000))
+
+
+GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {"hf": HFReplica, "instant": InstantReplica, "simulated": SimulatedReplica}
 
 for _name, _replica in GENRUN_ENGINES.items():
     register_replica_class(_name, _replica)

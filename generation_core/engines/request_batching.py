@@ -12,6 +12,10 @@ Every request keeps its own outcome: an engine's error for one request (an inval
 failed batch step) comes back as that request's exception, of the type the engine raised; a
 failure of the call itself (the actor died) fails every request of the call with it, which the
 routing client treats as the server's failure (routing.RayReplicaBackend.server_failures).
+
+A replica (server.EngineServer) sends its load, the requests it still holds, with each group of
+answers; the batcher hands it to `on_load` (the routing client's shared load,
+serving/replica_loads.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import logging
 import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+LoadReport = Callable[[int, int], None]
+"""(the replica's load after a group of answers, how many answers the group held)."""
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +82,9 @@ def _sendable(error: BaseException | None) -> BaseException | None:
 class RequestBatcher:
     """The client side, one per replica handle and event loop: `call(request)` -> that request's output."""
 
-    def __init__(self, handle: Any, *, linger_seconds: float = LINGER_SECONDS, max_batch: int = MAX_BATCH):
+    def __init__(self, handle: Any, *, linger_seconds: float = LINGER_SECONDS, max_batch: int = MAX_BATCH, on_load: LoadReport | None = None):
         self._method = getattr(handle, BATCH_METHOD).options(num_returns="streaming")
+        self._on_load = on_load
         self._linger_seconds = linger_seconds
         self._max_batch = max_batch
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
@@ -107,7 +115,13 @@ class RequestBatcher:
     async def _run(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
         try:
             async for ref in self._method.remote([request for request, _ in batch]):
-                for position, output, error in await ref:
+                answers = await ref
+                if isinstance(answers, tuple):
+                    # EngineServer sends its load with each group of answers (routing's shared load).
+                    answers, load = answers
+                    if self._on_load is not None:
+                        self._on_load(load, len(answers))
+                for position, output, error in answers:
                     answer = batch[position][1]
                     if answer.done():
                         continue  # the caller gave up on it (a timeout or a cancelled sample)

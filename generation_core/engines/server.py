@@ -30,15 +30,31 @@ class EngineServer:
         # Runs again when Ray restarts a crashed engine actor.
         _run_at_normal_priority()
         self.engine = build_engine()
+        self.outstanding = 0
+        """Requests this replica holds now, from every shard worker's batched calls: its load,
+        which the routing clients share (it comes back with every group of answers, and from
+        `load`)."""
         mark("replica_ready")
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         return await self.engine.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
 
     async def serve_batch(self, requests: list[dict]):
-        """Many `generate` calls in one Ray call, answered as they finish (request_batching.py)."""
-        async for answers in serve_batch(self.generate, requests):
-            yield answers
+        """Many `generate` calls in one Ray call, answered as they finish (request_batching.py),
+        each group with this replica's load after it."""
+        async for answers in serve_batch(self._generate_counted, requests):
+            yield answers, self.outstanding
+
+    async def _generate_counted(self, **request):
+        self.outstanding += 1
+        try:
+            return await self.generate(**request)
+        finally:
+            self.outstanding -= 1
+
+    def load(self) -> int:
+        """Requests outstanding here (a routing client asks when no answer told it lately)."""
+        return self.outstanding
 
     def health(self) -> dict:
         # torch's threads where the engine runs on torch; an engine without it never imports it.

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config.loading import train_files
 from generation_core.errors import GenrunError
+from generation_core.inputs.openai_batch import BatchLimits, batch_table, is_batch_file
 from generation_core.run_plan import DataFile, DatasetFiles
 
 SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
@@ -145,9 +146,10 @@ def open_input(url: str, options: dict[str, Any]):
     return fs.open(path, "rb")
 
 
-def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None) -> pa.Table:
+def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None, batch_limits: BatchLimits | None = None) -> pa.Table:
     """A JSON/JSONL input file, whole (refused above JSON_MAX_BYTES); with `planned`, refused
-    when it is not the file the run was planned from (check_planned)."""
+    when it is not the file the run was planned from (check_planned). An OpenAI batch file
+    becomes rows in verl's layout (openai_batch.py), its lines checked against `batch_limits`."""
     fs, path = _filesystem(url, options)
     size = fs.size(path)
     if size > JSON_MAX_BYTES:
@@ -159,7 +161,7 @@ def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None 
         )
     with fs.open(path, "rb") as handle:
         content = handle.read()
-    table = pa_json.read_json(io.BytesIO(content))
+    table = batch_table(url, content, batch_limits) if is_batch_file(content) else pa_json.read_json(io.BytesIO(content))
     if planned is not None:
         check_planned(planned, size, planned_digest(content), table.num_rows)
     return table
@@ -310,7 +312,7 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     content = footer + _sampled_content(fs, path, size)
                     file_digest = planned_digest(footer)
             else:
-                table = read_json_table(url, options)
+                table = read_json_table(url, options, batch_limits=BatchLimits.of(cfg))
                 schema, rows = table.schema, table.num_rows
                 _check_schema(url, schema, cfg.data.prompt_key, reference)
                 take = rows if cap is None else max(min(rows, cap - used), 0)

@@ -4,8 +4,9 @@ One row per trajectory, read part by part from the committed parts (never the wh
 once), with the chat messages rebuilt from its tokens by sft_messages.py:
 - layout `messages` (default): `messages` (the prompt's messages, then the assistant and the
   tool/user turns), what verl's `MultiTurnSFTDataset` reads (`data.messages_key`);
-- layout `prompt-response`: `prompt` (the prompt's messages) and `response` (the turns after
-  it), the conversational prompt/completion layout;
+- layout `prompt-completion` (earlier name `prompt-response`, still accepted): `prompt` (the
+  prompt's messages) and `completion` (the turns after it), TRL's conversational
+  prompt-completion layout (both layouts load into TRL's SFTTrainer);
 and in both: `index`, `rollout_n`, `data_source`, `reward` (null where the trajectory has no
 score), `num_turns`, `truncated` (the last turn was cut at the length limit: it has no
 end-of-sequence token, which rendering the messages adds) and, when the run had tools, `tools`
@@ -25,7 +26,7 @@ import contextlib
 import io
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
 import pyarrow as pa
@@ -34,6 +35,8 @@ import pyarrow.parquet as pq
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file
 from generation_core.outputs import rl_prompts
+from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
+from generation_core.outputs.openai_batch_output import BatchExportSummary, export_openai_batch
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
@@ -42,10 +45,13 @@ from generation_core.store.trajectory_record import TrajectoryRecord, read_part_
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("messages", "prompt-response", rl_prompts.LAYOUT)
+LAYOUTS = ("messages", "prompt-completion", rl_prompts.LAYOUT)
+LAYOUT_ALIASES = {"prompt-response": "prompt-completion"}
+"""The layout's earlier name, still accepted."""
+FORMATS = ("parquet", "openai-batch")
 USAGE = (
-    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-response|rl-prompts] "
-    "[--pass-rate MIN MAX] [--pass-threshold X] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
+    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts] "
+    "[--pass-rate MIN MAX] [--pass-threshold X] [--format parquet|openai-batch] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
 )
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
@@ -58,14 +64,14 @@ class ExportOptions:
     best_of_n: bool = False
     """Keep the highest-scored trajectory of each prompt."""
     layout: str = "messages"
+    format: str = "parquet"
+    """`openai-batch`: the OpenAI Batch API's output layout (outputs/openai_batch_output.py)."""
     tokenizer: str | None = None
     """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
     trust_remote_code: bool = False
     """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
-    pass_rate: tuple[float, float] | None = None
-    """rl-prompts: keep the prompts whose pass rate lies in [MIN, MAX] (`--pass-rate MIN MAX`)."""
-    pass_threshold: float = 0.0
-    """rl-prompts: a sample passes when its reward is above this (`--pass-threshold X`)."""
+    pass_rate: tuple[float, float] | None = None  # rl-prompts: keep pass rates in [MIN, MAX] (--pass-rate)
+    pass_threshold: float = 0.0  # rl-prompts: a sample passes when its reward is above this (--pass-threshold)
 
 
 @dataclass
@@ -80,6 +86,9 @@ class ExportSummary:
     """Trajectories of prompts none of whose trajectories is scored: --best-of-n has no best there."""
     truncated: int = 0
     unmatched_turns: int = 0
+    stats: RowStats = field(default_factory=RowStats)
+    """Lengths and rewards of the exported rows, for the dataset card."""
+    card: str | None = None
 
     def line(self, options: ExportOptions) -> str:
         dropped = []
@@ -92,6 +101,7 @@ class ExportSummary:
         text = f"exported {self.rows} of {self.committed} committed trajectories to {self.output}"
         text += f" ({'; '.join(dropped)})" if dropped else ""
         text += f"; {self.truncated} cut at the length limit (truncated=true)"
+        text += f"; dataset card {self.card}" if self.card else ""
         if self.unmatched_turns:
             text += f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, kept as raw text in user messages"
         return text
@@ -106,7 +116,7 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
         name, has_value, value = argument.partition("=")
         if rl_prompts.parse_option(argument, arguments, options, USAGE):
             continue
-        if name in ("--min-reward", "--layout", "--tokenizer"):
+        if name in ("--min-reward", "--layout", "--tokenizer", "--format"):
             if not has_value:
                 if not arguments:
                     raise GenrunError(f"{name} needs a value; {USAGE}")
@@ -119,9 +129,14 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
                 if options.min_reward != options.min_reward:
                     raise GenrunError("--min-reward nan keeps nothing; give a number")
             elif name == "--layout":
+                value = LAYOUT_ALIASES.get(value, value)
                 if value not in LAYOUTS:
                     raise GenrunError(f"--layout {value!r} is not one of {', '.join(LAYOUTS)}")
                 options.layout = value
+            elif name == "--format":
+                if value not in FORMATS:
+                    raise GenrunError(f"--format {value!r} is not one of {', '.join(FORMATS)}")
+                options.format = value
             else:
                 options.tokenizer = value
         elif argument == "--best-of-n":
@@ -136,22 +151,35 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
             positional.append(argument)
     if len(positional) != 2:
         raise GenrunError(USAGE)
-    if options.layout != rl_prompts.LAYOUT and (options.pass_rate is not None or options.pass_threshold != 0.0):
-        raise GenrunError(f"--pass-rate and --pass-threshold go with --layout {rl_prompts.LAYOUT}; add it")
+    if options.format == "openai-batch" and (options.min_reward is not None or options.best_of_n or options.layout != "messages"):
+        raise GenrunError("--format openai-batch writes every request with all its samples; it takes no --min-reward, --best-of-n or --layout")
     return positional[0], positional[1], options, rest
 
 
 def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
-    if options.layout == rl_prompts.LAYOUT:
+    if options.layout == rl_prompts.LAYOUT or options.pass_rate is not None or options.pass_threshold != 0.0:
         return rl_prompts.export_command(run_url, out_url, options, storage_options, _output_location)
+    if options.format == "openai-batch":
+        print(export_batch_output(run_url, out_url, options, storage_options).line())
+        return 0
     summary = export_run(run_url, out_url, options, storage_options)
     print(summary.line(options))
     return 0
 
 
-def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
+def export_batch_output(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> BatchExportSummary:
+    """The run in the OpenAI batch output layout (outputs/openai_batch_output.py)."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
+    out_folder, out_name = _output_location(out_url, storage_options)
+    data_options = config.get("data", {}).get("storage_options") or storage_options
+    return export_openai_batch(folder, out_folder, out_name, _tokenizer(config, options), _tokenizer_dir(config, options.tokenizer), data_options)
+
+
+def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
+    folder = StorageFolder(run_url, storage_options)
+    record = read_run_record(folder)
+    config = record.config
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
@@ -177,7 +205,9 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
             if not summary.scored:
                 raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written")
             raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written")
+    summary.card = out_folder.display(write_dataset_card(out_folder, out_name, record, card_counts(summary), card_filters(options, summary), options.layout, summary.stats))
     return summary
+
 
 
 def _part_rows(
@@ -200,12 +230,13 @@ def _part_rows(
         summary.rows += 1
         summary.truncated += rebuilt.truncated
         summary.unmatched_turns += rebuilt.unmatched_turns
+        summary.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
         rows.append(_row(record, rebuilt, options.layout, tools))
     return rows
 
 
 def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools) -> dict[str, Any]:
-    row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "response": rebuilt.response}
+    row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "completion": rebuilt.response}
     row.update(
         index=record.index,
         rollout_n=record.rollout_n,
@@ -220,7 +251,7 @@ def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tool
 
 
 def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
-    text = [pa.field("messages", MESSAGES)] if layout == "messages" else [pa.field("prompt", MESSAGES), pa.field("response", MESSAGES)]
+    text = [pa.field("messages", MESSAGES)] if layout == "messages" else [pa.field("prompt", MESSAGES), pa.field("completion", MESSAGES)]
     fields = [
         *text,
         pa.field("index", pa.int64()),

@@ -113,6 +113,10 @@ def parse_option(argument: str, arguments: list[str], options, usage: str) -> bo
 def export_command(run_url: str, out_url: str, options, storage_options: dict[str, Any] | None,
                    output_location: Callable[[str, dict[str, Any] | None], tuple[StorageFolder, str]]) -> int:
     """`genrun export --layout rl-prompts` with export.ExportOptions; no tokenizer is needed."""
+    if options.layout != LAYOUT:
+        raise GenrunError(f"--pass-rate and --pass-threshold go with --layout {LAYOUT}; add it")
+    if options.format != "parquet":
+        raise GenrunError(f"--layout {LAYOUT} writes Parquet; it takes no --format {options.format}")
     if options.min_reward is not None or options.best_of_n:
         raise GenrunError(f"--min-reward and --best-of-n filter trajectories; --layout {LAYOUT} filters prompts with --pass-rate MIN MAX")
     folder = StorageFolder(run_url, storage_options)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from generation_core.build import describe_build, other_build_warning, same_build
+from generation_core.outputs.pace import pace_lines
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import describe_holder
@@ -49,6 +50,8 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     holder = describe_holder(folder)
     if holder:
         print(f"in use by a running genrun: {holder}")
+        for line in pace_lines(folder, run, states):
+            print(line)
     for s in states:
         detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_DIR)}/" if s["failed_samples"] else ""
         detail += f"  last error: {s['error']}" if s["error"] else ""

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from verl.workers.rollout.llm_server import LLMServerManager
 
 from generation_core.config.layout import REMOTE_ENGINE, check_cluster_resources, check_engine_installed, resolve_layout
+from generation_core.engines.base import prefix_hit_rate
 from generation_core.engines.remote import CompletionsServers, check_servers
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
@@ -119,9 +120,25 @@ class ReplicaPool:
 
     async def check_health(self) -> list[dict]:
         """Each genrun engine replica's counters (verl's own replicas have no health call)."""
+        return await asyncio.gather(*self.health_requests())
+
+    def health_requests(self) -> list[Any]:
+        """`check_health` as Ray object refs, for a caller that must not block (the stall alarm
+        reads the engines' generated_tokens); none for verl's own replicas."""
         if self.manager is None or self.config.actor_rollout_ref.rollout.name not in GENRUN_ENGINES:
             return []
-        return await asyncio.gather(*[handle.health.remote() for handle in self.manager.server_handles])
+        return [handle.health.remote() for handle in self.manager.server_handles]
+
+    async def prefix_cache_report(self) -> dict[str, Any] | None:
+        """The prefix cache's hit rate (prompt tokens reused / prompt tokens) per replica and for
+        the run, from genrun engines' counters (the hf and simulated engines count their own);
+        None where the engine counts none (instant, verl's sglang/vllm, remote)."""
+        stats = await self.check_health()
+        rates = [prefix_hit_rate(s) for s in stats]
+        if not stats or all(rate is None for rate in rates):
+            return None
+        run = {key: sum(int(s.get(key, 0)) for s in stats) for key in ("prefix_reused_tokens", "shared_prefix_tokens", "prefill_tokens")}
+        return {"run": prefix_hit_rate(run), "replicas": rates, "reused_tokens": run["prefix_reused_tokens"] + run["shared_prefix_tokens"], "prefilled_tokens": run["prefill_tokens"]}
 
     def shutdown(self) -> None:
         if self.manager is None:

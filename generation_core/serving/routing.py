@@ -5,8 +5,11 @@ verl's AgentLoopWorker takes the `RoutingClient` as its llm client: it only call
 `await client.generate(request_id, *, prompt_ids, sampling_params, **kw) -> TokenOutput`. The
 client picks a backend per request and hands the call on:
 - sticky per request id (LRU): a multi-turn request's turns reuse one server's prefix cache;
-- otherwise the backend with the fewest requests outstanding from this worker; hash routing
-  under `rollout.full_determinism` (as verl's GlobalRequestLoadBalancer);
+- otherwise replica_loads.ReplicaChooser picks, by `generation.routing`: the least-loaded
+  backend by the load every shard worker shares, the n samples of a prompt on one backend
+  (`prefix_affinity`, the default), or by the shared load alone (`least_loaded`), or the fewest
+  requests outstanding from this worker (`local`); hash routing under
+  `rollout.full_determinism` (as verl's GlobalRequestLoadBalancer);
 - failover: a backend that fails under a request (its `server_failures`) leaves the rotation at
   once (the request fails with a transient error, and RetryingClient sends it again, to another
   backend) and is probed in the background; it comes back when its probe answers, or stays out
@@ -28,8 +31,8 @@ its rollout trace stay here, for every backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import random
 import time
 import uuid
 import zlib
@@ -43,8 +46,10 @@ from verl.utils.rollout_trace import rollout_trace_op
 from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE
 
-from generation_core.engines.request_batching import BATCH_METHOD, RequestBatcher
+from generation_core.config.settings import GenerationSettings
+from generation_core.engines.request_batching import BATCH_METHOD, LoadReport, RequestBatcher
 from generation_core.errors import GenrunError
+from generation_core.serving.replica_loads import LOAD_REFRESH_SECONDS, ReplicaChooser, ReplicaLoads
 
 if TYPE_CHECKING:
     from generation_core.engines.base import EngineOutput
@@ -78,6 +83,10 @@ class Backend(Protocol):
         raises ServerGone when it never will."""
         ...
 
+    # Optional, for the shared load (replica_loads.py): `watch_load(report)`, after which the
+    # backend calls report(load, answered) whenever its server tells its load with answers, and
+    # `async read_load() -> int | None`, the server's load now (None: it does not count one).
+
 
 class BackendSource(Protocol):
     """Where a routing client finds its backends."""
@@ -95,13 +104,16 @@ class BackendSource(Protocol):
 class RoutingClient:
     """Routes each request to one backend of `source`; see the module docstring."""
 
-    def __init__(self, config: DictConfig, source: BackendSource):
+    def __init__(self, config: DictConfig, source: BackendSource, *, routing: str | None = None, chooser: ReplicaChooser | None = None):
         self.config = config
         self._source = source
         self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
         self._backends: Mapping[str, Backend] | None = None
         self._connecting: asyncio.Future | None = None
-        self._inflight: dict[str, int] = {}
+        self.chooser = chooser or ReplicaChooser(routing or GenerationSettings.of(config).routing)
+        self.loads = ReplicaLoads([])
+        """Each backend's load as this client sees it (replica_loads.py)."""
+        self._refresher: asyncio.Task | None = None
         self._sticky: LRUCache = LRUCache(maxsize=DEFAULT_ROUTING_CACHE_SIZE)
         self._down: dict[str, asyncio.Task] = {}
         self._gone: set[str] = set()
@@ -126,7 +138,7 @@ class RoutingClient:
 
     @rollout_trace_op
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
-        server_id = await self._acquire(request_id)
+        server_id = await self._acquire(request_id, prompt_ids)
         backend = self._connected[server_id]
         try:
             output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
@@ -134,7 +146,7 @@ class RoutingClient:
             self._take_out_of_rotation(server_id, exc)
             raise
         finally:
-            self._inflight[server_id] -= 1
+            self.loads.answered(server_id)
         output = as_token_output(output)
         # What verl's LLMServerClient adds to every output (its agent loops read them).
         global_steps = output.extra_fields.get("global_steps")
@@ -144,7 +156,7 @@ class RoutingClient:
 
     async def aclose(self) -> None:
         """Stop the background probes and release the backends' connections."""
-        probes = list(self._down.values())
+        probes = list(self._down.values()) + ([self._refresher] if self._refresher is not None else [])
         for probe in probes:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
@@ -176,12 +188,19 @@ class RoutingClient:
         backends, unanswered = await self._source.connect(wait_seconds)
         if not backends:
             raise GenrunError("the inference pool has no replicas")
-        self._inflight = {server_id: 0 for server_id in backends}
+        self.loads = ReplicaLoads(list(backends))
         self._backends = backends
+        if self.chooser.shares_load:
+            for server_id, backend in backends.items():
+                if hasattr(backend, "watch_load"):
+                    backend.watch_load(self._load_report(server_id))
+            # Once at connect: a new shard worker's first requests do not go blind.
+            await self._read_loads(list(backends))
+            self._refresher = asyncio.ensure_future(self._refresh_loads())
         for server_id, why in unanswered.items():
             self._take_out_of_rotation(server_id, why)
 
-    async def _acquire(self, request_id: str) -> str:
+    async def _acquire(self, request_id: str, prompt_ids: list[int]) -> str:
         if self._backends is None:
             await self.connect()
         up = await self._up_servers()
@@ -190,11 +209,37 @@ class RoutingClient:
             if self._full_determinism:
                 server_id = up[stable_hash(request_id) % len(up)]
             else:
-                fewest = min(self._inflight[sid] for sid in up)
-                server_id = random.choice([sid for sid in up if self._inflight[sid] == fewest])
+                server_id = self.chooser.choose(up, self.loads, prompt_ids)
             self._sticky[request_id] = server_id
-        self._inflight[server_id] += 1
+        self.loads.sent(server_id)
         return server_id
+
+    def _load_report(self, server_id: str) -> LoadReport:
+        return lambda load, answered: self.loads.report(server_id, load, answered)
+
+    async def _refresh_loads(self) -> None:
+        """Ask the replicas this client has not heard from lately for their load, while it has
+        requests out (their answers tell it otherwise)."""
+        while True:
+            await asyncio.sleep(LOAD_REFRESH_SECONDS)
+            if not self.loads.outstanding:
+                continue
+            quiet = [sid for sid in self.loads.quiet(list(self._connected), LOAD_REFRESH_SECONDS) if sid not in self._down and sid not in self._gone]
+            await self._read_loads(quiet)
+
+    async def _read_loads(self, server_ids: list[str]) -> None:
+        """Ask these servers for their load, all at once (a second at most)."""
+        await asyncio.gather(*[self._read_load(sid) for sid in server_ids])
+
+    async def _read_load(self, server_id: str) -> None:
+        read = getattr(self._connected[server_id], "read_load", None)
+        if read is None:
+            return
+        with contextlib.suppress(Exception):  # a server that fails is the requests' business (failover)
+            async with asyncio.timeout(1.0):
+                load = await read()
+            if load is not None:
+                self.loads.report(server_id, load)
 
     async def _up_servers(self) -> list[str]:
         while True:
@@ -279,6 +324,17 @@ class RayReplicaBackend:
         # and vLLM servers one. A batcher belongs to the event loop it was made in.
         self._batches = hasattr(handle, BATCH_METHOD)
         self._batchers: dict[asyncio.AbstractEventLoop, RequestBatcher] = {}
+        self._on_load: LoadReport | None = None
+
+    def watch_load(self, report: LoadReport) -> None:
+        """Our engine servers send their load with each group of answers (server.EngineServer)."""
+        self._on_load = report
+
+    async def read_load(self) -> int | None:
+        """The server's load now: our engine servers count it; verl's SGLang and vLLM servers do not."""
+        if not self._batches:
+            return None
+        return int(await self.handle.load.remote())
 
     async def generate(
         self,
@@ -326,7 +382,7 @@ class RayReplicaBackend:
         loop = asyncio.get_running_loop()
         batcher = self._batchers.get(loop)
         if batcher is None:
-            batcher = self._batchers[loop] = RequestBatcher(self.handle)
+            batcher = self._batchers[loop] = RequestBatcher(self.handle, on_load=self._on_load)
         return await batcher.call(call)
 
     async def probe(self) -> bool:

@@ -5,7 +5,7 @@ counters, about once a second, to one named Ray actor of the run (`ProgressBoard
 shard had committed when the attempt started, what it has generated, committed and failed
 since, what it owes. The driver reads the board and adds what it knows without it (shards that
 finished, what an earlier run committed in shards no job has started yet: `committed_counts`)
-into `RunProgress`: trajectories done / total, rate, ETA, failures. The same numbers feed the
+into `RunProgress`: trajectories done / total, rate, ETA (shard/eta.py), failures. The same numbers feed the
 terminal and the flow run's Prefect progress artifact.
 
 The board also carries the driver's stop request (a first Ctrl-C) to the shard jobs: each job
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.run_plan import ShardSpec
+from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
 from generation_core.shard.progress_board import ProgressBoard
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
@@ -39,7 +40,7 @@ BOARD_TIMEOUT_SECONDS = 10.0
 """The longest a shard job waits for the board's answer (a board that never started must not
 hold a shard up)."""
 RATE_WINDOW_SECONDS = 60.0
-"""The rate (and so the ETA) is measured over the generation of the last minute."""
+"""The rate shown is measured over the generation of the last minute (the ETA's is not: eta.py)."""
 PROGRESS_BOARD_PREFIX = "genrun_progress"
 
 
@@ -61,6 +62,9 @@ class ShardReport:
     generated: int = 0
     committed: int = 0
     failed: int = 0
+    sent: float = 0.0
+    """Unix time the job sent it (0: unknown): the ETA's rates count to when the counts were true,
+    not to when the driver happened to read them (up to two report periods later)."""
 
 
 def new_board_name() -> str:
@@ -116,6 +120,7 @@ class ShardReporter:
     async def send(self) -> None:
         if self.board is None:
             return
+        self.report.sent = time.time()
         try:
             answer = await asyncio.wait_for(self.board.report.remote(asdict(self.report)), BOARD_TIMEOUT_SECONDS)
             self.stop = bool(answer) or self.stop
@@ -167,6 +172,8 @@ class ProgressTotals:
     rate: float | None
     """Trajectories per second over the last RATE_WINDOW_SECONDS (None: not measurable yet)."""
     eta: float | None
+    """Seconds left: shard/eta.py's estimate from the rate since generation started and each
+    running shard's rows left (None: not measurable yet)."""
 
     @property
     def percent(self) -> float:
@@ -184,17 +191,6 @@ class ProgressTotals:
         return ", ".join(parts)
 
 
-def format_seconds(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 @dataclass
 class _Shard:
     expected: int
@@ -202,6 +198,10 @@ class _Shard:
     report: ShardReport | None = None
     finished: tuple[int, int, int] | None = None
     """(done, failed, expected) from the shard's manifest."""
+    started: tuple[str, float, int] | None = None
+    """(attempt, when its first report was sent, what it had generated then): its own rate."""
+    reported_at: float = 0.0
+    """When its latest report was sent (on RunProgress's clock)."""
 
 
 @dataclass
@@ -219,6 +219,8 @@ class RunProgress:
         self._state = {s.shard_id: _Shard(expected=(s.end - s.start) * self.rollout_n) for s in self.shards}
         self._started = self.clock()
         self._samples = collections.deque([(self._started, 0)])
+        self._generating_since: tuple[float, int] | None = None
+        self._generated_at: float | None = None
 
     def set_baseline(self, counts: dict[int, int]) -> None:
         """What each shard had committed before this invocation (committed_counts)."""
@@ -231,17 +233,55 @@ class RunProgress:
 
     def update(self, snapshot: dict[str, Any]) -> None:
         """Take a board snapshot (ProgressBoard.snapshot)."""
+        now = self.clock()
+        newest = None
         for payload in snapshot.get("reports", []):
             report = ShardReport(**payload)
             if report.shard_id in self._state:
-                self._state[report.shard_id].report = report
+                shard = self._state[report.shard_id]
+                shard.report = report
+                # When the report was true, on this progress's clock.
+                shard.reported_at = now - max(0.0, time.time() - report.sent) if report.sent else now
+                newest = shard.reported_at if newest is None else max(newest, shard.reported_at)
+                if shard.started is None or shard.started[0] != report.attempt:
+                    shard.started = (report.attempt, shard.reported_at, report.generated)
+        if newest is not None:
+            self._generated_at = newest  # the board's total was true then (unchanged counts too)
         self._generated = max(self._generated, int(snapshot.get("generated", 0)))
-        now = self.clock()
+        if self._generating_since is None and newest is not None:
+            # The ETA's rate counts from the first shard at work, not from the replicas' boot.
+            self._generating_since = (newest, self._generated)
         self._samples.append((now, self._generated))
         # The window starts at the last moment nothing had been generated yet (workers still
         # starting) or RATE_WINDOW_SECONDS ago, whichever is later.
         while len(self._samples) > 2 and (now - self._samples[1][0] >= RATE_WINDOW_SECONDS or self._samples[1][1] == self._samples[0][1]):
             self._samples.popleft()
+
+    def _eta(self, remaining: int, now: float) -> float | None:
+        """estimate_eta over the run's rate since its first shard reported and each running
+        shard's rate since its attempt's first report, each to when its counts were sent; less
+        the time since then."""
+        if remaining == 0:
+            return 0.0
+        if self._generating_since is None or self._generated_at is None:
+            return None
+        since, generated_then = self._generating_since
+        paces = [
+            ShardPace(
+                remaining=max(s.report.owed - s.report.committed_at_start - s.report.generated - s.report.failed, 0),
+                done=s.report.generated - s.started[2], seconds=s.reported_at - s.started[1],
+            )
+            for s in self._state.values() if s.report is not None and s.finished is None and s.started is not None
+        ]
+        eta = estimate_eta(remaining, self._generated - generated_then, self._generated_at - since, paces)
+        return None if eta is None else max(eta - (now - self._generated_at), 0.0)
+
+    def activity(self) -> dict[str, tuple[str, int, int]]:
+        """Each running shard's (attempt, generated, committed): what the stall alarm watches."""
+        return {
+            shard_name(shard_id): (s.report.attempt, s.report.generated, s.report.committed)
+            for shard_id, s in self._state.items() if s.report is not None and s.finished is None
+        }
 
     def totals(self) -> ProgressTotals:
         done = failed = total = shards_done = 0
@@ -260,7 +300,7 @@ class RunProgress:
         span = now - first_time
         rate = (self._generated - first_generated) / span if span >= 2.0 and self._generated > first_generated else None
         remaining = max(total - done - failed, 0)
-        eta = remaining / rate if rate else (0.0 if remaining == 0 else None)
+        eta = self._eta(remaining, now)
         return ProgressTotals(
             done=done, failed=failed, total=total, shards_done=shards_done, shards=len(self._state),
             generated=self._generated, elapsed=now - self._started, rate=rate, eta=eta,

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop import AgentLoopWorker
 
 from generation_core.config.settings import GenerationSettings
+from generation_core.inputs.openai_batch import line_sampling_params
 from generation_core.instrumentation import SampleTrace
 from generation_core.serving.request_retry import RetryingClient
 from generation_core.shard.rewards import RewardScorer
@@ -166,8 +167,13 @@ class StreamingWorker:
         sample_kwargs = dict(kwargs)
         agent_loop = self.build_agent_loop(sample_kwargs.pop("agent_name"))
         sampling_params = dict(self.sampling_params)
-        if self.sample_seed is not None:
-            sampling_params["seed"] = sample_seed(self.sample_seed, key)
+        # An OpenAI batch line's own parameters (inputs/openai_batch.py); its seed, like
+        # generation.sample_seed, seeds each of the line's samples differently.
+        own = line_sampling_params(kwargs)
+        seed = own.pop("seed", self.sample_seed)
+        sampling_params.update(own)
+        if seed is not None:
+            sampling_params["seed"] = sample_seed(seed, key)
         output = await agent_loop.run(sampling_params, **sample_kwargs)
         started = time.perf_counter()
         record = self.record_from_output(key, output, kwargs)

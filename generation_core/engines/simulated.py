@@ -1,0 +1,260 @@
+"""A simulated engine for scheduling work: a continuous-batching engine with no model, whose time
+is simulated (`actor_rollout_ref.rollout.name=simulated`).
+
+What decides how busy a GPU replica is, and nothing else: a decode batch of `max_num_seqs` slots
+(requests beyond it queue, in arrival order), one decode step of the whole batch every
+`decode_seconds_per_step` (each running sequence gets one token), a prefill cost per prompt token
+that is not found in the prefix cache, and a prefix cache keyed by token prefix in blocks
+(`cache_block_tokens`, as vLLM's and SGLang's caches reuse whole blocks), bounded
+(`prefix_cache_tokens`, LRU), whose hits cost nothing. Response lengths are drawn from a
+lognormal distribution around `response_tokens_median` (`response_tokens_sigma` sets its tail),
+seeded: a request with a `seed` gets its length from (engine seed, prompt, request seed), so a
+resumed run equals an uninterrupted one; one without draws from the engine's own seeded stream in
+arrival order. The tokens are the instant engine's (`instant.answer_tokens`).
+
+`time_scale` is wall seconds per simulated second: at 0.01 several replicas on one CPU run
+thousands of trajectories in seconds. bench/scheduling.py and the tests run it under
+`VirtualClockLoop` instead (every wait is a jump of the event loop's clock), where time_scale 1
+costs no wall time at all.
+
+The counters the pool reads (`stats`, a replica's `health()`): `running` and `waiting` now,
+`busy_slot_seconds` (running sequences x simulated seconds, summed over steps) and
+`simulated_seconds`, and the prefix cache's as the transformers engine names them:
+`prefix_hits` / `prefix_misses` (requests that reused a prefix or not), `prefix_reused_tokens`
+and `prefill_tokens` (prompt tokens reused, and prefilled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import selectors
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from generation_core.config.settings import SimulatedEngineKwargs
+from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, EngineStopped, SamplingParams, response_budget
+from generation_core.engines.instant import answer_tokens
+
+
+@dataclass
+class SimulatedSettings:
+    prompt_length: int
+    response_length: int
+    eos_token_id: int
+    max_num_seqs: int = 64
+    vocab_size: int = 1000
+    decode_seconds_per_step: float = SimulatedEngineKwargs.decode_seconds_per_step
+    prefill_seconds_per_token: float = SimulatedEngineKwargs.prefill_seconds_per_token
+    prefix_cache_tokens: int = SimulatedEngineKwargs.prefix_cache_tokens
+    cache_block_tokens: int = SimulatedEngineKwargs.cache_block_tokens
+    response_tokens_median: int = SimulatedEngineKwargs.response_tokens_median
+    response_tokens_sigma: float = SimulatedEngineKwargs.response_tokens_sigma
+    seed: int = SimulatedEngineKwargs.seed
+    time_scale: float = SimulatedEngineKwargs.time_scale
+
+
+class BlockPrefixCache:
+    """Token prefixes in whole blocks, each block keyed by the hash of everything up to its end
+    (a block is found only after all the blocks before it); least recently used blocks go first."""
+
+    def __init__(self, capacity_tokens: int, block_tokens: int):
+        self.block_tokens = max(1, block_tokens)
+        self.capacity_blocks = capacity_tokens // self.block_tokens
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def block_keys(self, token_ids: list[int]) -> list[int]:
+        """The keys of `token_ids`' whole blocks, in order."""
+        return block_keys(token_ids, self.block_tokens)
+
+    def longest_prefix(self, keys: list[int]) -> int:
+        """How many leading blocks of `keys` the cache holds (each found one becomes recent)."""
+        found = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            self._blocks.move_to_end(key)
+            found += 1
+        return found
+
+    def insert(self, keys: list[int]) -> None:
+        if self.capacity_blocks <= 0:
+            return
+        for key in keys:
+            self._blocks[key] = None
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+def block_keys(token_ids: list[int], block_tokens: int) -> list[int]:
+    """Chained hashes of `token_ids`' whole blocks of `block_tokens` (a key names its whole prefix)."""
+    keys, key = [], 0
+    for end in range(block_tokens, len(token_ids) + 1, block_tokens):
+        key = hash((key, tuple(token_ids[end - block_tokens:end])))
+        keys.append(key)
+    return keys
+
+
+@dataclass
+class _Sequence:
+    prompt_ids: list[int]
+    tokens: list[int]
+    """The whole response, decided at arrival; the engine reveals one token per step."""
+    stop_reason: str
+    answer: asyncio.Future
+    logprobs: bool
+    produced: int = 0
+    block_keys: list[int] = field(default_factory=list)
+
+
+class SimulatedEngine:
+    """The engine contract (engines/base.py) over a simulated continuous-batching engine."""
+
+    def __init__(self, settings: SimulatedSettings):
+        self.settings = settings
+        self.stats: dict[str, Any] = {
+            "requests": 0, "generated_tokens": 0, "running": 0, "waiting": 0, "steps": 0,
+            "busy_slot_seconds": 0.0, "simulated_seconds": 0.0,
+            "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
+        }
+        self.cache = BlockPrefixCache(settings.prefix_cache_tokens, settings.cache_block_tokens)
+        self._draws = random.Random(settings.seed)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._wake: asyncio.Event | None = None
+        self._stepper: asyncio.Task | None = None
+        self._stopped = False
+
+    @property
+    def load(self) -> int:
+        """Requests in the engine: running and waiting for a slot."""
+        return len(self._running) + len(self._waiting)
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+        if self._stopped:
+            raise EngineStopped("the simulated engine is shut down")
+        params = SamplingParams.from_request(sampling_params)
+        tokens, stop_reason = self._response(prompt_ids, params)
+        seq = _Sequence(list(prompt_ids), tokens, stop_reason, asyncio.get_running_loop().create_future(), params.logprobs)
+        self._waiting.append(seq)
+        self.stats["requests"] += 1
+        self._start()
+        return await seq.answer
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        if self._stepper is not None:
+            self._stepper.cancel()
+        for seq in [*self._running, *self._waiting]:
+            if not seq.answer.done():
+                seq.answer.set_exception(EngineStopped("the simulated engine shut down before it answered"))
+        self._running, self._waiting = [], deque()
+
+    # ---- the response ------------------------------------------------------------------------
+
+    def _response(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        s = self.settings
+        budget = max(response_budget(s.prompt_length, s.response_length, len(prompt_ids), params.max_tokens), 0)
+        wanted = self._length(prompt_ids, params)
+        if params.ignore_eos or budget < wanted:
+            return answer_tokens(prompt_ids, params, budget, s.vocab_size), STOP_LENGTH
+        return answer_tokens(prompt_ids, params, wanted - 1, s.vocab_size) + [s.eos_token_id], STOP_EOS
+
+    def _length(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """A response length (>= 1) from the lognormal around the median."""
+        s = self.settings
+        if s.response_tokens_sigma <= 0:
+            return max(1, s.response_tokens_median)
+        draw = self._draws
+        if params.seed is not None:
+            digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids), digest_size=16)
+            draw = random.Random(digest.digest())
+        return max(1, round(math.exp(math.log(max(1, s.response_tokens_median)) + s.response_tokens_sigma * draw.gauss(0.0, 1.0))))
+
+    # ---- the batch ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._stepper is None or self._stepper.done():
+            self._wake = asyncio.Event()
+            self._stepper = asyncio.ensure_future(self._run())
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while not self._stopped:
+            if not self._running and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            prefill = self._admit()
+            s = self.settings
+            step = s.decode_seconds_per_step + s.prefill_seconds_per_token * prefill
+            self.stats["running"], self.stats["waiting"] = len(self._running), len(self._waiting)
+            self.stats["steps"] += 1
+            self.stats["simulated_seconds"] += step
+            self.stats["busy_slot_seconds"] += step * len(self._running)
+            await asyncio.sleep(step * s.time_scale)
+            self._decode()
+
+    def _admit(self) -> int:
+        """Waiting sequences join the batch while a slot is free; the prompt tokens they prefill
+        (a prefix in the cache costs nothing, and a joiner's prompt is in the cache for the next)."""
+        prefill = 0
+        while self._waiting and len(self._running) < self.settings.max_num_seqs:
+            seq = self._waiting.popleft()
+            seq.block_keys = self.cache.block_keys(seq.prompt_ids)
+            reused = self.cache.longest_prefix(seq.block_keys) * self.cache.block_tokens
+            self.cache.insert(seq.block_keys)
+            prefill += len(seq.prompt_ids) - reused
+            self.stats["prefill_tokens"] += len(seq.prompt_ids) - reused
+            self.stats["prefix_reused_tokens"] += reused
+            self.stats["prefix_hits" if reused else "prefix_misses"] += 1
+            self._running.append(seq)
+        return prefill
+
+    def _decode(self) -> None:
+        """One token for every running sequence; the finished ones answer, and their prompt and
+        response stay in the cache (a trajectory's next turn starts with them)."""
+        still: list[_Sequence] = []
+        for seq in self._running:
+            seq.produced += 1
+            if seq.produced < len(seq.tokens):
+                still.append(seq)
+                continue
+            self.cache.insert(self.cache.block_keys(seq.prompt_ids + seq.tokens))
+            self.stats["generated_tokens"] += len(seq.tokens)
+            if not seq.answer.done():
+                logprobs = [-1.0] * len(seq.tokens) if seq.logprobs else None
+                seq.answer.set_result(EngineOutput(token_ids=seq.tokens, log_probs=logprobs, stop_reason=seq.stop_reason, num_preempted=0))
+        self._running = still
+        self.stats["running"], self.stats["waiting"] = len(self._running), len(self._waiting)
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock advances only where it would wait, by exactly the wait: simulated
+    engines, routing clients and their timers run in simulated time, as fast as the CPU allows
+    (it never waits for I/O: everything it runs must be in this process)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        super().__init__(_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    def __init__(self, loop: VirtualClockLoop):
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None):
+        if timeout is not None and timeout > 0:
+            self._loop.now += timeout
+        return super().select(0)

@@ -1,0 +1,200 @@
+"""`genrun export DIR out.jsonl --format openai-batch`: a run over an OpenAI Batch API file
+(inputs/openai_batch.py) written back in the Batch API's output layout.
+
+One line per request whose `rollout.n` samples are all committed, in the input file's line
+order: `id`, `custom_id`, `response` (`status_code` 200, `request_id`, `body`: a
+`chat.completion` or `text_completion` with `n` `choices`, each with `message` / `text` and
+`finish_reason` ("length" where the sample was cut at its token budget, else "stop"), `logprobs`
+(the sampled tokens' log-probabilities where the line asked for them; no top_logprobs), and `usage`),
+`error` null. Every other request goes to the error file beside it (`<stem>_errors.jsonl`), as
+the Batch API's error file: `response` null, `error` {`code`, `message`}: `generation_failed` with
+the failure log's error for a sample that failed after its retries, `not_generated` for one
+never committed (a prompt over data.max_prompt_length, or a run not finished).
+
+Every field is a function of the committed trajectories and the run's fingerprint (ids are
+digests of fingerprint and custom_id, there is no `created` time), so a run killed and resumed
+exports the same bytes as an undisturbed one. Each file appears whole or not at all; an error
+file left by an earlier export of the same name is removed when there is no error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from generation_core.errors import GenrunError
+from generation_core.inputs.dataset_files import read_json_table
+from generation_core.inputs.openai_batch import CHAT_URL
+from generation_core.outputs.sft_messages import eos_token_ids_of
+from generation_core.run_plan import DatasetFiles
+from generation_core.store.commit_log import read_failure_log
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.run_folder import read_run_record
+from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchExportSummary:
+    output: str
+    errors_output: str
+    requests: int = 0
+    errors: int = 0
+
+    def line(self) -> str:
+        text = f"exported {self.requests} request(s) to {self.output} in the OpenAI batch output layout"
+        return text + (f"; {self.errors} request(s) without all their samples in {self.errors_output}" if self.errors else "")
+
+
+@dataclass
+class _Request:
+    custom_id: str
+    url: str
+    prompt_tokens: int = 0
+    choices: dict[int, dict[str, Any]] | None = None
+    completion_tokens: int = 0
+
+
+def errors_name(out_name: str) -> str:
+    stem = out_name[: -len(".jsonl")] if out_name.endswith(".jsonl") else out_name
+    return f"{stem}_errors.jsonl"
+
+
+def export_openai_batch(folder: StorageFolder, out_folder: StorageFolder, out_name: str, tokenizer, tokenizer_dir: str, data_options: dict[str, Any] | None) -> BatchExportSummary:
+    """Write the output file and (when some request lacks samples) the error file; see the module docstring."""
+    record = read_run_record(folder)
+    config = record.config
+    n = int(record.rollout_n or config["actor_rollout_ref"]["rollout"]["n"])
+    parts = committed_parts(folder)
+    if not parts:
+        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+    eos_ids = eos_token_ids_of(tokenizer_dir) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    requests = _input_requests(record.dataset, data_options)
+    for part in parts:
+        for trajectory in records_from_parquet(read_verified_part(folder, part)):
+            _add_choice(requests, trajectory, tokenizer, eos_ids, folder)
+    failures = _failures(folder, [shard.name for shard in record.shards])
+    model = os.path.basename(str(config["actor_rollout_ref"]["model"]["path"]).rstrip("/"))
+    fingerprint = record.fingerprint or ""
+    summary = BatchExportSummary(out_folder.display(out_name), out_folder.display(errors_name(out_name)))
+    outputs, errors = [], []
+    for index in sorted(requests):
+        request = requests[index]
+        request_id = hashlib.sha256(f"{fingerprint}:{request.custom_id}".encode()).hexdigest()[:32]
+        choices = request.choices or {}
+        if len(choices) == n:
+            outputs.append(_output_line(request, request_id, [choices[k] for k in sorted(choices)], model))
+        else:
+            errors.append(_error_line(request, request_id, index, n, failures))
+    summary.requests, summary.errors = len(outputs), len(errors)
+    with out_folder.open_write(out_name) as sink:
+        sink.write("".join(outputs).encode())
+    if errors:
+        with out_folder.open_write(errors_name(out_name)) as sink:
+            sink.write("".join(errors).encode())
+    elif out_folder.exists(errors_name(out_name)):
+        out_folder.remove(errors_name(out_name))
+    return summary
+
+
+def _input_requests(dataset: dict[str, Any] | None, data_options: dict[str, Any] | None) -> dict[int, _Request]:
+    """Every request of the run's input (custom_id and url by sample id), read from the batch
+    file again so that requests with nothing committed reach the error file too; empty when the
+    input is not readable here (then only requests with a committed sample or a failure are known)."""
+    requests: dict[int, _Request] = {}
+    if not dataset:
+        return requests
+    files = DatasetFiles.from_dict(dataset)
+    for data_file, lo, hi in files.pieces(0, files.num_rows):
+        try:
+            table = read_json_table(data_file.url, data_options or {}, planned=data_file).slice(lo, hi - lo)
+        except GenrunError as exc:
+            logger.warning("the run's input %s is not readable here (%s); requests with nothing committed are left out of the error file", data_file.url, exc)
+            return {}
+        if "extra_info" not in table.column_names:
+            continue
+        for info in table.column("extra_info").to_pylist():
+            if info and info.get("custom_id") is not None:
+                requests[int(info["index"])] = _Request(str(info["custom_id"]), str(info.get("url") or CHAT_URL))
+    return requests
+
+
+def _add_choice(requests: dict[int, _Request], trajectory: TrajectoryRecord, tokenizer, eos_ids: set[int], folder: StorageFolder) -> None:
+    info = trajectory.input_fields.get("extra_info") or {}
+    if info.get("custom_id") is None:
+        raise GenrunError(
+            f"{folder.display()} was not generated from an OpenAI batch file (trajectory {trajectory.index}:{trajectory.rollout_n} has no extra_info.custom_id); "
+            "use --format parquet for it"
+        )
+    request = requests.setdefault(trajectory.index, _Request(str(info["custom_id"]), str(info.get("url") or CHAT_URL)))
+    positions = [position for position, mask in enumerate(trajectory.response_mask) if mask]
+    generated = [trajectory.response_ids[position] for position in positions]
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    finish = "stop" if trajectory.response_ids and trajectory.response_ids[-1] in eos_ids else "length"
+    asked = bool((info.get("sampling_params") or {}).get("logprobs")) and trajectory.response_logprobs is not None
+    values = [float(trajectory.response_logprobs[position]) for position in positions] if asked and trajectory.response_logprobs is not None else None
+    choice: dict[str, Any] = {"index": trajectory.rollout_n}
+    if request.url == CHAT_URL:
+        choice.update(message={"role": "assistant", "content": text}, logprobs=_chat_logprobs(tokenizer, generated, values), finish_reason=finish)
+    else:
+        choice.update(text=text, logprobs=_completion_logprobs(tokenizer, generated, values), finish_reason=finish)
+    request.choices = request.choices or {}
+    request.choices[trajectory.rollout_n] = choice
+    request.prompt_tokens = len(trajectory.prompt_ids)
+    request.completion_tokens += len(generated)
+
+
+def _chat_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> dict[str, Any] | None:
+    """The chat layout's logprobs (no top_logprobs: genrun's engines return the sampled token's only)."""
+    if values is None:
+        return None
+    texts = [tokenizer.decode([token]) for token in tokens]
+    return {"content": [{"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []} for text, value in zip(texts, values, strict=True)]}
+
+
+def _completion_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> dict[str, Any] | None:
+    if values is None:
+        return None
+    texts = [tokenizer.decode([token]) for token in tokens]
+    offsets = [0, *itertools.accumulate(len(text) for text in texts)][: len(texts)]
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+
+def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any]], model: str) -> str:
+    chat = request.url == CHAT_URL
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": request.prompt_tokens, "completion_tokens": request.completion_tokens, "total_tokens": request.prompt_tokens + request.completion_tokens},
+    }
+    line = {"id": f"batch_req_{request_id}", "custom_id": request.custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def _error_line(request: _Request, request_id: str, index: int, n: int, failures: dict[int, str]) -> str:
+    got = len(request.choices or {})
+    if index in failures:
+        error = {"code": "generation_failed", "message": f"{n - got} of {n} samples failed after their retries: {failures[index]}"}
+    else:
+        error = {"code": "not_generated", "message": f"{got} of {n} samples committed (the prompt is longer than data.max_prompt_length, or the run has not finished)"}
+    line = {"id": f"batch_req_{request_id}", "custom_id": request.custom_id, "response": None, "error": error}
+    return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def _failures(folder: StorageFolder, shards: list[str]) -> dict[int, str]:
+    """The last logged error of each sample id that had a failure."""
+    found: dict[int, str] = {}
+    for shard in shards:
+        for entry in read_failure_log(folder, shard):
+            if entry.get("index") is not None:
+                found[int(entry["index"])] = str(entry.get("error", ""))
+    return found

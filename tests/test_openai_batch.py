@@ -1,0 +1,199 @@
+"""OpenAI Batch API files in and out (issue 36, items 1 and 2): a batch JSONL of chat and
+completions requests is read as dataset rows (custom_id and the line's sampling parameters kept),
+bad lines are refused before any work with their line numbers, and `genrun export --format
+openai-batch` writes the Batch API's output layout, the same bytes after a crash and resume as
+from an undisturbed run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from generation_core.errors import GenrunError
+from generation_core.inputs.openai_batch import BatchLimits, batch_table, is_batch_file, line_sampling_params
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _chat(custom_id, text, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-x", "messages": [{"role": "user", "content": text}], **body}}
+
+
+def _completion(custom_id, text, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-x", "prompt": text, **body}}
+
+
+def _jsonl(lines) -> bytes:
+    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode()
+
+
+def _write_batch(path, count: int):
+    """`count` requests alternating chat (with their own temperature and max_tokens, asking for
+    logprobs) and completions (with a seed)."""
+    lines = [
+        _chat(f"chat-{i}", f"Question {i}?", temperature=0.5, max_tokens=6, logprobs=True) if i % 2 else _completion(f"text-{i}", f"Once upon a time {i}", seed=i)
+        for i in range(count)
+    ]
+    path.write_bytes(_jsonl(lines))
+    return path
+
+
+def test_batch_lines_become_rows_in_verls_layout():
+    content = _jsonl([
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [
+            {"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+            "temperature": 0.2, "top_p": 0.9, "max_completion_tokens": 5, "n": 2, "seed": 7, "stop": []}},
+        "",
+        _completion("b", "The sky is"),
+    ])
+    assert is_batch_file(content) and not is_batch_file(b'{"prompt": [], "extra_info": {"index": 0}}\n')
+    rows = batch_table("f.jsonl", content, BatchLimits(n=2, response_length=16, calculate_log_probs=False)).to_pylist()
+    assert [row["prompt"] for row in rows] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        [{"role": "user", "content": "The sky is"}],
+    ]
+    assert [(r["extra_info"]["index"], r["extra_info"]["custom_id"], r["extra_info"]["url"]) for r in rows] == [(0, "a", "/v1/chat/completions"), (1, "b", "/v1/completions")]
+    assert line_sampling_params(rows[0]) == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 5, "seed": 7}
+    assert line_sampling_params(rows[1]) == {}
+
+
+def test_bad_lines_are_refused_with_their_line_numbers():
+    content = _jsonl([
+        "{broken",
+        _chat("a", "one"),
+        "{not json",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+        _chat("a", "repeated"),
+        {**_chat("c", "x"), "url": "/v1/embeddings"},
+        _chat("d", "fine"),
+    ])
+    with pytest.raises(GenrunError) as refused:
+        batch_table("in.jsonl", content)
+    message = str(refused.value)
+    assert is_batch_file(content), "a broken first line does not hide the file's kind"
+    assert "\n" not in message and "5 bad line(s)" in message
+    for expected in ("line 1: not JSON", "line 3: not JSON", "line 4: no custom_id", "line 5: custom_id 'a' repeats (first on line 2)", "line 6: url '/v1/embeddings'"):
+        assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"n": 3}, "line 1: body.n=3 differs from actor_rollout_ref.rollout.n=2"),
+        ({"max_tokens": 64}, "line 1: max_tokens 64 is above the run's response length 16"),
+        ({"logprobs": True}, "line 1: body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true"),
+        ({"presence_penalty": 0.5}, "line 1: body.presence_penalty=0.5 is not applied"),
+        ({"temperature": "hot"}, "line 1: body.temperature=\"hot\" is not a number"),
+        ({"seed": 3}, "line 1: body.seed: rollout.name=sglang does not honour per-request seeds"),
+    ],
+)
+def test_line_parameters_that_contradict_the_run_are_refused(body, message):
+    with pytest.raises(GenrunError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        batch_table("in.jsonl", _jsonl([_chat("a", "x", **body)]), BatchLimits(n=2, response_length=16, calculate_log_probs=False, engine="sglang"))
+
+
+def test_a_bad_batch_file_stops_genrun_in_one_line_before_any_work(tmp_path, model_dir, capsys):
+    from flows.cli import main
+
+    batch = tmp_path / "requests.jsonl"
+    batch.write_bytes(_jsonl([_chat("a", "x"), _chat("a", "y", n=4)]))
+    code = main([f"data.train_files={batch}", f"trainer.default_local_dir={tmp_path / 'out'}", f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=instant"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("genrun: error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "line 2: custom_id 'a' repeats (first on line 1)" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+class _Killed(BaseException):
+    """What kill -9 leaves, in this process: the run stops at once between two parts."""
+
+
+def _run_args(batch, out, model_dir):
+    return [
+        f"data.train_files={batch}", f"trainer.default_local_dir={out}", f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "data.max_prompt_length=64", "data.max_response_length=16",
+        "generation.save_batch_size=4", "generation.num_shards=2", "generation.max_inflight=4", "generation.show_progress=false", "generation.final_merge=false",
+    ]
+
+
+def _export(run, out):
+    from generation_core.outputs.export import ExportOptions, export_batch_output
+
+    summary = export_batch_output(str(run), str(out), ExportOptions(format="openai-batch"))
+    return summary, out.read_bytes()
+
+
+def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, model_dir, ray_local, monkeypatch):
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
+    from generation_core.shard import part_writer
+
+    batch = _write_batch(tmp_path / "requests.jsonl", 24)
+    run_in_process(preflight(_run_args(batch, tmp_path / "undisturbed", model_dir)))
+    expected_summary, expected = _export(tmp_path / "undisturbed", tmp_path / "undisturbed.jsonl")
+
+    passes = []
+
+    def failpoint(name):
+        passes.append(name)
+        if name == "after_part_write" and passes.count(name) == 3:
+            raise _Killed
+
+    monkeypatch.setattr(part_writer, "failpoint", failpoint)
+    with pytest.raises(_Killed):
+        run_in_process(preflight(_run_args(batch, tmp_path / "crashed", model_dir)))
+    monkeypatch.undo()
+    partial_summary, _ = _export(tmp_path / "crashed", tmp_path / "partial.jsonl")
+    assert 0 < partial_summary.requests < 24 and partial_summary.requests + partial_summary.errors == 24
+    errors = [json.loads(line) for line in (tmp_path / "partial_errors.jsonl").read_text().splitlines()]
+    assert {e["error"]["code"] for e in errors} == {"not_generated"} and len(errors) == partial_summary.errors
+
+    run_in_process(preflight(_run_args(batch, tmp_path / "crashed", model_dir)))
+    summary, resumed = _export(tmp_path / "crashed", tmp_path / "partial.jsonl")
+    assert resumed == expected
+    assert not (tmp_path / "partial_errors.jsonl").exists(), "the earlier export's error file is gone once every request is complete"
+    assert (summary.requests, summary.errors) == (expected_summary.requests, expected_summary.errors) == (24, 0)
+
+    lines = [json.loads(line) for line in expected.decode().splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"chat-{i}" if i % 2 else f"text-{i}" for i in range(24)]
+    assert len({line["id"] for line in lines}) == 24
+    for number, line in enumerate(lines):
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert [choice["index"] for choice in body["choices"]] == [0, 1]
+        assert body["object"] == ("chat.completion" if number % 2 else "text_completion")
+        key = "message" if number % 2 else "text"
+        assert all(key in choice and choice["finish_reason"] in ("stop", "length") for choice in body["choices"])
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > usage["prompt_tokens"]
+        if number % 2:
+            # The line's own max_tokens=6 bounds each of its samples (the instant engine makes 8 otherwise).
+            assert usage["completion_tokens"] <= 2 * 6
+            # It asked for logprobs: one per generated token.
+            assert sum(len(choice["logprobs"]["content"]) for choice in body["choices"]) == usage["completion_tokens"]
+            assert all(isinstance(t["logprob"], float) and t["top_logprobs"] == [] for c in body["choices"] for t in c["logprobs"]["content"])
+        else:
+            assert all(choice["logprobs"] is None for choice in body["choices"]), "not asked for"
+
+
+def test_the_fingerprint_covers_every_byte_of_a_batch_file(tmp_path):
+    """One character of one prompt changed (same length) is another dataset; the same bytes under
+    another name are the same one."""
+    from generation_core.config.loading import load_config
+    from generation_core.inputs.dataset_files import inspect_dataset
+
+    def digest(path):
+        return inspect_dataset(load_config([f"data.train_files={path}", "actor_rollout_ref.rollout.name=instant"])).digest
+
+    lines = [_chat(f"c{i}", f"Question {i}?") for i in range(50)]
+    first = tmp_path / "a.jsonl"
+    first.write_bytes(_jsonl(lines))
+    copy = tmp_path / "b.jsonl"
+    copy.write_bytes(first.read_bytes())
+    edited = tmp_path / "c.jsonl"
+    edited.write_bytes(_jsonl([*lines[:25], _chat("c25", "Question 2X?"), *lines[26:]]))
+    assert edited.stat().st_size == first.stat().st_size
+    assert digest(first) == digest(copy) != digest(edited)
+
