@@ -9,7 +9,8 @@
     genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     write DIR/report.html: plots, shard table, failures,
                                     a trajectory viewer (N trajectories at most, default 500)
-    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion] [--format parquet|openai-batch]
+    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts [--pass-rate MIN MAX]]
+                  [--format parquet|openai-batch]
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages)
     genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]

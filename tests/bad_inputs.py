@@ -73,7 +73,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
         # A key added with + that nothing reads (these ran one shard and the bundled prompts, exit 0).
         ([f"data.train_files={good}", "+generation.num_shard=2"], r"\+generation.num_shard: no such config key.*did you mean 'generation.num_shards'"),
-        (["+train_tasks=[a.parquet]"], r"\+train_tasks: no such config key.*'data.train_files'"),
+        (["+train_tasks=[a.parquet]"], r"\+train_tasks: no such config key.*'data.train_tasks'"),
         ([f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "model path .* does not exist"),
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
         ([f"data.train_files={good}", "data.storage_options.secret=abc"], "data.storage_options.secret on the command line would be stored in the Prefect flow run's parameters"),

@@ -29,7 +29,7 @@ def test_overrides_use_hydra_syntax():
     "override, closest",
     [
         ("+generation.num_shard=4", "'generation.num_shards'"),
-        ("+train_tasks=[a.parquet,b.parquet]", "'data.train_files'"),
+        ("+train_tasks=[a.parquet,b.parquet]", "'data.train_tasks'"),
         ("+generation.note=hello", "'generation'"),
         ("+actor_rollout_ref.rollout.engine_kwargs.hf.num_thread=2", "'actor_rollout_ref.rollout.engine_kwargs.hf.num_threads'"),
     ],

@@ -80,6 +80,13 @@ class GenerationSettings:
     OPEN_TRAJECTORIES_PER_CALL_SLOT x max_inflight, filled in by `of`)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
+    adaptive: bool = False
+    """Sample each prompt in two rounds (shard/adaptive.py): its first adaptive_k samples, then
+    the other n - adaptive_k only when those neither all pass nor all fail."""
+    adaptive_k: int = 4
+    """Samples of a prompt's first round; output-shaping."""
+    adaptive_pass_threshold: float = 0.0
+    """A sample passes when its reward is above this; output-shaping."""
     recheck_finished_rows: bool = True
     """On a resume, read each finished shard's rows again and compare them with their digest."""
     retries: int = 2

@@ -22,6 +22,7 @@ def validate_values(cfg: DictConfig) -> None:
     _check_counts(cfg)
     _check_sampling(cfg)
     _check_generation(cfg)
+    _check_scheduling_and_parts(cfg)
     _check_hf_engine(cfg)
     _check_inputs_and_trackers(cfg)
     resolve_layout(cfg)
@@ -103,7 +104,16 @@ def _check_generation(cfg: DictConfig) -> None:
         gen.sample_seed is None or rollout.name in SEEDED_ENGINES,
         "generation.sample_seed", gen.sample_seed, f"needs an engine that honours per-request seeds ({', '.join(SEEDED_ENGINES)}); set it to null for rollout.name={rollout.name}",
     )
+
+
+def _check_scheduling_and_parts(cfg: DictConfig) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    gen = cfg.generation
     _require(gen.routing in ROUTING_MODES, "generation.routing", gen.routing, f"must be one of {', '.join(ROUTING_MODES)}")
+    _require(
+        not gen.adaptive or (isinstance(gen.adaptive_k, int) and not isinstance(gen.adaptive_k, bool) and 1 <= gen.adaptive_k < rollout.n),
+        "generation.adaptive_k", gen.adaptive_k, f"must be an integer from 1 to actor_rollout_ref.rollout.n - 1 (n={rollout.n}) with generation.adaptive=true",
+    )
     _require(
         gen.save_batch_size is None or (isinstance(gen.save_batch_size, int) and not isinstance(gen.save_batch_size, bool) and gen.save_batch_size >= 1),
         "generation.save_batch_size", gen.save_batch_size, "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file
+from generation_core.outputs import rl_prompts
 from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
 from generation_core.outputs.openai_batch_output import BatchExportSummary, export_openai_batch
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
@@ -44,13 +45,13 @@ from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, r
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("messages", "prompt-completion")
+LAYOUTS = ("messages", "prompt-completion", rl_prompts.LAYOUT)
 LAYOUT_ALIASES = {"prompt-response": "prompt-completion"}
 """The layout's earlier name, still accepted."""
 FORMATS = ("parquet", "openai-batch")
 USAGE = (
-    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion] "
-    "[--format parquet|openai-batch] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
+    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts] "
+    "[--pass-rate MIN MAX] [--pass-threshold X] [--format parquet|openai-batch] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
 )
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
@@ -69,6 +70,8 @@ class ExportOptions:
     """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
     trust_remote_code: bool = False
     """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
+    pass_rate: tuple[float, float] | None = None  # rl-prompts: keep pass rates in [MIN, MAX] (--pass-rate)
+    pass_threshold: float = 0.0  # rl-prompts: a sample passes when its reward is above this (--pass-threshold)
 
 
 @dataclass
@@ -111,6 +114,8 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
     while arguments:
         argument = arguments.pop(0)
         name, has_value, value = argument.partition("=")
+        if rl_prompts.parse_option(argument, arguments, options, USAGE):
+            continue
         if name in ("--min-reward", "--layout", "--tokenizer", "--format"):
             if not has_value:
                 if not arguments:
@@ -152,6 +157,8 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
 
 
 def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
+    if options.layout == rl_prompts.LAYOUT or options.pass_rate is not None or options.pass_threshold != 0.0:
+        return rl_prompts.export_command(run_url, out_url, options, storage_options, _output_location)
     if options.format == "openai-batch":
         print(export_batch_output(run_url, out_url, options, storage_options).line())
         return 0

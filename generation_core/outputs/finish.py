@@ -36,7 +36,7 @@ def finish_run(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fe
     lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
     and a damaged part found by the merge is dropped under it."""
     failpoint("merge")
-    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n)
+    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n, GenerationSettings.of(plan.cfg).adaptive)
     summary = summarize(plan, manifests, elapsed)
     # Every file below is published only while the run still holds the folder.
     folder = fenced(plan.folder, fence)

@@ -44,16 +44,18 @@ _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_g
 _TOKEN_COLUMNS = ["index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns"]
 
 
-def check_shard_counts(manifests: list[SuccessMarker], rollout_n: int) -> None:
+def check_shard_counts(manifests: list[SuccessMarker], rollout_n: int, adaptive: bool = False) -> None:
     """Refuse to merge a run a shard of which does not account for every trajectory its range
-    owes: committed + failed + filtered (overlong rows x n) must equal its rows x n. A shard
+    owes: committed + failed + filtered (overlong rows x n) + not owed (what adaptive sampling,
+    on in the run's config, decided not to draw) must equal its rows x n. A shard
     that read fewer rows than planned (an input file cut or replaced under it) would otherwise
     be merged as complete, with trajectories missing."""
     for manifest in manifests:
         start, end = manifest.range
         planned = (end - start) * rollout_n
         filtered = manifest.filtered_overlong * rollout_n
-        accounted = manifest.num_trajectories + manifest.failures + filtered
+        not_owed = manifest.not_owed if adaptive else 0
+        accounted = manifest.num_trajectories + manifest.failures + filtered + not_owed
         if accounted != planned:
             raise GenrunError(
                 f"{manifest.shard} accounts for {accounted} of the {planned} trajectories of its rows [{start}, {end}) x n={rollout_n} "

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file, plugin_entry_points
+from generation_core.inputs.tasks import task_configs
 from generation_core.inputs.user_code import CodeWalk
 from generation_core.run_plan import versions
 
@@ -104,6 +105,8 @@ OPERATIONAL_KEYS = (
     "storage",
     # How to reach the input files (endpoint, credentials); their content is in the fingerprint.
     "data.storage_options",
+    # Where built tasks are cached; the built files enter by content (data.train_tasks below).
+    "data.task_cache_dir",
     "ray_kwargs",
 )
 
@@ -118,6 +121,8 @@ OUTPUT_FILES = {
     "actor_rollout_ref.rollout.multi_turn.function_tool_path": "file",
     # verl's older place for the tool config (load_config copies it to multi_turn).
     "data.tool_config_path": "file",
+    # Built by preflight (inputs/tasks.py); run_fingerprint receives their digest.
+    "data.train_tasks": "tasks",
 }
 """Config keys naming files whose content shapes the output, and how output_file_digests reads them:
 `dataset` (dataset_files.inspect_dataset: metadata plus a sampled content hash), `model` (model_identity: config,
@@ -210,6 +215,10 @@ def user_code_digest(cfg: DictConfig) -> str | None:
         path = OmegaConf.select(cfg, key)
         if path and os.path.isfile(os.path.expanduser(path)):
             walk.add_file(os.path.expanduser(path))
+    for task in task_configs(cfg):
+        # A task's custom class (inputs/tasks.py): the local modules its file imports.
+        if task.custom_cls and os.path.isfile(os.path.expanduser(task.custom_cls["path"])):
+            walk.add_file(os.path.expanduser(task.custom_cls["path"]))
     tool_config = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if tool_config:
         tools = cast(DictConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config))).get("tools") or []
@@ -232,7 +241,7 @@ def output_file_digests(cfg: DictConfig) -> dict[str, str]:
     digests = {}
     for key, kind in OUTPUT_FILES.items():
         path = OmegaConf.select(cfg, key)
-        if not path or kind == "dataset":
+        if not path or kind in ("dataset", "tasks"):
             continue
         if kind == "model":
             # A tokenizer_path may name a hub repository instead of a folder: its name is the identity.
@@ -274,16 +283,20 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def run_fingerprint(cfg: DictConfig, dataset_digest: str, served_model: str | None = None) -> str:
+def run_fingerprint(cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None) -> str:
     """The fingerprint of a checked run: its config, the dataset's digest
-    (dataset_files.inspect_dataset), the digests of its other files and user code, and for
-    remote servers the model they serve (also when engine_kwargs.remote.model is null)."""
-    return fingerprint_and_model(cfg, dataset_digest, served_model)[0]
+    (dataset_files.inspect_dataset), the digests of its other files and user code, for
+    remote servers the model they serve (also when engine_kwargs.remote.model is null), and for
+    `data.train_tasks` the digest of the built files and the task classes' source
+    (inputs.tasks.tasks_digest), which stands in for the tasks' config."""
+    return fingerprint_and_model(cfg, dataset_digest, served_model, tasks)[0]
 
 
-def fingerprint_and_model(cfg: DictConfig, dataset_digest: str, served_model: str | None = None) -> tuple[str, str | None]:
+def fingerprint_and_model(cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None) -> tuple[str, str | None]:
     """`run_fingerprint`, and the model's digest it took (the served model for remote servers;
     None for a model given by hub name): what each trajectory's provenance names."""
     files = {"served model": served_model} if served_model is not None else {}
+    if tasks is not None:
+        files["data.train_tasks"] = tasks
     files.update(output_file_digests(cfg))
     return fingerprint(cfg, dataset_digest, files), files.get("actor_rollout_ref.model.path", served_model)

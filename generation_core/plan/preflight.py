@@ -33,6 +33,7 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import inspect_dataset
 from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
+from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
 from generation_core.plan.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan
 from generation_core.secrets import keep_in_environment, split_secrets
@@ -95,6 +96,8 @@ def preflight(overrides: list[str]) -> RunPlan:
         # The model they serve (one: check_servers refuses a mix) shapes the output, also when
         # engine_kwargs.remote.model is null.
         served_model = next(iter(served.values()))
+    # Tasks become data.train_files before anything reads the dataset.
+    built_tasks = resolve_train_tasks(cfg, str(bundled.BUNDLED_PROMPTS))
     dataset = inspect_dataset(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
@@ -104,7 +107,7 @@ def preflight(overrides: list[str]) -> RunPlan:
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
-    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model)
+    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks_digest(built_tasks) if built_tasks else None)
     finalize_run_location(cfg, fingerprint)
     plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.

@@ -26,7 +26,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ray
 from omegaconf import DictConfig
@@ -39,6 +39,7 @@ from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.instrumentation import mark
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.pool import attach_client
+from generation_core.shard.adaptive import AdaptiveRule, decided_prompts
 from generation_core.shard.finished import finished_shard, rows_digest_reader
 from generation_core.shard.part_writer import PartWriter
 from generation_core.shard.progress import ShardReporter, ShardStopped
@@ -149,15 +150,18 @@ async def run_shard_with_worker(cfg: DictConfig, shard: ShardSpec, folder: Stora
     return manifest
 
 
-def pending_samples(prompts, n: int, done: set[str]) -> Iterator[tuple[tuple[int, int], dict]]:
+def pending_samples(prompts, n: int, done: set[str], rollouts: Callable[[int], range] | None = None) -> Iterator[tuple[tuple[int, int], dict]]:
     """(sample key, agent-loop kwargs) for every trajectory of the shard not in `done`, in
     dataset order, decided row by row as the stream pulls: a row none of whose samples is
     committed goes through the overlong filter (`prompts.keeps`) just before it is dispatched;
-    a row with a committed sample was kept already."""
+    a row with a committed sample was kept already. `rollouts(index)`: the rollouts this round
+    draws of a prompt (adaptive sampling, shard/adaptive.py; None: all n)."""
     for row in range(prompts.num_rows):
         index = prompts.row_index(row)
-        todo = [(index, rollout_n) for rollout_n in range(n) if sample_key_text((index, rollout_n)) not in done]
-        if not todo or (len(todo) == n and not prompts.keeps(row)):
+        allowed = range(n) if rollouts is None else rollouts(index)
+        todo = [(index, rollout_n) for rollout_n in allowed if sample_key_text((index, rollout_n)) not in done]
+        untouched = not todo or all(sample_key_text((index, rollout_n)) not in done for rollout_n in range(n))
+        if not todo or (untouched and not prompts.keeps(row)):
             continue
         for key in todo:
             # Each sample its own dict: an agent loop may change what it is given.
@@ -179,6 +183,7 @@ async def generate_shard(
     generation = ShardGeneration(cfg, shard, folder, prompts, worker, fence, reporter)
     try:
         await generation.stream_and_commit()
+        await generation.second_round()
         generation.check_failures()
     except (LeaseLost, ShardStopped):
         raise  # another run holds the folder now, or this run is stopping: no error to record
@@ -208,6 +213,10 @@ class ShardGeneration:
         if isinstance(getattr(worker, "provenance", None), dict):
             worker.provenance["attempt"] = self.checkpoint.attempts
         self.n = cfg.actor_rollout_ref.rollout.n
+        self.adaptive = AdaptiveRule.of(cfg)
+        self.rollouts = self.adaptive.first_round if self.adaptive else None
+        self.not_owed = 0
+        """Samples the adaptive rule decided not to draw (known once round 1 is committed)."""
         logger.info("%s: %d rows, %d trajectories committed", shard.name, prompts.num_rows, len(self.done))
         self.started = time.perf_counter()
         self.postprocess_before = worker.postprocess_seconds
@@ -228,7 +237,19 @@ class ShardGeneration:
 
     def owed(self) -> int:
         """What the shard owes once the overlong filter has decided every row pulled so far."""
-        return (self.prompts.num_rows - self.prompts.filtered_overlong) * self.n
+        return (self.prompts.num_rows - self.prompts.filtered_overlong) * self.n - self.not_owed
+
+    async def second_round(self) -> None:
+        """Adaptive sampling's round 2, once round 1 is committed: the rest of each prompt that
+        committed rewards leave undecided (shard/adaptive.py)."""
+        if self.adaptive is None or self.reporter.stop:
+            return
+        decided = await asyncio.to_thread(decided_prompts, self.adaptive, self.folder, self.shard.name, self.checkpoint)
+        self.not_owed = len(decided) * (self.n - self.adaptive.k)
+        # Failed this attempt: not drawn again in the same attempt (the next attempt retries them).
+        self.done = set(self.checkpoint.completed) | set(self.checkpoint.failed)
+        self.rollouts = self.adaptive.second_round(decided)
+        await self.stream_and_commit()
 
     async def stream_and_commit(self) -> None:
         """Pull finished trajectories and failures as they come, write them into parts and commit
@@ -237,7 +258,7 @@ class ShardGeneration:
         # The per-shard bar is for a process whose output someone reads (library use); on a Ray
         # worker the driver shows the run's progress from the board instead.
         progress = tqdm(total=report.owed, initial=len(self.done), desc=self.shard.name, disable=not gen.show_progress or reporter.attached, unit="traj")
-        samples = pending_samples(self.prompts, self.n, self.done)
+        samples = pending_samples(self.prompts, self.n, self.done, self.rollouts)
         # An idle stream still wakes up in time to commit a part that reached its maximum age (and,
         # with a board, to see a stop request within a second).
         idle_timeout = min(gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else []))
@@ -328,6 +349,7 @@ class ShardGeneration:
             repaired_parts=checkpoint.repaired_parts,
             attempts=checkpoint.attempts,
             filtered_overlong=prompts.filtered_overlong,
+            not_owed=self.not_owed,
             last_attempt=AttemptStats(
                 trajectories=self.generated_now,
                 generated_tokens=self.tokens_now,

@@ -166,6 +166,9 @@ class SuccessMarker:
     last_attempt: AttemptStats = field(default_factory=AttemptStats)
     filtered_overlong: int = 0
     """Rows of the shard's range dropped as longer than data.max_prompt_length (never generated)."""
+    not_owed: int = 0
+    """Samples adaptive sampling (generation.adaptive) decided not to draw: prompts whose first
+    round decided them owe adaptive_k samples, not n."""
     done_record: int | None = None
     """The number of the shard's `done` commit record this marker belongs to (None: a marker of
     a version that wrote none)."""

@@ -1,0 +1,186 @@
+"""`genrun export --layout rl-prompts`: one row per prompt in verl's RL layout, with its pass rate.
+
+Before RL, people sample each prompt n times and keep the prompts the model solves sometimes but
+not always: the rest give GRPO no signal. This export reads the committed rewards (three columns
+of every part), and writes each prompt's original row from the run's input files (read as the
+run read them: `data.train_files` in run.json, tasks already built into files), unchanged but for
+`extra_info`, which gains:
+- `pass_rate`: the share of the prompt's scored samples whose reward is above the pass threshold
+  (`--pass-threshold X`, default 0: "pass" = reward > 0);
+- `num_samples`, `num_scored`, `num_passed`: committed samples, those with a reward, those passed;
+- `reward_mean`, `reward_std`, `reward_min`, `reward_max` over the scored samples.
+`--pass-rate MIN MAX` keeps the prompts whose pass rate lies in [MIN, MAX] (both inclusive; a
+prompt with no scored sample has no pass rate and is left out, counted apart). The output is what
+verl's `RLHFDataset` reads for training (`data.train_files=out.parquet`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
+
+from generation_core.errors import GenrunError
+from generation_core.inputs.dataset_files import data_storage_options, open_input, read_json_table, resolve_train_files, storage_errors
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
+from generation_core.store.run_folder import read_run_record
+from generation_core.store.trajectory_record import read_part_table, score_or_none
+
+LAYOUT = "rl-prompts"
+
+
+@dataclass
+class PromptRewards:
+    """The committed samples of one prompt: their count and their rewards (None: unscored)."""
+
+    rewards: list[float | None] = field(default_factory=list)
+
+    def statistics(self, threshold: float) -> dict[str, Any]:
+        scored = [reward for reward in self.rewards if reward is not None]
+        passed = sum(reward > threshold for reward in scored)
+        mean = sum(scored) / len(scored) if scored else None
+        return {
+            "pass_rate": passed / len(scored) if scored else None,
+            "num_samples": len(self.rewards),
+            "num_scored": len(scored),
+            "num_passed": passed,
+            "reward_mean": mean,
+            "reward_std": math.sqrt(sum((r - mean) ** 2 for r in scored) / len(scored)) if mean is not None else None,
+            "reward_min": min(scored) if scored else None,
+            "reward_max": max(scored) if scored else None,
+        }
+
+
+@dataclass
+class RlPromptsSummary:
+    output: str
+    prompts: int = 0
+    rows: int = 0
+    unscored: int = 0
+    outside_band: int = 0
+
+    def line(self, pass_rate: tuple[float, float] | None) -> str:
+        text = f"exported {self.rows} of {self.prompts} prompts to {self.output} (layout {LAYOUT})"
+        dropped = []
+        if pass_rate is not None:
+            dropped.append(f"{self.outside_band} with a pass rate outside [{pass_rate[0]:g}, {pass_rate[1]:g}]")
+        if self.unscored:
+            dropped.append(f"{self.unscored} with no scored sample")
+        return text + (f"; left out: {', '.join(dropped)}" if dropped else "")
+
+
+def parse_pass_rate(low: str, high: str) -> tuple[float, float]:
+    """`--pass-rate MIN MAX`, checked: numbers with 0 <= MIN <= MAX <= 1."""
+    try:
+        band = (float(low), float(high))
+    except ValueError:
+        raise GenrunError(f"--pass-rate {low} {high}: give two numbers between 0 and 1, e.g. --pass-rate 0.1 0.9") from None
+    if not 0 <= band[0] <= band[1] <= 1:
+        raise GenrunError(f"--pass-rate {low} {high}: needs 0 <= MIN <= MAX <= 1, e.g. --pass-rate 0.1 0.9")
+    return band
+
+
+def parse_option(argument: str, arguments: list[str], options, usage: str) -> bool:
+    """`--pass-rate MIN MAX` and `--pass-threshold X` into export.ExportOptions, taken off
+    `arguments`; False for any other argument."""
+    if argument == "--pass-rate":
+        if len(arguments) < 2:
+            raise GenrunError(f"--pass-rate needs two values, MIN and MAX; {usage}")
+        options.pass_rate = parse_pass_rate(arguments.pop(0), arguments.pop(0))
+        return True
+    name, has_value, value = argument.partition("=")
+    if name != "--pass-threshold":
+        return False
+    if not has_value:
+        if not arguments:
+            raise GenrunError(f"--pass-threshold needs a value; {usage}")
+        value = arguments.pop(0)
+    try:
+        options.pass_threshold = float(value)
+    except ValueError:
+        raise GenrunError(f"--pass-threshold {value!r} is not a number") from None
+    if math.isnan(options.pass_threshold):
+        raise GenrunError("--pass-threshold nan passes nothing; give a number")
+    return True
+
+
+def export_command(run_url: str, out_url: str, options, storage_options: dict[str, Any] | None,
+                   output_location: Callable[[str, dict[str, Any] | None], tuple[StorageFolder, str]]) -> int:
+    """`genrun export --layout rl-prompts` with export.ExportOptions; no tokenizer is needed."""
+    if options.layout != LAYOUT:
+        raise GenrunError(f"--pass-rate and --pass-threshold go with --layout {LAYOUT}; add it")
+    if options.format != "parquet":
+        raise GenrunError(f"--layout {LAYOUT} writes Parquet; it takes no --format {options.format}")
+    if options.min_reward is not None or options.best_of_n:
+        raise GenrunError(f"--min-reward and --best-of-n filter trajectories; --layout {LAYOUT} filters prompts with --pass-rate MIN MAX")
+    folder = StorageFolder(run_url, storage_options)
+    config = read_run_record(folder).config
+    parts = committed_parts(folder)
+    if not parts:
+        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+    summary = export_rl_prompts(folder, config, parts, output_location(out_url, storage_options), options.pass_threshold, options.pass_rate)
+    print(summary.line(options.pass_rate))
+    return 0
+
+
+def prompt_rewards(folder: StorageFolder, parts: list[CommittedPartRef]) -> dict[int, PromptRewards]:
+    """Every committed sample's reward, by prompt index (three columns of each part)."""
+    by_prompt: dict[int, PromptRewards] = {}
+    for part in parts:
+        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
+        for index, reward in zip(table.column("index").to_pylist(), table.column("reward_score").to_pylist(), strict=True):
+            by_prompt.setdefault(index, PromptRewards()).rewards.append(score_or_none(reward))
+    return by_prompt
+
+
+def _input_rows(config: dict[str, Any], wanted: set[int]):
+    """The run's input rows whose extra_info.index is in `wanted`, as dicts, in file order."""
+    cfg = OmegaConf.create(config)
+    options = data_storage_options(cfg)
+    for url in resolve_train_files(cfg):
+        with storage_errors(url):
+            if url.endswith((".json", ".jsonl")):
+                table = read_json_table(url, options)
+            else:
+                with open_input(url, options) as handle:
+                    table = pq.read_table(handle)
+        for row in table.to_pylist():
+            if (row.get("extra_info") or {}).get("index") in wanted:
+                yield row
+
+
+def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list[CommittedPartRef], out: tuple[StorageFolder, str],
+                      threshold: float, pass_rate: tuple[float, float] | None) -> RlPromptsSummary:
+    """Write the rl-prompts layout (see the module's docstring) to `out` (folder, name)."""
+    out_folder, out_name = out
+    summary = RlPromptsSummary(out_folder.display(out_name))
+    statistics = {}
+    for index, rewards in prompt_rewards(folder, parts).items():
+        summary.prompts += 1
+        stats = rewards.statistics(threshold)
+        if stats["pass_rate"] is None:
+            summary.unscored += 1
+        elif pass_rate is not None and not pass_rate[0] <= stats["pass_rate"] <= pass_rate[1]:
+            summary.outside_band += 1
+        else:
+            statistics[index] = stats
+    if summary.unscored == summary.prompts:
+        raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --layout {LAYOUT} needs (a reward function, reward.custom_reward_function.path); nothing written")
+    rows = []
+    for row in _input_rows(config, set(statistics)):
+        row["extra_info"] = {**row["extra_info"], **statistics[row["extra_info"]["index"]]}
+        rows.append(row)
+    if len(rows) != len(statistics):
+        raise GenrunError(f"{len(statistics) - len(rows)} prompt(s) of {folder.display()} are not in the run's input files (data.train_files in run.json) any more; restore them, nothing written")
+    if not rows:
+        raise GenrunError(f"no prompt of {folder.display()} passes --pass-rate ({summary.prompts} prompts, {summary.unscored} unscored); nothing written")
+    summary.rows = len(rows)
+    with out_folder.open_write(out_name) as sink:
+        pq.write_table(pa.Table.from_pylist(rows), sink, compression="zstd")
+    return summary

@@ -1,0 +1,72 @@
+"""Adaptive sampling (`generation.adaptive`): a prompt's samples in two rounds, the second only
+where the first leaves the outcome open.
+
+Round 1 draws each prompt's rollouts [0, k). When every one of them is committed with a reward
+and they all pass (reward > threshold) or all fail, the prompt is decided and rollouts [k, n)
+are never drawn: the shard does not owe them (`SuccessMarker.not_owed`). Otherwise round 2
+draws them. Round 2 of a shard starts once its round 1 is wholly committed, and the decision is
+a function of committed rewards only, so a shard killed anywhere and resumed draws exactly the
+samples an uninterrupted one does: a prompt with any committed rollout >= k was undecided when
+round 2 drew it and stays so; one whose round-1 sample failed is undecided (no reward to decide
+on) and gets all n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from generation_core.config.settings import GenerationSettings
+from generation_core.store.commit_log import ShardCheckpoint
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import CommittedPartRef, read_verified_part
+from generation_core.store.run_folder import shard_file
+from generation_core.store.trajectory_record import read_part_table, score_or_none
+
+
+@dataclass(frozen=True)
+class AdaptiveRule:
+    n: int
+    k: int
+    threshold: float
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> AdaptiveRule | None:
+        """The run's rule, None when adaptive sampling is off."""
+        gen = GenerationSettings.of(cfg)
+        if not gen.adaptive:
+            return None
+        return cls(int(cfg.actor_rollout_ref.rollout.n), gen.adaptive_k, float(gen.adaptive_pass_threshold))
+
+    def decided(self, rewards: dict[int, float | None]) -> bool:
+        """Whether a prompt's committed rewards (by rollout_n) decide it after round 1."""
+        if any(rollout_n >= self.k for rollout_n in rewards):
+            return False
+        first = [rewards.get(rollout_n) for rollout_n in range(self.k)]
+        if any(reward is None for reward in first):
+            return False
+        passed = [reward > self.threshold for reward in first if reward is not None]
+        return all(passed) or not any(passed)
+
+    def first_round(self, index: int) -> range:
+        return range(self.k)
+
+    def second_round(self, decided: set[int]):
+        """Rollouts round 2 draws for a prompt: none once decided, else all n."""
+        return lambda index: range(0) if index in decided else range(self.n)
+
+
+def shard_rewards(folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint) -> dict[int, dict[int, float | None]]:
+    """Every committed sample's reward in a shard, by prompt index and rollout_n."""
+    rewards: dict[int, dict[int, float | None]] = {}
+    for part in checkpoint.parts:
+        table = read_part_table(read_verified_part(folder, CommittedPartRef(shard_file(shard_name, part.name), part.sha256)), ["index", "rollout_n", "reward_score"])
+        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in ("index", "rollout_n", "reward_score")), strict=True):
+            rewards.setdefault(index, {})[rollout_n] = score_or_none(reward)
+    return rewards
+
+
+def decided_prompts(rule: AdaptiveRule, folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint) -> set[int]:
+    """The prompts of a shard whose committed round-1 rewards decide them."""
+    return {index for index, rewards in shard_rewards(folder, shard_name, checkpoint).items() if rule.decided(rewards)}
