@@ -190,6 +190,8 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     assert main(["export", str(tmp_path / "run"), str(out), "--layout", "rl-prompts"]) == 0
     rows = pq.read_table(out).to_pylist()
     assert [row["extra_info"]["index"] for row in rows] == list(range(8))
+    card = (tmp_path / "README.md").read_text()
+    assert "layout `rl-prompts`" in card and "| exported prompts (rows) | 8 |" in card and "- pass rate: mean" in card
     for row in rows:
         info, rewards = row["extra_info"], committed[row["extra_info"]["index"]]
         assert (info["pass_rate"], info["num_samples"], info["num_passed"]) == (rates[info["index"]], ROLLOUT_N, sum(r > 0 for r in rewards))

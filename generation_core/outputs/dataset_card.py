@@ -44,8 +44,12 @@ def card_name(out_folder: StorageFolder, out_name: str) -> str:
     return "README.md"
 
 
-def write_dataset_card(out_folder: StorageFolder, out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats) -> str:
-    """Write the card (see the module docstring); returns its name in `out_folder`."""
+def write_dataset_card(
+    out_folder: StorageFolder, out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats | list[str],
+) -> str:
+    """Write the card (see the module docstring); returns its name in `out_folder`. `stats`: the
+    exported trajectories' rewards and lengths, or (a layout whose rows are not trajectories)
+    the Markdown lines that describe its rows instead."""
     name = card_name(out_folder, out_name)
     out_folder.put_atomic(name, render_card(out_name, record, counts, filters, layout, stats).encode())
     return name
@@ -71,7 +75,7 @@ def card_filters(options: Any, summary: Any) -> list[str]:
     return filters
 
 
-def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats) -> str:
+def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats | list[str]) -> str:
     config = record.config
     rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
     model = config.get("actor_rollout_ref", {}).get("model", {}).get("path")
@@ -112,6 +116,13 @@ def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filter
         "",
         *([f"- {line}" for line in filters] or ["- none: every committed trajectory"]),
         "",
+        *(stats if isinstance(stats, list) else _trajectory_lines(stats)),
+    ]
+    return "\n".join(lines)
+
+
+def _trajectory_lines(stats: RowStats) -> list[str]:
+    return [
         "## Rewards",
         "",
         _reward_lines(stats.rewards, len(stats.response_tokens)),
@@ -122,7 +133,19 @@ def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filter
         _distribution("turns", stats.turns),
         "",
     ]
-    return "\n".join(lines)
+
+
+def pass_rate_lines(pass_rates: list[float], samples: list[int]) -> list[str]:
+    """The rl-prompts layout's rows: one per prompt, described by its pass rate and samples."""
+    return ["## Pass rates", "", _distribution_of("pass rate", pass_rates), _distribution("samples per prompt", samples), ""]
+
+
+def _distribution_of(what: str, values: list[float]) -> str:
+    if not values:
+        return f"- {what}: no rows"
+    ordered = sorted(values)
+    return (f"- {what}: mean {statistics.fmean(ordered):.3f}, median {statistics.median(ordered):.3f}, "
+            f"min {ordered[0]:.3f}, max {ordered[-1]:.3f}")
 
 
 def _reward_lines(rewards: list[float], rows: int) -> str:

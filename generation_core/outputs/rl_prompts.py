@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import data_storage_options, open_input, read_json_table, resolve_train_files, storage_errors
+from generation_core.outputs.dataset_card import pass_rate_lines, write_dataset_card
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
@@ -64,6 +65,7 @@ class RlPromptsSummary:
     rows: int = 0
     unscored: int = 0
     outside_band: int = 0
+    card: str | None = None
 
     def line(self, pass_rate: tuple[float, float] | None) -> str:
         text = f"exported {self.rows} of {self.prompts} prompts to {self.output} (layout {LAYOUT})"
@@ -72,7 +74,8 @@ class RlPromptsSummary:
             dropped.append(f"{self.outside_band} with a pass rate outside [{pass_rate[0]:g}, {pass_rate[1]:g}]")
         if self.unscored:
             dropped.append(f"{self.unscored} with no scored sample")
-        return text + (f"; left out: {', '.join(dropped)}" if dropped else "")
+        text += f"; left out: {', '.join(dropped)}" if dropped else ""
+        return text + (f"; dataset card {self.card}" if self.card else "")
 
 
 def parse_pass_rate(low: str, high: str) -> tuple[float, float]:
@@ -183,4 +186,16 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
     summary.rows = len(rows)
     with out_folder.open_write(out_name) as sink:
         pq.write_table(pa.Table.from_pylist(rows), sink, compression="zstd")
+    summary.card = out_folder.display(_write_card(folder, out, summary, rows, threshold, pass_rate))
     return summary
+
+
+def _write_card(folder: StorageFolder, out: tuple[StorageFolder, str], summary: RlPromptsSummary, rows: list[dict[str, Any]],
+                threshold: float, pass_rate: tuple[float, float] | None) -> str:
+    """The dataset card beside the export (dataset_card.py), its rows described by pass rates."""
+    counts = {"prompts with committed samples": summary.prompts, "exported prompts (rows)": summary.rows, "prompts with no scored sample": summary.unscored}
+    filters = [f"a sample passes with a reward above {threshold:g} (`--pass-threshold`)"]
+    if pass_rate is not None:
+        filters.append(f"`--pass-rate {pass_rate[0]:g} {pass_rate[1]:g}`: kept prompts whose pass rate is in the band ({summary.outside_band} dropped)")
+    extra = pass_rate_lines([row["extra_info"]["pass_rate"] for row in rows], [row["extra_info"]["num_samples"] for row in rows])
+    return write_dataset_card(out[0], out[1], read_run_record(folder), counts, filters, LAYOUT, extra)
