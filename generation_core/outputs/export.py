@@ -22,8 +22,6 @@ over the parts' index/rollout_n/reward columns. Rows come out shard by shard, so
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,8 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
-from generation_core.inputs.agent_loops import existing_config_file
-from generation_core.outputs import rl_prompts
+from generation_core.outputs import export_tools, rl_prompts
 from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
 from generation_core.outputs.openai_batch_output import BatchExportSummary, export_openai_batch
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
@@ -184,7 +181,7 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
     out_folder, out_name = _output_location(out_url, storage_options)
-    tools = run_tool_schemas(config, options.trust_remote_code)
+    tools = export_tools.run_tool_schemas(config, options.trust_remote_code)
     rebuilder = MessageRebuilder(_tokenizer(config, options), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
@@ -251,7 +248,7 @@ def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tool
         timings=None if record.timings is None else dict(record.timings, storage=storage_seconds),
     )
     if tools is not None:
-        row["tools"] = _selected_tools(tools, record.input_fields)
+        row["tools"] = export_tools.selected_tools(tools, record.input_fields)
     return row
 
 
@@ -354,54 +351,3 @@ def _tokenizer(config: dict[str, Any], options: ExportOptions):
 
 def _eos_ids(config: dict[str, Any], override: str | None) -> set[int]:
     return eos_token_ids_of(_tokenizer_dir(config, override))
-
-
-def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) -> list[dict[str, Any]] | None:
-    """The run's tool schemas as verl's ToolAgentLoop renders them into prompts, or None when
-    the run had no tool config. The tool classes (code run.json names) are built only with the
-    user's --trust-remote-code; otherwise the schemas come from the tool config's `tool_schema`
-    entries, as verl validates them, and a tool whose schema only its code knows is refused."""
-    multi_turn = config["actor_rollout_ref"]["rollout"].get("multi_turn") or {}
-    paths = {name: multi_turn.get(name) for name in ("tool_config_path", "function_tool_path")}
-    if not any(paths.values()):
-        return None
-    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
-    if not trust_remote_code:
-        return _declared_tool_schemas(resolved)
-    from verl.tools.tool_registry import load_all_tools
-
-    try:
-        # verl's BaseTool prints every schema it builds.
-        with contextlib.redirect_stdout(io.StringIO()):
-            tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
-    except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
-        raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools] or None
-
-
-def _declared_tool_schemas(paths: dict[str, str | None]) -> list[dict[str, Any]] | None:
-    """The schemas a tool config declares, read without importing a tool class."""
-    from omegaconf import DictConfig, OmegaConf
-    from verl.tools.schemas import OpenAIFunctionToolSchema
-
-    needs_code = f"function_tool_path={paths['function_tool_path']}" if paths["function_tool_path"] else None
-    declared = (cast(DictConfig, OmegaConf.load(paths["tool_config_path"])).get("tools") or []) if paths["tool_config_path"] else []
-    schemas = []
-    for tool in declared:
-        if tool.get("tool_schema") is None:
-            needs_code = needs_code or f"{tool.get('class_name')} in {paths['tool_config_path']} (no tool_schema)"
-            continue
-        schemas.append(OpenAIFunctionToolSchema.model_validate(OmegaConf.to_container(tool.tool_schema, resolve=True)).model_dump(exclude_unset=True, exclude_none=True))
-    if needs_code:
-        raise GenrunError(
-            f"the run's tool schemas come from code ({needs_code}), which genrun export runs only when asked: add --trust-remote-code if you trust it"
-        )
-    return schemas or None
-
-
-def _selected_tools(tools: list[dict[str, Any]], input_fields: dict[str, Any]) -> list[dict[str, Any]]:
-    # verl's ToolAgentLoop offers a row only the tools its extra_info.tool_selection names.
-    selection = (input_fields.get("extra_info") or {}).get("tool_selection")
-    if not selection:
-        return tools
-    return [tool for tool in tools if tool.get("function", {}).get("name") in set(selection)]
