@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard, cast
+from typing import Any, TypeGuard
 
 import pyarrow as pa
 import pyarrow.parquet as pq
