@@ -37,6 +37,9 @@ def finished_run(ray_local, tmp_path_factory):
         "generation.gpu_hour_price=3.0",
         "generation.save_batch_size=5",
         "generation.show_progress=false",
+        # A few seconds of generation, so that the progress line shows an ETA (it needs 2 s of rate).
+        "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=0.4",
+        "generation.max_inflight=1",
     ]))
     return out, summary
 
@@ -92,6 +95,12 @@ def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
     assert ledger["cost"] == pytest.approx(ledger["replica_seconds"] / 3600 * 3.0, rel=1e-3)
     assert ledger["cost_per_million_output_tokens"] == pytest.approx(ledger["cost"] / ledger["output_tokens"] * 1e6, rel=1e-3)
     assert ledger["prefix_cache_hit_rate"] is None, "the instant engine reports no prefix cache"
+    # What the progress line predicted, judged against when generation really ended.
+    eta = ledger["eta"]
+    assert 12 * 0.4 <= eta["generation_seconds"] < ledger["wall_seconds"]
+    shown = [point for point in eta["points"] if point[3] is not None]
+    assert shown and all(0 <= seconds < eta["generation_seconds"] and done < total == PROMPTS for seconds, done, total, _ in shown)
+    assert 0 <= eta["median_error"] <= eta["max_error"], "the ETA was shown from 10% done on"
 
 
 def test_status_shows_the_ledger(finished_run, capsys):
@@ -101,6 +110,7 @@ def test_status_shows_the_ledger(finished_run, capsys):
     assert print_status(str(out)) == 0
     text = capsys.readouterr().out
     assert "capacity:      2 replica(s)" in text and "time split:" in text and "at 3/GPU-hour" in text
+    assert "ETA error:     median " in text
 
 
 def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_replica_and_time(finished_run):
@@ -110,7 +120,7 @@ def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_repli
 
     out, summary = finished_run
     report = write_report(StorageFolder(str(out)))
-    assert {"replica-timeline", "time-split"} <= {plot.name for plot in report.plots}
+    assert {"replica-timeline", "time-split", "eta"} <= {plot.name for plot in report.plots}
     page = (out / REPORT_FILE).read_text()
     table = re.search(r'<table id="replica-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
     assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(summary["ledger"]["per_replica"])

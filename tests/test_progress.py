@@ -10,6 +10,7 @@ import pytest
 
 from generation_core.console import ProgressDisplay
 from generation_core.inputs.shard_rows import ShardSpec
+from generation_core.shard.eta import TRACE_POINTS, EtaTrace, eta_errors, trace_summary
 from generation_core.shard.progress import ProgressBoard, RunProgress, ShardReport, ShardReporter, format_seconds
 
 pytestmark = pytest.mark.timeout(60)
@@ -186,3 +187,47 @@ def test_a_library_logging_a_genrun_error_prints_no_traceback_on_the_terminal():
     assert not shown(record("prefect.task_runs", wrapped))
     assert shown(record("prefect.flow_runs", ValueError("a bug")))
     assert shown(record("genrun", GenrunError("logged by genrun itself")))
+
+
+def test_the_eta_shown_is_traced_and_judged_against_when_the_run_really_ended_with_the_cost_to_go():
+    clock = Clock()
+    progress = RunProgress([ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock, devices=4, gpu_hour_price=2.0)
+    board = ProgressBoard()
+    board.report(vars(_report(0, owed=100)))
+    progress.update(board.snapshot())
+    for second in range(1, 26):
+        clock.now += 1
+        board.report(vars(_report(0, owed=100, generated=4 * second)))
+        progress.update(board.snapshot())
+        totals = progress.totals()
+        if second == 5:
+            # 4/s since the first report: 80 left take 20 s, 4 devices x 20 s at 2.0 per device-hour.
+            assert totals.eta == pytest.approx(20.0) and totals.cost_to_go == pytest.approx(4 * 20 / 3600 * 2.0)
+            assert totals.line() == "trajectories 20/100 (20.0%), 4.0/s, ETA 20s (~0.0444 to go), 0 failed, shards 0/1 done"
+    assert totals.cost_to_go is None and "to go" not in totals.line()
+    progress.totals()  # ticks after the end add nothing
+    summary = trace_summary(progress.trace)
+    assert summary["generation_seconds"] == 25.0
+    # One point a second; from 10% done on, the rate never changed, so every ETA was exact.
+    assert [point[0] for point in summary["points"]] == [float(s) for s in range(1, 25)]
+    assert all(point[3] == pytest.approx(25.0 - point[0]) for point in summary["points"] if point[0] >= 2)
+    assert summary["median_error"] == summary["max_error"] == 0.0
+
+
+def test_an_eta_trace_judges_from_ten_percent_done_and_thins_itself_to_a_bounded_size():
+    trace = EtaTrace()
+    for point in [(0.0, 0, 100, None), (5.0, 5, 100, 30.0), (10.0, 20, 100, 12.0), (15.0, 60, 100, 4.0), (20.0, 100, 100, 0.0)]:
+        trace.add(*point)
+    assert trace.ended == 20.0 and len(trace.points) == 4
+    # 5% done is not judged; at 10 s 10 s were left (12 predicted), at 15 s 5 (4 predicted).
+    assert eta_errors(trace.points, trace.ended) == [pytest.approx(2 / 20), pytest.approx(1 / 20)]
+    summary = trace_summary(trace)
+    assert (summary["median_error"], summary["max_error"]) == (0.075, 0.1)
+    assert trace_summary(EtaTrace(points=[(1.0, 1, 10, 5.0)])) is None, "a run that never ended (stopped) has no judged trace"
+
+    long = EtaTrace()
+    for second in range(100_000):
+        long.add(float(second), second, 200_000, 1.0)
+    assert TRACE_POINTS // 2 <= len(long.points) <= TRACE_POINTS
+    seconds = [point[0] for point in long.points]
+    assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] > 99_000 - long.spacing

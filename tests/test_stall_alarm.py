@@ -168,6 +168,10 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
         assert len(lines) == 2 and lines[1].startswith("stalled since ") and lines[1].endswith("without a commit): shard-00000, shard-00001")
         # Within stall_seconds of their commits: an ETA, no stall line.
         assert [line for line in pace_lines(folder, run, states, now=started + 3.0) if line.startswith("stalled")] == []
+        # With a GPU-hour price: what the rest costs, 8 GPUs held for the 40 s left at 2.0 per GPU-hour.
+        run.config["generation"]["gpu_hour_price"] = 2.0
+        run.config["trainer"] = {"n_gpus_per_node": 8, "nnodes": 1}
+        assert pace_lines(folder, run, states, now=now)[0] == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.178 to go at 2/GPU-hour"
     # No genrun holds the folder: an interrupted run is not a stalled one.
     assert pace_lines(folder, run, states, now=time.time()) == []
 

@@ -29,6 +29,7 @@ from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.pool import ReplicaPool, new_registry_name
+from generation_core.shard.eta import trace_summary
 from generation_core.shard.progress import ProgressTotals, committed_counts
 from generation_core.store.lease import LeaseFence, RunLease
 from generation_core.store.run_folder import SuccessMarker
@@ -98,8 +99,9 @@ class ShardSubmitter(Protocol):
         ...
 
 
-Finish = Callable[[RunPlan, list[SuccessMarker], float, LeaseFence], dict[str, Any]]
-"""Merge and write manifest.json: (plan, manifests, elapsed seconds, fence) -> the summary."""
+Finish = Callable[[RunPlan, list[SuccessMarker], float, LeaseFence, "dict[str, Any] | None"], dict[str, Any]]
+"""Merge and write manifest.json: (plan, manifests, elapsed seconds, fence, the ETA trace's
+summary for the ledger: shard/eta.trace_summary) -> the summary."""
 Publish = Callable[[RunPlan, dict[str, Any], list[SuccessMarker], LeaseFence], dict[str, Any]]
 """Publish: (plan, summary, manifests, fence) -> the summary with what was published."""
 
@@ -194,7 +196,7 @@ def _drive_holding(
     # Every shard is committed: a Ctrl-C ends the merge or the publish at once, and the same
     # command does them again (the merged files are written whole or not at all).
     with STOP.interruptible():
-        summary = finish(plan, manifests, time.perf_counter() - started, fence)
+        summary = finish(plan, manifests, time.perf_counter() - started, fence, trace_summary(watch.progress.trace))
         if prefix_cache is not None:
             summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from generation_core.config.layout import resolve_layout
 from generation_core.config.settings import GenerationSettings
 from generation_core.console import ProgressDisplay
 from generation_core.driver.stall_alarm import Stall, StallWatch, raise_alarm
@@ -52,7 +53,11 @@ class RunWatch:
         self._watching_since: float | None = None
         """When the stall alarm began watching: once a shard job reported (it is generating)."""
         self.plan = plan
-        self.progress = RunProgress(plan.shards, plan.cfg.actor_rollout_ref.rollout.n)
+        layout = resolve_layout(plan.cfg)
+        self.progress = RunProgress(
+            plan.shards, plan.cfg.actor_rollout_ref.rollout.n, devices=layout.replicas * max(layout.gpus_per_replica, 1),
+            gpu_hour_price=gen.get("gpu_hour_price"),
+        )
         self.display = ProgressDisplay(enabled=bool(gen.show_progress), interval=float(gen.progress_seconds))
         self.on_update, self.update_seconds = on_update, update_seconds
         self.board_name = new_board_name()

@@ -10,7 +10,9 @@ each part, and the parts' commit records), beside the run's wall time and replic
   answer of this invocation, while work remained) in which it ran no request;
 - the prefix-cache hit rate, where the engine reports hits (hf);
 - the time split totals of every trajectory (records.TIMINGS) plus storage (the parts' write time);
-- with `generation.gpu_hour_price`, the cost in total and per 1M output tokens.
+- with `generation.gpu_hour_price`, the cost in total and per 1M output tokens;
+- `eta`, added by the driver: what the progress line predicted and how far off it was
+  (shard/eta.trace_summary).
 
 Trajectories of earlier invocations (a resumed run) count in the time split; the per-replica
 figures and the window are this invocation's (`since`).
@@ -160,4 +162,10 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
     if ledger.get("cost") is not None:
         per_million = ledger.get("cost_per_million_output_tokens")
         lines.append(f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour" + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else ""))
+    eta = ledger.get("eta") or {}
+    if eta.get("max_error") is not None:
+        lines.append(
+            f"ETA error:     median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of the {eta['generation_seconds']:.0f} s "
+            f"generation (from {100 * eta['judged_from_done']:.0f}% done)"
+        )
     return lines

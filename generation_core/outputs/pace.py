@@ -5,7 +5,8 @@ Commit records say when (`time`) and for which run (`lease`) they were written; 
 `attempt` record is the running run's claim on it, its `part` records what it committed since.
 Of each shard the run holding the folder's lease has started: when its attempt began, what it
 committed since, and its newest record. The ETA is shard/eta.py's over those commits (the
-driver's progress line uses the same estimate over the board's finer counts). A started shard
+driver's progress line uses the same estimate over the board's finer counts), and with
+`generation.gpu_hour_price` what the rest costs (shard/eta.cost_to_go). A started shard
 none of whose records is younger than `generation.stall_seconds` is stalled: a working shard
 commits at least every `part_max_seconds` once anything finished (60 s by default, under the
 least default stall_seconds, 120 s). The running genrun's own alarm (driver/stall_alarm.py) also
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from generation_core.config.settings import GenerationSettings
-from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
+from generation_core.shard.eta import ShardPace, cost_to_go, estimate_eta, format_seconds
 from generation_core.store.commit_log import read_commit_records
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import newest_lease
@@ -57,6 +58,13 @@ def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: i
     return started
 
 
+def devices_held(config: dict[str, Any]) -> int:
+    """The GPUs run.json's config holds (trainer.n_gpus_per_node x nnodes; on the CPU, its
+    replicas, each counted as one device as the ledger counts them)."""
+    trainer = config.get("trainer") or {}
+    return max(int(trainer.get("n_gpus_per_node") or 1) * int(trainer.get("nnodes") or 1), 1)
+
+
 def pace_lines(folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None) -> list[str]:
     """The ETA line and, when stalled, the stall line; none when no running genrun holds the folder."""
     now = time.time() if now is None else now
@@ -72,7 +80,10 @@ def pace_lines(folder: StorageFolder, run: RunRecord, states: list[dict[str, Any
             remaining, sum(s.committed for s in shards), now - min(s.started for s in shards),
             [ShardPace(remaining=s.remaining, done=s.committed, seconds=now - s.started) for s in running],
         )
-        lines.append(f"ETA {format_seconds(eta)} for {remaining:,} trajectories left (from the commits of this run)")
+        line = f"ETA {format_seconds(eta)} for {remaining:,} trajectories left (from the commits of this run)"
+        price = (run.config.get("generation") or {}).get("gpu_hour_price")
+        cost = cost_to_go(eta, devices_held(run.config), price)
+        lines.append(line + (f"; ~{cost:.3g} to go at {price:g}/GPU-hour" if cost is not None else ""))
     stall_seconds = GenerationSettings.of(run.config).stall_seconds
     quiet = [s for s in shards if not s.finished and stall_seconds and now - s.newest >= float(stall_seconds)]
     if quiet:

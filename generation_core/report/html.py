@@ -86,7 +86,7 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
 def _plots_section(data: ReportData, plots: list[Plot]) -> str:
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name not in ("replica-timeline", "time-split")
+        for p in plots if p.name not in ("replica-timeline", "time-split", "eta")
     )
     drawn = {p.name for p in plots}
     notes = []
@@ -103,7 +103,7 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
     ledger = data.ledger
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name in ("replica-timeline", "time-split")
+        for p in plots if p.name in ("replica-timeline", "time-split", "eta")
     )
     if not ledger:
         body = "<p class=note>No capacity ledger yet: manifest.json has none until the run finishes (the charts come from the trajectories committed so far).</p>"
@@ -117,6 +117,9 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
             per_million = ledger.get("cost_per_million_output_tokens")
             facts.append(("cost", f"{ledger['cost']:.4g} ({ledger['gpu_hour_price']:g} per GPU-hour)"))
             facts.append(("cost per 1M output tokens", "n/a" if per_million is None else f"{per_million:.4g}"))
+        eta = ledger.get("eta") or {}
+        if eta.get("max_error") is not None:
+            facts.append((f"ETA error from {100 * eta['judged_from_done']:.0f}% done", f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}%"))
         rows = "".join(
             f'<tr><td>{_e(replica)}</td><td class=num>{row["requests"]:,}</td><td class=num>{row["output_tokens"]:,}</td>'
             f'<td class=num>{row["tokens_per_second"]:,.1f}</td><td class=num>{100 * row["idle_fraction"]:.1f}%</td></tr>'

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.run_plan import ShardSpec
-from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
+from generation_core.shard.eta import EtaTrace, ShardPace, cost_to_go, estimate_eta, format_seconds
 from generation_core.shard.progress_board import ProgressBoard
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
@@ -174,6 +174,8 @@ class ProgressTotals:
     eta: float | None
     """Seconds left: shard/eta.py's estimate from the rate since generation started and each
     running shard's rows left (None: not measurable yet)."""
+    cost_to_go: float | None = None
+    """What the ETA's seconds cost at `generation.gpu_hour_price` (None: no price set, no ETA)."""
 
     @property
     def percent(self) -> float:
@@ -184,6 +186,8 @@ class ProgressTotals:
         if self.done + self.failed < self.total:
             parts.append(f"{self.rate:.1f}/s" if self.rate is not None else "-/s")
             parts.append(f"ETA {format_seconds(self.eta)}" if self.eta is not None else "ETA -")
+            if self.cost_to_go is not None:
+                parts[-1] += f" (~{self.cost_to_go:.3g} to go)"
         else:
             parts.append(f"{self.rate:.1f}/s in {format_seconds(self.elapsed)}" if self.rate is not None else f"in {format_seconds(self.elapsed)}")
         parts.append(f"{self.failed:,} failed")
@@ -211,6 +215,11 @@ class RunProgress:
     shards: list[ShardSpec]
     rollout_n: int
     clock: Any = time.monotonic
+    devices: int = 1
+    """GPUs the run holds (a CPU replica counts as one): the cost to go's multiplier."""
+    gpu_hour_price: float | None = None
+    trace: EtaTrace = field(default_factory=EtaTrace)
+    """The ETAs shown, for the finished run's predicted-vs-actual (shard/eta.py)."""
     _state: dict[int, _Shard] = field(init=False)
     _samples: collections.deque = field(init=False)
     _generated: int = field(init=False, default=0)
@@ -301,7 +310,10 @@ class RunProgress:
         rate = (self._generated - first_generated) / span if span >= 2.0 and self._generated > first_generated else None
         remaining = max(total - done - failed, 0)
         eta = self._eta(remaining, now)
+        if self._generating_since is not None:
+            self.trace.add(now - self._generating_since[0], done + failed, total, eta)
         return ProgressTotals(
             done=done, failed=failed, total=total, shards_done=shards_done, shards=len(self._state),
             generated=self._generated, elapsed=now - self._started, rate=rate, eta=eta,
+            cost_to_go=cost_to_go(eta, self.devices, self.gpu_hour_price) if remaining else None,
         )
