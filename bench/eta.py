@@ -12,7 +12,9 @@ is known. Error of a prediction = |ETA - true remaining| / the generation's whol
   started, and each running shard's rows at its own rate);
 - `window`: what it showed before (remaining / the last minute's rate).
 Printed: median and max error of each once 10% of the run is done, and their ratio; the target
-is a max error <= 10%.
+is a max error <= 10%. Then the run's own verdict: manifest.json's ledger `eta` (the trace the
+driver kept of the ETAs it showed, judged against when its progress line reached the end), and
+with `--report DIR` the run report (its Capacity section plots predicted vs actual) is copied there.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
-def run(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[float, int, int, float | None, float | None]], float]:
-    """(unix time, done + failed, total, eta, window eta) at every driver tick, and when the last
-    trajectory finished (the sample trace: GENRUN_SAMPLE_TRACE)."""
+def run(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[float, int, int, float | None, float | None]], float, dict]:
+    """(unix time, done + failed, total, eta, window eta) at every driver tick, when the last
+    trajectory finished (the sample trace: GENRUN_SAMPLE_TRACE), and the ledger's `eta`."""
     from generation_core.driver import run_watch
     from generation_core.driver.in_process import run_in_process
     from generation_core.plan.preflight import preflight
@@ -77,9 +79,16 @@ def run(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[float, int,
     ])
     trace = scratch / "samples.trace"
     os.environ[SAMPLE_TRACE_ENV] = str(trace)
-    run_in_process(plan)
+    summary = run_in_process(plan)
     ended = max(float(line.split()[0]) for line in trace.read_text().splitlines())
-    return ticks, ended
+    if args.report:
+        from generation_core.report.html import REPORT_FILE, write_report
+        from generation_core.store.folder import StorageFolder
+
+        write_report(StorageFolder(str(scratch / "run")))
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        shutil.copy(scratch / "run" / REPORT_FILE, Path(args.report) / REPORT_FILE)
+    return ticks, ended, summary["ledger"].get("eta") or {}
 
 
 def generation_start(ticks) -> float:
@@ -110,10 +119,11 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.2)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--json", help="write the ticks and the end time here")
+    parser.add_argument("--report", help="copy the run's report.html into this folder")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="genrun-bench-eta-"))
     try:
-        ticks, ended = run(args, scratch)
+        ticks, ended, ledger_eta = run(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
@@ -125,6 +135,9 @@ def main() -> None:
         print(f"{name:30s} median error {statistics.median(values):6.1%}  max error {max(values):6.1%}")
     print(f"ratio window/eta: median {statistics.median(old) / statistics.median(new):.2f}, max {max(old) / max(new):.2f}")
     print(f"target: max error <= {TARGET:.0%} once 10% is done: {'met' if max(new) <= TARGET else 'NOT met'}")
+    if ledger_eta.get("max_error") is not None:
+        print(f"the run's own ledger (manifest.json eta, {len(ledger_eta['points'])} points, generation {ledger_eta['generation_seconds']:.1f} s): "
+              f"median error {ledger_eta['median_error']:.1%}  max error {ledger_eta['max_error']:.1%}")
 
 
 if __name__ == "__main__":

@@ -215,3 +215,63 @@ def test_a_waiter_cancelled_before_a_release_reaches_it_is_skipped():
     assert isinstance(cancelled_outcome, asyncio.CancelledError), "its cleanup finds it gone and raises nothing else"
     assert waiting.done() and not waiting.cancelled() and waiting.exception() is None
     assert slots.in_flight == 1 and slots.waiting == 0
+
+
+def test_a_raised_limit_hands_its_slots_to_waiting_calls_and_a_lowered_one_holds_new_calls_back():
+    async def scenario():
+        slots = CallSlots(2)
+        await slots.acquire(False)
+        await slots.acquire(False)
+        waiting = [asyncio.ensure_future(slots.acquire(False)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert slots.waiting == 3
+        slots.set_limit(4)  # the shard's share of the run's budget grew
+        await asyncio.sleep(0)
+        assert (slots.in_flight, slots.waiting, sum(w.done() for w in waiting)) == (4, 1, 2)
+        slots.set_limit(2)  # other shards started again: calls in flight finish, none is cut
+        slots.release()
+        slots.release()
+        await asyncio.sleep(0)
+        assert (slots.in_flight, slots.waiting) == (2, 1), "no slot handed out while at or over the lowered limit"
+        slots.release()
+        await asyncio.sleep(0)
+        assert (slots.in_flight, slots.waiting) == (2, 0)
+        await asyncio.gather(*waiting)
+        return slots
+
+    assert asyncio.run(scenario()).peak_in_flight == 4
+
+
+def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each_sample_once(model_dir, tmp_path):
+    """The stream's model-call limit follows `scale` (the board's share once other shards
+    finished, capped by generation.inflight_share_cap): max_inflight 2 until 6 trajectories are
+    done, then 3x; every sample still comes out once."""
+    from verl.utils import hf_tokenizer
+
+    from generation_core.shard.job import pending_samples
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    rows = [{"prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}], "data_source": "t", "extra_info": {"index": i}} for i in range(24)]
+    cfg = slow_tool_config(model_dir, tmp_path, f"data.train_files={write_parquet(tmp_path / 'rows.parquet', rows)}", "generation.max_inflight=2")
+    dataset = inspect_dataset(cfg).files
+    prompts = ShardPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
+    engine = CountingEngine(tokenizer, seconds=0.05)
+    worker = StreamingWorker(cfg, engine)
+    share, finished, peak_before = 1.0, [], 0
+
+    async def scenario():
+        nonlocal share, peak_before
+        async for record in worker.stream(pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share):
+            if record is None:
+                continue
+            finished.append((record.index, record.rollout_n))
+            if len(finished) == 6:
+                peak_before, share = engine.peak_running, 3.0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.shutdown()
+    assert peak_before == 2, "its own max_inflight while its share is 1"
+    assert engine.peak_running == 6, "three times as many model calls once its share is 3"
+    assert sorted(finished) == [(i, 0) for i in range(24)]

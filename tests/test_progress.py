@@ -97,9 +97,9 @@ def test_a_reporter_without_a_board_counts_and_never_stops():
 
 def test_the_board_passes_the_stop_request_with_its_answers():
     board = ProgressBoard()
-    assert board.report(vars(_report(0))) is False
+    assert board.report(vars(_report(0)))["stop"] is False
     board.request_stop()
-    assert board.report(vars(_report(0, generated=1))) is True and board.stop_requested(0)
+    assert board.report(vars(_report(0, generated=1)))["stop"] is True and board.stop_requested(0)
 
 
 def test_the_stop_request_answers_the_shards_whose_jobs_started_and_later_jobs_stop_before_generating():
@@ -231,3 +231,23 @@ def test_an_eta_trace_judges_from_ten_percent_done_and_thins_itself_to_a_bounded
     assert TRACE_POINTS // 2 <= len(long.points) <= TRACE_POINTS
     seconds = [point[0] for point in long.points]
     assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] > 99_000 - long.spacing
+
+
+def test_the_board_shares_the_runs_in_flight_budget_among_the_shard_jobs_still_generating():
+    import time
+
+    from generation_core.shard.progress_board import STALE_SECONDS
+
+    board = ProgressBoard()
+    now = time.time()
+    shares = [board.report(dict(vars(_report(shard)), sent=now))["share"] for shard in range(4)]
+    assert shares == [1.0, 1.0, 1.0, 1.0], "while every job has its shard: its own max_inflight"
+    board.report(dict(vars(_report(0)), sent=now, ended=True))
+    board.report(dict(vars(_report(1)), sent=now, ended=True))
+    # Two of the four at the peak ended and nothing took their workers: the two left share it.
+    assert board.report(dict(vars(_report(2, generated=5)), sent=now))["share"] == 2.0
+    # A job whose worker died stops reporting; once its report is stale it no longer counts.
+    board.report(dict(vars(_report(3)), sent=now - STALE_SECONDS - 1))
+    assert board.report(dict(vars(_report(2, generated=7)), sent=time.time()))["share"] == 4.0
+    # A new shard's job starts on a freed worker: the share goes back down.
+    assert board.report(dict(vars(_report(4)), sent=time.time()))["share"] == 2.0

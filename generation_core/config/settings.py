@@ -78,6 +78,9 @@ class GenerationSettings:
     max_open_trajectories: int | None = None
     """Most trajectories open per shard, in a model call or not (None:
     OPEN_TRAJECTORIES_PER_CALL_SLOT x max_inflight, filled in by `of`)."""
+    inflight_share_cap: int = 8
+    """A shard still running while others finished may take up to this many times max_inflight
+    (shard/progress_board.py: the run's in-flight budget shared by the shards still running)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
     adaptive: bool = False

@@ -71,6 +71,11 @@ def _check_generation(cfg: DictConfig) -> None:
         max_open is None or (isinstance(max_open, int) and not isinstance(max_open, bool) and max_open >= 1),
         "generation.max_open_trajectories", max_open, "must be null (8 x generation.max_inflight) or an integer >= 1",
     )
+    share_cap = gen.get("inflight_share_cap", 8)
+    _require(
+        isinstance(share_cap, int) and not isinstance(share_cap, bool) and share_cap >= 1,
+        "generation.inflight_share_cap", share_cap, "must be an integer >= 1 (1: each shard keeps its own max_inflight)",
+    )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")

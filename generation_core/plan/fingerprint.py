@@ -52,6 +52,7 @@ OPERATIONAL_KEYS = (
     "generation.pull_timeout",
     "generation.max_inflight",
     "generation.max_open_trajectories",
+    "generation.inflight_share_cap",
     "generation.final_merge",
     "generation.merge_chunk_size",
     "generation.merge_max_file_bytes",

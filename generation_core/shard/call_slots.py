@@ -86,6 +86,19 @@ class CallSlots:
         will take: how many new trajectories may start now."""
         return self.limit - self.in_flight - self.waiting - len(self._starting)
 
+    def set_limit(self, limit: int) -> None:
+        """Change how many calls may be in flight (the run's in-flight share, job.py): a higher
+        limit hands the new slots to waiting calls at once; a lower one lets the calls in flight
+        finish and hands out no slot until fewer than `limit` are."""
+        self.limit = max(1, limit)
+        while self.in_flight < self.limit and (self._later or self._first):
+            waiter = (self._later or self._first).popleft()
+            if not waiter.done():
+                self._take()
+                waiter.set_result(None)
+        if self.spare > 0:
+            self.freed.set()
+
     # ---- the calls' side ---------------------------------------------------------------------
 
     def is_later_turn(self) -> bool:
@@ -122,9 +135,10 @@ class CallSlots:
             raise
 
     def release(self) -> None:
-        """Give a slot back: to the next waiting later turn, else first turn, else free."""
+        """Give a slot back: to the next waiting later turn, else first turn, else free (kept
+        free while more calls are in flight than a lowered limit allows)."""
         self.in_flight -= 1
-        while self._later or self._first:
+        while self.in_flight < self.limit and (self._later or self._first):
             waiter = (self._later or self._first).popleft()
             if not waiter.done():
                 self._take()

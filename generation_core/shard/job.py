@@ -262,7 +262,10 @@ class ShardGeneration:
         # An idle stream still wakes up in time to commit a part that reached its maximum age (and,
         # with a board, to see a stop request within a second).
         idle_timeout = min(gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else []))
-        stream = self.worker.stream(samples, gen.inflight_limit, idle_timeout=idle_timeout, max_open=gen.open_trajectories_limit)
+        stream = self.worker.stream(
+            samples, gen.inflight_limit, idle_timeout=idle_timeout, max_open=gen.open_trajectories_limit,
+            scale=lambda: min(reporter.share, gen.inflight_share_cap),
+        )
         try:
             async with reporter.reporting():
                 async for record in stream:

@@ -9,7 +9,8 @@ into `RunProgress`: trajectories done / total, rate, ETA (shard/eta.py), failure
 terminal and the flow run's Prefect progress artifact.
 
 The board also carries the driver's stop request (a first Ctrl-C) to the shard jobs: each job
-sees it at its next report, commits what has finished and raises `ShardStopped`.
+sees it at its next report, commits what has finished and raises `ShardStopped`; and each job's
+share of the run's in-flight budget (progress_board.py), which its stream's limits follow.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class ShardReport:
     sent: float = 0.0
     """Unix time the job sent it (0: unknown): the ETA's rates count to when the counts were true,
     not to when the driver happened to read them (up to two report periods later)."""
+    ended: bool = False
+    """The attempt's last report: its job generates no more (the board's in-flight shares)."""
 
 
 def new_board_name() -> str:
@@ -87,6 +90,9 @@ class ShardReporter:
         self.board = board
         self.report = ShardReport(shard_id=shard_id, attempt=uuid.uuid4().hex, committed_at_start=0, owed=0)
         self.stop = False
+        self.share = 1.0
+        """This job's share of the run's in-flight budget, as the board last answered
+        (progress_board.py): 1.0 while every worker has a shard, more once some finished."""
 
     @classmethod
     def attach(cls, board_name: str | None, shard_id: int) -> ShardReporter:
@@ -123,7 +129,8 @@ class ShardReporter:
         self.report.sent = time.time()
         try:
             answer = await asyncio.wait_for(self.board.report.remote(asdict(self.report)), BOARD_TIMEOUT_SECONDS)
-            self.stop = bool(answer) or self.stop
+            self.stop = bool(answer["stop"]) or self.stop
+            self.share = max(1.0, float(answer["share"]))
         except Exception as exc:  # noqa: BLE001 - a missed report only delays the display
             logger.debug("progress report failed: %s: %s", type(exc).__name__, exc)
 
@@ -135,6 +142,7 @@ class ShardReporter:
                 await self.send()
                 await asyncio.sleep(REPORT_SECONDS)
 
+        self.report.ended = False  # a second round (adaptive sampling) reports again
         task = asyncio.ensure_future(loop()) if self.board is not None else None
         try:
             yield self
@@ -143,6 +151,7 @@ class ShardReporter:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                self.report.ended = True
                 await self.send()
 
 

@@ -7,7 +7,11 @@ generation_core.shard.progress pulls in would be spent while the shards and repl
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+STALE_SECONDS = 30.0
+"""A job that has not reported for this long (its worker died) no longer counts as generating."""
 
 
 class ProgressBoard:
@@ -20,12 +24,22 @@ class ProgressBoard:
         """Shards whose job has asked whether to start (`stop_requested`): from then on the
         job answers a stop request itself, by committing what finished."""
         self.stop = False
+        self.peak_generating = 0
+        """The most shard jobs seen generating at once: the run's in-flight budget, in shards."""
 
-    def report(self, report: dict[str, Any]) -> bool:
-        """Record a shard's report; answers whether the run is stopping."""
+    def report(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Record a shard's report; answers whether the run is stopping and the job's share of
+        the run's in-flight budget (1.0: its own max_inflight)."""
         self.reports[report["shard_id"]] = report
         self.generated_by_attempt[report["attempt"]] = report["generated"]
-        return self.stop
+        generating = self.generating()
+        self.peak_generating = max(self.peak_generating, generating)
+        return {"stop": self.stop, "share": self.peak_generating / generating if generating else 1.0}
+
+    def generating(self, now: float | None = None) -> int:
+        """Shard jobs generating now: reported within STALE_SECONDS and not ended."""
+        now = time.time() if now is None else now
+        return sum(1 for r in self.reports.values() if not r.get("ended") and now - float(r.get("sent") or now) < STALE_SECONDS)
 
     def snapshot(self) -> dict[str, Any]:
         return {"reports": list(self.reports.values()), "generated": sum(self.generated_by_attempt.values())}

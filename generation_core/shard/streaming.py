@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from typing import Any
@@ -217,6 +217,7 @@ class StreamingWorker:
 
     async def stream(
         self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float, max_open: int | None = None,
+        scale: Callable[[], float] | None = None,
     ) -> AsyncGenerator[TrajectoryRecord | SampleFailure | None, None]:
         """Yield each finished record as it completes, or a SampleFailure for a sample whose
         agent loop raised (after the engine-request retries) or that ran past its deadline
@@ -226,17 +227,24 @@ class StreamingWorker:
         At most `max_inflight` model calls are in flight, later turns of started trajectories
         first (shard/call_slots.py); a new trajectory starts while a slot would otherwise go
         unused, up to `max_open` trajectories open at once (None: `max_inflight`, one slot's
-        worth of trajectories each, as when a trajectory held its slot from start to finish)."""
+        worth of trajectories each, as when a trajectory held its slot from start to finish).
+        `scale`: a factor (>= 1) both limits follow, read as the stream goes (the shard's share
+        of the run's in-flight budget once other shards finished: shard/progress_board.py)."""
         slots = CallSlots(max_inflight)
         if self.slotted_client is not None:
             self.slotted_client.slots = slots
-        open_samples = _OpenSamples(iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight))
+        open_limit = max_inflight if max_open is None else max(max_open, max_inflight)
+        open_samples = _OpenSamples(iter(samples), slots, open_limit)
         inflight = open_samples.tasks
         open_samples.refill(self.run_one, self.sample_timeout)
         trace = SampleTrace()
         freed = asyncio.ensure_future(slots.freed.wait())
         try:
             while inflight:
+                factor = max(1.0, scale()) if scale is not None else 1.0
+                if round(max_inflight * factor) != slots.limit:
+                    slots.set_limit(round(max_inflight * factor))
+                    open_samples.limit = round(open_limit * factor)
                 wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
                 done, _ = await asyncio.wait([*inflight, *([] if open_samples.exhausted else [freed])], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if freed in done:
