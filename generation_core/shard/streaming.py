@@ -233,18 +233,15 @@ class StreamingWorker:
         slots = CallSlots(max_inflight)
         if self.slotted_client is not None:
             self.slotted_client.slots = slots
-        open_limit = max_inflight if max_open is None else max(max_open, max_inflight)
-        open_samples = _OpenSamples(iter(samples), slots, open_limit)
+        open_samples = _OpenSamples(iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight))
         inflight = open_samples.tasks
         open_samples.refill(self.run_one, self.sample_timeout)
         trace = SampleTrace()
         freed = asyncio.ensure_future(slots.freed.wait())
         try:
             while inflight:
-                factor = max(1.0, scale()) if scale is not None else 1.0
-                if round(max_inflight * factor) != slots.limit:
-                    slots.set_limit(round(max_inflight * factor))
-                    open_samples.limit = round(open_limit * factor)
+                if scale is not None:
+                    open_samples.follow_share(scale())
                 wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
                 done, _ = await asyncio.wait([*inflight, *([] if open_samples.exhausted else [freed])], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if freed in done:
@@ -264,15 +261,7 @@ class StreamingWorker:
                     # Its slot is free now, whether or not the cancelled code ever stops.
                     yield self._timed_out(open_samples.close(task), task)
                 for task in done:
-                    key = open_samples.close(task)
-                    try:
-                        record = task.result()
-                    except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's
-                        logger.warning("sample %d:%d failed: %s: %s", key[0], key[1], type(exc).__name__, exc)
-                        yield SampleFailure.from_exception(key, exc)
-                        continue
-                    trace.finished(record.index, record.rollout_n)
-                    yield record
+                    yield self._outcome(open_samples.close(task), task, trace)
                 open_samples.refill(self.run_one, self.sample_timeout)
         finally:
             trace.close()
@@ -283,6 +272,17 @@ class StreamingWorker:
                 await asyncio.gather(*inflight, return_exceptions=True)
             if self.slotted_client is not None:
                 self.slotted_client.slots = None
+
+    @staticmethod
+    def _outcome(key: SampleKey, task: asyncio.Task, trace: SampleTrace) -> TrajectoryRecord | SampleFailure:
+        """A finished sample's record, or its failure."""
+        try:
+            record = task.result()
+        except Exception as exc:  # noqa: BLE001 - engine, agent loop, tool or reward: this sample's failure, not the shard's
+            logger.warning("sample %d:%d failed: %s: %s", key[0], key[1], type(exc).__name__, exc)
+            return SampleFailure.from_exception(key, exc)
+        trace.finished(record.index, record.rollout_n)
+        return record
 
     def _timed_out(self, key: SampleKey, task: asyncio.Task) -> SampleFailure:
         """Cancel a sample past its deadline; its failure carries where it was waiting."""
@@ -328,11 +328,21 @@ class _OpenSamples:
         self.pending = pending
         self.slots = slots
         self.limit = limit
+        self.own_limits = (slots.limit, limit)
+        """(model calls, open samples): the shard's own, before any share of the run's budget."""
         self.tasks: dict[asyncio.Task, tuple[SampleKey, float]] = {}
         """Each sample's task -> (its key, its deadline on the monotonic clock)."""
         self.exhausted = False
         """Every pending sample has started (a freed slot then has nothing new to start: the stream
         stops waking for it)."""
+
+    def follow_share(self, factor: float) -> None:
+        """Both limits at `factor` (>= 1) times the shard's own: its share of the run's
+        in-flight budget (shard/progress_board.py)."""
+        calls, samples = (round(own * max(factor, 1.0)) for own in self.own_limits)
+        if calls != self.slots.limit:
+            self.slots.set_limit(calls)
+            self.limit = samples
 
     def refill(self, run_one, sample_timeout: float) -> None:
         """Start samples while a model-call slot would otherwise go unused, up to `limit` open.
