@@ -4,7 +4,10 @@ The first SIGINT asks the run to stop (`STOP.requested()`): the flow stops dispa
 shard jobs commit what has finished, the run's lease is released, Ray and the temporary Prefect
 server stop, and `genrun` says how many trajectories are committed and exits 130. A second
 SIGINT exits at once (130): what is committed stays committed; the lease stays behind, and the
-next run on this machine takes it over at once (its holder is gone).
+next run on this machine takes it over at once (its holder is gone). Every process genrun started,
+and theirs (Ray's GCS, raylet and its agents and workers, the Prefect server), is killed on the
+way out: left alone, Ray's agents notice their raylet is gone only after tens of seconds on a
+loaded machine.
 
 Stages with nothing of their own to commit (waiting for a dying lease, booting replicas, merging,
 publishing) run inside `STOP.interruptible()`: there the first SIGINT (or one that came before)
@@ -119,7 +122,35 @@ class StopRequest:
                 callback()
             except Exception:  # noqa: BLE001 - exiting regardless
                 pass
+        kill_descendants()
         os._exit(130)
+
+
+def kill_descendants() -> list[int]:
+    """SIGKILL every process this one started, and theirs, found through /proc (nothing where
+    there is no /proc); answers their pids. For quitting at once: nothing waits."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # "pid (command) state ppid ...": the command may hold spaces and parentheses.
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # it ended meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return found
 
 
 def _say(message: str) -> None:
