@@ -87,6 +87,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={good}", f"reward.custom_reward_function.path={tmp_path / 'none.py'}"], "reward.custom_reward_function.path=.* does not exist"),
         ([f"data.train_files={good}", f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=score"], "has no function 'score'"),
         ([f"data.train_files={good}", "generation.max_failed_fraction=2"], "invalid generation.max_failed_fraction=2"),
+        ([f"data.train_files={good}", "generation.inflight_share_cap=0"], r"invalid generation.inflight_share_cap=0: must be an integer >= 1 \(1: each shard keeps its own max_inflight\)"),
         ([f"data.train_files={good}", "generation.gpu_hour_price=-1"], r"invalid generation.gpu_hour_price=-1: must be null \(no cost figures\) or the price of one GPU-hour"),
         ([f"data.train_files={csv_named_parquet}"], r"data file .*csv_inside.parquet cannot be read as parquet .*; data.train_files takes Parquet"),
         ([f"data.train_files={csv_file}"], r"data file .*prompts.csv: unsupported format; use .parquet, .json, .jsonl"),
