@@ -31,6 +31,8 @@ from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import SHARDS_DIR, shard_file
 from generation_core.store.trajectory_record import TIMINGS
 
+ETA_JUDGED_SECONDS = 60.0
+"""The terminal summary and `genrun status` print the ETA's error for generations this long or longer."""
 LEDGER_COLUMNS = ["provenance", *(f"seconds_{name}" for name in TIMINGS)]
 
 
@@ -163,7 +165,10 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
         per_million = ledger.get("cost_per_million_output_tokens")
         lines.append(f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour" + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else ""))
     eta = ledger.get("eta") or {}
-    if eta.get("max_error") is not None:
+    # A generation shorter than a minute is over before its ETA matters, and its first ETAs rest
+    # on its first few answers (all of a small run's requests start at once): manifest.json and
+    # the report keep its trace, the summary does not judge it.
+    if eta.get("max_error") is not None and eta["generation_seconds"] >= ETA_JUDGED_SECONDS:
         lines.append(
             f"ETA error:     median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of the {eta['generation_seconds']:.0f} s "
             f"generation (from {100 * eta['judged_from_done']:.0f}% done)"
