@@ -129,6 +129,8 @@ def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_repli
     report = write_report(StorageFolder(str(out)))
     assert {"replica-timeline", "time-split", "eta"} <= {plot.name for plot in report.plots}
     page = (out / REPORT_FILE).read_text()
+    eta = summary["ledger"]["eta"]
+    assert f"<dt>ETA error from 10% done</dt><dd>median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation</dd>" in page
     table = re.search(r'<table id="replica-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
     assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(summary["ledger"]["per_replica"])
     payload = json.loads(re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page, re.S).group(1))

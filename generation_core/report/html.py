@@ -119,7 +119,10 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
             facts.append(("cost per 1M output tokens", "n/a" if per_million is None else f"{per_million:.4g}"))
         eta = ledger.get("eta") or {}
         if eta.get("max_error") is not None:
-            facts.append((f"ETA error from {100 * eta['judged_from_done']:.0f}% done", f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}%"))
+            facts.append((
+                f"ETA error from {100 * eta['judged_from_done']:.0f}% done",
+                f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation",
+            ))
         rows = "".join(
             f'<tr><td>{_e(replica)}</td><td class=num>{row["requests"]:,}</td><td class=num>{row["output_tokens"]:,}</td>'
             f'<td class=num>{row["tokens_per_second"]:,.1f}</td><td class=num>{100 * row["idle_fraction"]:.1f}%</td></tr>'
