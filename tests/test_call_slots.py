@@ -257,16 +257,16 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     prompts = ShardPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
     engine = CountingEngine(tokenizer, seconds=0.05)
     worker = StreamingWorker(cfg, engine)
-    share, finished, peak_before = 1.0, [], 0
+    share, finished, peak_before = [1.0], [], 0
 
     async def scenario():
-        nonlocal share, peak_before
-        async for record in worker.stream(pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share):
+        nonlocal peak_before
+        async for record in worker.stream(pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share[0]):
             if record is None:
                 continue
             finished.append((record.index, record.rollout_n))
             if len(finished) == 6:
-                peak_before, share = engine.peak_running, 3.0
+                peak_before, share[0] = engine.peak_running, 3.0
 
     try:
         asyncio.run(scenario())
@@ -274,4 +274,5 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
         worker.shutdown()
     assert peak_before == 2, "its own max_inflight while its share is 1"
     assert engine.peak_running == 6, "three times as many model calls once its share is 3"
+    assert worker.peak_calls_in_flight == 6, "what the success marker reports"
     assert sorted(finished) == [(i, 0) for i in range(24)]

@@ -358,7 +358,10 @@ class ShardGeneration:
                 generated_tokens=self.tokens_now,
                 seconds=round(time.perf_counter() - self.started, 3),
                 stage_seconds=stage_seconds,
-                engine={name: count - self.engine_before[name] for name, count in engine_counters(self.worker).items()},
+                engine={
+                    **{name: count - self.engine_before[name] for name, count in engine_counters(self.worker).items()},
+                    "peak_calls_in_flight": getattr(self.worker, "peak_calls_in_flight", 0),
+                },
                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             ),
         )

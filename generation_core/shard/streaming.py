@@ -127,6 +127,9 @@ class StreamingWorker:
     """generation.sample_timeout_seconds: a sample's deadline from its start to its score."""
     slotted_client: SlottedClient | None = None
     """The agent loops' client: each model call holds one of the stream's slots."""
+    peak_calls_in_flight: int = 0
+    """The most model calls its streams had in flight at once (above max_inflight only when the
+    shard's share of the run's in-flight budget grew): the success marker's engine counters."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         # A config load_config did not build gets its derived defaults here, the same ones.
@@ -264,6 +267,7 @@ class StreamingWorker:
                     yield self._outcome(open_samples.close(task), task, trace)
                 open_samples.refill(self.run_one, self.sample_timeout)
         finally:
+            self.peak_calls_in_flight = max(self.peak_calls_in_flight, slots.peak_in_flight)
             trace.close()
             freed.cancel()
             for task in inflight:
@@ -341,6 +345,7 @@ class _OpenSamples:
         in-flight budget (shard/progress_board.py)."""
         calls, samples = (round(own * max(factor, 1.0)) for own in self.own_limits)
         if calls != self.slots.limit:
+            logger.debug("model calls in flight: at most %d (was %d; x%.2f, the shard's share of the run's budget)", calls, self.slots.limit, factor)
             self.slots.set_limit(calls)
             self.limit = samples
 
