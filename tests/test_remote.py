@@ -197,7 +197,9 @@ def test_5xx_takes_the_server_out_and_the_request_goes_elsewhere(servers):
         client = _client(cfg)
         retrying = RetryingClient(client, retries=3, backoff_seconds=0.01, timeout=None)
         try:
-            outs = await asyncio.gather(*[retrying.generate(f"r{i}", prompt_ids=[1], sampling_params=SAMPLING) for i in range(6)])
+            # Distinct prompts: the default routing keeps one prompt's requests on one server,
+            # which half the time would be the healthy one and leave nothing to fail over.
+            outs = await asyncio.gather(*[retrying.generate(f"r{i}", prompt_ids=[30 + i], sampling_params=SAMPLING) for i in range(6)])
             return outs, client.replica_failures, retrying.stats
         finally:
             await client.aclose()
