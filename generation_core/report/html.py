@@ -23,6 +23,8 @@ from generation_core.store.run_folder import read_run_record
 REPORT_FILE = "report.html"
 SAMPLE_SIZE = 500
 """Trajectories the viewer holds at most (`genrun report --sample N`); the page says how many of how many."""
+CAPACITY_PLOTS = ("replica-timeline", "time-split", "eta")
+"""Plots shown in the Capacity section, beside the ledger, instead of among the other plots."""
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
 def _plots_section(data: ReportData, plots: list[Plot]) -> str:
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name not in ("replica-timeline", "time-split", "eta")
+        for p in plots if p.name not in CAPACITY_PLOTS
     )
     drawn = {p.name for p in plots}
     notes = []
@@ -103,7 +105,7 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
     ledger = data.ledger
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name in ("replica-timeline", "time-split", "eta")
+        for p in plots if p.name in CAPACITY_PLOTS
     )
     if not ledger:
         body = "<p class=note>No capacity ledger yet: manifest.json has none until the run finishes (the charts come from the trajectories committed so far).</p>"

@@ -91,13 +91,7 @@ class CallSlots:
         limit hands the new slots to waiting calls at once; a lower one lets the calls in flight
         finish and hands out no slot until fewer than `limit` are."""
         self.limit = max(1, limit)
-        while self.in_flight < self.limit and (self._later or self._first):
-            waiter = (self._later or self._first).popleft()
-            if not waiter.done():
-                self._take()
-                waiter.set_result(None)
-        if self.spare > 0:
-            self.freed.set()
+        self._hand_out()
 
     # ---- the calls' side ---------------------------------------------------------------------
 
@@ -138,12 +132,17 @@ class CallSlots:
         """Give a slot back: to the next waiting later turn, else first turn, else free (kept
         free while more calls are in flight than a lowered limit allows)."""
         self.in_flight -= 1
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Free slots to waiting calls, later turns first (cancelled waiters skipped), then tell
+        the stream when one is left over. Calls wait only while every slot is taken, so after a
+        release this hands out exactly the one slot it freed."""
         while self.in_flight < self.limit and (self._later or self._first):
             waiter = (self._later or self._first).popleft()
             if not waiter.done():
                 self._take()
                 waiter.set_result(None)
-                break
         if self.spare > 0:
             self.freed.set()
 
