@@ -95,6 +95,11 @@ def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
     assert ledger["cost"] == pytest.approx(ledger["replica_seconds"] / 3600 * 3.0, rel=1e-3)
     assert ledger["cost_per_million_output_tokens"] == pytest.approx(ledger["cost"] / ledger["output_tokens"] * 1e6, rel=1e-3)
     assert ledger["prefix_cache_hit_rate"] is None, "the instant engine reports no prefix cache"
+    # The run's lease said what it generated on and at what price: `genrun status`'s cost to go.
+    from generation_core.store.lease import newest_lease
+
+    holder = newest_lease(folder)
+    assert holder is not None and (holder.devices, holder.gpu_hour_price) == (2, 3.0)
     # What the progress line predicted, judged against when generation really ended.
     eta = ledger["eta"]
     assert 12 * 0.4 <= eta["generation_seconds"] < ledger["wall_seconds"]

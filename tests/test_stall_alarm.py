@@ -139,12 +139,14 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
     """From the folder alone: shard 0 committed 6 of its 10 under the running run's lease and
     shard 1 nothing yet (started, quiet); shard 2 was not started by this run (no attempt of its
     lease: waiting for a worker, never called stalled)."""
+    from dataclasses import asdict
+
     from generation_core.outputs.pace import pace_lines
     from generation_core.outputs.status import shard_states
     from generation_core.store.commit_log import ShardCheckpoint
     from generation_core.store.folder import StorageFolder
     from generation_core.store.lease import RunLease
-    from generation_core.store.run_folder import PartEntry, read_run_record, shard_name
+    from generation_core.store.run_folder import PartEntry, lease_file, read_run_record, shard_name
 
     folder = StorageFolder(str(tmp_path / "run"))
     folder.put_json("run.json", {
@@ -172,6 +174,12 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
         run.config["generation"]["gpu_hour_price"] = 2.0
         run.config["trainer"] = {"n_gpus_per_node": 8, "nnodes": 1}
         assert pace_lines(folder, run, states, now=now)[0] == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.178 to go at 2/GPU-hour"
+        # That was run.json's (the first invocation's) config, which a lease of an older genrun
+        # leaves to go by. A lease that says what its run generates on and at what price wins:
+        # a resume may hold other devices and set another price. 2 devices x 40 s at 9.0.
+        lease.record.devices, lease.record.gpu_hour_price = 2, 9.0
+        folder.put_json(lease_file(lease.record.generation), asdict(lease.record))
+        assert pace_lines(folder, run, states, now=now)[0] == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.2 to go at 9/GPU-hour"
     # No genrun holds the folder: an interrupted run is not a stalled one.
     assert pace_lines(folder, run, states, now=time.time()) == []
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from generation_core.config.layout import resolve_layout
 from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
 from generation_core.driver.run_watch import RunWatch
@@ -147,7 +148,13 @@ def drive_run(
     per stall (stall_alarm.py; the terminal line and the W&B alert are the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
-        with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
+        # The lease says what this invocation generates on and at what price: `genrun status`'s
+        # cost to go reads them there (run.json has the first invocation's config only).
+        held = RunLease.acquire(
+            plan.folder, plan.cfg.generation.lease_seconds, devices=resolve_layout(plan.cfg).devices_held,
+            gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
+        )
+        with held as lease:
             plan.claim_folder()
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:

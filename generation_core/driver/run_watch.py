@@ -55,7 +55,7 @@ class RunWatch:
         self.plan = plan
         layout = resolve_layout(plan.cfg)
         self.progress = RunProgress(
-            plan.shards, plan.cfg.actor_rollout_ref.rollout.n, devices=layout.replicas * max(layout.gpus_per_replica, 1),
+            plan.shards, plan.cfg.actor_rollout_ref.rollout.n, devices=layout.devices_held,
             gpu_hour_price=gen.get("gpu_hour_price"),
         )
         self.display = ProgressDisplay(enabled=bool(gen.show_progress), interval=float(gen.progress_seconds))

@@ -6,7 +6,8 @@ Commit records say when (`time`) and for which run (`lease`) they were written; 
 Of each shard the run holding the folder's lease has started: when its attempt began, what it
 committed since, and its newest record. The ETA is shard/eta.py's over those commits (the
 driver's progress line uses the same estimate over the board's finer counts), and with
-`generation.gpu_hour_price` what the rest costs (shard/eta.cost_to_go). A started shard
+`generation.gpu_hour_price` what the rest costs (shard/eta.cost_to_go) on the devices the running
+invocation holds, as its lease says. A started shard
 none of whose records is younger than `generation.stall_seconds` is stalled: a working shard
 commits at least every `part_max_seconds` once anything finished (60 s by default, under the
 least default stall_seconds, 120 s). The running genrun's own alarm (driver/stall_alarm.py) also
@@ -23,7 +24,7 @@ from generation_core.config.settings import GenerationSettings
 from generation_core.shard.eta import ShardPace, cost_to_go, estimate_eta, format_seconds
 from generation_core.store.commit_log import read_commit_records
 from generation_core.store.folder import StorageFolder
-from generation_core.store.lease import newest_lease
+from generation_core.store.lease import LeaseRecord, newest_lease
 from generation_core.store.run_record import RunRecord
 
 
@@ -58,11 +59,16 @@ def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: i
     return started
 
 
-def devices_held(config: dict[str, Any]) -> int:
-    """The GPUs run.json's config holds (trainer.n_gpus_per_node x nnodes; on the CPU, its
-    replicas, each counted as one device as the ledger counts them)."""
+def devices_and_price(holder: LeaseRecord, config: dict[str, Any]) -> tuple[int, float | None]:
+    """The devices the running invocation generates on and its GPU-hour price, as its lease
+    says (ReplicaLayout.devices_held). A lease written by an older genrun lacks them: then run.json's
+    trainer.n_gpus_per_node x nnodes and its price (this module must not import omegaconf,
+    which the layout needs)."""
+    if holder.devices is not None:
+        return holder.devices, holder.gpu_hour_price
     trainer = config.get("trainer") or {}
-    return max(int(trainer.get("n_gpus_per_node") or 1) * int(trainer.get("nnodes") or 1), 1)
+    devices = max(int(trainer.get("n_gpus_per_node") or 1) * int(trainer.get("nnodes") or 1), 1)
+    return devices, (config.get("generation") or {}).get("gpu_hour_price")
 
 
 def pace_lines(folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None) -> list[str]:
@@ -81,8 +87,8 @@ def pace_lines(folder: StorageFolder, run: RunRecord, states: list[dict[str, Any
             [ShardPace(remaining=s.remaining, done=s.committed, seconds=now - s.started) for s in running],
         )
         line = f"ETA {format_seconds(eta)} for {remaining:,} trajectories left (from the commits of this run)"
-        price = (run.config.get("generation") or {}).get("gpu_hour_price")
-        cost = cost_to_go(eta, devices_held(run.config), price)
+        devices, price = devices_and_price(holder, run.config)
+        cost = cost_to_go(eta, devices, price)
         lines.append(line + (f"; ~{cost:.3g} to go at {price:g}/GPU-hour" if cost is not None else ""))
     stall_seconds = GenerationSettings.of(run.config).stall_seconds
     quiet = [s for s in shards if not s.finished and stall_seconds and now - s.newest >= float(stall_seconds)]
