@@ -257,11 +257,12 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     prompts = ShardPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
     engine = CountingEngine(tokenizer, seconds=0.05)
     worker = StreamingWorker(cfg, engine)
-    share, finished, peak_before = [1.0], [], 0
+    share, finished, peak_before, open_seen = [1.0], [], 0, []
 
     async def scenario():
         nonlocal peak_before
         async for record in worker.stream(pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share[0]):
+            open_seen.append((share[0], len(worker.open_samples)))
             if record is None:
                 continue
             finished.append((record.index, record.rollout_n))
@@ -276,3 +277,7 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     assert engine.peak_running == 6, "three times as many model calls once its share is 3"
     assert worker.peak_calls_in_flight == 6, "what the success marker reports"
     assert sorted(finished) == [(i, 0) for i in range(24)]
+    # What the shard's progress report says is open (the ETA's drain): within each limit, and
+    # nothing once the stream is over.
+    assert max(count for factor, count in open_seen if factor == 1.0) <= 2 < max(count for factor, count in open_seen if factor == 3.0) <= 6
+    assert len(worker.open_samples) == 0

@@ -251,3 +251,27 @@ def test_the_board_shares_the_runs_in_flight_budget_among_the_shard_jobs_still_g
     assert board.report(vars(_report(2, generated=7)))["share"] == 4.0
     # A new shard's job starts on a freed worker: the share goes back down.
     assert board.report(vars(_report(4)))["share"] == 2.0
+
+
+def test_the_eta_adds_the_drain_of_the_trajectories_the_shards_have_open():
+    """The shards report how long their finished trajectories took and how many are open: the
+    ETA is the time to start the rest at the rate, then the longest open one's (shard/eta.py)."""
+    from generation_core.shard.eta import Durations
+
+    clock = Clock()
+    progress = RunProgress([ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock)
+    board = ProgressBoard()
+    took = Durations()
+    for _ in range(50):
+        took.add(2.0)
+    board.report(vars(_report(0)))
+    progress.update(board.snapshot())
+    for second in range(1, 11):
+        clock.now += 1
+        report = _report(0, generated=5 * second)
+        report.open_now, report.durations = 8, dict(took.counts)
+        board.report(vars(report))
+        progress.update(board.snapshot())
+    # 50 left at 5/s: 42 start over 8.4 s, then the longest of the 8 open ones drains.
+    d = Durations.middle(Durations.bin_of(2.0))
+    assert progress.totals().eta == pytest.approx(42 / 5 + d * 8 / 9)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import random
 import sys
 import time
 import types
@@ -14,7 +16,7 @@ import types
 import pytest
 
 from generation_core.driver.stall_alarm import Stall, StallWatch, raise_alarm
-from generation_core.shard.eta import ShardPace, estimate_eta
+from generation_core.shard.eta import Durations, ShardPace, estimate_eta
 from tests.conftest import chat_rows, write_parquet
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,6 +101,45 @@ def test_the_eta_is_the_later_of_the_runs_bound_and_each_shards_own():
     # 300 left at the run's 10/s: 30 s, unless a shard's own rows take longer.
     assert estimate_eta(300, 100, 10.0, [ShardPace(remaining=150, done=50, seconds=10.0)]) == 30.0
     assert estimate_eta(300, 100, 10.0, [ShardPace(remaining=250, done=50, seconds=10.0), ShardPace(remaining=50, done=50, seconds=10.0)]) == 50.0
+
+
+def test_with_the_durations_the_eta_adds_the_drain_of_the_trajectories_still_open():
+    """A rate says when the last trajectory starts; the run ends when the longest open one ends.
+    Every trajectory taking d: one seen in flight has d x U(0, 1) left, the longest of n such
+    d x n / (n + 1) (d: its histogram bin's middle)."""
+    durations = Durations()
+    assert durations.expected_longest(4) == 0.0, "no data: no drain"
+    for _ in range(10):
+        durations.add(2.0)
+    d = Durations.middle(Durations.bin_of(2.0))
+    assert abs(d - 2.0) / 2.0 < 0.12, "a bin's middle is within 12% of what it holds"
+    assert durations.expected_longest(1) == pytest.approx(d / 2)
+    assert durations.expected_longest(3) == pytest.approx(d * 3 / 4)
+    assert durations.expected_longest(0) == 0.0
+    # 300 left at 10/s, 16 of them open: 284 start over 28.4 s, then the longest of 16 drains.
+    pace = ShardPace(remaining=300, done=100, seconds=10.0, open_now=16)
+    assert estimate_eta(300, 100, 10.0, [pace], durations) == pytest.approx(28.4 + d * 16 / 17)
+    # The end: 5 left, all open: the longest of the 5 (not 5 at the rate).
+    assert estimate_eta(5, 395, 40.0, [ShardPace(remaining=5, done=395, seconds=40.0, open_now=8)], durations) == pytest.approx(d * 5 / 6)
+    # Exponential times (mean 1): the longest residual of n is the n-th harmonic number.
+    rng, exponential = random.Random(7), Durations()
+    for _ in range(50_000):
+        exponential.add(rng.expovariate(1.0))
+    assert exponential.expected_longest(10) == pytest.approx(sum(1 / i for i in range(1, 11)), rel=0.03)
+    # A report's histogram that went through JSON (string keys) adds up the same.
+    merged = Durations()
+    merged.merge(json.loads(json.dumps(durations.counts)))
+    assert merged.counts == durations.counts
+
+
+def test_a_shard_reporter_reports_how_long_its_trajectories_took():
+    from generation_core.shard.progress import ShardReporter
+
+    reporter = ShardReporter(None, 0)
+    reporter.finished(1, {"started_at": time.time() - 2.0})
+    reporter.finished(2, None)  # a record without provenance: counted, not timed
+    assert reporter.report.generated == 2
+    assert reporter.report.durations == {Durations.bin_of(2.0): 1}
 
 
 def test_a_run_whose_engine_stops_answering_raises_the_alarm_and_status_says_since_when(tmp_path, model_dir, ray_local):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.run_plan import ShardSpec
-from generation_core.shard.eta import EtaTrace, ShardPace, cost_to_go, estimate_eta, format_seconds
+from generation_core.shard.eta import Durations, EtaTrace, ShardPace, cost_to_go, estimate_eta, format_seconds
 from generation_core.shard.progress_board import ProgressBoard
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
@@ -68,6 +68,10 @@ class ShardReport:
     not to when the driver happened to read them (up to two report periods later)."""
     ended: bool = False
     """The attempt's last report: its job generates no more (the board's in-flight shares)."""
+    open_now: int = 0
+    """Trajectories the job has in flight (started, not finished): the ETA's drain."""
+    durations: dict[int, int] = field(default_factory=dict)
+    """How long this attempt's finished trajectories took (eta.Durations' histogram)."""
 
 
 def new_board_name() -> str:
@@ -93,6 +97,9 @@ class ShardReporter:
         self.share = 1.0
         """This job's share of the run's in-flight budget, as the board last answered
         (progress_board.py): 1.0 while every worker has a shard, more once some finished."""
+        self.durations = Durations(self.report.durations)
+        """How long its trajectories took (the report's histogram): the driver's ETA adds the
+        drain of those still open (shard/eta.py)."""
 
     @classmethod
     def attach(cls, board_name: str | None, shard_id: int) -> ShardReporter:
@@ -106,6 +113,13 @@ class ShardReporter:
                 # Progress is for the person watching: a run without it still generates.
                 logger.warning("progress board %r is not running; shard %d reports no progress", board_name, shard_id)
         return cls(board, shard_id)
+
+    def finished(self, generated: int, provenance: dict[str, Any] | None) -> None:
+        """A trajectory finished: `generated` this attempt now; its provenance says when it started."""
+        self.report.generated = generated
+        started_at = (provenance or {}).get("started_at")
+        if started_at is not None:
+            self.durations.add(time.time() - float(started_at))
 
     @property
     def attached(self) -> bool:
@@ -287,11 +301,17 @@ class RunProgress:
         paces = [
             ShardPace(
                 remaining=max(s.report.owed - s.report.committed_at_start - s.report.generated - s.report.failed, 0),
-                done=s.report.generated - s.started[2], seconds=s.reported_at - s.started[1],
+                done=s.report.generated - s.started[2], seconds=s.reported_at - s.started[1], open_now=s.report.open_now,
             )
             for s in self._state.values() if s.report is not None and s.finished is None and s.started is not None
         ]
-        eta = estimate_eta(remaining, self._generated - generated_then, self._generated_at - since, paces)
+        # The running shards' durations (one engine, one distribution; a finished shard's would
+        # cost every tick a merge on a run of thousands of shards).
+        durations = Durations()
+        for shard in self._state.values():
+            if shard.report is not None and shard.finished is None:
+                durations.merge(shard.report.durations)
+        eta = estimate_eta(remaining, self._generated - generated_then, self._generated_at - since, paces, durations)
         return None if eta is None else max(eta - (now - self._generated_at), 0.0)
 
     def activity(self) -> dict[str, tuple[str, int, int]]:

@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sized
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from typing import Any
@@ -130,6 +130,9 @@ class StreamingWorker:
     peak_calls_in_flight: int = 0
     """The most model calls its streams had in flight at once (above max_inflight only when the
     shard's share of the run's in-flight budget grew): the success marker's engine counters."""
+    open_samples: Sized = ()
+    """What its stream has open now (its len: trajectories started, not finished): the progress
+    report's `open_now`, for the ETA's drain."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         # A config load_config did not build gets its derived defaults here, the same ones.
@@ -238,6 +241,7 @@ class StreamingWorker:
             self.slotted_client.slots = slots
         open_samples = _OpenSamples(iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight))
         inflight = open_samples.tasks
+        self.open_samples = inflight
         open_samples.refill(self.run_one, self.sample_timeout)
         trace = SampleTrace()
         freed = asyncio.ensure_future(slots.freed.wait())
@@ -267,6 +271,7 @@ class StreamingWorker:
                     yield self._outcome(open_samples.close(task), task, trace)
                 open_samples.refill(self.run_one, self.sample_timeout)
         finally:
+            self.open_samples = ()
             self.peak_calls_in_flight = max(self.peak_calls_in_flight, slots.peak_in_flight)
             trace.close()
             freed.cancel()
