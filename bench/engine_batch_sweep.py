@@ -17,9 +17,9 @@ import asyncio
 import os
 
 import torch
+from engine_streaming import bundled_prompt_ids, streaming
 from transformers import AutoTokenizer
 
-from engine_streaming import bundled_prompt_ids, streaming
 from generation_core.config.bundled import prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 

@@ -50,7 +50,7 @@ async def _workload(engine: HFEngine, prompts: list[list[int]], tool: list[int],
 
     async def conversation(i: int, prompt: list[int]) -> list[int]:
         answers: list[int] = []
-        for turn in range(turns):
+        for _ in range(turns):
             out = await engine.generate(f"c{i}", prompt_ids=prompt, sampling_params=params)
             answers += out.token_ids
             prompt = prompt + out.token_ids + tool

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from generation_core.store.commit_log import ShardCheckpoint, write_marker  # noqa: E402
-from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name  # noqa: E402
 from generation_core.store.folder import StorageFolder  # noqa: E402
+from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name  # noqa: E402
 
 
 def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:

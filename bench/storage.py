@@ -46,9 +46,9 @@ def generate(directory: Path, logprobs: bool) -> None:
 
 def part_records(directory: Path) -> list[list]:
     """The records of each committed part of a run folder, part by part."""
+    from generation_core.store.folder import StorageFolder
     from generation_core.store.part_repair import committed_parts, read_verified_part
     from generation_core.store.trajectory_record import records_from_parquet
-    from generation_core.store.folder import StorageFolder
 
     folder = StorageFolder(str(directory))
     return [records_from_parquet(read_verified_part(folder, p)) for p in committed_parts(folder)]
@@ -168,7 +168,7 @@ def main() -> None:
         parts_of = r["current"][f"parts of {PART_SIZE}"]
         print(f"  parts of {PART_SIZE}, bytes per trajectory: " + ", ".join(f"{kind} {size / n:.0f}" for kind, size in r["breakdown"].items()))
         print(f"  padded DataProto pickle at response_length {PADDED_RESPONSE_LENGTH}: {r['padded'] / n:.0f} B/trajectory; parts of {PART_SIZE} are {parts_of / r['padded']:.4f} of it")
-    for folder, r in results:
+    for _, r in results:
         raw = 4 * r["tokens"]
         figures = ", ".join(f"{label} {size / raw:.2f}" for label, size in r["current"].items())
         print(f"parts / raw int32 token bytes, logprobs {'on' if r['logprobs'] else 'off'}: {figures} (target <= {TARGET})")

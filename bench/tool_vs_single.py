@@ -73,9 +73,9 @@ def run(scratch: Path, name: str, overrides: list[str]) -> dict:
 
 
 def multi_turn(out: Path) -> int:
+    from generation_core.store.folder import StorageFolder
     from generation_core.store.part_repair import committed_parts, read_verified_part
     from generation_core.store.trajectory_record import records_from_parquet
-    from generation_core.store.folder import StorageFolder
 
     folder = StorageFolder(str(out))
     count = 0
@@ -83,7 +83,7 @@ def multi_turn(out: Path) -> int:
         for record in records_from_parquet(read_verified_part(folder, part)):
             mask = record.response_mask
             # A model turn starts where the mask goes 0 -> 1 after tool tokens.
-            count += any(a == 0 and b == 1 for a, b in zip(mask, mask[1:]))
+            count += any(a == 0 and b == 1 for a, b in zip(mask, mask[1:], strict=False))
     return count
 
 

@@ -69,8 +69,8 @@ def main(overrides: list[str]) -> dict:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     import generation_core.serving.pool as pool_module
-    from generation_core.config.loading import load_config
     from generation_core.config.layout import SHARD_TASK_RESOURCES, resolve_layout
+    from generation_core.config.loading import load_config
     from generation_core.errors import GenrunError
 
     cfg = load_config(["actor_rollout_ref.rollout.name=sglang", *overrides])

@@ -11,13 +11,13 @@ import numpy as np
 import pyarrow as pa
 from verl.protocol import DataProto
 
-from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.errors import GenrunError
 from generation_core.outputs.merge import _DEFAULT_EXTRA_KEYS, _TOKEN_COLUMNS
 from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder
-from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, records_from_parquet
-from generation_core.store.run_folder import CHUNK_INDEX_FILE
 from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.run_folder import CHUNK_INDEX_FILE
+from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, records_from_parquet
 
 
 def layout_of_records(records: list[TrajectoryRecord]) -> BatchLayout:

@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.outputs.finish import finish_run
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.plan.preflight import RunPlan, preflight
-from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
+from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
-from generation_core.store.folder import StorageFolder
 from generation_core.shard.streaming import StreamingWorker
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
 

@@ -11,11 +11,11 @@ import zipfile
 
 import pytest
 
-import generation_core.outputs.merge as merge
 import generation_core.driver.publish as publish
+import generation_core.outputs.merge as merge
 from generation_core.outputs.merge import merge_run, merge_run_chunked
-from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ZIP_FILE, chunk_file_name
 from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, ZIP_FILE, chunk_file_name
 from tests.conftest import S3_ENV
 from tests.test_merge import _lengths, _random_records, _write_run
 

@@ -18,16 +18,16 @@ import textwrap
 
 import pytest
 
-from generation_core.shard import part_writer
-from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
-from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
-from generation_core.shard.job import run_shard_with_worker
-from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.outputs.merge import merge_run
-from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
-from generation_core.store.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
+from generation_core.shard import part_writer
+from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
 from generation_core.store.folder import StorageFolder
+from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
+from generation_core.store.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 from tests.conftest import REPO
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
@@ -434,10 +434,10 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
     print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
     assert large <= 4.2 * small, "linear in the commits, not quadratic"
 
-    from generation_core.store.commit_log import read_failure_log
-    from generation_core.store.trajectory_record import SampleFailure
     from generation_core.report.data import _failures
+    from generation_core.store.commit_log import read_failure_log
     from generation_core.store.run_folder import FAILURES_FILE
+    from generation_core.store.trajectory_record import SampleFailure
 
     folder = StorageFolder(str(tmp_path / "4k"))
     # An earlier version's log, kept beside the new files.

@@ -95,7 +95,7 @@ def test_the_engine_setting_decides_and_both_give_the_greedy_tokens(tiny_model_d
 
         outputs = asyncio.run(asyncio.wait_for(main(), 60))
         use_plain_linears(engine.model)
-        for prompt, out in zip(prompts, outputs):
+        for prompt, out in zip(prompts, outputs, strict=True):
             with torch.no_grad():
                 expected = engine.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
             assert out.token_ids == expected[0, len(prompt):].tolist()

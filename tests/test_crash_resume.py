@@ -13,11 +13,10 @@ import torch
 from verl.protocol import DataProto
 
 from generation_core.driver.in_process import run_in_process
+from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 from generation_core.plan.preflight import preflight
-
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 from tests.run_folder_helpers import checkpoint_dict, committed_keys, has_committed_part
-from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 
 # In make test-all (CI time budget). make test covers it cheaper: test_interrupt quits a run at
 # once mid-generation (the state kill -9 leaves) and resumes it against an undisturbed run;

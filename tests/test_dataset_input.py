@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from generation_core.config.loading import load_config
+from generation_core.errors import GenrunError
+from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_files
 from generation_core.inputs.shard_rows import (
     OVERLONG_SAMPLE_ROWS,
     ShardPrompts,
@@ -21,8 +23,6 @@ from generation_core.inputs.shard_rows import (
     read_rows,
     rows_digest,
 )
-from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_files
-from generation_core.errors import GenrunError
 from tests.conftest import chat_rows
 
 pytestmark = pytest.mark.timeout(300)
@@ -374,9 +374,9 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     import decimal
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.shard.job import run_shard_with_worker
     from generation_core.outputs.merge import merge_run
     from generation_core.plan.preflight import preflight
+    from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
 
     table = pa.Table.from_pylist(chat_rows(2))
@@ -456,9 +456,9 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     import asyncio
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.plan.preflight import preflight
     from generation_core.shard.finished import finished_shards
     from generation_core.shard.job import run_shard_with_worker
-    from generation_core.plan.preflight import preflight
     from generation_core.shard.streaming import StreamingWorker
 
     rows = chat_rows(6)

@@ -66,14 +66,14 @@ def test_engines_implement_the_contract(engine):
 
 def test_greedy_matches_model_generate_and_logprobs_match_a_rescore(engine, reference, prompts):
     outputs = _generate_all(engine, prompts, {"temperature": 0, "logprobs": True})
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=24, do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
         assert out.token_ids == expected
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
         rescored = [logits[len(prompt) - 1 + j, t].item() for j, t in enumerate(out.token_ids)]
         assert len(out.log_probs) == len(out.token_ids)
-        assert max(abs(a - b) for a, b in zip(rescored, out.log_probs)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(rescored, out.log_probs, strict=True)) < 1e-3
 
 
 def test_requests_joining_a_running_batch_get_the_same_tokens(engine, prompts):
@@ -187,7 +187,7 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         assert small.stats["shared_prefix_reads"] > 0
     if not mixed_steps:
         assert small.stats["shared_prefix_reads"] == 0
-    for (prompt, n), out in zip(requests, outputs):
+    for (prompt, n), out in zip(requests, outputs, strict=True):
         assert len(out.token_ids) == n
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
@@ -215,7 +215,7 @@ def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(m
             engine.shutdown()
     (mixed_out, mixed_stats), (plain_out, plain_stats) = results[True], results[False]
     assert [o.token_ids for o in mixed_out] == [o.token_ids for o in plain_out]
-    assert max(abs(a - b) for m, p in zip(mixed_out, plain_out) for a, b in zip(m.log_probs, p.log_probs)) < 1e-4
+    assert max(abs(a - b) for m, p in zip(mixed_out, plain_out, strict=True) for a, b in zip(m.log_probs, p.log_probs, strict=True)) < 1e-4
     assert mixed_stats["prefill_tokens"] == plain_stats["prefill_tokens"] == sum(len(p) for p in staggered)
     assert mixed_stats["mixed_steps"] > 0 and plain_stats["mixed_steps"] == 0
     assert mixed_stats["largest_step_tokens"] <= max(60, 8 + max(len(p) for p in staggered))
@@ -236,7 +236,7 @@ def test_a_model_whose_attention_mixed_steps_cannot_drive_runs_plain_steps(model
 
 def _per_row_reference(logits, params, generators):
     """The sampler as it was before it ran batched: one row at a time on the CPU."""
-    return torch.cat([sample_next_tokens(logits[i : i + 1], [p], [g]) for i, (p, g) in enumerate(zip(params, generators))])
+    return torch.cat([sample_next_tokens(logits[i : i + 1], [p], [g]) for i, (p, g) in enumerate(zip(params, generators, strict=True))])
 
 
 def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():

@@ -20,8 +20,8 @@ def test_threads_are_the_usable_cores_shared_by_the_replicas_on_the_node(monkeyp
 
 
 def test_two_cpu_replicas_split_the_cores_and_run_at_normal_priority(tmp_path, ray_local):
-    from generation_core.serving.pool import ReplicaPool
     from generation_core.plan.preflight import preflight
+    from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
     plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.n_gpus_per_node=2", "generation.show_progress=false"])
@@ -56,8 +56,8 @@ def test_the_instant_engines_replica_process_imports_no_verl_torch_or_transforme
     """The replica process loads its engine's module and what it imports: for the instant engine
     none of verl (tensordict, torch._dynamo), torch or transformers, seconds of CPU in every run
     (its answers reach the agent loops as verl's TokenOutput all the same: test_request_batching)."""
-    from generation_core.serving.pool import ReplicaPool
     from generation_core.plan.preflight import preflight
+    from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
     plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false"])

@@ -17,19 +17,19 @@ from omegaconf import OmegaConf
 
 from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
-from generation_core.store.part_repair import committed_parts, read_verified_part
-from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.engines.hf import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
-from generation_core.shard.job import run_shard_with_worker
+from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.outputs.merge import scan_run
 from generation_core.plan.preflight import preflight
-from generation_core.store.trajectory_record import read_part_table, score_or_none, scored_mask
 from generation_core.report.data import collect_report_data
+from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
-from generation_core.store.run_folder import read_run_record
-from generation_core.store.folder import StorageFolder
 from generation_core.shard.streaming import StreamingWorker
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.run_folder import read_run_record
+from generation_core.store.trajectory_record import read_part_table, score_or_none, scored_mask
 from tests.conftest import REPO, write_parquet
 from tests.merge_oracles import read_committed_records
 from tests.scripted_engine import ScriptedEngine
@@ -182,7 +182,7 @@ def _ids(rendered) -> list[int]:
 def _runs_of_ones(tokens, mask) -> list[list[int]]:
     """The maximal runs of `tokens` whose mask is set, in order."""
     runs, current = [], []
-    for token, keep in zip(tokens, mask):
+    for token, keep in zip(tokens, mask, strict=True):
         if keep:
             current.append(token)
         elif current:

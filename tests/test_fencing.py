@@ -14,13 +14,13 @@ from dataclasses import asdict
 
 import pytest
 
-from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
-from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.shard.job import run_shard_with_worker
+from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
+from generation_core.store.folder import StorageFolder, WriteConflict
 from generation_core.store.lease import LeaseLost, RunLease
 from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
-from generation_core.store.folder import StorageFolder, WriteConflict
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -352,9 +352,9 @@ def test_of_local_writers_racing_from_one_version_exactly_one_wins(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing(url_and_options):
     """The merge's repair of a part it found damaged, and the success marker, are fenced too."""
+    from generation_core.outputs.finish import merge_repairing
     from generation_core.store.commit_log import read_marker, write_marker
     from generation_core.store.part_repair import DamagedPart
-    from generation_core.outputs.finish import merge_repairing
 
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,10 @@ import torch
 from verl.protocol import DataProto
 
 from generation_core.driver.in_process import run_in_process
+from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 from generation_core.plan.preflight import preflight
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 from tests.run_folder_helpers import checkpoint_dict, has_committed_part
-from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -159,7 +160,7 @@ def _shard_workers(timeline: Path) -> list[int]:
 def _same_records(actual, expected) -> None:
     """Record by record, every field but the timings (metrics)."""
     assert [r.key for r in actual] == [r.key for r in expected]
-    for ours, theirs in zip(actual, expected):
+    for ours, theirs in zip(actual, expected, strict=True):
         for name in ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns", "input_fields", "extra_fields"):
             assert getattr(ours, name) == getattr(theirs, name), (ours.key, name)
 
@@ -315,7 +316,7 @@ def test_the_nightly_config_names_its_folder_after_the_flow_runs_scheduled_date(
     day): `${genrun:scheduled_date}` reads the flow run's scheduled time, not the clock. The
     config is resolved by preflight in a flow run on the real server, as the deployment's flow
     does first; the whole run through the worker is the extended test below (CI time)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -333,16 +334,16 @@ def test_the_nightly_config_names_its_folder_after_the_flow_runs_scheduled_date(
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
     overrides = [*nightly["parameters"]["overrides"], f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=instant"]
-    night = datetime(2024, 3, 5, 2, tzinfo=timezone.utc)
+    night = datetime(2024, 3, 5, 2, tzinfo=UTC)
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
             flow_run = client.create_flow_run(resolve, parameters={"overrides": overrides}, state=Scheduled(scheduled_time=night))
         assert flow_run.expected_start_time.date() == night.date(), flow_run.expected_start_time
         assert run_flow(resolve, flow_run=flow_run, parameters={"overrides": overrides}) == "nightly-2024-03-05"
     # Outside a flow run it is the day's date (read before and after: the test may span midnight).
-    days = [datetime.now(timezone.utc).strftime("%Y-%m-%d")]
+    days = [datetime.now(UTC).strftime("%Y-%m-%d")]
     name = preflight(overrides).cfg.trainer.experiment_name
-    days.append(datetime.now(timezone.utc).strftime("%Y-%m-%d"))
+    days.append(datetime.now(UTC).strftime("%Y-%m-%d"))
     assert name in [f"nightly-{day}" for day in days], name
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from generation_core.config.loading import load_config
 from generation_core.config.layout import check_cluster_resources, check_engine_installed, resolve_layout
+from generation_core.config.loading import load_config
 from generation_core.errors import GenrunError
 
 REPO = Path(__file__).resolve().parent.parent

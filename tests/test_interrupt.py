@@ -23,8 +23,8 @@ import torch
 from verl.protocol import DataProto
 
 from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
-from generation_core.store.lease import newest_lease
 from generation_core.store.folder import StorageFolder
+from generation_core.store.lease import newest_lease
 from tests.conftest import GENRUN, REPO, chat_rows, run_genrun, write_parquet
 from tests.run_folder_helpers import committed_keys
 

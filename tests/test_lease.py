@@ -16,8 +16,8 @@ import time
 import pytest
 
 from generation_core.errors import GenrunError
-from generation_core.store.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
 from generation_core.store.folder import StorageFolder
+from generation_core.store.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
 from tests.conftest import REPO, S3_ENV
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,9 +126,9 @@ def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
 
 
 def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
-    from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
     from generation_core.inputs.shard_rows import ShardSpec
     from generation_core.shard.job import run_shard_with_worker
+    from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
     folder = StorageFolder(str(tmp_path / "run"))
     ours = RunLease.acquire(folder, seconds=60)

@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from generation_core.store.commit_log import ShardCheckpoint, write_marker
-from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name
 from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.protocol import DataProto
 
 from generation_core.config.loading import load_config
-from generation_core.shard.streaming import StreamingWorker
 from generation_core.outputs.padding import PROVENANCE_KEY, TIMINGS_KEY
+from generation_core.shard.streaming import StreamingWorker
 from tests.merge_oracles import build_dataproto
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,14 +83,14 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
     kwargs = [_kwargs(i) for i in range(4)]
 
     async def verl_side():
-        return [await verl_worker._agent_loop_postprocess(o, False, **kw) for o, kw in zip(_outputs(with_logprobs, with_rewards), kwargs)]
+        return [await verl_worker._agent_loop_postprocess(o, False, **kw) for o, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)]
 
     padded = asyncio.run(verl_side())
     non_tensor_input = {key: np.fromiter([kw[key] for kw in kwargs], dtype=object, count=4) for key in kwargs[0]}
     expected = verl_worker._postprocess(padded, input_non_tensor_batch=non_tensor_input)
 
     # Our path: the same agent-loop outputs as unpadded records (as streamed to disk), merged.
-    records = [worker.record_from_output((kw["index"], 0), out, kw) for out, kw in zip(_outputs(with_logprobs, with_rewards), kwargs)]
+    records = [worker.record_from_output((kw["index"], 0), out, kw) for out, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)]
     merged = build_dataproto(records, prompt_length=16, response_length=12, pad_token_id=verl_worker.tokenizer.pad_token_id)
 
     assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
@@ -121,9 +121,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from generation_core.outputs.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
-from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet  # noqa: E402
-from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
 from generation_core.store.folder import StorageFolder  # noqa: E402
+from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet  # noqa: E402
 from tests.merge_oracles import load_chunks, read_committed_records  # noqa: E402
 
 PROMPT_LENGTH, RESPONSE_LENGTH, PAD = 12, 10, 2
@@ -147,7 +147,7 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
                 prompt_ids=[int(t) for t in rng.integers(3, 50000, p)],
                 response_ids=[int(t) for t in rng.integers(3, 50000, r)],
                 response_mask=mask,
-                response_logprobs=[float(v) if m else 0.0 for v, m in zip(rng.normal(-1, 2, r).astype(np.float32), mask)] if with_logprobs else None,
+                response_logprobs=[float(v) if m else 0.0 for v, m in zip(rng.normal(-1, 2, r).astype(np.float32), mask, strict=True)] if with_logprobs else None,
                 reward_score=float(rng.normal()),
                 num_turns=2 + 2 * (i % 2),
                 input_fields={"data_source": "test", "index": 1000 + i // 2, "raw_prompt": messages, "extra_info": {"index": 1000 + i // 2}},
@@ -160,8 +160,8 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
 
 def _write_run(folder: StorageFolder, records: list[TrajectoryRecord], parts_of: int = 5, shards: int = 3) -> None:
     """A finished run folder: the records spread over shards in shuffled parts, as shards commit them."""
-    from generation_core.store.commit_log import ShardCheckpoint
     from generation_core.inputs.shard_rows import ShardSpec
+    from generation_core.store.commit_log import ShardCheckpoint
     from generation_core.store.run_folder import PartEntry
 
     order = np.random.default_rng(1).permutation(len(records))

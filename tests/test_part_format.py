@@ -92,10 +92,10 @@ def test_parts_written_before_the_shared_raw_prompt_still_read(tmp_path):
     # And the merge reads such a part next to a new one, the raw prompt in extra_fields alike.
     import hashlib
 
-    from generation_core.store.commit_log import ShardCheckpoint
     from generation_core.outputs.merge import merge_run
-    from generation_core.store.run_folder import PartEntry
+    from generation_core.store.commit_log import ShardCheckpoint
     from generation_core.store.folder import StorageFolder
+    from generation_core.store.run_folder import PartEntry
     from tests.merge_oracles import build_dataproto, read_committed_records
 
     folder = StorageFolder(str(tmp_path))

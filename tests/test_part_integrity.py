@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from generation_core.store.part_repair import repair_shard
-from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.errors import GenrunError
+from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.outputs.finish import merge_repairing
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import repair_shard
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
@@ -95,8 +95,8 @@ def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_o
     that pickles, as it crosses from a Ray worker)."""
     import pickle
 
-    from generation_core.store import commit_log
     from generation_core.shard.finished import FinishedRowsChanged, finished_shard
+    from generation_core.store import commit_log
 
     cfg = _cfg("generation.save_batch_size=4")
     folder = StorageFolder(str(tmp_path))

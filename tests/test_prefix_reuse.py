@@ -61,7 +61,7 @@ def _run(engine, prompt, max_tokens=12, **params):
 
 def _assert_same(a, b):
     assert a.token_ids == b.token_ids
-    assert max((abs(x - y) for x, y in zip(a.log_probs, b.log_probs)), default=0.0) < 1e-4
+    assert max((abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)), default=0.0) < 1e-4
 
 
 def _delta(engine, before, keys=("prefix_hits", "prefix_misses", "prefix_reused_tokens", "prefill_tokens")):
@@ -118,8 +118,8 @@ def test_interleaved_conversations_answer_the_same_with_and_without_reuse(reuse,
     with_reuse = _conversations(reuse, tokenizer)
     stats = _delta(reuse, before)
     without = _conversations(plain, tokenizer)
-    for conv_reuse, conv_plain in zip(with_reuse, without):
-        for (prompt_a, a), (prompt_b, b) in zip(conv_reuse, conv_plain):
+    for conv_reuse, conv_plain in zip(with_reuse, without, strict=True):
+        for (prompt_a, a), (prompt_b, b) in zip(conv_reuse, conv_plain, strict=True):
             assert prompt_a == prompt_b
             _assert_same(a, b)
     # Every later turn finds its own conversation's previous turn, and nothing else.
@@ -206,7 +206,7 @@ def test_prompts_that_start_alike_prefill_the_common_start_once(model_dir, plain
 
         shared = asyncio.run(main(engine))
         alone = asyncio.run(main(plain))
-        for a, b in zip(shared, alone):
+        for a, b in zip(shared, alone, strict=True):
             _assert_same(a, b)
         common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
         assert common > 40, common

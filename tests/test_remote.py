@@ -8,9 +8,9 @@ import socket
 
 import pytest
 
+from generation_core.config.layout import remote_urls
 from generation_core.config.loading import load_config
 from generation_core.engines.base import SamplingParams
-from generation_core.config.layout import remote_urls
 from generation_core.engines.remote import (
     CompletionsServers,
     RemoteRequestRejected,

@@ -108,17 +108,16 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
             engine.shutdown()
 
     served, reference = asyncio.run(remote()), asyncio.run(local())
-    for got, want in zip(served, reference):
+    for got, want in zip(served, reference, strict=True):
         assert got.token_ids == want.token_ids
         assert len(got.log_probs) == len(got.token_ids)
-        assert max(abs(a - b) for a, b in zip(got.log_probs, want.log_probs)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(got.log_probs, want.log_probs, strict=True)) < 2e-3
 
 
 def test_context_overflow_is_a_sample_failure_and_the_server_stays(vllm_server):
-    from generation_core.engines.remote import RemoteRequestRejected
-    from generation_core.engines.remote import CompletionsServers
-    from generation_core.serving.routing import RoutingClient
+    from generation_core.engines.remote import CompletionsServers, RemoteRequestRejected
     from generation_core.serving.request_retry import RetryingClient
+    from generation_core.serving.routing import RoutingClient
 
     # genrun's own limit is above the server's: the server is the one to refuse (400).
     cfg = _cfg([vllm_server], "data.max_prompt_length=2048", "data.max_response_length=8")

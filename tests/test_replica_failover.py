@@ -35,9 +35,9 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
     from verl.utils import hf_tokenizer
 
     from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.plan.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
     from generation_core.shard.job import build_streaming_worker, run_shard_with_worker
-    from generation_core.plan.preflight import preflight
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
     plan = preflight([

@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from flows.cli import main
-from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
 from generation_core.report.data import STOP_REASONS, Limits, sample_hash, stop_reasons
 from generation_core.report.html import REPORT_FILE, split_report_arguments
 from generation_core.store.folder import StorageFolder
+from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
 from tests.conftest import chat_rows, write_parquet
 from tests.report_runs import COMMITTED, FAILING_ROW, ROLLOUT_N, ROWS, WRONG_ROW, committed_records, tool_run
 from tests.scripted_engine import ScriptedEngine
@@ -140,7 +140,7 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
     records = committed_records(StorageFolder(str(run_dir)))
     assert data["total"] == COMMITTED and [t["id"] for t in data["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in records]
     engine = ScriptedEngine(tokenizer)
-    for shown, record in zip(data["trajectories"], records):
+    for shown, record in zip(data["trajectories"], records, strict=True):
         word, source = ROWS[record.index]
         assert shown["source"] == source and shown["turns"] == 4 and shown["stop"] == "eos"
         assert shown["reward"] == (0.0 if record.index == WRONG_ROW else 1.0)

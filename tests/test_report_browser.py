@@ -147,7 +147,7 @@ def test_a_trajectory_shows_its_turns_mask_and_logprobs(runs, open_report, model
     tokenizer = hf_tokenizer(str(model_dir))
     assert "".join(text for text, *_ in tokens) == tokenizer.decode(record.response_ids)
     assert page.locator(".turn.prompt pre").text_content() == tokenizer.decode(record.prompt_ids)
-    for (text, css, logprob, colour), model, expected in zip(tokens, mask, record.response_logprobs):
+    for (_, css, logprob, colour), model, expected in zip(tokens, mask, record.response_logprobs, strict=True):
         if model:
             assert css == "tok model" and float(logprob) == pytest.approx(expected, abs=1e-3)
             # hsl(120 p, 75%, 80%): the colour follows the token's probability.

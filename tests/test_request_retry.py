@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
 from generation_core.engines.base import EngineStepFailed, EngineStopped
 from generation_core.engines.remote import RemoteRequestRejected, RemoteServerUnavailable
 from generation_core.errors import GenrunError
-from generation_core.store.trajectory_record import SampleFailure
 from generation_core.serving.request_retry import RequestTimeout, RetryingClient, is_transient
+from generation_core.store.trajectory_record import SampleFailure
 
 pytestmark = pytest.mark.timeout(120)
 

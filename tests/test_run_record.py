@@ -8,9 +8,9 @@ import json
 import pytest
 
 from generation_core.errors import GenrunError
+from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import RUN_FILE, read_run_record
 from generation_core.store.run_record import RunRecord, ShardRange
-from generation_core.store.folder import StorageFolder
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,18 +15,18 @@ import pytest
 import torch
 from verl.protocol import DataProto
 
-from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.errors import GenrunError
-from tests.merge_oracles import read_committed_records
 from generation_core.driver.in_process import run_in_process
+from generation_core.errors import GenrunError
+from generation_core.inputs.shard_rows import ShardSpec
+from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 from generation_core.plan.preflight import preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
-from tests.conftest import GENRUN, REPO, S3_ENV, chat_rows, kill_group, run_genrun, start_moto, write_parquet
+from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, start_moto, write_parquet
+from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import committed_keys, has_committed_part
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 from tests.wandb_offline import artifacts, history_keys, offline_run_files
-from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -139,10 +139,10 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     the S3 client kwargs reach s3fs, the judge's key the reward function."""
     from omegaconf import OmegaConf
 
-    from generation_core.plan.preflight import RunPlan, preflight
-    from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
     from generation_core.errors import GenrunError
+    from generation_core.plan.preflight import RunPlan, preflight
     from generation_core.secrets import SECRETS_ENV
+    from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
     from tests.conftest import chat_rows, write_parquet
 
     prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))

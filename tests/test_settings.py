@@ -11,7 +11,6 @@ import pytest
 from omegaconf import OmegaConf
 
 import generation_core
-from generation_core.errors import GenrunError
 from generation_core.config.settings import (
     ENGINE_KWARGS,
     GenerationSettings,
@@ -19,6 +18,7 @@ from generation_core.config.settings import (
     check_hf_device,
     hf_device,
 )
+from generation_core.errors import GenrunError
 
 pytestmark = pytest.mark.timeout(120)
 

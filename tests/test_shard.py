@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from generation_core.store.commit_log import read_failure_log
 from generation_core.config.loading import load_config
 from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
-from generation_core.store.trajectory_record import TrajectoryRecord
-from generation_core.store.folder import StorageFolder
 from generation_core.shard.streaming import StreamingWorker
+from generation_core.store.commit_log import read_failure_log
+from generation_core.store.folder import StorageFolder
+from generation_core.store.trajectory_record import TrajectoryRecord
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
 from tests.sample_deadline import failure_log

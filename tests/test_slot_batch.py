@@ -54,7 +54,7 @@ def test_compaction_moves_the_highest_live_sequences_into_the_holes_with_their_k
     assert [batch.sequences[slot].name for slot in range(3)] == ["s0", "s4", "s2"]
     for seq in (seqs[0], seqs[2], seqs[4]):
         after = _contents(batch, seq)
-        assert all(torch.equal(a, b) for a, b in zip(after, before[seq.name])), seq.name
+        assert all(torch.equal(a, b) for a, b in zip(after, before[seq.name], strict=True)), seq.name
     assert batch.start == min(batch.row_start[slot] for slot in batch.live_slots())
 
 
@@ -132,7 +132,7 @@ def test_cascade_attention_equals_attention_over_each_rows_whole_columns():
     cols = torch.arange(columns)
     whole = cols.unsqueeze(0) >= torch.tensor(starts).unsqueeze(1)
     expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=whole.view(rows, 1, 1, -1), enable_gqa=True)
-    own = cols.unsqueeze(0) >= torch.tensor([s + prefix * r for s, r in zip(starts, reads)]).unsqueeze(1)
+    own = cols.unsqueeze(0) >= torch.tensor([s + prefix * r for s, r in zip(starts, reads, strict=True)]).unsqueeze(1)
     mask = torch.zeros(rows, 1, 1, columns).masked_fill_(~own.view(rows, 1, 1, -1), float("-inf"))
     bias = torch.tensor([0.0 if r else float("-inf") for r in reads]).view(rows, 1, 1)
     step = CascadeStep(SharedPrefix(tuple(range(prefix)), [shared_k], [shared_v]), bias, sum(reads))

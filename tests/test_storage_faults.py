@@ -12,10 +12,10 @@ import subprocess
 import pytest
 
 from generation_core.inputs.shard_rows import ShardSpec
-from tests.merge_oracles import read_committed_records
-from tests.run_folder_helpers import checkpoint_dict
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
+from tests.merge_oracles import read_committed_records
+from tests.run_folder_helpers import checkpoint_dict
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)

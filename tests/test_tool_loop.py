@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from generation_core.store.commit_log import read_failure_log
 from generation_core.config.loading import load_config
-from generation_core.inputs.shard_rows import ShardPrompts, ShardSpec
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
+from generation_core.inputs.shard_rows import ShardPrompts, ShardSpec
 from generation_core.outputs.merge import merge_run
+from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
-from generation_core.store.folder import StorageFolder
 from generation_core.shard.streaming import StreamingWorker
+from generation_core.store.commit_log import read_failure_log
+from generation_core.store.folder import StorageFolder
 from tests import sample_deadline
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine

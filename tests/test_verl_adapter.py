@@ -28,8 +28,8 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
 from generation_core import verl_adapter
-from generation_core.inputs.agent_loops import PLUGIN_GROUP
 from generation_core.console import QUIET_AT_ANY_LEVEL
+from generation_core.inputs.agent_loops import PLUGIN_GROUP
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

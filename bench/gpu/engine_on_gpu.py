@@ -102,11 +102,11 @@ def main() -> None:
             chunk = prompts[:batch]
             steps_before = engine.stats["forward_steps"]
             torch.cuda.reset_peak_memory_stats()
-            eng_rate, eng_s = best(lambda: asyncio.run(engine_run(engine, chunk, args.tokens, temperature)), args.repeats)
+            eng_rate, eng_s = best(lambda chunk=chunk, temperature=temperature: asyncio.run(engine_run(engine, chunk, args.tokens, temperature)), args.repeats)
             eng_mem = torch.cuda.max_memory_allocated() / 2**30
             steps = (engine.stats["forward_steps"] - steps_before) / args.repeats
             torch.cuda.reset_peak_memory_stats()
-            st_rate, st_s = best(lambda: static_run(model, chunk, args.tokens, temperature, pad), args.repeats)
+            st_rate, st_s = best(lambda chunk=chunk, temperature=temperature: static_run(model, chunk, args.tokens, temperature, pad), args.repeats)
             st_mem = torch.cuda.max_memory_allocated() / 2**30
             rows.append((temperature, batch, eng_rate, eng_s, steps, eng_mem, st_rate, st_s, st_mem))
             print(

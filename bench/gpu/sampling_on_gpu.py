@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import engine_on_gpu  # noqa: E402  (registers the TokenOutput stand-in where verl is missing)
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
 from generation_core.engines.base import SamplingParams  # noqa: E402
+from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
 from generation_core.engines.sampling import sample_next_tokens  # noqa: E402
 
 
@@ -76,7 +75,7 @@ def engine_check(model_dir: str) -> None:
         ids = torch.tensor([prompt + a.token_ids], device="cuda")
         raw = engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
         rescored = raw.gather(1, torch.tensor(a.token_ids, device="cuda").unsqueeze(1)).squeeze(1).tolist()
-    diff = max(abs(x - y) for x, y in zip(a.log_probs, rescored))
+    diff = max(abs(x - y) for x, y in zip(a.log_probs, rescored, strict=True))
     engine.shutdown()
     print(f"engine on cuda: {same} {len(a.token_ids)} tokens; logprobs vs re-score max |diff| {diff:.4f} (bf16 cached vs full forward)")
 

@@ -33,7 +33,10 @@ def timed(fn, n=10):
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).to("cuda").eval()
 vocab = model.config.vocab_size
-for batch in (64, 256):
+
+
+def breakdown(batch: int) -> None:
+    """One batch size's split (a function: its closures bind this call's tensors)."""
     with torch.inference_mode():
         ids = torch.randint(0, vocab, (batch, 160), device="cuda")
         cache = DynamicCache(config=model.config)
@@ -74,6 +77,10 @@ for batch in (64, 256):
         f"{batch / (fwd + copy + g_ms) * 1000:.0f}, engine T=1 path {batch / (fwd + copy + s_ms) * 1000:.0f}",
         flush=True,
     )
+
+
+for batch in (64, 256):
+    breakdown(batch)
 
 
 # The same split measured inside a real engine run: HFEngine's model call (prefill and decode)

@@ -269,7 +269,6 @@ def ray_head(tmp_path):
 def test_ray_head_restarted_between_runs(ray_head, restartable_prefect, tmp_path):
     server = restartable_prefect
     print(f"ray head up in {ray_head.start():.1f} s")
-    clock = time.monotonic()
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
     env = dict(_gate_env(ray_head.gate), PREFECT_API_URL=server.url)
     on_cluster = f"ray_kwargs.ray_init.address={ray_head.address}"
