@@ -275,3 +275,17 @@ def test_the_eta_adds_the_drain_of_the_trajectories_the_shards_have_open():
     # 50 left at 5/s: 42 start over 8.4 s, then the longest of the 8 open ones drains.
     d = Durations.middle(Durations.bin_of(2.0))
     assert progress.totals().eta == pytest.approx(42 / 5 + d * 8 / 9)
+
+
+def test_the_board_keeps_no_durations_of_an_ended_job():
+    """A snapshot carries every shard's report; an ended job's histogram would only add bytes
+    (the ETA reads the running shards')."""
+    board = ProgressBoard()
+    report = _report(0, generated=5)
+    report.durations = {20: 5}
+    board.report(vars(report))
+    assert board.snapshot()["reports"][0]["durations"] == {20: 5}
+    report.ended = True
+    board.report(vars(report))
+    (kept,) = board.snapshot()["reports"]
+    assert kept["durations"] == {} and kept["generated"] == 5 and kept["ended"]

@@ -34,13 +34,17 @@ class ProgressBoard:
         job answers a stop request itself, by committing what finished."""
         self.stop = False
         self.peak_generating = 0
+        """The most shard jobs seen generating at once: the run's in-flight budget, in shards."""
         self.heard: dict[int, float] = {}
         """When each shard's latest report arrived, on this actor's clock (a worker's clock may differ)."""
-        """The most shard jobs seen generating at once: the run's in-flight budget, in shards."""
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         """Record a shard's report; answers whether the run is stopping and the job's share of
         the run's in-flight budget (1.0: its own max_inflight)."""
+        if report.get("ended") and report.get("durations"):
+            # Only running shards' durations feed the ETA (progress.py); an ended one's would ride
+            # on every snapshot of a run of thousands of shards.
+            report = dict(report, durations={})
         self.reports[report["shard_id"]] = report
         self.heard[report["shard_id"]] = time.time()
         self.generated_by_attempt[report["attempt"]] = report["generated"]
