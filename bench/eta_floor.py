@@ -75,7 +75,7 @@ def max_errors(ends: np.ndarray, took: np.ndarray, slots: int, mean: float, drai
     done to the end. genrun's sees what the shards report: the counts, how long the finished
     requests took, how many are open."""
     count, duration = len(ends), float(ends[-1])
-    genrun = counts_only = oracle = 0.0
+    worst = [0.0, 0.0, 0.0]
     durations, seen = Durations(), 0
     for tick in np.arange(TICK, duration, TICK):
         done = int(np.searchsorted(ends, tick, side="right"))
@@ -86,18 +86,13 @@ def max_errors(ends: np.ndarray, took: np.ndarray, slots: int, mean: float, drai
             continue
         left = duration - tick
         pace = ShardPace(remaining=count - done, done=done, seconds=float(tick), open_now=min(slots, count - done))
-        for name, eta in (
-            ("genrun", estimate_eta(count - done, done, float(tick), [pace], durations)),
-            ("counts", estimate_eta(count - done, done, float(tick))),
-            ("oracle", (count - done) * mean / slots + drain),
-        ):
-            error = math.inf if eta is None else abs(eta - left) / duration
-            if name == "genrun":
-                genrun = max(genrun, error)
-            elif name == "counts":
-                counts_only = max(counts_only, error)
-            else:
-                oracle = max(oracle, error)
+        etas = (
+            estimate_eta(count - done, done, float(tick), [pace], durations),
+            estimate_eta(count - done, done, float(tick)),
+            (count - done) * mean / slots + drain,
+        )
+        worst = [max(so_far, math.inf if eta is None else abs(eta - left) / duration) for so_far, eta in zip(worst, etas, strict=True)]
+    genrun, counts_only, oracle = worst
     return genrun, counts_only, oracle
 
 

@@ -14,7 +14,7 @@ took (`Durations`, a log-spaced histogram) and how many are open, each bound is 
 what has not started (its trajectories left less those open, at the rate) plus the expected
 longest residual time of as many open trajectories (`Durations.expected_longest`). On a run with
 many trajectories in flight against its length this drain is most of a count-based ETA's error
-(bench/eta_floor.py: 24,000 trajectories, 128 in flight, median max error 7.5% -> 5.3%). Without
+(bench/eta_floor.py: 24,000 trajectories, 128 in flight, median max error 7.5% -> 5.4%). Without
 durations (`genrun status`, which reads commits only) the bound is the rate's alone.
 
 Light to import (the standard library only): `genrun status` uses it, and `format_seconds`.
