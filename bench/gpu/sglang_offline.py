@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-running", type=int, default=512, help="as actor_rollout_ref.rollout.max_num_seqs of the genrun run")
+    parser.add_argument("--no-piecewise-cuda-graph", action="store_true",
+                        help="as engine_kwargs.sglang.disable_piecewise_cuda_graph=true of the genrun run (a shorter boot)")
     parser.add_argument("--json")
     parser.add_argument("--make-prompts")
     parser.add_argument("--repeat", type=int, default=11)
@@ -62,7 +64,7 @@ def main() -> None:
     # bundled SmolLM2 directory is float32, and with dtype auto the first sitting's run did not finish in 120 s.
     engine = sglang.Engine(model_path=args.model, dtype="bfloat16", attention_backend="triton", sampling_backend="pytorch",
                            skip_tokenizer_init=True, mem_fraction_static=args.mem_fraction, max_running_requests=args.max_running,
-                           random_seed=0, log_level="error")
+                           disable_piecewise_cuda_graph=args.no_piecewise_cuda_graph, random_seed=0, log_level="error")
     boot = time.perf_counter() - started
     engine.generate(input_ids=requests[:16], sampling_params=dict(params, max_new_tokens=8), return_logprob=True)
     started = time.perf_counter()

@@ -4,7 +4,9 @@
 
 Runs here (registries reachable), never on the GPU machine. Steps:
 1. `pip download --no-deps` each wheel of wheels.lock for CPython 3.12 / manylinux x86_64 into
-   --wheels (kept between runs) and check its published sha256;
+   --wheels (kept between runs) and check its published sha256; a pin published only as an sdist
+   (a `.tar.gz` line: antlr4-python3-runtime 4.9.3, which hydra pins) is downloaded, checked against
+   its published sha256 and built into a pure-Python wheel here (`pip wheel --no-deps`);
 2. trim the two wheels whose bulk an SGLang run with the triton attention backend never loads
    (TRIM below), their RECORD rewritten to match;
 3. re-zip every wheel uncompressed and compress it with xz: wheel files are deflated, xz over the
@@ -66,11 +68,43 @@ def sha256(path: Path) -> str:
 
 
 def requirement(file_name: str) -> str:
-    name, version = file_name.split("-")[:2]
+    if file_name.endswith(".tar.gz"):  # an sdist: the name may hold dashes, the version does not
+        name, version = file_name.removesuffix(".tar.gz").rsplit("-", 1)
+    else:
+        name, version = file_name.split("-")[:2]
     return f"{name}=={version}"
 
 
+def build_sdists(rows: list[tuple[str, str]], wheels: Path) -> list[tuple[str, str]]:
+    """Rows with each sdist replaced by the wheel built from it; its published sha256 checked first.
+
+    The built wheel's own sha256 cannot be pinned (a build stamps times into the zip); the manifest
+    records it, and the GPU side checks the wheel it installs against that."""
+    built_rows = []
+    for file_name, published in rows:
+        if not file_name.endswith(".tar.gz"):
+            built_rows.append((file_name, published))
+            continue
+        sdist = wheels / "sdist" / file_name
+        if not sdist.exists():
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
+                            "-d", str(sdist.parent), requirement(file_name)], check=True)
+        if sha256(sdist) != published:
+            sys.exit(f"{file_name}: sha256 differs from wheels.lock; delete {sdist} and run again")
+        name, version = requirement(file_name).split("==")
+        stem = f"{name.replace('-', '_')}-{version}-"
+        found = sorted(wheels.glob(stem + "*.whl"))
+        if not found:
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(sdist)], check=True)
+            found = sorted(wheels.glob(stem + "*.whl"))
+        if not found or not found[0].name.endswith("-py3-none-any.whl"):
+            sys.exit(f"{file_name}: building it gave {[path.name for path in found]}, not one pure-Python wheel")
+        built_rows.append((found[0].name, f"sdist {published}"))
+    return built_rows
+
+
 def download(rows: list[tuple[str, str]], wheels: Path) -> None:
+    rows = [row for row in rows if row[0].endswith(".whl")]
     missing = [file_name for file_name, _ in rows if not (wheels / file_name).exists()]
     if missing:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels),
@@ -147,6 +181,7 @@ def main() -> None:
     rows = read_lock()
     args.wheels.mkdir(parents=True, exist_ok=True)
     download(rows, args.wheels)
+    rows = build_sdists(rows, args.wheels)
     if args.out.exists():
         shutil.rmtree(args.out)
     work = args.out / "work"

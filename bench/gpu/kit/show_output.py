@@ -27,7 +27,9 @@ result = {
 }
 if "rollout_log_probs" in data.batch:
     logprobs = data.batch["rollout_log_probs"][mask]
-    result["logprobs"] = {"finite": bool(torch.isfinite(logprobs).all()), "max": float(logprobs.max()), "mean": float(logprobs.mean())}
+    result["logprobs"] = {"finite": bool(torch.isfinite(logprobs).all()), "max": float(logprobs.max()), "mean": float(logprobs.mean()),
+                         # random (dummy) weights give every token -ln(vocab): a real checkpoint spreads them
+                         "min": float(logprobs.min()), "std": float(logprobs.std())}
 result["decoded"] = [
     {"prompt": tokenizer.decode(data.batch["prompts"][row][data.batch["attention_mask"][row][: data.batch["prompts"].shape[1]].bool()])[-200:],
      "response": tokenizer.decode(data.batch["responses"][row][mask[row]])[:300]}
