@@ -3,6 +3,12 @@ run's in-flight budget shared by the shards still running (issue 34, item 5), si
 the same samples.
 
     .venv/bin/python bench/tail.py [--workers 16] [--shards 64] [--replicas 4] [--n 8] [--sigma 1.0]
+    .venv/bin/python bench/tail.py --longest-first [--shards 512]   # generation.longest_first_from
+
+`--longest-first`: tonight's run in dataset order against the same run ordered by last night's
+lengths (genrun's inputs/length_hints.py ordering), where a share of each length's log-variance
+comes from the prompt (engine_kwargs.simulated.response_tokens_prompt_share: 0, 0.5, 0.8) and the
+rest from each request's seed, which differs between the nights.
 
 Shard workers pull shards from one queue (as Prefect hands shard tasks to Ray workers: more
 shards than workers), each shard's samples sent through genrun's `RoutingClient` (prefix-affinity
@@ -24,18 +30,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.scheduling import SimulatedBackend, _Source  # noqa: E402
 from generation_core.engines.simulated import SimulatedEngine, SimulatedSettings, VirtualClockLoop  # noqa: E402
+from generation_core.inputs.length_hints import LengthHints, rows_longest_first, shards_longest_first  # noqa: E402
+from generation_core.run_plan import ShardSpec  # noqa: E402
 from generation_core.serving.replica_loads import ReplicaChooser  # noqa: E402
 from generation_core.serving.routing import RoutingClient  # noqa: E402
 from generation_core.shard.call_slots import CallSlots  # noqa: E402
@@ -61,6 +71,10 @@ class Scenario:
     sigma: float = 1.0
     response_length: int = 1024
     seed: int = 0
+    prompt_share: float = 0.0
+    """engine_kwargs.simulated.response_tokens_prompt_share: how much of a length the prompt decides."""
+    night: int = 0
+    """Which night's run over the same prompts: another night draws other per-request seeds."""
 
 
 def shard_sizes(s: Scenario) -> list[int]:
@@ -71,13 +85,13 @@ def shard_sizes(s: Scenario) -> list[int]:
     return [max(1, round(r * scale)) for r in raw]
 
 
-async def _run(s: Scenario, cap: int) -> dict[str, Any]:
+async def _run(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     engines = [
         SimulatedEngine(SimulatedSettings(
             prompt_length=s.prompt_tokens, response_length=s.response_length, eos_token_id=2, max_num_seqs=s.max_num_seqs, vocab_size=50_000,
             decode_seconds_per_step=0.02, prefill_seconds_per_token=0.0001, prefix_cache_tokens=65_536,
-            response_tokens_median=s.median, response_tokens_sigma=s.sigma, seed=s.seed + r,
+            response_tokens_median=s.median, response_tokens_sigma=s.sigma, seed=s.seed + r, response_tokens_prompt_share=s.prompt_share,
         ))
         for r in range(s.replicas)
     ]
@@ -86,7 +100,18 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
     rng = random.Random(s.seed)
     sizes = shard_sizes(s)
     prompts = [[[rng.randrange(3, 50_000) for _ in range(s.prompt_tokens)] for _ in range(size)] for size in sizes]
+    rows = {shard: list(range(size)) for shard, size in enumerate(sizes)}
     queue = list(range(s.shards))
+    if hints is not None:
+        # genrun's own ordering (inputs/length_hints.py) over prompts numbered across the shards.
+        first = [sum(sizes[:shard]) for shard in range(s.shards)]
+        numbered = np.array([(shard, p) for shard, size in enumerate(sizes) for p in range(size)])
+        known = [i for i, (shard, p) in enumerate(numbered.tolist()) if (shard, p) in hints]
+        by_prompt = LengthHints(np.array(known), np.array([hints[tuple(numbered[i].tolist())] for i in known]))
+        specs = [ShardSpec(shard, first[shard], first[shard] + sizes[shard]) for shard in range(s.shards)]
+        queue = [spec.shard_id for spec in shards_longest_first(specs, np.arange(len(numbered)), by_prompt)]
+        rows = {shard: rows_longest_first(np.arange(first[shard], first[shard] + sizes[shard]), by_prompt) for shard in range(s.shards)}
+    lengths: dict[tuple[int, int], list[int]] = {}
     board = ProgressBoard()
     finished_at: list[float] = []
     busy_samples: list[int] = []
@@ -105,7 +130,8 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
 
         async def sample(p: int, k: int) -> None:
             try:
-                await client.generate(f"s{shard}-p{p}-k{k}", prompt_ids=prompts[shard][p], sampling_params={"seed": (shard * 10_007 + p) * 64 + k})
+                output = await client.generate(f"s{shard}-p{p}-k{k}", prompt_ids=prompts[shard][p], sampling_params={"seed": request_seed(shard, p, k, s.night)})
+                lengths.setdefault((shard, p), []).append(len(output.token_ids))
                 finished_at.append(loop.time())
                 report["generated"] += 1
             finally:
@@ -113,7 +139,7 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
 
         reporter = asyncio.ensure_future(reporting())
         tasks = []
-        for p in range(sizes[shard]):
+        for p in rows[shard]:
             for k in range(s.n):
                 await slots.acquire(False)
                 peak_slots = max(peak_slots, slots.in_flight)
@@ -146,14 +172,27 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
         "trajectories": len(finished_at), "seconds": makespan, "traj_per_s": len(finished_at) / makespan,
         "tail": (makespan - ordered[int(0.99 * len(ordered)) - 1]) / makespan,
         "busy": sum(busy_samples) / (len(busy_samples) * slots_total), "busy_last": sum(last) / (len(last) * slots_total),
-        "peak_slots": peak_slots,
+        "peak_slots": peak_slots, "lengths": {key: sum(v) / len(v) for key, v in lengths.items()},
     }
 
 
-def run_scenario(s: Scenario, cap: int) -> dict[str, Any]:
+def request_seed(shard: int, prompt: int, sample: int, night: int) -> int:
+    """Night 0's seeds are the ones this bench always used; another night's differ."""
+    seed = (shard * 10_007 + prompt) * 64 + sample
+    return seed if night == 0 else seed * 101 + night
+
+
+def longest_first_rows(s: Scenario, cap: int) -> dict[str, dict[str, Any]]:
+    """Tonight's run in genrun's default order and longest expected first, from last night's run
+    over the same prompts (other per-request seeds: only the prompt's share of a length repeats)."""
+    last_night = run_scenario(dataclasses.replace(s, night=1), cap)
+    return {"dataset order": run_scenario(s, cap), "longest first (last night's lengths)": run_scenario(s, cap, last_night["lengths"])}
+
+
+def run_scenario(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
     loop = VirtualClockLoop()
     try:
-        return loop.run_until_complete(_run(s, cap))
+        return loop.run_until_complete(_run(s, cap, hints))
     finally:
         loop.close()
 
@@ -168,8 +207,22 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
     parser.add_argument("--cap", type=int, default=8, help="generation.inflight_share_cap of the 'after' rows")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="instead: genrun's default order against generation.longest_first_from, for prompt shares 0, 0.5 and 0.8")
     args = parser.parse_args()
     base = dict(workers=args.workers, shards=args.shards, mean_prompts=args.prompts, shard_sigma=args.shard_sigma, replicas=args.replicas, n=args.n, sigma=args.sigma)
+    if args.longest_first:
+        print("| max_inflight | prompt share of the length | order | trajectories | sim s | traj/s | last 1% share | busy slots (last 20%) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for max_inflight in (8, 64):
+            for share in (0.0, 0.5, 0.8):
+                rows = longest_first_rows(Scenario("longest first", max_inflight=max_inflight, prompt_share=share, **base), args.cap)
+                for name, r in rows.items():
+                    print(f"| {max_inflight} | {share} | {name} | {r['trajectories']} | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tail']:.3f} | {r['busy_last']:.3f} |")
+                before, after = rows.values()
+                print(f"| {max_inflight} | {share} | after / before | | {after['seconds'] / before['seconds']:.2f} | {after['traj_per_s'] / before['traj_per_s']:.2f} | "
+                      f"{after['tail'] / before['tail']:.2f} | {after['busy_last'] / before['busy_last']:.2f} |", flush=True)
+        return
     scenarios = [Scenario("default max_inflight (64/shard)", max_inflight=64, **base), Scenario("in flight = slots (8/shard)", max_inflight=8, **base)]
     print("| scenario | shares | trajectories | sim s | traj/s | last 1% share | busy slots (run) | busy slots (last 20%) | most calls one shard had in flight |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

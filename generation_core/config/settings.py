@@ -81,6 +81,8 @@ class GenerationSettings:
     inflight_share_cap: int = 8
     """A shard still running while others finished may take up to this many times max_inflight
     (shard/progress_board.py: the run's in-flight budget shared by the shards still running)."""
+    longest_first_from: str | None = None
+    """An earlier run's folder: its response lengths order shards and rows, longest first (inputs/length_hints.py)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
     adaptive: bool = False
@@ -318,6 +320,10 @@ class SimulatedEngineKwargs:
     response_tokens_median: int = 64
     response_tokens_sigma: float = 0.0
     """Response lengths: lognormal around the median (0: every response the median)."""
+    response_tokens_prompt_share: float = 0.0
+    """The share of the lengths' log-variance that the prompt decides, the same on every replica
+    and every run (a hard prompt gets long answers); the rest is each request's own draw. 0: no
+    two samples of a prompt are alike; 1: the prompt decides the length."""
     seed: int = 0
     time_scale: float = 1.0
     """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""

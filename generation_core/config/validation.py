@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from generation_core.config.layout import resolve_layout
-from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs
+from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs, SimulatedEngineKwargs
 from generation_core.errors import GenrunError
 
 
@@ -24,6 +24,7 @@ def validate_values(cfg: DictConfig) -> None:
     _check_generation(cfg)
     _check_scheduling_and_parts(cfg)
     _check_hf_engine(cfg)
+    _check_simulated_engine(cfg)
     _check_inputs_and_trackers(cfg)
     resolve_layout(cfg)
 
@@ -75,6 +76,11 @@ def _check_generation(cfg: DictConfig) -> None:
     _require(
         isinstance(share_cap, int) and not isinstance(share_cap, bool) and share_cap >= 1,
         "generation.inflight_share_cap", share_cap, "must be an integer >= 1 (1: each shard keeps its own max_inflight)",
+    )
+    longest_first = gen.get("longest_first_from")
+    _require(
+        longest_first is None or (isinstance(longest_first, str) and longest_first.strip() != ""),
+        "generation.longest_first_from", longest_first, "must be null or the output folder (path or URI) of an earlier run over the same prompts",
     )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
@@ -150,6 +156,14 @@ def _check_hf_engine(cfg: DictConfig) -> None:
     _require(isinstance(shared_prefix, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention", shared_prefix, "must be true or false")
     weight_first = hf.weight_first_linear
     _require(isinstance(weight_first, bool), "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear", weight_first, "must be true or false")
+
+
+def _check_simulated_engine(cfg: DictConfig) -> None:
+    share = SimulatedEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).response_tokens_prompt_share
+    _require(
+        _is_number(share) and 0 <= share <= 1, "actor_rollout_ref.rollout.engine_kwargs.simulated.response_tokens_prompt_share", share,
+        "must be a fraction between 0 (each sample's length its own) and 1 (the prompt decides it)",
+    )
 
 
 def _check_inputs_and_trackers(cfg: DictConfig) -> None:

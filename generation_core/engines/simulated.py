@@ -7,8 +7,9 @@ What decides how busy a GPU replica is, and nothing else: a decode batch of `max
 that is not found in the prefix cache, and a prefix cache keyed by token prefix in blocks
 (`cache_block_tokens`, as vLLM's and SGLang's caches reuse whole blocks), bounded
 (`prefix_cache_tokens`, LRU), whose hits cost nothing. Response lengths are drawn from a
-lognormal distribution around `response_tokens_median` (`response_tokens_sigma` sets its tail),
-seeded: a request with a `seed` gets its length from (engine seed, prompt, request seed), so a
+lognormal distribution around `response_tokens_median` (`response_tokens_sigma` sets its tail;
+`response_tokens_prompt_share` of its log-variance comes from the prompt alone, as hard prompts get
+long answers on every sample and in every run), seeded: a request with a `seed` gets its length from (engine seed, prompt, request seed), so a
 resumed run equals an uninterrupted one; one without draws from the engine's own seeded stream in
 arrival order. The tokens are the instant engine's (`instant.answer_tokens`).
 
@@ -54,6 +55,7 @@ class SimulatedSettings:
     cache_block_tokens: int = SimulatedEngineKwargs.cache_block_tokens
     response_tokens_median: int = SimulatedEngineKwargs.response_tokens_median
     response_tokens_sigma: float = SimulatedEngineKwargs.response_tokens_sigma
+    response_tokens_prompt_share: float = SimulatedEngineKwargs.response_tokens_prompt_share
     seed: int = SimulatedEngineKwargs.seed
     time_scale: float = SimulatedEngineKwargs.time_scale
 
@@ -174,7 +176,13 @@ class SimulatedEngine:
         if params.seed is not None:
             digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids), digest_size=16)
             draw = random.Random(digest.digest())
-        return max(1, round(math.exp(math.log(max(1, s.response_tokens_median)) + s.response_tokens_sigma * draw.gauss(0.0, 1.0))))
+        normal = draw.gauss(0.0, 1.0)
+        share = min(max(s.response_tokens_prompt_share, 0.0), 1.0)
+        if share > 0:
+            # The prompt's part is keyed by the prompt alone: every replica and every run agree on it.
+            prompt_digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16, person=b"prompt-length")
+            normal = math.sqrt(share) * random.Random(prompt_digest.digest()).gauss(0.0, 1.0) + math.sqrt(1.0 - share) * normal
+        return max(1, round(math.exp(math.log(max(1, s.response_tokens_median)) + s.response_tokens_sigma * normal)))
 
     # ---- the batch ---------------------------------------------------------------------------
 

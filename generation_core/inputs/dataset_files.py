@@ -19,7 +19,7 @@ import io
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -69,6 +69,8 @@ class DatasetInspection:
     """The dataset's part of the run fingerprint (see SAMPLE_SLICES for what it reads)."""
     agent_names: set[str | None]
     """Distinct per-row `agent_name` values (None: rows without one, or no such column)."""
+    row_indices: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    """The sample index (extra_info.index) of every row the run uses, in row order."""
 
 
 def data_storage_options(cfg: DictConfig) -> dict[str, Any]:
@@ -329,7 +331,7 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
     if used == 0:
         raise GenrunError(f"the dataset is empty ({', '.join(f.url for f in files)} hold no rows)")
     check_unique_indices(files, indices)
-    return DatasetInspection(DatasetFiles(tuple(files), used), digest.hexdigest(), agent_names)
+    return DatasetInspection(DatasetFiles(tuple(files), used), digest.hexdigest(), agent_names, np.concatenate(indices))
 
 
 def _agent_names(table: pa.Table | None, rows: int) -> set[str | None]:

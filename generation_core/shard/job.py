@@ -92,7 +92,7 @@ def run_shard_job(
     cfg = plan.cfg
     tokenizer = _tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code)
     # Only this shard's rows, read and filtered here (never the whole dataset).
-    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
+    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer, folder)
     client = attach_client(cfg, registry_name)
     worker = build_streaming_worker(cfg, client, prompts)
     worker.provenance["model_digest"] = plan.model_digest
@@ -152,11 +152,11 @@ async def run_shard_with_worker(cfg: DictConfig, shard: ShardSpec, folder: Stora
 
 def pending_samples(prompts, n: int, done: set[str], rollouts: Callable[[int], range] | None = None) -> Iterator[tuple[tuple[int, int], dict]]:
     """(sample key, agent-loop kwargs) for every trajectory of the shard not in `done`, in
-    dataset order, decided row by row as the stream pulls: a row none of whose samples is
+    dispatch order, decided row by row as the stream pulls: a row none of whose samples is
     committed goes through the overlong filter (`prompts.keeps`) just before it is dispatched;
     a row with a committed sample was kept already. `rollouts(index)`: the rollouts this round
     draws of a prompt (adaptive sampling, shard/adaptive.py; None: all n)."""
-    for row in range(prompts.num_rows):
+    for row in getattr(prompts, "dispatch_rows", range(prompts.num_rows)):
         index = prompts.row_index(row)
         allowed = range(n) if rollouts is None else rollouts(index)
         todo = [(index, rollout_n) for rollout_n in allowed if sample_key_text((index, rollout_n)) not in done]

@@ -1,0 +1,130 @@
+"""Longest expected first: shards and their rows dispatched by how long an earlier run's answers to
+the same prompts were (`generation.longest_first_from`).
+
+A run ends when the last of its longest answers ends, and an answer started late ends late: the
+last 1% of a run's trajectories are mostly long answers to prompts that happened to come last
+(bench/tail.py). Most of a response's length comes with the prompt (a hard problem gets long
+answers on every sample, and again the next night), so an earlier run over the same prompts says
+which ones to start first. The plan orders the shards by their longest expected prompt (then by
+their expected total), and each shard job dispatches its rows longest first; prompts the earlier
+run did not answer count as its mean. Only the order changes: what is generated, the sample keys,
+exactly-once commits and resume are the same as without it (commits are by sample key).
+
+The driver writes the per-prompt figures to the run folder (`LENGTH_HINTS_FILE`, sorted by sample
+index) so each shard job reads only the rows of its own index range.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from generation_core.errors import GenrunError
+from generation_core.run_plan import ShardSpec
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.trajectory_record import read_part_table
+
+logger = logging.getLogger(__name__)
+
+LENGTH_HINTS_FILE = "length_hints.parquet"
+HINT_ROW_GROUP = 65_536
+"""Rows per row group of LENGTH_HINTS_FILE: a shard job's index range prunes the rest."""
+
+
+class LengthHints:
+    """Mean response tokens per sample index (`indices` sorted, unique)."""
+
+    def __init__(self, indices: np.ndarray, tokens: np.ndarray):
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.tokens = np.asarray(tokens, dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def expected(self, indices: np.ndarray) -> np.ndarray:
+        """Expected response tokens for each of `indices`; an index without a figure gets the mean."""
+        indices = np.asarray(indices, dtype=np.int64)
+        fallback = float(self.tokens.mean()) if len(self.tokens) else 0.0
+        if not len(self.indices):
+            return np.full(len(indices), fallback)
+        at = np.searchsorted(self.indices, indices).clip(0, len(self.indices) - 1)
+        found = self.indices[at] == indices
+        return np.where(found, self.tokens[at], fallback)
+
+    def to_parquet(self) -> bytes:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"index": self.indices, "tokens": self.tokens.astype(np.float32)}), sink, row_group_size=HINT_ROW_GROUP)
+        return sink.getvalue()
+
+    @classmethod
+    def from_parquet(cls, data: bytes, lo: int | None = None, hi: int | None = None) -> LengthHints:
+        """The figures of indices in [lo, hi] (all without bounds), reading only the row groups that hold them."""
+        filters = None if lo is None or hi is None else [("index", ">=", int(lo)), ("index", "<=", int(hi))]
+        table = pq.read_table(io.BytesIO(data), filters=filters)
+        return cls(table.column("index").to_numpy(), table.column("tokens").to_numpy())
+
+
+def earlier_lengths(source: str, storage_options: dict[str, Any]) -> LengthHints:
+    """Mean response tokens (response_mask: the model's tokens, not tools') per sample index over
+    every committed trajectory of the run folder `source`. Reads the index and response_mask
+    columns of every committed part: about one byte per response token."""
+    folder = StorageFolder(source, storage_options)
+    how = "name the output folder of an earlier run over the same prompts (its trajectories are read), or set it to null"
+    try:
+        parts = committed_parts(folder)
+    except (OSError, ValueError) as exc:
+        raise GenrunError(f"generation.longest_first_from={source}: cannot read its committed parts ({exc}); {how}") from None
+    if not parts:
+        raise GenrunError(f"generation.longest_first_from={source}: no committed trajectories there; {how}")
+    index_arrays, length_arrays = [], []
+    for part in parts:
+        table = read_part_table(read_verified_part(folder, part), ["index", "response_mask"])
+        masks = table.column("response_mask").combine_chunks()
+        flat = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
+        owners = pc.list_parent_indices(masks).to_numpy()
+        index_arrays.append(table.column("index").to_numpy())
+        length_arrays.append(np.bincount(owners, weights=flat, minlength=table.num_rows))
+    indices, lengths = np.concatenate(index_arrays), np.concatenate(length_arrays)
+    unique, inverse = np.unique(indices, return_inverse=True)
+    sums = np.bincount(inverse, weights=lengths)
+    counts = np.bincount(inverse)
+    hints = LengthHints(unique, sums / counts)
+    logger.info("longest first: response lengths of %d prompts from %s (%d trajectories, mean %.0f tokens)",
+                len(unique), folder.display(), len(indices), float(lengths.mean()))
+    return hints
+
+
+def shards_longest_first(shards: list[ShardSpec], row_indices: np.ndarray, hints: LengthHints) -> list[ShardSpec]:
+    """The shards by their longest expected prompt, then their expected total, longest first.
+    `row_indices`: the sample index of every dataset row the run uses, in row order."""
+    expected = hints.expected(row_indices)
+
+    def key(shard: ShardSpec) -> tuple[float, float, int]:
+        rows = expected[shard.start:shard.end]
+        return (-float(rows.max()) if len(rows) else 0.0, -float(rows.sum()), shard.shard_id)
+
+    return sorted(shards, key=key)
+
+
+def rows_longest_first(row_indices: np.ndarray, hints: LengthHints) -> list[int]:
+    """Row positions 0..len-1 by expected length, longest first (ties in row order)."""
+    expected = hints.expected(row_indices)
+    return [int(row) for row in np.argsort(-expected, kind="stable")]
+
+
+def write_hints(folder: StorageFolder, hints: LengthHints) -> None:
+    folder.put_atomic(LENGTH_HINTS_FILE, hints.to_parquet())
+
+
+def read_hints_for(folder: StorageFolder, row_indices: np.ndarray) -> LengthHints | None:
+    """The run folder's figures for a shard's rows; None where the driver wrote none."""
+    if not len(row_indices) or not folder.exists(LENGTH_HINTS_FILE):
+        return None
+    return LengthHints.from_parquet(folder.read_bytes(LENGTH_HINTS_FILE), int(row_indices.min()), int(row_indices.max()))

@@ -1,0 +1,140 @@
+"""Longest expected first (issue 34, item 5; inputs/length_hints.py): an earlier run's response
+lengths order the shards and their rows; only the order changes, never what is generated."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from generation_core.engines.simulated import SimulatedEngine, SimulatedSettings
+from generation_core.errors import GenrunError
+from generation_core.inputs.length_hints import LengthHints, rows_longest_first, shards_longest_first
+from generation_core.run_plan import ShardSpec
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.trajectory_record import decode_provenance, read_part_table
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = "actor_rollout_ref.rollout.engine_kwargs.simulated"
+
+
+def test_expected_lengths_fall_back_to_the_mean_and_order_rows_and_shards_longest_first():
+    hints = LengthHints(np.array([10, 11, 12, 13]), np.array([5.0, 50.0, 20.0, 5.0]))
+    # 99 and 7 were not answered by the earlier run: the mean (20).
+    assert hints.expected(np.array([11, 99, 13, 7])).tolist() == [50.0, 20.0, 5.0, 20.0]
+    # Ties keep row order (rows 2 and 3 at 20; rows 0 and 4 at 5).
+    assert rows_longest_first(np.array([10, 11, 12, 99, 13]), hints) == [1, 2, 3, 0, 4]
+    shards = [ShardSpec(0, 0, 2), ShardSpec(1, 2, 4), ShardSpec(2, 4, 6)]
+    rows = np.array([10, 13, 12, 99, 11, 10])  # longest per shard: 5, 20, 50; totals 10, 40, 55
+    assert [s.shard_id for s in shards_longest_first(shards, rows, hints)] == [2, 1, 0]
+    # Equal longest: the larger expected total first.
+    rows = np.array([12, 10, 12, 99, 13, 10])
+    assert [s.shard_id for s in shards_longest_first(shards, rows, hints)] == [1, 0, 2]
+
+
+def test_the_hints_file_round_trips_and_a_shard_reads_only_its_index_range():
+    indices = np.arange(0, 200_000, 2)
+    hints = LengthHints(indices, indices / 2.0)
+    again = LengthHints.from_parquet(hints.to_parquet())
+    assert again.indices.tolist() == indices.tolist() and again.tokens.tolist() == (indices / 2.0).tolist()
+    part = LengthHints.from_parquet(hints.to_parquet(), 1_000, 1_010)
+    assert part.indices.tolist() == [1_000, 1_002, 1_004, 1_006, 1_008, 1_010]
+    assert part.expected(np.array([1_004])).tolist() == [502.0]
+
+
+def test_the_simulated_prompt_share_makes_a_prompt_decide_its_samples_lengths():
+    def lengths(share: float) -> list[int]:
+        engine = SimulatedEngine(SimulatedSettings(prompt_length=64, response_length=4096, eos_token_id=2, response_tokens_median=64,
+                                                   response_tokens_sigma=1.0, response_tokens_prompt_share=share))
+        return [engine._length([5, 6, 7], _params(seed)) for seed in range(6)]
+
+    assert len(set(lengths(1.0))) == 1, "the prompt decides the length: every sample of it alike"
+    assert len(set(lengths(0.0))) == 6, "each sample its own draw"
+    assert len(set(lengths(0.5))) == 6
+
+
+def _params(seed: int):
+    from generation_core.engines.base import SamplingParams
+
+    return SamplingParams.from_request({"seed": seed, "temperature": 1.0})
+
+
+def _run(out, *extra: str):
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.plan.preflight import preflight
+
+    plan = preflight([
+        f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=simulated", "actor_rollout_ref.rollout.n=2",
+        "generation.num_shards=4", "generation.show_progress=false", "data.train_max_samples=16", "generation.max_inflight=1",
+        "generation.max_open_trajectories=1", f"{ENGINE}.time_scale=0.001", f"{ENGINE}.response_tokens_sigma=1.0",
+        f"{ENGINE}.response_tokens_median=16", f"{ENGINE}.response_tokens_prompt_share=1.0", *extra,
+    ])
+    summary = run_in_process(plan)
+    return plan, summary
+
+
+def _starts(out) -> dict[int, float]:
+    """Each sample index's first start (provenance started_at), from the committed parts."""
+    folder = StorageFolder(str(out), {})
+    starts: dict[int, float] = {}
+    for part in committed_parts(folder):
+        table = read_part_table(read_verified_part(folder, part), ["index", "provenance", *(f"seconds_{n}" for n in ("slot_wait", "prefill", "decode", "tools", "reward"))])
+        provenance, _ = decode_provenance(table)
+        for index, prov in zip(table.column("index").to_pylist(), provenance, strict=True):
+            starts[index] = min(starts.get(index, float("inf")), prov["started_at"])
+    return starts
+
+
+def _lengths(out) -> dict[int, float]:
+    with open(out / "trajectories.pkl", "rb") as f:
+        data = pickle.load(f)
+    tokens = data.batch["response_mask"].sum(-1).tolist()
+    per: dict[int, list[int]] = {}
+    for index, count in zip(data.non_tensor_batch["index"].tolist(), tokens, strict=True):
+        per.setdefault(int(index), []).append(count)
+    return {index: sum(v) / len(v) for index, v in per.items()}
+
+
+def _trajectories(out) -> list[tuple]:
+    with open(out / "trajectories.pkl", "rb") as f:
+        data = pickle.load(f)
+    return sorted(zip(data.non_tensor_batch["index"].tolist(), data.batch["responses"].tolist(), strict=True))
+
+
+def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_generates_the_same(tmp_path):
+    _run(tmp_path / "last_night", "generation.sample_seed=1")
+    earlier = _lengths(tmp_path / "last_night")
+    assert len(set(earlier.values())) > 4, "the earlier run's prompts differ in length"
+
+    plan, summary = _run(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}")
+    plain_plan, plain = _run(tmp_path / "plain", "generation.sample_seed=2")
+    assert summary["num_trajectories"] == plain["num_trajectories"] == 32
+
+    # Shards by their longest expected prompt (shard i holds rows 4i..4i+3, index = row).
+    longest = {s.shard_id: max(earlier[i] for i in range(s.start, s.end)) for s in plain_plan.shards}
+    assert [s.shard_id for s in plan.shards] == sorted(longest, key=lambda k: (-longest[k], k))
+    assert [s.shard_id for s in plain_plan.shards] == [0, 1, 2, 3]
+    # One call in flight: within the run, prompts started in that order, each shard's longest first.
+    starts = _starts(tmp_path / "tonight")
+    started = sorted(starts, key=starts.get)
+    expected = [i for s in plan.shards for i in sorted(range(s.start, s.end), key=lambda i: (-earlier[i], i))]
+    assert started == expected
+    assert sorted(_starts(tmp_path / "plain"), key=_starts(tmp_path / "plain").get) == list(range(16))
+
+    # Only the order changed: the same trajectories, the same run.json shards (by id), the hints kept.
+    assert _trajectories(tmp_path / "tonight") == _trajectories(tmp_path / "plain")
+    shards_json = [json.loads((tmp_path / name / "run.json").read_text())["shards"] for name in ("tonight", "plain")]
+    assert shards_json[0] == shards_json[1]
+    assert (tmp_path / "tonight" / "length_hints.parquet").exists()
+    assert not (tmp_path / "plain" / "length_hints.parquet").exists()
+
+
+def test_an_earlier_run_folder_without_trajectories_is_refused_before_any_work(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GenrunError, match=r"generation.longest_first_from=.*no committed trajectories there"):
+        _run(tmp_path / "out", f"generation.longest_first_from={tmp_path / 'empty'}")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
