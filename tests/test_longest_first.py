@@ -63,9 +63,12 @@ def _params(seed: int):
     return SamplingParams.from_request({"seed": seed, "temperature": 1.0})
 
 
-def _run(out, *extra: str):
+def _run(out, *extra: str, as_json: bool = False):
+    """A run on the simulated engine, in process; `as_json`: its plan through to_dict/from_dict
+    first, as genrun hands it to the Prefect flow."""
     from generation_core.driver.in_process import run_in_process
     from generation_core.plan.preflight import preflight
+    from generation_core.run_plan import RunPlan
 
     plan = preflight([
         f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=simulated", "actor_rollout_ref.rollout.n=2",
@@ -73,7 +76,7 @@ def _run(out, *extra: str):
         "generation.max_open_trajectories=1", f"{ENGINE}.time_scale=0.001", f"{ENGINE}.response_tokens_sigma=1.0",
         f"{ENGINE}.response_tokens_median=16", f"{ENGINE}.response_tokens_prompt_share=1.0", *extra,
     ])
-    summary = run_in_process(plan)
+    summary = run_in_process(RunPlan.from_dict(plan.to_dict()) if as_json else plan)
     return plan, summary
 
 
@@ -110,7 +113,7 @@ def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_
     earlier = _lengths(tmp_path / "last_night")
     assert len(set(earlier.values())) > 4, "the earlier run's prompts differ in length"
 
-    plan, summary = _run(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}")
+    plan, summary = _run(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}", as_json=True)
     plain_plan, plain = _run(tmp_path / "plain", "generation.sample_seed=2")
     assert summary["num_trajectories"] == plain["num_trajectories"] == 32
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -99,6 +99,16 @@ def earlier_lengths(source: str, storage_options: dict[str, Any]) -> LengthHints
     logger.info("longest first: response lengths of %d prompts from %s (%d trajectories, mean %.0f tokens)",
                 len(unique), folder.display(), len(indices), float(lengths.mean()))
     return hints
+
+
+def hints_for_run(cfg: Any) -> LengthHints | None:
+    """The run's figures from generation.longest_first_from (read with storage.options); None without it."""
+    source = cfg.generation.get("longest_first_from")
+    if not source:
+        return None
+    from omegaconf import OmegaConf
+
+    return earlier_lengths(str(source), cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
 
 
 def shards_longest_first(shards: list[ShardSpec], row_indices: np.ndarray, hints: LengthHints) -> list[ShardSpec]:

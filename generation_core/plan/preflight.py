@@ -20,7 +20,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from verl.utils import hf_tokenizer
@@ -33,7 +32,7 @@ from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.inputs.length_hints import earlier_lengths, shards_longest_first
+from generation_core.inputs.length_hints import hints_for_run, shards_longest_first
 from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
 from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
 from generation_core.plan.fingerprint import fingerprint_and_model
@@ -107,9 +106,8 @@ def preflight(overrides: list[str]) -> RunPlan:
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     check_overlong_sample(cfg, dataset.files, tokenizer)
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
-    hints = None
-    if cfg.generation.longest_first_from:
-        hints = earlier_lengths(str(cfg.generation.longest_first_from), cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
+    hints = hints_for_run(cfg)
+    if hints is not None:
         shards = shards_longest_first(shards, dataset.row_indices, hints)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
