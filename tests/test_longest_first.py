@@ -4,7 +4,10 @@ lengths order the shards and their rows; only the order changes, never what is g
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,11 +19,10 @@ from generation_core.run_plan import ShardSpec
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.store.trajectory_record import decode_provenance, read_part_table
+from tests.conftest import REPO
+from tests.longest_first_run import run_simulated
 
 pytestmark = pytest.mark.timeout(300)
-
-ENGINE = "actor_rollout_ref.rollout.engine_kwargs.simulated"
-
 
 def test_expected_lengths_fall_back_to_the_mean_and_order_rows_and_shards_longest_first():
     hints = LengthHints(np.array([10, 11, 12, 13]), np.array([5.0, 50.0, 20.0, 5.0]))
@@ -63,23 +65,6 @@ def _params(seed: int):
     return SamplingParams.from_request({"seed": seed, "temperature": 1.0})
 
 
-def _run(out, *extra: str, as_json: bool = False):
-    """A run on the simulated engine, in process; `as_json`: its plan through to_dict/from_dict
-    first, as genrun hands it to the Prefect flow."""
-    from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
-    from generation_core.run_plan import RunPlan
-
-    plan = preflight([
-        f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=simulated", "actor_rollout_ref.rollout.n=2",
-        "generation.num_shards=4", "generation.show_progress=false", "data.train_max_samples=16", "generation.max_inflight=1",
-        "generation.max_open_trajectories=1", f"{ENGINE}.time_scale=0.001", f"{ENGINE}.response_tokens_sigma=1.0",
-        f"{ENGINE}.response_tokens_median=16", f"{ENGINE}.response_tokens_prompt_share=1.0", *extra,
-    ])
-    summary = run_in_process(RunPlan.from_dict(plan.to_dict()) if as_json else plan)
-    return plan, summary
-
-
 def _starts(out) -> dict[int, float]:
     """Each sample index's first start (provenance started_at), from the committed parts."""
     folder = StorageFolder(str(out), {})
@@ -109,12 +94,12 @@ def _trajectories(out) -> list[tuple]:
 
 
 def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_generates_the_same(tmp_path):
-    _run(tmp_path / "last_night", "generation.sample_seed=1")
+    run_simulated(tmp_path / "last_night", "generation.sample_seed=1")
     earlier = _lengths(tmp_path / "last_night")
     assert len(set(earlier.values())) > 4, "the earlier run's prompts differ in length"
 
-    plan, summary = _run(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}", as_json=True)
-    plain_plan, plain = _run(tmp_path / "plain", "generation.sample_seed=2")
+    plan, summary = run_simulated(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}", as_json=True)
+    plain_plan, plain = run_simulated(tmp_path / "plain", "generation.sample_seed=2")
     assert summary["num_trajectories"] == plain["num_trajectories"] == 32
 
     # Shards by their longest expected prompt (shard i holds rows 4i..4i+3, index = row).
@@ -139,5 +124,19 @@ def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_
 def test_an_earlier_run_folder_without_trajectories_is_refused_before_any_work(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(GenrunError, match=r"generation.longest_first_from=.*no committed trajectories there"):
-        _run(tmp_path / "out", f"generation.longest_first_from={tmp_path / 'empty'}")
+        run_simulated(tmp_path / "out", f"generation.longest_first_from={tmp_path / 'empty'}")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_longest_first_run_killed_and_resumed_generates_what_an_uninterrupted_one_does(tmp_path):
+    run_simulated(tmp_path / "last_night", "generation.sample_seed=1")
+    extra = ["generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}", "generation.save_batch_size=4"]
+    run_simulated(tmp_path / "whole", *extra)
+    # kill -9 after the third part is written, then the same command resumes.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GENRUN_FAILPOINTS": "after_part_write@3:kill"}
+    killed = subprocess.run([sys.executable, "-m", "tests.longest_first_run", str(tmp_path / "killed"), *extra], env=env, cwd=REPO, capture_output=True, timeout=240)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert 0 < len(_starts(tmp_path / "killed")) < 16, "the kill left part of the run committed"
+    _, resumed = run_simulated(tmp_path / "killed", *extra)
+    assert resumed["num_trajectories"] == 32
+    assert _trajectories(tmp_path / "killed") == _trajectories(tmp_path / "whole")
