@@ -189,6 +189,12 @@ def longest_first_rows(s: Scenario, cap: int) -> dict[str, dict[str, Any]]:
     return {"dataset order": run_scenario(s, cap), "longest first (last night's lengths)": run_scenario(s, cap, last_night["lengths"])}
 
 
+def _spread(values: list[float], spec: str) -> str:
+    ordered = sorted(values)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    return f"{median:{spec}}" if len(ordered) == 1 else f"{median:{spec}} [{ordered[0]:{spec}} - {ordered[-1]:{spec}}]"
+
+
 def run_scenario(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
     loop = VirtualClockLoop()
     try:
@@ -207,21 +213,24 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
     parser.add_argument("--cap", type=int, default=8, help="generation.inflight_share_cap of the 'after' rows")
+    parser.add_argument("--seeds", type=int, default=5, help="--longest-first: seeds per row")
     parser.add_argument("--longest-first", action="store_true",
                         help="instead: genrun's default order against generation.longest_first_from, for prompt shares 0, 0.5 and 0.8")
     args = parser.parse_args()
     base = dict(workers=args.workers, shards=args.shards, mean_prompts=args.prompts, shard_sigma=args.shard_sigma, replicas=args.replicas, n=args.n, sigma=args.sigma)
     if args.longest_first:
-        print("| max_inflight | prompt share of the length | order | trajectories | sim s | traj/s | last 1% share | busy slots (last 20%) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(f"{args.seeds} seed(s) per row (shard sizes, prompts, replicas' draws); median [min - max] over them")
+        print("| max_inflight | prompt share of the length | order | sim s | last 1% share | busy slots (last 20%) |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for max_inflight in (8, 64):
             for share in (0.0, 0.5, 0.8):
-                rows = longest_first_rows(Scenario("longest first", max_inflight=max_inflight, prompt_share=share, **base), args.cap)
-                for name, r in rows.items():
-                    print(f"| {max_inflight} | {share} | {name} | {r['trajectories']} | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tail']:.3f} | {r['busy_last']:.3f} |")
-                before, after = rows.values()
-                print(f"| {max_inflight} | {share} | after / before | | {after['seconds'] / before['seconds']:.2f} | {after['traj_per_s'] / before['traj_per_s']:.2f} | "
-                      f"{after['tail'] / before['tail']:.2f} | {after['busy_last'] / before['busy_last']:.2f} |", flush=True)
+                runs = [longest_first_rows(Scenario("longest first", max_inflight=max_inflight, prompt_share=share, seed=seed, **base), args.cap)
+                        for seed in range(args.seeds)]
+                for name in runs[0]:
+                    print(f"| {max_inflight} | {share} | {name} | {_spread([r[name]['seconds'] for r in runs], '.1f')} | "
+                          f"{_spread([r[name]['tail'] for r in runs], '.3f')} | {_spread([r[name]['busy_last'] for r in runs], '.3f')} |")
+                ratios = [[after[key] / before[key] for before, after in (tuple(r.values()) for r in runs)] for key in ("seconds", "tail", "busy_last")]
+                print(f"| {max_inflight} | {share} | after / before | {_spread(ratios[0], '.2f')} | {_spread(ratios[1], '.2f')} | {_spread(ratios[2], '.2f')} |", flush=True)
         return
     scenarios = [Scenario("default max_inflight (64/shard)", max_inflight=64, **base), Scenario("in flight = slots (8/shard)", max_inflight=8, **base)]
     print("| scenario | shares | trajectories | sim s | traj/s | last 1% share | busy slots (run) | busy slots (last 20%) | most calls one shard had in flight |")

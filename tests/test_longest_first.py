@@ -4,6 +4,7 @@ lengths order the shards and their rows; only the order changes, never what is g
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -46,6 +47,19 @@ def test_the_hints_file_round_trips_and_a_shard_reads_only_its_index_range():
     part = LengthHints.from_parquet(hints.to_parquet(), 1_000, 1_010)
     assert part.indices.tolist() == [1_000, 1_002, 1_004, 1_006, 1_008, 1_010]
     assert part.expected(np.array([1_004])).tolist() == [502.0]
+
+
+def test_the_prompt_share_of_the_lengths_is_estimated_from_the_earlier_runs_samples():
+    from generation_core.inputs.length_hints import prompt_share_of_lengths
+
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(400), 8)
+    for share in (0.0, 0.5, 0.8):
+        prompt = rng.normal(size=400)[groups]
+        lengths = np.exp(4.0 + np.sqrt(share) * prompt + np.sqrt(1 - share) * rng.normal(size=len(groups)))
+        assert prompt_share_of_lengths(groups, lengths) == pytest.approx(share, abs=0.07)
+    assert prompt_share_of_lengths(np.array([0, 1]), np.array([5.0, 9.0])) is None, "no prompt with two samples"
+    assert prompt_share_of_lengths(np.zeros(4, dtype=np.int64), np.array([5.0, 9.0, 2.0, 3.0])) is None, "one prompt"
 
 
 def test_the_simulated_prompt_share_makes_a_prompt_decide_its_samples_lengths():
@@ -93,12 +107,15 @@ def _trajectories(out) -> list[tuple]:
     return sorted(zip(data.non_tensor_batch["index"].tolist(), data.batch["responses"].tolist(), strict=True))
 
 
-def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_generates_the_same(tmp_path):
+def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_generates_the_same(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="generation_core.inputs.length_hints")
     run_simulated(tmp_path / "last_night", "generation.sample_seed=1")
     earlier = _lengths(tmp_path / "last_night")
     assert len(set(earlier.values())) > 4, "the earlier run's prompts differ in length"
 
     plan, summary = run_simulated(tmp_path / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={tmp_path / 'last_night'}", as_json=True)
+    # The simulator's prompts decide their whole length here, and the log says so.
+    assert "the prompt decides 100% of their log-variance" in caplog.text
     plain_plan, plain = run_simulated(tmp_path / "plain", "generation.sample_seed=2")
     assert summary["num_trajectories"] == plain["num_trajectories"] == 32
 

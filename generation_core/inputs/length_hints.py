@@ -96,9 +96,39 @@ def earlier_lengths(source: str, storage_options: dict[str, Any]) -> LengthHints
     sums = np.bincount(inverse, weights=lengths)
     counts = np.bincount(inverse)
     hints = LengthHints(unique, sums / counts)
-    logger.info("longest first: response lengths of %d prompts from %s (%d trajectories, mean %.0f tokens)",
-                len(unique), folder.display(), len(indices), float(lengths.mean()))
+    share = prompt_share_of_lengths(inverse, lengths)
+    logger.info("longest first: response lengths of %d prompts from %s (%d trajectories, mean %.0f tokens; the prompt decides %s of their log-variance)",
+                len(unique), folder.display(), len(indices), float(lengths.mean()), "?" if share is None else f"{share:.0%}")
+    if share is not None and share < LOW_PROMPT_SHARE:
+        logger.warning("longest first: in %s a prompt's samples differ in length about as much as different prompts' do (the prompt decides %.0f%% "
+                       "of the log-variance); ordering by them is unlikely to shorten this run's end (bench/RESULTS.md: longest first)",
+                       folder.display(), 100 * share)
     return hints
+
+
+LOW_PROMPT_SHARE = 0.2
+"""Below this share of the lengths' log-variance between prompts, an order by them is mostly noise
+(on the simulator, shares 0.5 and 0.8 shortened the run; 0 did not)."""
+
+
+def prompt_share_of_lengths(groups: np.ndarray, lengths: np.ndarray) -> float | None:
+    """The share of the log-lengths' variance between prompts (one-way ANOVA intraclass
+    correlation, clipped to [0, 1]); `groups[i]`: trajectory i's prompt number. None where there
+    are fewer than two prompts or no prompt with two samples."""
+    values = np.log(np.maximum(lengths, 1.0))
+    sizes = np.bincount(groups).astype(np.float64)
+    k, total = int((sizes > 0).sum()), float(len(values))
+    if k < 2 or total <= k:
+        return None
+    means = np.bincount(groups, weights=values) / np.maximum(sizes, 1.0)
+    grand = float(values.mean())
+    between = float((sizes * (means - grand) ** 2).sum()) / (k - 1)
+    within = float(((values - means[groups]) ** 2).sum()) / (total - k)
+    n0 = (total - float((sizes**2).sum()) / total) / (k - 1)
+    denominator = between + (n0 - 1) * within
+    if denominator <= 0:
+        return None
+    return float(min(max((between - within) / denominator, 0.0), 1.0))
 
 
 def hints_for_run(cfg: Any) -> LengthHints | None:
