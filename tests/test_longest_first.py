@@ -140,6 +140,7 @@ def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_
 
 def test_an_earlier_run_folder_without_trajectories_is_refused_before_any_work(tmp_path):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "run.json").write_text(json.dumps({"fingerprint": "f" * 64}))
     with pytest.raises(GenrunError, match=r"generation.longest_first_from=.*no committed trajectories there"):
         run_simulated(tmp_path / "out", f"generation.longest_first_from={tmp_path / 'empty'}")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -157,3 +158,39 @@ def test_a_longest_first_run_killed_and_resumed_generates_what_an_uninterrupted_
     _, resumed = run_simulated(tmp_path / "killed", *extra)
     assert resumed["num_trajectories"] == 32
     assert _trajectories(tmp_path / "killed") == _trajectories(tmp_path / "whole")
+
+
+def test_a_parent_folder_gives_the_newest_earlier_run_over_the_same_prompts(tmp_path, caplog):
+    """A nightly schedule names the folder its runs go under: the newest run there over the same
+    prompts is read; a newer run over other prompts, and this run's own folder, are not."""
+    from tests.conftest import write_parquet
+
+    caplog.set_level(logging.INFO, logger="generation_core.inputs.length_hints")
+    runs = tmp_path / "runs"
+    run_simulated(runs / "older", "generation.sample_seed=1")
+    run_simulated(runs / "newest", "generation.sample_seed=3")
+    other = write_parquet(tmp_path / "other.parquet", [
+        {"data_source": "t", "prompt": [{"role": "user", "content": f"Another question {i}?"}], "ability": "t",
+         "reward_model": {"style": "rule", "ground_truth": "x"}, "extra_info": {"index": i}} for i in range(16)
+    ])
+    run_simulated(runs / "other_prompts", "generation.sample_seed=1", f"data.train_files={other}")
+    for name, created in (("older", "2026-11-01T00:00:00Z"), ("newest", "2026-11-02T00:00:00Z"), ("other_prompts", "2026-11-03T00:00:00Z")):
+        record = json.loads((runs / name / "run.json").read_text())
+        (runs / name / "run.json").write_text(json.dumps(dict(record, created=created)))
+
+    run_simulated(runs / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={runs}")
+    assert f"{runs / 'newest'} is the newest earlier run over the same prompts under {runs}" in caplog.text
+    # Its resume finds its own folder there now, and still reads the same earlier run.
+    caplog.clear()
+    run_simulated(runs / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={runs}")
+    assert f"{runs / 'newest'} is the newest earlier run" in caplog.text
+
+    # A schedule's first night: no earlier run over its prompts there yet, so the dataset's order.
+    caplog.clear()
+    (tmp_path / "empty_runs").mkdir()
+    plan, summary = run_simulated(tmp_path / "first_night", f"data.train_files={other}", "generation.sample_seed=1", f"generation.longest_first_from={tmp_path / 'empty_runs'}")
+    assert summary["num_trajectories"] == 32 and [s.shard_id for s in plan.shards] == [0, 1, 2, 3]
+    assert "holds no earlier run over the same prompts" in caplog.text
+    assert not (tmp_path / "first_night" / "length_hints.parquet").exists()
+    with pytest.raises(GenrunError, match=r"generation.longest_first_from=.*nothing_here: no such folder"):
+        run_simulated(tmp_path / "elsewhere", f"generation.longest_first_from={tmp_path / 'nothing_here'}")

@@ -26,9 +26,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
-from generation_core.run_plan import ShardSpec
+from generation_core.run_plan import DatasetFiles, ShardSpec
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part
+from generation_core.store.run_folder import RUN_FILE
+from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import read_part_table
 
 logger = logging.getLogger(__name__)
@@ -71,12 +73,59 @@ class LengthHints:
         return cls(table.column("index").to_numpy(), table.column("tokens").to_numpy())
 
 
-def earlier_lengths(source: str, storage_options: dict[str, Any]) -> LengthHints:
-    """Mean response tokens (response_mask: the model's tokens, not tools') per sample index over
-    every committed trajectory of the run folder `source`. Reads the index and response_mask
-    columns of every committed part: about one byte per response token."""
+def earlier_run_folder(source: str, storage_options: dict[str, Any], dataset: DatasetFiles | None, this_run: str | None) -> StorageFolder | None:
+    """`source` itself when it is a run folder (it holds run.json); else the newest run folder
+    directly under it (by run.json's `created`) over the same prompts as `dataset` (the same
+    files, row counts and content digests), other than `this_run`: a nightly schedule names the
+    folder its runs go under once, and its first night finds none there (None). Only run.json is
+    read (JSON: nothing in the folder runs)."""
     folder = StorageFolder(source, storage_options)
+    if folder.exists(RUN_FILE):
+        return folder
+    if not folder.fs.isdir(folder.path("")):
+        raise GenrunError(f"generation.longest_first_from={source}: no such folder; name the output folder of an earlier run over the same prompts, "
+                          "or the folder such runs go under, or set it to null")
+    here = StorageFolder(this_run, storage_options).path("") if this_run else None
+    wanted = _prompts_of(dataset.to_dict()) if dataset is not None else None
+    newest: tuple[str, StorageFolder] | None = None
+    for name in folder.list(""):
+        candidate = StorageFolder(folder.display(name), storage_options)
+        if candidate.path("") == here or not candidate.exists(RUN_FILE):
+            continue
+        try:
+            record = RunRecord.from_json(candidate.read_json(RUN_FILE))
+        except (ValueError, TypeError, AttributeError):
+            continue  # not a run.json this genrun can read: not an earlier run of ours
+        if wanted is not None and _prompts_of(record.dataset) != wanted:
+            continue
+        if newest is None or (record.created or "") > newest[0]:
+            newest = (record.created or "", candidate)
+    if newest is None:
+        logger.warning("longest first: %s holds no earlier run over the same prompts (the same data files, row counts and contents) yet: "
+                       "shards by id, rows in dataset order", folder.display())
+        return None
+    logger.info("longest first: %s is the newest earlier run over the same prompts under %s", newest[1].display(), folder.display())
+    return newest[1]
+
+
+def _prompts_of(dataset: dict[str, Any] | None) -> list[tuple[Any, Any]] | None:
+    """What says two runs read the same prompts: each file's row count and content digest."""
+    if not dataset:
+        return None
+    return [(f.get("rows"), f.get("digest")) for f in dataset.get("files") or []]
+
+
+def earlier_lengths(source: str, storage_options: dict[str, Any], dataset: DatasetFiles | None = None, this_run: str | None = None) -> LengthHints | None:
+    """Mean response tokens (response_mask: the model's tokens, not tools') per sample index over
+    every committed trajectory of the earlier run at `source` (earlier_run_folder). Reads the
+    index and response_mask columns of every committed part: about one byte per response token."""
     how = "name the output folder of an earlier run over the same prompts (its trajectories are read), or set it to null"
+    try:
+        folder = earlier_run_folder(source, storage_options, dataset, this_run)
+    except OSError as exc:
+        raise GenrunError(f"generation.longest_first_from={source}: cannot read it ({exc}); {how}") from None
+    if folder is None:
+        return None
     try:
         parts = committed_parts(folder)
     except (OSError, ValueError) as exc:
@@ -131,14 +180,15 @@ def prompt_share_of_lengths(groups: np.ndarray, lengths: np.ndarray) -> float | 
     return float(min(max((between - within) / denominator, 0.0), 1.0))
 
 
-def hints_for_run(cfg: Any) -> LengthHints | None:
+def hints_for_run(cfg: Any, dataset: DatasetFiles) -> LengthHints | None:
     """The run's figures from generation.longest_first_from (read with storage.options); None without it."""
     source = cfg.generation.get("longest_first_from")
     if not source:
         return None
     from omegaconf import OmegaConf
 
-    return earlier_lengths(str(source), cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
+    options = cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options))
+    return earlier_lengths(str(source), options, dataset, str(cfg.trainer.default_local_dir))
 
 
 def shards_longest_first(shards: list[ShardSpec], row_indices: np.ndarray, hints: LengthHints) -> list[ShardSpec]:

@@ -106,13 +106,14 @@ def preflight(overrides: list[str]) -> RunPlan:
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     check_overlong_sample(cfg, dataset.files, tokenizer)
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
-    hints = hints_for_run(cfg)
-    if hints is not None:
-        shards = shards_longest_first(shards, dataset.row_indices, hints)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
     fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks_digest(built_tasks) if built_tasks else None)
     finalize_run_location(cfg, fingerprint)
+    # After the run's own folder is known: an earlier run is looked for beside it, never in it.
+    hints = hints_for_run(cfg, dataset.files)
+    if hints is not None:
+        shards = shards_longest_first(shards, dataset.row_indices, hints)
     plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest, length_hints=hints)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
