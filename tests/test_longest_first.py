@@ -178,6 +178,11 @@ def test_a_parent_folder_gives_the_newest_earlier_run_over_the_same_prompts(tmp_
         record = json.loads((runs / name / "run.json").read_text())
         (runs / name / "run.json").write_text(json.dumps(dict(record, created=created)))
 
+    # A newer run over the same prompts that failed before its first commit says nothing.
+    (runs / "crashed").mkdir()
+    record = json.loads((runs / "newest" / "run.json").read_text())
+    (runs / "crashed" / "run.json").write_text(json.dumps(dict(record, created="2026-11-04T00:00:00Z")))
+
     run_simulated(runs / "tonight", "generation.sample_seed=2", f"generation.longest_first_from={runs}")
     assert f"{runs / 'newest'} is the newest earlier run over the same prompts under {runs}" in caplog.text
     # Its resume finds its own folder there now, and still reads the same earlier run.

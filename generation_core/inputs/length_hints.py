@@ -80,32 +80,41 @@ def earlier_run_folder(source: str, storage_options: dict[str, Any], dataset: Da
     folder its runs go under once, and its first night finds none there (None). Only run.json is
     read (JSON: nothing in the folder runs)."""
     folder = StorageFolder(source, storage_options)
+    wanted = _prompts_of(dataset.to_dict()) if dataset is not None else None
     if folder.exists(RUN_FILE):
+        record = _record(folder)
+        if wanted is not None and _prompts_of(record.dataset if record is not None else None) != wanted:
+            logger.warning("longest first: %s read other data files than this run (or other versions of them); its figures are matched "
+                           "to this run's prompts by sample index (extra_info.index)", folder.display())
         return folder
     if not folder.fs.isdir(folder.path("")):
         raise GenrunError(f"generation.longest_first_from={source}: no such folder; name the output folder of an earlier run over the same prompts, "
                           "or the folder such runs go under, or set it to null")
     here = StorageFolder(this_run, storage_options).path("") if this_run else None
-    wanted = _prompts_of(dataset.to_dict()) if dataset is not None else None
-    newest: tuple[str, StorageFolder] | None = None
+    runs: list[tuple[str, StorageFolder]] = []
     for name in folder.list(""):
         candidate = StorageFolder(folder.display(name), storage_options)
-        if candidate.path("") == here or not candidate.exists(RUN_FILE):
-            continue
-        try:
-            record = RunRecord.from_json(candidate.read_json(RUN_FILE))
-        except (ValueError, TypeError, AttributeError):
-            continue  # not a run.json this genrun can read: not an earlier run of ours
-        if wanted is not None and _prompts_of(record.dataset) != wanted:
-            continue
-        if newest is None or (record.created or "") > newest[0]:
-            newest = (record.created or "", candidate)
-    if newest is None:
-        logger.warning("longest first: %s holds no earlier run over the same prompts (the same data files, row counts and contents) yet: "
-                       "shards by id, rows in dataset order", folder.display())
+        record = _record(candidate) if candidate.path("") != here else None
+        if record is not None and (wanted is None or _prompts_of(record.dataset) == wanted):
+            runs.append((record.created or "", candidate))
+    # The newest with a committed trajectory: last night's run may have failed before its first part.
+    for _, candidate in sorted(runs, key=lambda run: run[0], reverse=True):
+        if committed_parts(candidate):
+            logger.info("longest first: %s is the newest earlier run over the same prompts under %s", candidate.display(), folder.display())
+            return candidate
+    logger.warning("longest first: %s holds no earlier run over the same prompts (the same data files, row counts and contents) with a "
+                   "committed trajectory yet: shards by id, rows in dataset order", folder.display())
+    return None
+
+
+def _record(folder: StorageFolder) -> RunRecord | None:
+    """The folder's run.json; None where it has none, or none this genrun can read."""
+    if not folder.exists(RUN_FILE):
         return None
-    logger.info("longest first: %s is the newest earlier run over the same prompts under %s", newest[1].display(), folder.display())
-    return newest[1]
+    try:
+        return RunRecord.from_json(folder.read_json(RUN_FILE))
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def _prompts_of(dataset: dict[str, Any] | None) -> list[tuple[Any, Any]] | None:
