@@ -135,6 +135,10 @@ def test_a_run_dispatches_shards_and_rows_longest_first_from_an_earlier_run_and_
     shards_json = [json.loads((tmp_path / name / "run.json").read_text())["shards"] for name in ("tonight", "plain")]
     assert shards_json[0] == shards_json[1]
     assert (tmp_path / "tonight" / "length_hints.parquet").exists()
+    # manifest.json says where the order came from and how much of a length the prompt decided there.
+    recorded = json.loads((tmp_path / "tonight" / "manifest.json").read_text())["longest_first"]
+    assert recorded["from"] == str(tmp_path / "last_night") and recorded["prompts"] == 16 and recorded["prompt_share"] == 1.0
+    assert summary["longest_first"] == recorded and "longest_first" not in plain
     assert not (tmp_path / "plain" / "length_hints.parquet").exists()
 
 

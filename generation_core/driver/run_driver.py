@@ -159,9 +159,10 @@ def drive_run(
             plan.claim_folder()
             # A plan that crossed to the Prefect flow as JSON (genrun's own path) left its figures
             # behind: read again; the shards kept their order in the JSON.
-            hints = plan.length_hints if plan.length_hints is not None else hints_for_run(plan.cfg, plan.dataset)
-            if hints is not None:
-                write_hints(plan.folder, hints)
+            if plan.length_hints is None:
+                plan.length_hints = hints_for_run(plan.cfg, plan.dataset)
+            if plan.length_hints is not None:
+                write_hints(plan.folder, plan.length_hints)
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
         # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing

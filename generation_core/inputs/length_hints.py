@@ -43,9 +43,18 @@ HINT_ROW_GROUP = 65_536
 class LengthHints:
     """Mean response tokens per sample index (`indices` sorted, unique)."""
 
-    def __init__(self, indices: np.ndarray, tokens: np.ndarray):
+    def __init__(self, indices: np.ndarray, tokens: np.ndarray, source: str | None = None, prompt_share: float | None = None):
         self.indices = np.asarray(indices, dtype=np.int64)
         self.tokens = np.asarray(tokens, dtype=np.float64)
+        self.source = source
+        """The earlier run folder the figures come from (None: read back from the run folder's file)."""
+        self.prompt_share = prompt_share
+        """The share of the earlier run's log-length variance between prompts (prompt_share_of_lengths)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What manifest.json records of the order's source: a run's order is part of its story."""
+        return {"from": self.source, "prompts": len(self), "mean_tokens": round(float(self.tokens.mean()), 1) if len(self) else None,
+                "prompt_share": None if self.prompt_share is None else round(self.prompt_share, 3)}
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -153,8 +162,8 @@ def earlier_lengths(source: str, storage_options: dict[str, Any], dataset: Datas
     unique, inverse = np.unique(indices, return_inverse=True)
     sums = np.bincount(inverse, weights=lengths)
     counts = np.bincount(inverse)
-    hints = LengthHints(unique, sums / counts)
     share = prompt_share_of_lengths(inverse, lengths)
+    hints = LengthHints(unique, sums / counts, folder.display(), share)
     logger.info("longest first: response lengths of %d prompts from %s (%d trajectories, mean %.0f tokens; the prompt decides %s of their log-variance)",
                 len(unique), folder.display(), len(indices), float(lengths.mean()), "?" if share is None else f"{share:.0%}")
     if share is not None and share < LOW_PROMPT_SHARE:
