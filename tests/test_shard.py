@@ -28,6 +28,7 @@ class FakePrompts:
 
     def __init__(self, shard):
         self.start, self.num_rows = shard.start, len(shard)
+        self.dispatch_rows = range(self.num_rows)
 
     def __len__(self):
         return self.num_rows

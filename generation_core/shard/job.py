@@ -156,7 +156,7 @@ def pending_samples(prompts, n: int, done: set[str], rollouts: Callable[[int], r
     committed goes through the overlong filter (`prompts.keeps`) just before it is dispatched;
     a row with a committed sample was kept already. `rollouts(index)`: the rollouts this round
     draws of a prompt (adaptive sampling, shard/adaptive.py; None: all n)."""
-    for row in getattr(prompts, "dispatch_rows", range(prompts.num_rows)):
+    for row in prompts.dispatch_rows:
         index = prompts.row_index(row)
         allowed = range(n) if rollouts is None else rollouts(index)
         todo = [(index, rollout_n) for rollout_n in allowed if sample_key_text((index, rollout_n)) not in done]
