@@ -4,6 +4,7 @@ the same samples.
 
     .venv/bin/python bench/tail.py [--workers 16] [--shards 64] [--replicas 4] [--n 8] [--sigma 1.0]
     .venv/bin/python bench/tail.py --longest-first [--shards 512]   # generation.longest_first_from
+    .venv/bin/python bench/tail.py --split --seeds 2 [--shards 512] [--max-inflight 8]   # each part of that order alone
 
 `--longest-first`: tonight's run in dataset order against the same run ordered by last night's
 lengths (genrun's inputs/length_hints.py ordering), where a share of each length's log-variance
@@ -85,7 +86,11 @@ def shard_sizes(s: Scenario) -> list[int]:
     return [max(1, round(r * scale)) for r in raw]
 
 
-async def _run(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
+ORDERS = ("shards and rows", "shards only", "rows only", "biggest shard first")
+"""--split: which part of genrun's order a run applies (the last: shards by size, rows by length)."""
+
+
+async def _run(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None, order: str = ORDERS[0]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     engines = [
         SimulatedEngine(SimulatedSettings(
@@ -109,8 +114,12 @@ async def _run(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None
         known = [i for i, (shard, p) in enumerate(numbered.tolist()) if (shard, p) in hints]
         by_prompt = LengthHints(np.array(known), np.array([hints[tuple(numbered[i].tolist())] for i in known]))
         specs = [ShardSpec(shard, first[shard], first[shard] + sizes[shard]) for shard in range(s.shards)]
-        queue = [spec.shard_id for spec in shards_longest_first(specs, np.arange(len(numbered)), by_prompt)]
-        rows = {shard: rows_longest_first(np.arange(first[shard], first[shard] + sizes[shard]), by_prompt) for shard in range(s.shards)}
+        if order in ("shards and rows", "shards only"):
+            queue = [spec.shard_id for spec in shards_longest_first(specs, np.arange(len(numbered)), by_prompt)]
+        elif order == "biggest shard first":
+            queue = sorted(queue, key=lambda shard: (-sizes[shard], shard))
+        if order != "shards only":
+            rows = {shard: rows_longest_first(np.arange(first[shard], first[shard] + sizes[shard]), by_prompt) for shard in range(s.shards)}
     lengths: dict[tuple[int, int], list[int]] = {}
     board = ProgressBoard()
     finished_at: list[float] = []
@@ -195,10 +204,10 @@ def _spread(values: list[float], spec: str) -> str:
     return f"{median:{spec}}" if len(ordered) == 1 else f"{median:{spec}} [{ordered[0]:{spec}} - {ordered[-1]:{spec}}]"
 
 
-def run_scenario(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
+def run_scenario(s: Scenario, cap: int, hints: dict[tuple[int, int], float] | None = None, order: str = ORDERS[0]) -> dict[str, Any]:
     loop = VirtualClockLoop()
     try:
-        return loop.run_until_complete(_run(s, cap, hints))
+        return loop.run_until_complete(_run(s, cap, hints, order))
     finally:
         loop.close()
 
@@ -214,10 +223,24 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
     parser.add_argument("--cap", type=int, default=8, help="generation.inflight_share_cap of the 'after' rows")
     parser.add_argument("--seeds", type=int, default=5, help="--longest-first: seeds per row")
+    parser.add_argument("--split", action="store_true",
+                        help="instead: each part of the order alone (one run per seed, prompt shares 0, 0.2, 0.3, 0.5, 0.8)")
+    parser.add_argument("--max-inflight", type=int, default=64, help="--split: max_inflight per shard")
     parser.add_argument("--longest-first", action="store_true",
                         help="instead: genrun's default order against generation.longest_first_from, for prompt shares 0, 0.5 and 0.8")
     args = parser.parse_args()
     base = dict(workers=args.workers, shards=args.shards, mean_prompts=args.prompts, shard_sigma=args.shard_sigma, replicas=args.replicas, n=args.n, sigma=args.sigma)
+    if args.split:
+        print("| shards | max_inflight | prompt share | seed | dataset order | " + " | ".join(ORDERS) + " |")
+        print("| --- | --- | --- | --- | --- |" + " --- |" * len(ORDERS))
+        for share in (0.0, 0.2, 0.3, 0.5, 0.8):
+            for seed in range(args.seeds):
+                s = Scenario("split", max_inflight=args.max_inflight, prompt_share=share, seed=seed, **base)
+                last_night = run_scenario(dataclasses.replace(s, night=1), args.cap)["lengths"]
+                runs = [run_scenario(s, args.cap)] + [run_scenario(s, args.cap, last_night, order) for order in ORDERS]
+                cells = [f"{r['seconds']:.1f} s, tail {r['tail']:.3f}" for r in runs]
+                print(f"| {args.shards} | {args.max_inflight} | {share} | {seed} | " + " | ".join(cells) + " |", flush=True)
+        return
     if args.longest_first:
         print(f"{args.seeds} seed(s) per row (shard sizes, prompts, replicas' draws); median [min - max] over them")
         print("| max_inflight | prompt share of the length | order | sim s | last 1% share | busy slots (last 20%) |")

@@ -21,7 +21,7 @@ from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.store.trajectory_record import decode_provenance, read_part_table
 from tests.conftest import REPO
-from tests.longest_first_run import run_simulated
+from tests.longest_first_run import ENGINE, run_simulated
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -203,3 +203,13 @@ def test_a_parent_folder_gives_the_newest_earlier_run_over_the_same_prompts(tmp_
     assert not (tmp_path / "first_night" / "length_hints.parquet").exists()
     with pytest.raises(GenrunError, match=r"generation.longest_first_from=.*nothing_here: no such folder"):
         run_simulated(tmp_path / "elsewhere", f"generation.longest_first_from={tmp_path / 'nothing_here'}")
+
+
+def test_lengths_the_prompt_hardly_decides_leave_the_dataset_order_with_a_warning(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="generation_core.inputs.length_hints")
+    noise = (f"{ENGINE}.response_tokens_prompt_share=0.0", "actor_rollout_ref.rollout.n=8")
+    run_simulated(tmp_path / "last_night", "generation.sample_seed=1", *noise)
+    plan, summary = run_simulated(tmp_path / "tonight", "generation.sample_seed=2", *noise, f"generation.longest_first_from={tmp_path / 'last_night'}")
+    assert "an order by them is noise, so this run keeps the dataset's order" in caplog.text
+    assert [s.shard_id for s in plan.shards] == [0, 1, 2, 3] and summary["num_trajectories"] == 128
+    assert "longest_first" not in summary and not (tmp_path / "tonight" / "length_hints.parquet").exists()

@@ -135,8 +135,10 @@ def _prompts_of(dataset: dict[str, Any] | None) -> list[tuple[Any, Any]] | None:
 
 def earlier_lengths(source: str, storage_options: dict[str, Any], dataset: DatasetFiles | None = None, this_run: str | None = None) -> LengthHints | None:
     """Mean response tokens (response_mask: the model's tokens, not tools') per sample index over
-    every committed trajectory of the earlier run at `source` (earlier_run_folder). Reads the
-    index and response_mask columns of every committed part: about one byte per response token."""
+    every committed trajectory of the earlier run at `source` (earlier_run_folder); None where
+    there is none yet, or where the prompt decides under LOW_PROMPT_SHARE of the lengths there.
+    Reads the index and response_mask columns of every committed part: about one byte per
+    response token."""
     how = "name the output folder of an earlier run over the same prompts (its trajectories are read), or set it to null"
     try:
         folder = earlier_run_folder(source, storage_options, dataset, this_run)
@@ -168,14 +170,17 @@ def earlier_lengths(source: str, storage_options: dict[str, Any], dataset: Datas
                 len(unique), folder.display(), len(indices), float(lengths.mean()), "?" if share is None else f"{share:.0%}")
     if share is not None and share < LOW_PROMPT_SHARE:
         logger.warning("longest first: in %s a prompt's samples differ in length about as much as different prompts' do (the prompt decides %.0f%% "
-                       "of the log-variance); ordering by them is unlikely to shorten this run's end (bench/RESULTS.md: longest first)",
-                       folder.display(), 100 * share)
+                       "of the log-variance, under %.0f%%): an order by them is noise, so this run keeps the dataset's order (bench/RESULTS.md: "
+                       "longest first)", folder.display(), 100 * share, 100 * LOW_PROMPT_SHARE)
+        return None
     return hints
 
 
 LOW_PROMPT_SHARE = 0.2
-"""Below this share of the lengths' log-variance between prompts, an order by them is mostly noise
-(on the simulator, shares 0.5 and 0.8 shortened the run; 0 did not)."""
+"""Below this share of the lengths' log-variance between prompts, an order by them is noise and is
+not applied: on the simulator (bench/tail.py --longest-first) shares 0.2-0.8 shortened the end of
+64-shard runs, while at share 0 the order gave no gain and made 512-shard runs up to 1.05x longer
+(ordering shards by a noisy longest prompt puts the biggest shards first)."""
 
 
 def prompt_share_of_lengths(groups: np.ndarray, lengths: np.ndarray) -> float | None:
