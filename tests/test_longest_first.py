@@ -209,6 +209,9 @@ def test_lengths_the_prompt_hardly_decides_leave_the_dataset_order_with_a_warnin
     caplog.set_level(logging.INFO, logger="generation_core.inputs.length_hints")
     noise = (f"{ENGINE}.response_tokens_prompt_share=0.0", "actor_rollout_ref.rollout.n=8")
     run_simulated(tmp_path / "last_night", "generation.sample_seed=1", *noise)
+    # An earlier invocation's figures (taken from another run then) must not order tonight's shards.
+    (tmp_path / "tonight").mkdir()
+    (tmp_path / "tonight" / "length_hints.parquet").write_bytes(LengthHints(np.arange(16), np.arange(16.0)).to_parquet())
     plan, summary = run_simulated(tmp_path / "tonight", "generation.sample_seed=2", *noise, f"generation.longest_first_from={tmp_path / 'last_night'}")
     assert "an order by them is noise, so this run keeps the dataset's order" in caplog.text
     assert [s.shard_id for s in plan.shards] == [0, 1, 2, 3] and summary["num_trajectories"] == 128

@@ -161,8 +161,7 @@ def drive_run(
             # behind: read again; the shards kept their order in the JSON.
             if plan.length_hints is None:
                 plan.length_hints = hints_for_run(plan.cfg, plan.dataset)
-            if plan.length_hints is not None:
-                write_hints(plan.folder, plan.length_hints)
+            write_hints(plan.folder, plan.length_hints)
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
         # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing

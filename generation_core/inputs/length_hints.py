@@ -232,8 +232,13 @@ def rows_longest_first(row_indices: np.ndarray, hints: LengthHints) -> list[int]
     return [int(row) for row in np.argsort(-expected, kind="stable")]
 
 
-def write_hints(folder: StorageFolder, hints: LengthHints) -> None:
-    folder.put_atomic(LENGTH_HINTS_FILE, hints.to_parquet())
+def write_hints(folder: StorageFolder, hints: LengthHints | None) -> None:
+    """The figures the shard jobs order their rows by; None: none this time (an earlier
+    invocation's file would order a resumed shard by figures this one did not take)."""
+    if hints is not None:
+        folder.put_atomic(LENGTH_HINTS_FILE, hints.to_parquet())
+    elif folder.exists(LENGTH_HINTS_FILE):
+        folder.remove(LENGTH_HINTS_FILE)
 
 
 def read_hints_for(folder: StorageFolder, row_indices: np.ndarray) -> LengthHints | None:
