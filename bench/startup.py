@@ -1,6 +1,7 @@
 """Time from command to the first committed part of `make demo`, with its breakdown (issue 6, target 7).
 
     .venv/bin/python bench/startup.py [--runs 1]
+    .venv/bin/python bench/startup.py --refusals     # CPU seconds of a refused input (target 2 s)
 
 Runs the demo command (`genrun` on the bundled defaults: CPU model, bundled prompts, local
 storage; what `make demo` runs once the venv exists) into a scratch folder with
@@ -12,6 +13,7 @@ to the first committed part is printed last, against the target of 60 s on 2 cor
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -55,10 +57,43 @@ def run_once(scratch: Path, tree: Path | None = None) -> dict[str, float]:
     return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
 
 
+REFUSAL_TARGET_CPU = 2.0
+REFUSALS = [
+    ("typo'd key", ["actor_rollout_ref.rollout.temprature=0"]),
+    ("missing data file", ["data.train_files=/no/such/prompts.parquet"]),
+    ("missing column", ["data.prompt_key=no_such_column"]),
+]
+
+
+def cpu_seconds_of(command: list[str], env: dict[str, str]) -> tuple[int, float, float]:
+    """(exit code, wall seconds, user + system CPU seconds of the command and its children)."""
+    started = time.time()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    return os.waitstatus_to_exitcode(status), time.time() - started, usage.ru_utime + usage.ru_stime
+
+
+def time_refusals() -> None:
+    """How long a newcomer waits for a refused input (issue 45 item 3)."""
+    scratch = Path(tempfile.mkdtemp(prefix="genrun-refusal-"))
+    try:
+        env = genrun_env(scratch / "timeline.txt")
+        for label, arguments in REFUSALS:
+            code, wall, cpu = cpu_seconds_of([GENRUN, *arguments, f"trainer.default_local_dir={scratch / 'run'}"], env)
+            verdict = "met" if cpu <= REFUSAL_TARGET_CPU else "not met"
+            print(f"refused {label:18s} exit {code}  {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--refusals", action="store_true", help="time refused inputs only (no run)")
     args = parser.parse_args()
+    if args.refusals:
+        time_refusals()
+        return
     results = []
     for _ in range(args.runs):
         scratch = Path(tempfile.mkdtemp(prefix="genrun-startup-"))

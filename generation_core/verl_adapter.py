@@ -41,10 +41,14 @@ VERL_VERSION = "0.9.1"
 
 def base_trainer_config_file() -> Path:
     """verl's generated `ppo_trainer` config, the base genrun's config is loaded over: the file
-    verl 0.9.1 ships as `verl/trainer/config/_generated_ppo_trainer.yaml` (a private name)."""
-    import verl
+    verl 0.9.1 ships as `verl/trainer/config/_generated_ppo_trainer.yaml` (a private name).
+    Found without importing verl (which imports torch): a typo'd key is refused at once."""
+    import importlib.util
 
-    return Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("verl is not installed; genrun needs verl==0.9.1 (pip install -e .)")
+    return Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
 
 # ---- the agent loop registry (verl/experimental/agent_loop/agent_loop.py) ----

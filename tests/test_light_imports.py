@@ -36,13 +36,24 @@ _RUN_AND_LIST = (
 )
 
 
-def command_loads(arguments: list[str]) -> set[str]:
-    """The top-level packages that `genrun ARGUMENTS` has imported by its end (it must succeed)."""
+def command_loads(arguments: list[str], expected_code: int = 0) -> set[str]:
+    """The top-level packages that `genrun ARGUMENTS` has imported by its end (it must exit with
+    `expected_code`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", _RUN_AND_LIST, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
     result = json.loads(done.stderr.strip().splitlines()[-1])
-    assert result["code"] == 0, done.stderr
+    assert result["code"] == expected_code, done.stderr
     return set(result["loaded"])
+
+
+@pytest.mark.parametrize("override", ["actor_rollout_ref.rollout.temprature=0", "data.train_files=/no/such/prompts.parquet", "data.prompt_key=no_such_column"])
+def test_a_refused_input_loads_no_engine_stack(tmp_path, override):
+    """Issue 45 item 3: a typo'd key, a missing data file or a missing column is refused before
+    verl, torch, Ray, transformers or Prefect are imported (they cost ~9 s of CPU on 2 cores), so
+    the refusal comes at once; bench/startup.py --refusals times it."""
+    loaded = command_loads([override, f"trainer.default_local_dir={tmp_path / 'run'}"], expected_code=2)
+    assert sorted(loaded & set(ENGINE_STACK)) == []
+    assert not (tmp_path / "run").exists()
 
 
 def finished_shards_folder(path, shards: int, rows: int = 3) -> StorageFolder:

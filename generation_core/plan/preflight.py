@@ -22,7 +22,6 @@ import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from verl.utils import hf_tokenizer
 
 from generation_core.build import other_build_warning
 from generation_core.config import bundled
@@ -32,13 +31,10 @@ from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.inputs.length_hints import hints_for_run, shards_longest_first
-from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
 from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
 from generation_core.plan.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan
 from generation_core.secrets import keep_in_environment, split_secrets
-from generation_core.serving.pool import check_rollout_name
 from generation_core.shard.rewards import load_reward_function
 from generation_core.store.run_folder import check_run_folder
 
@@ -89,7 +85,6 @@ def preflight(overrides: list[str]) -> RunPlan:
     """Check every input and plan the run from the dataset's metadata (no prompt is tokenized but
     a sample: each shard filters its own rows)."""
     cfg = load_config(overrides)
-    check_rollout_name(cfg)
     served_model = None
     if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
         # Servers that do not answer are found now, before Prefect, Ray or any shard starts.
@@ -102,6 +97,15 @@ def preflight(overrides: list[str]) -> RunPlan:
     dataset = inspect_dataset(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
+    # The checks above need no engine stack, so a typo or a missing file is refused at once;
+    # what follows imports verl, torch and Ray (the engine registry, the tokenizer).
+    from verl.utils import hf_tokenizer
+
+    from generation_core.inputs.length_hints import hints_for_run, shards_longest_first
+    from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
+    from generation_core.serving.pool import check_rollout_name
+
+    check_rollout_name(cfg)
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
     tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     check_overlong_sample(cfg, dataset.files, tokenizer)
