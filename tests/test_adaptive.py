@@ -14,6 +14,7 @@ import pytest
 from generation_core.errors import GenrunError
 from generation_core.outputs.merge import check_shard_counts, merge_run
 from generation_core.shard.adaptive import shard_rewards
+from generation_core.shard.job import ShardGeneration, TooManyFailedSamples
 from generation_core.store.commit_log import ShardCheckpoint
 from tests.adaptive_shard import K, N, run_one_shard
 from tests.conftest import REPO, write_parquet
@@ -81,3 +82,63 @@ def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, m
     assert _keys(resumed_plan.folder) == _keys(plan.folder)
     assert _samples(resumed_plan.folder) == rewards
     assert (resumed.num_trajectories, resumed.not_owed) == (marker.num_trajectories, marker.not_owed)
+
+
+
+class Killed(Exception):
+    """Where a test ends an attempt, as a kill there would (nothing after it is written)."""
+
+
+def _rollouts_per_prompt(keys: list[str]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for key in keys:
+        index = int(key.split(":")[0])
+        counts[index] = counts.get(index, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_a_round_one_failure_keeps_its_prompt_undecided_after_a_kill(tmp_path, model_dir, monkeypatch):
+    """Issue 43 item 5 / audit #14: sample (0, 1) fails in round 1, so prompt 0 is undecided. Uninterrupted,
+    round 2 draws (0, 2) and (0, 3), the failure fails the attempt (max_failed_fraction=0) and the retry
+    regenerates (0, 1). Killed after the failure's commit record, before round 2, the resumed attempt's round 1
+    retried (0, 1), it passed, and prompt 0 ("yes": all pass) was decided: (0, 2) and (0, 3) were never drawn.
+    The failure counted in the commit record keeps prompt 0 undecided: both runs commit the same sample keys."""
+    prompts, reward = _inputs(tmp_path)
+    with pytest.raises(TooManyFailedSamples):
+        run_one_shard(prompts, reward, tmp_path / "whole", model_dir, failures={(0, 1): 1})
+    whole_plan, whole = run_one_shard(prompts, reward, tmp_path / "whole", model_dir)
+
+    def killed_before_round_two(self):
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardGeneration, "second_round", killed_before_round_two)
+        with pytest.raises(Killed):
+            run_one_shard(prompts, reward, tmp_path / "killed", model_dir, failures={(0, 1): 1})
+    resumed_plan, resumed = run_one_shard(prompts, reward, tmp_path / "killed", model_dir)
+
+    assert _rollouts_per_prompt(_keys(whole_plan.folder))[0] == N
+    assert _keys(resumed_plan.folder) == _keys(whole_plan.folder)
+    assert (resumed.attempts, resumed.num_trajectories, resumed.not_owed) == (2, whole.num_trajectories, whole.not_owed)
+
+
+@pytest.mark.timeout(120)
+def test_round_two_waits_for_a_round_one_that_gave_up(tmp_path, model_dir):
+    """Issue 43 item 5: with max_inflight=1 the attempt gives up at its second failed sample ((1, 0) and (1, 1)),
+    before round 1 reached most prompts. Round 2 then drew all n rollouts of every prompt round 1 had not
+    decided, including the ones it never reached, and those stay undecided for good. Round 2 waits for a round 1
+    that drew every prompt: the shard commits the sample keys of a run whose round 1 did not give up."""
+    prompts, reward = _inputs(tmp_path)
+    failures = {(1, 0): 1, (1, 1): 1}
+    with pytest.raises(TooManyFailedSamples):
+        run_one_shard(prompts, reward, tmp_path / "whole", model_dir, failures=failures)
+    whole_plan, whole = run_one_shard(prompts, reward, tmp_path / "whole", model_dir)
+
+    with pytest.raises(TooManyFailedSamples):
+        run_one_shard(prompts, reward, tmp_path / "gave_up", model_dir, "generation.max_inflight=1", failures=failures)
+    gave_up_plan, gave_up = run_one_shard(prompts, reward, tmp_path / "gave_up", model_dir, "generation.max_inflight=1")
+
+    assert _rollouts_per_prompt(_keys(whole_plan.folder))[1] == N
+    assert _keys(gave_up_plan.folder) == _keys(whole_plan.folder)
+    assert (gave_up.num_trajectories, gave_up.not_owed) == (whole.num_trajectories, whole.not_owed)

@@ -4,11 +4,19 @@ where the first leaves the outcome open.
 Round 1 draws each prompt's rollouts [0, k). When every one of them is committed with a reward
 and they all pass (reward > threshold) or all fail, the prompt is decided and rollouts [k, n)
 are never drawn: the shard does not owe them (`SuccessMarker.not_owed`). Otherwise round 2
-draws them. Round 2 of a shard starts once its round 1 is wholly committed, and the decision is
-a function of committed rewards only, so a shard killed anywhere and resumed draws exactly the
-samples an uninterrupted one does: a prompt with any committed rollout >= k was undecided when
-round 2 drew it and stays so; one whose round-1 sample failed is undecided (no reward to decide
-on) and gets all n.
+draws them. Round 2 of an attempt starts once its round 1 has drawn every prompt and is wholly
+committed (not after a stop, nor after round 1 gave up on too many failed samples: the prompts
+it left undrawn would all get n).
+
+The decision reads commit records only, so a shard killed anywhere, stopped or retried draws
+exactly the samples an uninterrupted one does. A prompt with any committed rollout >= k was
+undecided when round 2 drew it and stays so. A prompt whose sample failed (no reward to decide
+on) is undecided, and stays so in every later attempt although the retry of that sample may
+pass: the commit record that counts the failure (`ShardCheckpoint.failed_in_any_attempt`) keeps
+what the uninterrupted run's round 2 saw. What a kill loses is what was not committed: a
+failure after the attempt's last commit record is as if it never happened (the sample is drawn
+again in round 1), exactly as a success after it is; the resumed shard then draws what an
+uninterrupted run in which that sample did not fail draws.
 """
 
 from __future__ import annotations
@@ -68,5 +76,8 @@ def shard_rewards(folder: StorageFolder, shard_name: str, checkpoint: ShardCheck
 
 
 def decided_prompts(rule: AdaptiveRule, folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint) -> set[int]:
-    """The prompts of a shard whose committed round-1 rewards decide them."""
-    return {index for index, rewards in shard_rewards(folder, shard_name, checkpoint).items() if rule.decided(rewards)}
+    """The prompts of a shard whose committed round-1 rewards decide them; never one with a sample
+    that a commit record of any attempt counts as failed (the module docstring says why)."""
+    failed = {int(key.rsplit(":", 1)[0]) for key in checkpoint.failed_in_any_attempt}
+    rewards = shard_rewards(folder, shard_name, checkpoint)
+    return {index for index, by_rollout in rewards.items() if index not in failed and rule.decided(by_rollout)}

@@ -240,9 +240,9 @@ class ShardGeneration:
         return (self.prompts.num_rows - self.prompts.filtered_overlong) * self.n - self.not_owed
 
     async def second_round(self) -> None:
-        """Adaptive sampling's round 2, once round 1 is committed: the rest of each prompt that
-        committed rewards leave undecided (shard/adaptive.py)."""
-        if self.adaptive is None or self.reporter.stop:
+        """Adaptive sampling's round 2, once round 1 drew every prompt and is committed (a round 1 given up on
+        failures did not): the rest of each prompt its commit records leave undecided (shard/adaptive.py)."""
+        if self.adaptive is None or self.reporter.stop or len(self.checkpoint.failed) >= self.give_up_after:
             return
         decided = await asyncio.to_thread(decided_prompts, self.adaptive, self.folder, self.shard.name, self.checkpoint)
         self.not_owed = len(decided) * (self.n - self.adaptive.k)

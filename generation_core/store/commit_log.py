@@ -10,7 +10,8 @@ local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. K
   `build` that runs it); the failed list starts empty again;
 - `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
   sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
-  since the previous commit; `part` is null when a commit holds only failures);
+  since the previous commit, kept across attempts for adaptive sampling; `part` is null when a
+  commit holds only failures);
 - `repair`: committed parts found damaged (`dropped`: their names; `repaired`: what was lost);
 - `done`: the shard finished (`trajectories`, `failures`); its success marker `_SUCCESS.json`
   (the SuccessMarker) follows and names this record (`done_record`). Created exclusively like
@@ -194,6 +195,9 @@ class ShardCheckpoint:
         self.ignored: list[int] = []
         self.rejected_parts: list[str] = []
         """Parts whose record's count differs from its sample keys (never read)."""
+        self.failed_in_any_attempt: set[str] = set()
+        """Every sample key a record counted as failed, in this attempt or an earlier one (`failed` starts
+        empty each attempt): adaptive sampling keeps such a sample's prompt undecided (shard/adaptive.py)."""
         self.done_seq: int | None = None
         """The number of the `done` record that finished the shard, while no attempt or repair
         followed it (None: not finished, or finished by a version that wrote no done record)."""
@@ -330,6 +334,7 @@ class ShardCheckpoint:
                 self.response_tokens += part.response_tokens or 0
                 self.generated_tokens += part.generated_tokens or 0
             self.failed.extend(record.get("failed") or [])
+            self.failed_in_any_attempt.update(record.get("failed") or [])
         elif kind == "repair":
             dropped = set(record.get("dropped") or [])
             self.parts = [p for p in self.parts if p.name not in dropped]
