@@ -94,6 +94,16 @@ def _print_summary(summary: dict, plan) -> None:
         print(example)
 
 
+def _print_finished(manifest: dict) -> None:
+    """The same command on a finished run: what is there, and that nothing was started."""
+    print(f"output:        {manifest['output']}")
+    if "artifact" in manifest:
+        print(f"artifact:      {manifest['artifact']} ({manifest['merged_rows']} rows)")
+    print(f"trajectories:  {manifest['num_trajectories']} (every shard finished, merged output current: nothing to generate)")
+    print(f"report:        {manifest['report']}")
+    print("               to generate again, give another trainer.default_local_dir (or remove this folder)")
+
+
 def first_example(plan) -> str | None:
     """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
     from generation_core.store.part_repair import committed_parts, read_verified_part
@@ -165,13 +175,20 @@ def storage_options_from(arguments: list[str]) -> dict[str, Any]:
 def _generate(argv: list[str]) -> int:
     """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
     resumes); a second exits at once (generation_core/interrupt.py)."""
+    from generation_core.driver.finished_run import finished_run
     from generation_core.interrupt import STOP
-    from generation_core.plan.preflight import preflight
+    from generation_core.plan.preflight import check_inputs, plan_run
     from generation_core.secrets import overrides_without_secrets
     from generation_core.store.lease import check_lease_free
 
-    # Every input check first, so a bad input is one line here, not a failed flow run.
-    plan = preflight(argv)
+    # Every input check first, so a bad input is one line here, not a failed flow run; the
+    # light checks first of all, so a typo or a finished run answers before the engine stack loads.
+    inputs = check_inputs(argv)
+    finished = finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files)
+    if finished is not None:
+        _print_finished(finished)
+        return 0
+    plan = plan_run(inputs)
     # What reads this process's command line (W&B keeps it with the run) sees no secret.
     sys.argv[1:] = overrides_without_secrets(sys.argv[1:])
     # The flow takes the lease; refusing here spares the Prefect and Ray startup.

@@ -233,6 +233,15 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     marker = json.loads((out / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
     assert marker["attempts"] == 2 and marker["num_trajectories"] == total
 
+    # Issue 45 item 4: the same command on the finished run answers from the folder (no Prefect
+    # server, Ray or engine starts) and rewrites nothing.
+    written = {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
+    finished = run_genrun(args(out), env=prefect_server.env)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"trajectories:  {total} (every shard finished, merged output current: nothing to generate)" in finished.stdout, finished.stdout
+    assert "running on:" not in finished.stdout + finished.stderr and "inference:" not in finished.stdout + finished.stderr
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()} == written
+
     run_in_process(preflight(args(tmp_path / "undisturbed")))
     resumed, undisturbed = read_committed_records(StorageFolder(str(out))), read_committed_records(StorageFolder(str(tmp_path / "undisturbed")))
     assert [r.key for r in resumed] == [(i, n) for i in range(PROMPTS) for n in range(N)], "every trajectory exactly once"

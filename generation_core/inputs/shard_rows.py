@@ -14,12 +14,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
@@ -173,6 +171,12 @@ class ShardPrompts:
     once; library use and tests)."""
 
     def __init__(self, cfg: DictConfig, dataset: DatasetFiles, start: int, end: int, tokenizer):
+        # Here, not at the top: planning shards and digesting rows (a finished run's rerun, the
+        # flow's check) import this module without the datasets and torch stacks.
+        import datasets
+        import torch
+
+        self._tensor_type = torch.Tensor
         table = read_rows(dataset, start, end, data_storage_options(cfg))
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
@@ -241,7 +245,7 @@ class ShardPrompts:
     def row_kwargs(self, row: int) -> dict[str, Any]:
         """Raw row `row`'s non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
         item = self._dataset[row]
-        kwargs = {k: v for k, v in item.items() if not isinstance(v, torch.Tensor)}
+        kwargs = {k: v for k, v in item.items() if not isinstance(v, self._tensor_type)}
         # A null agent_name (a file where only some rows name one) means the default, as in
         # agent_names(); verl's registry has no loop named None.
         if kwargs.get("agent_name") is None:

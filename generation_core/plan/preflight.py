@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +31,7 @@ from generation_core.config.loading import finalize_run_location, load_config
 from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
-from generation_core.inputs.dataset_files import inspect_dataset
+from generation_core.inputs.dataset_files import DatasetInspection, inspect_dataset
 from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
 from generation_core.plan.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan
@@ -81,9 +82,28 @@ def check_run_code(cfg: DictConfig, agent_names: set[str]) -> None:
     load_reward_function(cfg)
 
 
+@dataclass
+class CheckedInputs:
+    """What the light half of preflight found: the config, the dataset, the model folder and the
+    run's fingerprint and folder (no engine stack imported yet)."""
+
+    cfg: DictConfig
+    dataset: DatasetInspection
+    model_dir: Path
+    fingerprint: str
+    model_digest: str | None
+
+
 def preflight(overrides: list[str]) -> RunPlan:
     """Check every input and plan the run from the dataset's metadata (no prompt is tokenized but
     a sample: each shard filters its own rows)."""
+    return plan_run(check_inputs(overrides))
+
+
+def check_inputs(overrides: list[str]) -> CheckedInputs:
+    """The checks that need no engine stack (config, remote servers, tasks, dataset files, model
+    folder) and the run's fingerprint and folder: a typo or a missing file is refused at once, and
+    a finished run is recognised before verl, torch or Ray load (outputs/finished_run.py)."""
     cfg = load_config(overrides)
     served_model = None
     if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:
@@ -97,33 +117,37 @@ def preflight(overrides: list[str]) -> RunPlan:
     dataset = inspect_dataset(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
-    # The checks above need no engine stack, so a typo or a missing file is refused at once;
-    # what follows imports verl, torch and Ray (the engine registry, the tokenizer).
+    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks_digest(built_tasks) if built_tasks else None)
+    finalize_run_location(cfg, fingerprint)
+    return CheckedInputs(cfg, dataset, model_dir, fingerprint, model_digest)
+
+
+def plan_run(inputs: CheckedInputs) -> RunPlan:
+    """The checks that load the engine registry, the tokenizer and the user's code, then the plan."""
     from verl.utils import hf_tokenizer
 
     from generation_core.inputs.length_hints import hints_for_run, shards_longest_first
     from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
     from generation_core.serving.pool import check_rollout_name
 
+    cfg, dataset = inputs.cfg, inputs.dataset
     check_rollout_name(cfg)
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
-    tokenizer = hf_tokenizer(str(model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    tokenizer = hf_tokenizer(str(inputs.model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     check_overlong_sample(cfg, dataset.files, tokenizer)
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
-    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks_digest(built_tasks) if built_tasks else None)
-    finalize_run_location(cfg, fingerprint)
     # After the run's own folder is known: an earlier run is looked for beside it, never in it.
     hints = hints_for_run(cfg, dataset.files)
     if hints is not None:
         shards = shards_longest_first(shards, dataset.row_indices, hints)
-    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest, length_hints=hints)
+    plan = RunPlan(cfg, inputs.fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=inputs.model_digest, length_hints=hints)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
-    existing = check_run_folder(plan.folder, fingerprint)
+    existing = check_run_folder(plan.folder, inputs.fingerprint)
     if existing is not None:
         warning = other_build_warning(plan.folder.display(), existing.build)
         if warning:

@@ -18,9 +18,8 @@ from generation_core.report.data import ReportData, collect_report_data
 from generation_core.report.plots import Plot, all_plots
 from generation_core.report.viewer import TOKEN_BUDGET, eos_token_ids, load_tokenizer, payload_json, viewer_payload
 from generation_core.store.folder import StorageFolder
-from generation_core.store.run_folder import read_run_record
+from generation_core.store.run_folder import REPORT_FILE, read_run_record
 
-REPORT_FILE = "report.html"
 SAMPLE_SIZE = 500
 """Trajectories the viewer holds at most (`genrun report --sample N`); the page says how many of how many."""
 CAPACITY_PLOTS = ("replica-timeline", "time-split", "eta")

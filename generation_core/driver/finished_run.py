@@ -1,0 +1,95 @@
+"""Is there nothing left to do? A run whose every shard is finished and whose merged output and
+report are current answers the same command again in seconds: no Prefect server, Ray or model
+starts, nothing is rewritten (`genrun` asks before it starts anything).
+
+Read only: no lease is taken and nothing is repaired. Whatever is not plainly finished (a shard
+without its marker, one with failed samples, a part missing or of the wrong size, a manifest.json
+that counts other shards, a merged file, zip or report missing, a tracker to log to) goes the
+usual way, where the run's lease, repair and merge decide. Changed dataset rows under a finished
+shard are refused here as they would be there (FinishedRowsChanged), before anything starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from generation_core.inputs.shard_rows import plan_shards
+from generation_core.run_plan import DatasetFiles, RunPlan
+from generation_core.shard.finished import FinishedRowsChanged, rows_digest_reader
+from generation_core.store.commit_log import ShardCheckpoint, read_marker
+from generation_core.store.folder import StorageFolder
+from generation_core.store.part_repair import part_damage
+from generation_core.store.run_folder import (
+    CHUNK_INDEX_FILE,
+    MANIFEST_FILE,
+    MERGED_FILE,
+    REPORT_FILE,
+    RUN_FILE,
+    ZIP_FILE,
+    SuccessMarker,
+    check_run_folder,
+    shard_file,
+)
+
+
+def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> dict[str, Any] | None:
+    """The run's manifest.json (with `report`: where report.html is) when the run in cfg's folder
+    has nothing left to do, else None."""
+    folder = StorageFolder(cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
+    if not folder.exists(RUN_FILE) or not folder.exists(MANIFEST_FILE):
+        return None
+    # Another run's folder is refused here, as the planned run would refuse it.
+    record = check_run_folder(folder, fingerprint)
+    if record is None or record.pad_token_id is None or _logs_to_a_tracker(cfg):
+        return None
+    plan = RunPlan(cfg, fingerprint, plan_shards(dataset.num_rows, cfg.generation.num_shards), record.pad_token_id, dataset)
+    markers, recorded_digests = [], {}
+    for shard in plan.shards:
+        checkpoint = ShardCheckpoint.load(folder, shard.name)
+        marker = _finished_marker(folder, shard.name, checkpoint)
+        if marker is None:
+            return None
+        markers.append(marker)
+        recorded_digests[shard.shard_id] = checkpoint.rows_digest
+    manifest = folder.read_json(MANIFEST_FILE)
+    if manifest.get("fingerprint") != fingerprint or manifest.get("num_trajectories") != sum(m.num_trajectories for m in markers):
+        return None
+    if not folder.exists(REPORT_FILE):
+        return None
+    if cfg.generation.final_merge and not (
+        "artifact" in manifest and (folder.exists(MERGED_FILE) or folder.exists(CHUNK_INDEX_FILE)) and folder.exists(ZIP_FILE)
+    ):
+        return None
+    _check_rows_unchanged(plan, recorded_digests)
+    return dict(manifest, report=folder.display(REPORT_FILE))
+
+
+def _finished_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint) -> SuccessMarker | None:
+    """The shard's marker when it stands, records no failed sample and every part it lists is
+    there at its recorded size (one listing, no reads)."""
+    marker = read_marker(folder, shard, checkpoint)
+    if marker is None or marker.failures:
+        return None
+    sizes = folder.list_sizes(shard_file(shard)) if checkpoint.parts else {}
+    if any(part_damage(folder, shard, part, sizes=sizes) for part in checkpoint.parts):
+        return None
+    return marker
+
+
+def _check_rows_unchanged(plan: RunPlan, recorded_digests: dict[int, str | None]) -> None:
+    """Every shard's rows are those it was generated from (shard/finished.py's check)."""
+    for shard in plan.shards:
+        recorded = recorded_digests[shard.shard_id]
+        reader = rows_digest_reader(plan, shard)
+        if reader is None or recorded is None:
+            continue
+        current = reader()
+        if current is not None and current != recorded:
+            raise FinishedRowsChanged.of(plan.folder, shard, current, recorded)
+
+
+def _logs_to_a_tracker(cfg: DictConfig) -> bool:
+    """W&B and verl's other trackers are logged to at publish time, which a rerun must redo."""
+    return any(backend != "console" for backend in cfg.trainer.logger)
