@@ -23,9 +23,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-OUTPUT_FORMAT_VERSION = 1
+OUTPUT_FORMAT_VERSION = 2
 """The trajectories genrun writes for given inputs; bump it with any change of them (module
-docstring). 1 is also what genrun wrote before the constant existed."""
+docstring). 1 is also what genrun wrote before the constant existed. 2: verl's default scorer
+by data_source when no reward function is given (shard/rewards.py); chat messages keep their
+content parts' text and their `name`."""
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 # genrun's own packages in a source checkout: their state is the build's commit and dirty flag.

@@ -94,3 +94,30 @@ def test_a_nan_score_is_no_score():
     """NaN from a reward function is no score (None), as a missing one: one rule everywhere."""
     assert _as_result(float("nan")).score is None and _as_result({"score": float("nan"), "acc": 0}).score is None
     assert _as_result(0.5).score == 0.5
+
+
+def test_without_a_reward_function_verls_default_scorer_scores_by_data_source(tokenizer):
+    """Issue 45 item 2: with no reward.custom_reward_function, verl scores by data_source
+    (default_compute_score), and so does genrun: a gsm8k row with its ground truth is scored by
+    verl's gsm8k scorer; a data_source verl has no scorer for, a row without a ground truth and
+    verl's code data sources (its default would run the model's code unsandboxed) get no score."""
+    from verl.utils.reward_score import default_compute_score
+
+    from generation_core.shard.rewards import NO_SCORE
+
+    scorer = RewardScorer.from_config(load_config([]), tokenizer)
+
+    def score(text: str, data_source: str, ground_truth: str | None):
+        sample = {"data_source": data_source, "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": 0}}
+        return asyncio.run(scorer.score(tokenizer.encode(text, add_special_tokens=False), sample, num_turns=2, extra_fields={}))
+
+    try:
+        right, wrong = score("So she has #### 72", "openai/gsm8k", "72"), score("So she has #### 71", "openai/gsm8k", "72")
+        assert (right.score, wrong.score) == (1.0, 0.0)
+        assert right.score == default_compute_score("openai/gsm8k", "So she has #### 72", "72")
+        assert score("#### 72", "genrun/instructions", "72") is NO_SCORE
+        assert "genrun/instructions" in scorer.unscored_sources, "an unknown source is asked once"
+        assert score("#### 72", "openai/gsm8k", None) is NO_SCORE and score("#### 72", "openai/gsm8k", "") is NO_SCORE
+        assert score("print(1)", "apps", "[]") is NO_SCORE
+    finally:
+        scorer.shutdown()

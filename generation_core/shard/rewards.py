@@ -7,6 +7,15 @@ keys become reward_extra_info and columns of the merged DataProto). We call it e
 naive reward manager does. Synchronous functions run in a thread pool of
 `generation.reward_workers`, so a slow scorer never stalls the requests of other samples;
 `async def` functions are awaited.
+
+Without a custom function, verl scores by `data_source` (`verl.utils.reward_score.
+default_compute_score`: openai/gsm8k, the MATH sets, math_dapo/aime*, numina_*, geometry3k,
+searchR1_*), and so does genrun: a sample whose data_source verl has a scorer for and whose row
+has a ground truth is scored by it; other samples get no score (verl would stop there with
+NotImplementedError). verl's code data sources (codecontests, apps, codeforces, taco) are left
+unscored: without a sandbox verl's default runs the model's code on this machine; give your own
+sandboxed scorer in reward.custom_reward_function for them. The scorer is verl's, so the run
+fingerprint's verl version pins it.
 """
 
 from __future__ import annotations
@@ -54,21 +63,48 @@ def load_reward_function(cfg: DictConfig) -> Callable | None:
         raise GenrunError(f"reward.custom_reward_function.path={spec.path!r} fails to import: {type(exc).__name__}: {exc}") from None
 
 
+# verl's default scorers that execute the model's answer as code (prime_code without a sandbox).
+VERL_CODE_DATA_SOURCES = frozenset({"codecontests", "apps", "codeforces", "taco"})
+NO_SCORE = RewardResult(None, {})
+
+
 class RewardScorer:
-    def __init__(self, function: Callable, tokenizer, workers: int):
+    def __init__(self, function: Callable, tokenizer, workers: int, *, by_data_source: bool = False):
         self.function = function
         self.tokenizer = tokenizer
         # verl wraps the user's function in functools.partial over an async or a sync caller.
         self.is_async = inspect.iscoroutinefunction(getattr(function, "func", function))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+        self.by_data_source = by_data_source
+        """verl's default scorer: only data sources it implements are scored (the others learned
+        from its NotImplementedError, once each)."""
+        self.unscored_sources: set[Any] = set(VERL_CODE_DATA_SOURCES) if by_data_source else set()
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, tokenizer) -> RewardScorer | None:
+    def from_config(cls, cfg: DictConfig, tokenizer) -> RewardScorer:
         function = load_reward_function(cfg)
-        return None if function is None else cls(function, tokenizer, cfg.generation.reward_workers)
+        if function is not None:
+            return cls(function, tokenizer, cfg.generation.reward_workers)
+        from verl.utils.reward_score import default_compute_score
+
+        return cls(default_compute_score, tokenizer, cfg.generation.reward_workers, by_data_source=True)
 
     async def score(self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]) -> RewardResult:
         """Score one trajectory; `sample` is the dataset row's fields as the agent loop got them."""
+        if self.by_data_source:
+            source, truth = sample.get("data_source"), (sample.get("reward_model") or {}).get("ground_truth")
+            if not isinstance(source, str) or source in self.unscored_sources or truth is None or truth == "":
+                return NO_SCORE
+            try:
+                return await self._score(response_ids, sample, num_turns, extra_fields)
+            except RewardFunctionError as error:
+                if isinstance(error.__cause__, NotImplementedError):
+                    self.unscored_sources.add(source)
+                    return NO_SCORE
+                raise
+        return await self._score(response_ids, sample, num_turns, extra_fields)
+
+    async def _score(self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]) -> RewardResult:
         loop = asyncio.get_running_loop()
         solution = await loop.run_in_executor(self.pool, lambda: self.tokenizer.decode(response_ids, skip_special_tokens=True))
         extra_info = dict(sample.get("extra_info") or {})

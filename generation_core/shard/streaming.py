@@ -46,7 +46,7 @@ from generation_core.instrumentation import SampleTrace
 from generation_core.serving.request_retry import RetryingClient
 from generation_core.serving.turn_log import start_trajectory
 from generation_core.shard.call_slots import CallSlots, SlottedClient, sample_context
-from generation_core.shard.rewards import RewardScorer
+from generation_core.shard.rewards import NO_SCORE, RewardScorer
 from generation_core.store.trajectory_record import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
 from generation_core.verl_adapter import agent_loop_arguments, agent_loop_entry, rebind_worker_client, share_continuous_token_builders
 
@@ -210,9 +210,10 @@ class StreamingWorker:
         if self.reward_scorer is not None and record.reward_score is None:
             started = time.perf_counter()
             reward = await self.reward_scorer.score(record.response_ids, kwargs, record.num_turns, record.extra_fields)
-            reward_seconds = round(time.perf_counter() - started, 6)
-            record.reward_score = reward.score
-            record.extra_fields["reward_extra_info"] = reward.extra_info
+            if reward is not NO_SCORE:  # verl's default scorer has none for this data_source
+                reward_seconds = round(time.perf_counter() - started, 6)
+                record.reward_score = reward.score
+                record.extra_fields["reward_extra_info"] = reward.extra_info
         record.provenance = dict(
             self.provenance, seed=sampling_params.get("seed"), retries=log.retries, started_at=round(log.started_at, 6),
             turns=[turn.as_dict() for turn in log.turns],
