@@ -10,7 +10,12 @@ RLHFDataset reads."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
+import sys
+import uuid
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -20,6 +25,8 @@ from flows.cli import main
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.inputs.task_cache import input_files, log_hub_build
+from generation_core.inputs.tasks import build_tasks, task_configs
 from generation_core.plan.preflight import preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
@@ -215,3 +222,251 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
 
     assert main(["export", str(tmp_path / "run"), str(band), "--layout", "rl-prompts", "--pass-rate", "0.9", "0.1"]) == 2
     assert main(["export", str(tmp_path / "run"), str(band), "--pass-rate", "0", "1"]) == 2
+
+
+# ---- issue 43: the task cache's key, content that is text, rows that do not build ----------------
+
+
+def _build(tmp_path, *tasks):
+    """build_tasks over these task mappings, cached under tmp_path/cache: [(rows, url)] per task."""
+    data = {"train_tasks": list(tasks), "prompt_key": "prompt", "task_cache_dir": str(tmp_path / "cache")}
+    cfg = OmegaConf.create({"data": {**data, "storage_options": None}, "storage": {"options": {}}})
+    return [(pq.read_table(task.url).to_pylist(), task.url) for task in build_tasks(cfg)]
+
+
+def _jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _template_task(data_files, template="Q: {question}", **extra):
+    loading = {"path": "json", "data_files": str(data_files)}
+    prompt_format = {"type": "template", "prompt_template": template}
+    return {"loading_params": loading, "prompt_format": prompt_format, "data_source": "t", **extra}
+
+
+def _chat_task(data_files):
+    prompt_format = {"type": "chat_messages", "chat_messages_field": "messages"}
+    return {"loading_params": {"path": "json", "data_files": str(data_files)}, "prompt_format": prompt_format}
+
+
+def _questions(built):
+    return [row["prompt"][-1]["content"] for row in built[0][0]]
+
+
+HELPER_TASK = '''
+from generation_core.inputs.tasks import Task
+from helper_gt43 import gt
+
+
+class WithHelper(Task):
+    def build_row(self, row, index):
+        built = super().build_row(row, index)
+        built["reward_model"] = {"style": "rule", "ground_truth": gt(row)}
+        return built
+'''
+
+
+@pytest.mark.timeout(120)
+def test_editing_a_module_the_task_class_imports_rebuilds_the_task(tmp_path, monkeypatch):
+    """Issue 43 item 1 / audit #1: the cache key holds the local modules the custom_cls file
+    imports (the fingerprint's code walk), not only the class's own file: a helper edited gives
+    rows built by the new helper, never the old helper's ground truths."""
+    _jsonl(tmp_path / "data.jsonl", [{"question": "2+2", "answer": "4"}])
+    (tmp_path / "helper_gt43.py").write_text('def gt(row):\n    return row["answer"] + "-v1"\n')
+    (tmp_path / "mytask.py").write_text(HELPER_TASK)
+    custom_cls = {"path": str(tmp_path / "mytask.py"), "name": "WithHelper"}
+    task = _template_task(tmp_path / "data.jsonl", custom_cls=custom_cls)
+    [(rows, first_url)] = _build(tmp_path, task)
+    assert rows[0]["reward_model"]["ground_truth"] == "4-v1"
+
+    (tmp_path / "helper_gt43.py").write_text('def gt(row):\n    return row["answer"] + "-v2"\n')
+    monkeypatch.delitem(sys.modules, "helper_gt43")  # a new genrun process imports the file afresh
+    [(rows, second_url)] = _build(tmp_path, task)
+    assert second_url != first_url and rows[0]["reward_model"]["ground_truth"] == "4-v2"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loading", ["glob", "data_dir"])
+def test_globbed_and_data_dir_inputs_rebuild_when_a_file_changes_or_appears(tmp_path, loading):
+    """Issue 43 item 1 / audit #2: every file a `data_files` glob or a `data_dir` reads is in the
+    key (listed through fsspec): an edited file and a new file rebuild the task."""
+    data = tmp_path / "d"
+    _jsonl(data / "a.jsonl", [{"question": f"q{i}"} for i in range(3)])
+    params = {"path": "json", **({"data_files": f"{data}/*.jsonl"} if loading == "glob" else {"data_dir": str(data)})}
+    task = {"loading_params": params, "prompt_format": {"prompt_template": "Q: {question}"}, "data_source": loading}
+    assert _questions(_build(tmp_path, task)) == ["Q: q0", "Q: q1", "Q: q2"]
+
+    _jsonl(data / "a.jsonl", [{"question": f"EDITED{i}"} for i in range(3)])
+    _jsonl(data / "b.jsonl", [{"question": "NEWFILE"}])
+    assert _questions(_build(tmp_path, task)) == ["Q: EDITED0", "Q: EDITED1", "Q: EDITED2", "Q: NEWFILE"]
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_input_rebuilds_when_its_content_changes(tmp_path):
+    """Issue 43 item 1 / audit #2: a URL input (an fsspec filesystem; memory:// stands in for a
+    bucket) is keyed by what fsspec reports of it (size, ETag, modification time)."""
+    import fsspec
+
+    memory, folder = fsspec.filesystem("memory"), f"/tasks43-{uuid.uuid4().hex}"
+    memory.pipe_file(f"{folder}/a.jsonl", b'{"question": "q0"}\n')
+    try:
+        task = _template_task(f"memory:/{folder}/a.jsonl", data_source="remote")
+        assert _questions(_build(tmp_path, task)) == ["Q: q0"]
+        memory.pipe_file(f"{folder}/a.jsonl", b'{"question": "remote edit"}\n')
+        assert _questions(_build(tmp_path, task)) == ["Q: remote edit"]
+    finally:
+        memory.rm(folder, recursive=True)
+
+
+def test_a_hub_dataset_is_keyed_by_its_revision_and_its_build_says_so(caplog):
+    """Issue 43 item 1: a hub id cannot be checked offline; the key holds the revision given (a
+    new revision rebuilds) and building one logs that it is built once per revision."""
+    import logging
+
+    hub = {"path": "openai/gsm8k", "name": "main", "revision": "abc123"}
+    assert input_files("t", hub, None) == [["hub", "openai/gsm8k", "abc123"]]
+    with caplog.at_level(logging.INFO, logger="generation_core.inputs.task_cache"):
+        log_hub_build("data.train_tasks[0]", {"path": "openai/gsm8k"})
+        log_hub_build("data.train_tasks[1]", {"path": "json", "data_files": "x.jsonl"})
+    assert [record.getMessage() for record in caplog.records] == [
+        "data.train_tasks[0]: building hub dataset openai/gsm8k at revision (none given: the latest, read once); it is "
+        "built once per revision (set loading_params.revision to a commit to pin it, or to a new one to rebuild)"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_cached_file_edited_by_hand_is_rebuilt(tmp_path):
+    """Issue 43 item 1 / audit #15: a built file's sha256 is kept beside it; a file whose bytes
+    no longer match (edited by hand) is rebuilt from the source, not trusted."""
+    task = _template_task(_jsonl(tmp_path / "data.jsonl", [{"question": "real"}]))
+    [(rows, url)] = _build(tmp_path, task)
+    original = Path(url).read_bytes()
+    assert json.loads(Path(f"{url}.json").read_text()) == {"sha256": hashlib.sha256(original).hexdigest(), "rows": 1}
+    write_parquet(Path(url), [{**rows[0], "prompt": [{"role": "user", "content": "Q: forged"}]}])
+    [(rows, again)] = _build(tmp_path, task)
+    assert again == url and [row["prompt"][-1]["content"] for row in rows] == ["Q: real"]
+    assert Path(url).read_bytes() == original
+
+
+@pytest.mark.timeout(120)
+def test_chat_messages_content_parts_are_joined_as_text(tmp_path):
+    """Issue 43 item 2 / audit #5: OpenAI-style text parts become their joined text, not the
+    Python repr of the list."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]
+    rows = [{"messages": [{"role": "user", "content": parts}]}, {"messages": [{"role": "user", "content": "hi"}]}]
+    [(built, _)] = _build(tmp_path, _chat_task(_jsonl(tmp_path / "msgs.jsonl", rows)))
+    assert [row["prompt"] for row in built] == [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "hi"}],
+    ]
+
+
+IMAGE_PARTS = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+TOOL_CALLS = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("message", "refusal"),
+    [
+        (
+            {"role": "system", "content": None},
+            "messages[0].content is null; fix the row or leave it out of the dataset",
+        ),
+        (
+            {"role": "user", "content": IMAGE_PARTS},
+            "messages[0].content[1] is a 'image_url' part; only text parts ({'type': 'text', 'text': ...}) are "
+            "supported; fix the row or leave it out of the dataset",
+        ),
+        (
+            {"role": "assistant", "content": None, "tool_calls": TOOL_CALLS},
+            "messages[0] has tool_calls, which a prompt of text messages would drop; give text messages",
+        ),
+    ],
+)
+def test_chat_messages_that_are_not_text_are_refused_naming_task_and_row(tmp_path, message, refusal):
+    """Issue 43 item 2 / audit #5: null content, a non-text part or a tool call is refused in one
+    line naming the task and the row (0-based), never written as 'None' or a repr."""
+    second = [message, {"role": "user", "content": "hi"}]
+    rows = [{"messages": [{"role": "user", "content": "fine"}]}, {"messages": second}]
+    with pytest.raises(GenrunError) as raised:
+        _build(tmp_path, _chat_task(_jsonl(tmp_path / "msgs.jsonl", rows)))
+    assert str(raised.value) == f"data.train_tasks[0] row 1: {refusal}"
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache"), "nothing is cached"
+
+
+@pytest.mark.parametrize(
+    ("template", "refusal"),
+    [
+        ("Q: {} {question}", "the positional field {} names no column; name a column instead, e.g. {question}"),
+        ("Q: {0}", "the positional field {0} names no column; name a column instead, e.g. {question}"),
+        (
+            "Q: {question",
+            "'Q: {question' is not a format string (expected '}' before end of string); name columns as {column}, "
+            "write a literal brace twice",
+        ),
+    ],
+)
+def test_a_template_with_a_positional_field_is_refused_at_check_time(tmp_path, template, refusal):
+    """Issue 43 item 3 / audit #10: `{}`/`{0}` (no column fills them) and a broken template are
+    refused in one line when the tasks are read, before any dataset loads (it crashed with an
+    IndexError traceback mid-build)."""
+    cfg = OmegaConf.create({"data": {"train_tasks": [_template_task(tmp_path / "absent.jsonl", template)]}})
+    with pytest.raises(GenrunError) as raised:
+        task_configs(cfg)
+    assert str(raised.value) == f"data.train_tasks[0].prompt_format.prompt_template: {refusal}"
+
+
+@pytest.mark.timeout(120)
+def test_a_null_template_field_is_refused_naming_task_and_row(tmp_path):
+    """Issue 43 items 2-3 / audit #10: a null column a template reads is refused in one line, not
+    written into the prompt as the text 'None'."""
+    nulls = _jsonl(tmp_path / "nulls.jsonl", [{"question": "real q", "topic": "a"}, {"question": None, "topic": "b"}])
+    with pytest.raises(GenrunError) as raised:
+        _build(tmp_path, _template_task(nulls, "Q: {question} ({topic})"))
+    assert str(raised.value) == (
+        "data.train_tasks[0] row 1: {question} of prompt_template is null; fill it or leave the row out of the dataset"
+    )
+
+
+BROKEN_TASK = '''
+from generation_core.inputs.tasks import Task
+
+
+class Fragile(Task):
+    def build_row(self, row, index):
+        built = super().build_row(row, index)
+        built["reward_model"] = {"style": "rule", "ground_truth": row["answer"].split("####")[1]}
+        return built
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_build_row_error_is_one_line_exit_2_and_nothing_written(tmp_path, model_dir, capsys):
+    """Issue 43 item 3 / audit #10: an exception in a custom class's build_row is one line naming
+    the task and row (the traceback goes to the debug log), exit 2, before any model loads, with
+    no output folder and nothing cached."""
+    rows = [{"question": "a", "answer": "#### 1"}, {"question": "b", "answer": "no marks"}]
+    data = _jsonl(tmp_path / "data.jsonl", rows)
+    (tmp_path / "fragile.py").write_text(BROKEN_TASK)
+    tasks = (
+        f"data.train_tasks=[{{loading_params:{{path:json,data_files:'{data}'}},"
+        "prompt_format:{prompt_template:'{question}'},"
+        f"data_source:fragile,custom_cls:{{path:'{tmp_path / 'fragile.py'}',name:Fragile}}}}]"
+    )
+    out = tmp_path / "run"
+    argv = [
+        tasks, f"data.task_cache_dir={tmp_path / 'cache'}", f"trainer.default_local_dir={out}",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=instant",
+        "generation.show_progress=false",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("genrun: error:")] == [
+        "genrun: error: data.train_tasks[0] row 1: Fragile.build_row raised IndexError: list index out of range; "
+        "fix the task class or the row"
+    ]
+    assert "Traceback" not in err and "Loading weights" not in err
+    assert not out.exists() and not (tmp_path / "cache").exists()

@@ -10,10 +10,12 @@ subclass of `Task` that adds to each row (e.g. `reward_model.ground_truth`).
 Preflight (plan/preflight.py) resolves the tasks into `data.train_files` before anything else
 reads the dataset: each task's rows, in verl's RL layout (`data_source`, the prompt column,
 `ability`, `reward_model`, `extra_info` with a unique `index`), are written once as Parquet under
-`data.task_cache_dir`, named by the hash of the task class's source and of the task's config, and
-reused while both stay the same. Several tasks make several files, indexed one after another.
-A bad task (an unknown column in the template, a missing split, a class that does not load) is
-refused in one line before anything is built.
+`data.task_cache_dir`, named by the hash of the task's config, code and input files
+(inputs/task_cache.py), and reused while all stay the same. Several tasks make several files,
+indexed one after another. A bad task (an unknown column in the template, a positional template
+field, a missing split, a class that does not load) is refused in one line before anything is
+built; a row the task cannot build (a null template field, content that is not text, an error in a
+custom `build_row`) is refused in one line naming the task and the row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import os
 import string
 import sys
@@ -36,8 +39,18 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.errors import GenrunError
+from generation_core.inputs.chat_content import NotText, content_text
 from generation_core.inputs.dataset_files import data_storage_options
+from generation_core.inputs.task_cache import (
+    cached_parquet,
+    input_files,
+    is_hub_dataset,
+    log_hub_build,
+    task_code_digest,
+)
 from generation_core.store.folder import StorageFolder
+
+logger = logging.getLogger(__name__)
 
 TASKS_KEY = "data.train_tasks"
 DEFAULT_CACHE_DIR = "~/.cache/genrun/tasks"
@@ -74,6 +87,11 @@ class TaskConfig:
         needed = "prompt_template" if kind == "template" else "chat_messages_field"
         if not isinstance(prompt_format.get(needed), str):
             raise GenrunError(f"{where}.prompt_format.{needed} is missing: prompt_format type {kind} needs it")
+        if kind == "template":
+            try:
+                template_fields(prompt_format["prompt_template"])
+            except ValueError as exc:
+                raise GenrunError(f"{where}.prompt_format.prompt_template: {exc}") from None
         custom = entry.get("custom_cls")
         if custom is not None and not (isinstance(custom, dict) and custom.get("path") and custom.get("name")):
             raise GenrunError(f"{where}.custom_cls needs path (a .py file) and name (a Task subclass in it), got {custom!r}")
@@ -83,12 +101,17 @@ class TaskConfig:
         data_source = entry.get("data_source") or str(loading["path"])
         return cls(where, dict(loading), {"type": kind, **prompt_format}, str(data_source), list(extra), custom, entry.get("ability"))
 
-    def config_hash(self, prompt_key: str) -> str:
-        """The task's config (its place in the list aside) and the prompt column it writes."""
+    def config_hash(self, prompt_key: str, storage_options: dict[str, Any] | None = None) -> str:
+        """The task's config (its place in the list aside), the prompt column it writes and the
+        version of every input file it reads (task_cache.input_files)."""
         payload = {k: v for k, v in self.__dict__.items() if k != "where"}
         payload["prompt_key"] = prompt_key
-        payload["local_inputs"] = _local_input_stats(self.loading_params)
+        payload["inputs"] = input_files(self.where, self.loading_params, storage_options)
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class BadRow(ValueError):
+    """A row the task cannot build; the message says why, `build_tasks` adds the task and row."""
 
 
 class Task:
@@ -114,6 +137,10 @@ class Task:
             else:
                 if storage_options and "storage_options" not in params:
                     params["storage_options"] = storage_options
+                if not is_hub_dataset(path):
+                    # Tasks load only when the cache key says an input changed; datasets' own cache
+                    # knows a remote file by its ETag or mtime alone and, without either, returns old rows.
+                    params.setdefault("download_mode", "force_redownload")
                 loaded = datasets.load_dataset(path, **params)
         except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
             raise GenrunError(f"{self.config.where}.loading_params: cannot load {path!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -127,8 +154,8 @@ class Task:
         """Refuse a template, messages field or extra field that names no column."""
         fmt = self.config.prompt_format
         if fmt["type"] == "template":
-            named = [name for _, name, _, _ in string.Formatter().parse(fmt["prompt_template"]) if name]
-            names = [(n.split(".")[0].split("[")[0], "prompt_format.prompt_template") for n in named]
+            fields = template_fields(fmt["prompt_template"])
+            names = [(name.split(".")[0].split("[")[0], "prompt_format.prompt_template") for name in fields]
         else:
             names = [(fmt["chat_messages_field"], "prompt_format.chat_messages_field")]
         names += [(name, "extra_fields") for name in self.config.extra_fields]
@@ -137,11 +164,15 @@ class Task:
                 raise GenrunError(f"{self.config.where}.{key}: unknown column {name!r}; the dataset's columns: {', '.join(columns)}")
 
     def build_prompt(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        """The row's chat messages; BadRow when the row has none a chat template reads as text."""
         fmt = self.config.prompt_format
         if fmt["type"] == "chat_messages":
-            return [{"role": str(m["role"]), "content": str(m["content"])} for m in row[fmt["chat_messages_field"]]]
+            column = fmt["chat_messages_field"]
+            if not row[column]:
+                raise BadRow(f"column {column!r} holds no messages; leave the row out of the dataset")
+            return [_text_message(column, position, message) for position, message in enumerate(row[column])]
         messages = [{"role": "system", "content": fmt["system_prompt"]}] if fmt.get("system_prompt") else []
-        return [*messages, {"role": "user", "content": fmt["prompt_template"].format(**row)}]
+        return [*messages, {"role": "user", "content": _formatted(fmt["prompt_template"], row)}]
 
     def build_row(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         """One prompt row in verl's RL layout; `index` is its unique `extra_info.index`."""
@@ -153,6 +184,61 @@ class Task:
             "reward_model": {"style": "rule", "ground_truth": ""},
             "extra_info": {**extra, "index": index},
         }
+
+
+@functools.cache
+def template_fields(template: str) -> tuple[str, ...]:
+    """The replacement fields of a prompt template (`{question}`, `{meta[topic]}`), those inside
+    format specs too; ValueError for a template Python cannot format or a positional field
+    (`{}`, `{0}`), which no column fills."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"{template!r} is not a format string ({exc}); name columns as {{column}}, write a literal brace twice"
+        ) from None
+    fields: list[str] = []
+    for _, name, spec, _ in parsed:
+        if name is None:
+            continue
+        root = name.split(".")[0].split("[")[0]
+        if not root or root.isdigit():
+            raise ValueError(
+                f"the positional field {{{name}}} names no column; name a column instead, e.g. {{question}}"
+            )
+        fields.append(name)
+        if spec and "{" in spec:
+            fields += template_fields(spec)
+    return tuple(dict.fromkeys(fields))
+
+
+def _formatted(template: str, row: dict[str, Any]) -> str:
+    """The template filled from the row; a null field is refused, as the text 'None' is no prompt."""
+    formatter = string.Formatter()
+    try:
+        for name in template_fields(template):
+            if formatter.get_field(name, (), row)[0] is None:
+                raise BadRow(f"{{{name}}} of prompt_template is null; fill it or leave the row out of the dataset")
+        return template.format(**row)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+        if isinstance(exc, BadRow):
+            raise
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        raise BadRow(f"prompt_template cannot be filled from the row: {reason}") from None
+
+
+def _text_message(column: str, position: int, message: Any) -> dict[str, str]:
+    """One chat message with text content (content parts joined); BadRow for anything else."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRow(f"{column}[{position}] is not a message with a role")
+    if message.get("tool_calls"):
+        raise BadRow(
+            f"{column}[{position}] has tool_calls, which a prompt of text messages would drop; give text messages"
+        )
+    try:
+        return {"role": message["role"], "content": content_text(message.get("content"))}
+    except NotText as exc:
+        raise BadRow(f"{column}[{position}].{exc}; fix the row or leave it out of the dataset") from None
 
 
 def load_task_class(config: TaskConfig) -> type[Task]:
@@ -183,49 +269,20 @@ def load_task_class(config: TaskConfig) -> type[Task]:
     return found
 
 
-def class_source_hash(task_class: type[Task]) -> str:
-    """The source of the task class and of every class it inherits from (this module included)."""
-    digest = hashlib.sha256()
-    for klass in task_class.__mro__:
-        source = getattr(sys.modules.get(klass.__module__), "__file__", None)
-        if klass is not object and source and os.path.isfile(source):
-            digest.update(Path(source).read_bytes())
-    return digest.hexdigest()
-
-
-def _local_input_stats(loading_params: dict[str, Any]) -> list[Any]:
-    """Size and modification time of the local files a task reads, so an edited file is rebuilt."""
-    paths = [loading_params.get("path")]
-    files = loading_params.get("data_files")
-    if isinstance(files, dict):
-        files = list(files.values())
-    paths += files if isinstance(files, list) else [files]
-    stats = []
-    for item in paths:
-        for path in item if isinstance(item, list) else [item]:
-            local = os.path.expanduser(str(path)) if path else ""
-            if local and os.path.exists(local):
-                for file in sorted(Path(local).rglob("*")) if os.path.isdir(local) else [Path(local)]:
-                    if file.is_file():
-                        stat = file.stat()
-                        stats.append([str(file), stat.st_size, stat.st_mtime_ns])
-    return stats
-
-
 @dataclass(frozen=True)
 class BuiltTask:
-    """A task's Parquet file in the cache, its sha256 and its class's source hash (both for the
-    fingerprint), and its row count."""
+    """A task's Parquet file in the cache, its sha256 and the digest of the code that built it
+    (both for the fingerprint), and its row count."""
 
     url: str
     sha256: str
-    class_hash: str
+    code_hash: str
     num_rows: int
 
 
 def tasks_digest(built: list[BuiltTask]) -> str:
-    """One digest of the built files and the task classes' sources, for the run fingerprint."""
-    return hashlib.sha256(json.dumps([[task.sha256, task.class_hash] for task in built]).encode()).hexdigest()
+    """One digest of the built files and the tasks' code, for the run fingerprint."""
+    return hashlib.sha256(json.dumps([[task.sha256, task.code_hash] for task in built]).encode()).hexdigest()
 
 
 def task_configs(cfg: DictConfig) -> list[TaskConfig]:
@@ -250,24 +307,30 @@ def task_configs(cfg: DictConfig) -> list[TaskConfig]:
 
 
 def _build_table(task: Task, first_index: int, storage_options: dict[str, Any] | None) -> pa.Table:
+    log_hub_build(task.config.where, task.config.loading_params)
     dataset = task.load(storage_options)
     task.check_columns(list(dataset.column_names))
-    rows = [task.build_row(cast(dict[str, Any], row), first_index + position) for position, row in enumerate(dataset)]
+    rows = []
+    for position, row in enumerate(dataset):
+        try:
+            rows.append(task.build_row(cast(dict[str, Any], row), first_index + position))
+        except Exception as exc:  # noqa: BLE001 - a custom build_row may raise anything: one line names the row
+            raise _row_error(task, position, exc) from None
     if not rows:
         raise GenrunError(f"{task.config.where}: the dataset split has no rows")
     return pa.Table.from_pylist(rows)
 
 
-def _cached_file(cache: StorageFolder, name: str, build) -> tuple[bytes, int]:
-    """(Parquet bytes, rows) of `name` in the cache, built by `build()` (a table) when absent."""
-    if cache.exists(name):
-        data = cache.read_bytes(name)
-        return data, pq.ParquetFile(io.BytesIO(data)).metadata.num_rows
-    table = build()
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    cache.put_atomic(name, sink.getvalue())
-    return sink.getvalue(), table.num_rows
+def _row_error(task: Task, position: int, exc: Exception) -> GenrunError:
+    """The one line for a row that does not build: the task, the row (its 0-based position in the
+    split) and why; the traceback of an error in the user's code goes to the debug log."""
+    where = f"{task.config.where} row {position}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, BadRow | GenrunError):
+        return GenrunError(f"{where}: {text}")
+    logger.debug("%s: %s.build_row raised", where, type(task).__name__, exc_info=exc)
+    raised = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return GenrunError(f"{where}: {type(task).__name__}.build_row raised {raised}; fix the task class or the row")
 
 
 def _one_schema(where: list[str], files: list[bytes]) -> pa.Schema | None:
@@ -293,23 +356,26 @@ def build_tasks(cfg: DictConfig) -> list[BuiltTask]:
     storage_options = OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None
     cache = StorageFolder(os.path.expanduser(cfg.data.get("task_cache_dir") or DEFAULT_CACHE_DIR), data_storage_options(cfg))
     classes = [(config, load_task_class(config)) for config in configs]  # every class loads before anything is built
-    names, files, class_hashes = [], [], []
+    names, files, code_hashes = [], [], []
     first_index = 0
     for config, task_class in classes:
-        class_hashes.append(class_source_hash(task_class))
-        key = hashlib.sha256(f"{class_hashes[-1]}\0{config.config_hash(prompt_key)}\0{first_index}".encode()).hexdigest()
+        code_hashes.append(task_code_digest(task_class, config.custom_cls["path"] if config.custom_cls else None))
+        config_hash = config.config_hash(prompt_key, cast(dict, storage_options))
+        key = hashlib.sha256(f"{code_hashes[-1]}\0{config_hash}\0{first_index}".encode()).hexdigest()
         names.append(f"{''.join(c if c.isalnum() else '_' for c in config.data_source)[:40]}-{key[:20]}")
-        data, num_rows = _cached_file(cache, f"{names[-1]}.parquet", functools.partial(_build_table, task_class(config, prompt_key), first_index, cast(dict, storage_options)))
+        task = task_class(config, prompt_key)
+        build = functools.partial(_build_table, task, first_index, cast(dict, storage_options))
+        data, num_rows = cached_parquet(cache, f"{names[-1]}.parquet", build)
         files.append((data, num_rows))
         first_index += num_rows
     schema = _one_schema([config.where for config in configs], [data for data, _ in files])
     built = []
-    for name, (data, num_rows), class_hash in zip(names, files, class_hashes, strict=True):
+    for name, (data, num_rows), code_hash in zip(names, files, code_hashes, strict=True):
         if schema is not None:
             # The task's rows in the schema the tasks share, cached beside its own file.
             name = f"{name}-{hashlib.sha256(schema.serialize().to_pybytes()).hexdigest()[:12]}"
-            data, num_rows = _cached_file(cache, f"{name}.parquet", functools.partial(_in_schema, data, schema))
-        built.append(BuiltTask(cache.display(f"{name}.parquet"), hashlib.sha256(data).hexdigest(), class_hash, num_rows))
+            data, num_rows = cached_parquet(cache, f"{name}.parquet", functools.partial(_in_schema, data, schema))
+        built.append(BuiltTask(cache.display(f"{name}.parquet"), hashlib.sha256(data).hexdigest(), code_hash, num_rows))
     return built
 
 
