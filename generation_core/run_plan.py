@@ -53,6 +53,9 @@ class DataFile:
     """Bytes, at planning (None: a plan written before genrun recorded it)."""
     digest: str | None = None
     """sha256 of the Parquet footer (row groups, offsets, statistics) or of a JSON file whole."""
+    first_row: int = 0
+    """The dataset row of the file's first row (the rows of the files before it): an OpenAI batch
+    file's requests take their `extra_info.index` from here on (inputs/openai_batch.py)."""
 
     @property
     def is_parquet(self) -> bool:
@@ -68,12 +71,17 @@ class DatasetFiles:
     num_rows: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"files": [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest} for f in self.files], "num_rows": self.num_rows}
+        files = [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest, "first_row": f.first_row}
+                 for f in self.files]
+        return {"files": files, "num_rows": self.num_rows}
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> DatasetFiles:
         return cls(
-            tuple(DataFile(str(f["url"]), int(f["rows"]), f.get("size"), f.get("digest")) for f in payload["files"]),
+            tuple(
+                DataFile(str(f["url"]), int(f["rows"]), f.get("size"), f.get("digest"), int(f.get("first_row", 0)))
+                for f in payload["files"]
+            ),
             int(payload["num_rows"]),
         )
 

@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config.loading import train_files
 from generation_core.errors import GenrunError
-from generation_core.inputs.openai_batch import BatchLimits, batch_table, is_batch_file
+from generation_core.inputs.media_columns import check_text_only
+from generation_core.inputs.openai_batch import BatchLimits, FirstSeen, batch_table, is_batch_file
 from generation_core.run_plan import DataFile, DatasetFiles
 
 SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
@@ -148,10 +149,14 @@ def open_input(url: str, options: dict[str, Any]):
     return fs.open(path, "rb")
 
 
-def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None, batch_limits: BatchLimits | None = None) -> pa.Table:
+def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None,
+                    batch_limits: BatchLimits | None = None, *, first_row: int = 0,
+                    custom_ids: FirstSeen | None = None) -> pa.Table:
     """A JSON/JSONL input file, whole (refused above JSON_MAX_BYTES); with `planned`, refused
     when it is not the file the run was planned from (check_planned). An OpenAI batch file
-    becomes rows in verl's layout (openai_batch.py), its lines checked against `batch_limits`."""
+    becomes rows in verl's layout (openai_batch.py), its lines checked against `batch_limits`
+    and its custom_ids against `custom_ids` (the run's earlier batch files'), its requests
+    numbered from the file's first dataset row (`planned.first_row`, else `first_row`)."""
     fs, path = _filesystem(url, options)
     size = fs.size(path)
     if size > JSON_MAX_BYTES:
@@ -163,7 +168,11 @@ def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None 
         )
     with fs.open(path, "rb") as handle:
         content = handle.read()
-    table = batch_table(url, content, batch_limits) if is_batch_file(content) else pa_json.read_json(io.BytesIO(content))
+    if is_batch_file(content):
+        first = planned.first_row if planned is not None else first_row
+        table = batch_table(url, content, batch_limits, first, custom_ids)
+    else:
+        table = pa_json.read_json(io.BytesIO(content))
     if planned is not None:
         check_planned(planned, size, planned_digest(content), table.num_rows)
     return table
@@ -295,8 +304,10 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
     agent_names: set[str | None] = set()
     digest = hashlib.sha256()
     reference: tuple[str, pa.Schema] | None = None
+    custom_ids: FirstSeen = {}
     used = 0
     for url in resolve_train_files(cfg):
+        first_row = sum(f.rows for f in files)
         if not url.endswith(SUPPORTED_SUFFIXES):
             raise GenrunError(f"data file {url}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})")
         with storage_errors(url):
@@ -307,6 +318,7 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     parquet = pq.ParquetFile(handle)
                     schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
                     _check_schema(url, schema, cfg.data.prompt_key, reference)
+                    check_text_only(cfg, url, schema, parquet)
                     take = rows if cap is None else max(min(rows, cap - used), 0)
                     indices.append(_read_indices(url, parquet, take))
                     names = _agent_names(parquet.read(columns=["agent_name"]) if take and "agent_name" in schema.names else None, take)
@@ -314,9 +326,12 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     content = footer + _sampled_content(fs, path, size)
                     file_digest = planned_digest(footer)
             else:
-                table = read_json_table(url, options, batch_limits=BatchLimits.of(cfg))
+                # Several OpenAI batch files: custom_ids unique across them, requests numbered on.
+                table = read_json_table(url, options, batch_limits=BatchLimits.of(cfg), first_row=first_row,
+                                        custom_ids=custom_ids)
                 schema, rows = table.schema, table.num_rows
                 _check_schema(url, schema, cfg.data.prompt_key, reference)
+                check_text_only(cfg, url, schema, table)
                 take = rows if cap is None else max(min(rows, cap - used), 0)
                 indices.append(_read_indices(url, table, take))
                 names = _agent_names(table if "agent_name" in schema.names else None, take)
@@ -324,7 +339,7 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                 file_digest = planned_digest(content)
         agent_names |= names
         reference = reference or (url, schema)
-        files.append(DataFile(url, rows, size, file_digest))
+        files.append(DataFile(url, rows, size, file_digest, first_row))
         used += take
         digest.update(json.dumps({"size": size, "rows": rows, "schema": schema.remove_metadata().to_string()}).encode())
         digest.update(hashlib.sha256(content).digest())

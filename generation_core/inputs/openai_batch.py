@@ -4,23 +4,27 @@ rows in verl's chat layout, so the rest of a run reads them as any other dataset
 A `.jsonl` (or `.json`) file of `data.train_files` is a batch file when its first request line has
 a `custom_id` or a `body` (`is_batch_file`); it is then converted whole (`batch_table`, as
 `dataset_files.read_json_table` reads JSON files whole) into:
-- `prompt`: the chat messages (`/v1/chat/completions`: `body.messages`, text parts joined;
-  `/v1/completions`: `body.prompt` as one user message, so the run's chat template applies);
+- `prompt`: the chat messages (`/v1/chat/completions`: `body.messages`, text parts joined, each
+  message's `name` kept (null where it has none); `/v1/completions`: `body.prompt` as one user
+  message, so the run's chat template applies);
 - `data_source` `openai-batch`;
-- `extra_info`: `index` (the 0-based line number among request lines: the sample id),
-  `custom_id`, `url`, and `sampling_params`, the line's own sampling parameters (null where the
-  line leaves the run's): temperature, top_p, top_k, seed, max_tokens (also from
+- `extra_info`: `index` (the sample id: the file's first dataset row, `first_row`, plus the
+  0-based position among its request lines, so the files of one run number their requests one
+  after another), `custom_id`, `url`, and `sampling_params`, the line's own sampling parameters
+  (null where the line leaves the run's): temperature, top_p, top_k, seed, max_tokens (also from
   `max_completion_tokens`), logprobs.
 
 The conversion is a pure function of the file's bytes, whose sha256 enters the run fingerprint
 and is checked again by every shard (`check_planned`); the last conversion of a process is kept
-(keyed by that digest), as a Ray worker runs shard after shard of one file.
+(keyed by that digest and `first_row`), as a Ray worker runs shard after shard of one file.
 
 Every line is checked before anything starts; `BatchLimits` adds the run's settings. A bad line
-(not JSON, no custom_id, a repeated custom_id, an unknown url, no messages/prompt, a parameter
-genrun cannot honour or that contradicts the run: `n` other than rollout.n, `max_tokens` above
-rollout.response_length, logprobs without rollout.calculate_log_probs) is refused in one line that
-names the first few bad lines by number.
+(not JSON, no custom_id, a custom_id repeated in this file or an earlier one of the run, an
+unknown url, no messages/prompt, a role a chat template cannot render, text holding a lone
+surrogate escape, a parameter genrun cannot honour or that contradicts the run: `n` other than
+rollout.n, `max_tokens` above rollout.response_length, logprobs without
+rollout.calculate_log_probs) is refused in one line that names the first few bad lines by number
+and custom_id.
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ DETECT_LINES = 100
 
 SAMPLING_TYPES = {"temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(), "seed": pa.int64(), "max_tokens": pa.int64(), "logprobs": pa.bool_()}
 SAMPLING = pa.struct([pa.field(name, kind) for name, kind in SAMPLING_TYPES.items()])
-MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string()), pa.field("name", pa.string())])
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""The roles a prompt may hold, as the chat template gets them: open models' templates know system,
+not OpenAI's newer developer role; tool (and the legacy function) messages answer tool calls,
+which batch prompts do not carry."""
 SCHEMA = pa.schema(
     [
         pa.field("data_source", pa.string()),
@@ -103,33 +111,42 @@ def is_batch_file(content: bytes) -> bool:
     return False
 
 
-_last: tuple[str, pa.Table] | None = None
+_last: tuple[str, int, pa.Table] | None = None
+
+FirstSeen = dict[str, tuple[str, int]]
+"""custom_id -> (file URL, line number) where it first appears among the run's batch files."""
 
 
-def batch_table(url: str, content: bytes, limits: BatchLimits | None = None) -> pa.Table:
+def batch_table(url: str, content: bytes, limits: BatchLimits | None = None, first_row: int = 0,
+                seen: FirstSeen | None = None) -> pa.Table:
     """A batch file's requests as rows in verl's layout (see the module docstring); a GenrunError
-    naming the bad lines. `limits`: also check each line against the run's settings."""
+    naming the bad lines. `limits`: also check each line against the run's settings. `first_row`:
+    the index of the first request. `seen`: the custom_ids of the run's earlier batch files
+    (extended with this file's), which this file must not repeat."""
     global _last
     digest = hashlib.sha256(content).hexdigest()
-    if limits is None and _last is not None and _last[0] == digest:
-        return _last[1]
+    if limits is None and seen is None and _last is not None and _last[:2] == (digest, first_row):
+        return _last[2]
+    seen = {} if seen is None else seen
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
-    first_line: dict[str, int] = {}
     for number, raw in enumerate(content.splitlines(), start=1):
         if not raw.strip():
             continue
+        custom_id = None
         try:
-            row = _request_row(raw, number, len(rows), first_line, limits)
+            line = _parse(raw)
+            custom_id = _claim_custom_id(line, url, number, seen)
+            rows.append(_request_row(line, custom_id, first_row + len(rows), limits))
         except _BadLine as bad:
-            problems.append(f"line {number}: {bad}")
-            continue
-        rows.append(row)
+            problems.append(f"line {number}{'' if custom_id is None else f' (custom_id {custom_id!r})'}: {bad}")
     if problems:
         shown = "; ".join(problems[:SHOWN_PROBLEMS]) + ("; ..." if len(problems) > SHOWN_PROBLEMS else "")
+        # A key or value quoted from the line may hold a lone surrogate: escaped, so the line prints.
+        shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")
         raise GenrunError(f"OpenAI batch file {url}: {len(problems)} bad line(s): {shown}; fix or remove them")
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    _last = (digest, table)
+    _last = (digest, first_row, table)
     return table
 
 
@@ -137,19 +154,51 @@ class _BadLine(Exception):
     pass
 
 
-def _request_row(raw: bytes, number: int, position: int, first_line: dict[str, int], limits: BatchLimits | None) -> dict[str, Any]:
+def _parse(raw: bytes) -> dict[str, Any]:
     try:
         line = json.loads(raw)
     except ValueError:
         raise _BadLine("not JSON") from None
     if not isinstance(line, dict):
         raise _BadLine("not a JSON object")
+    return line
+
+
+def _claim_custom_id(line: dict[str, Any], url: str, number: int, seen: FirstSeen) -> str:
+    """The line's custom_id, refused when it is missing or repeats one of this file or an earlier
+    file of the run (the export names each request by it)."""
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise _BadLine("no custom_id (each request needs a unique string custom_id)")
-    if custom_id in first_line:
-        raise _BadLine(f"custom_id {custom_id!r} repeats (first on line {first_line[custom_id]})")
-    first_line[custom_id] = number
+    _text(custom_id, "custom_id")
+    if custom_id in seen:
+        first_url, first_number = seen[custom_id]
+        if (first_url, first_number) == (url, number):
+            raise _BadLine(f"custom_id {custom_id!r}: this file is listed twice in data.train_files; list it once")
+        if first_url == url:
+            raise _BadLine(f"custom_id {custom_id!r} repeats (first on line {first_number})")
+        raise _BadLine(
+            f"custom_id {custom_id!r} repeats (first in {first_url} line {first_number}); "
+            "custom_ids must be unique across the run's batch files"
+        )
+    seen[custom_id] = (url, number)
+    return custom_id
+
+
+def _text(value: str, where: str) -> str:
+    """`value`, refused when it holds a lone UTF-16 surrogate: JSON can escape one (`\\ud800`), but
+    it encodes no character, so neither Arrow nor a tokenizer can take it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        raise _BadLine(
+            f"{where} holds a lone surrogate escape (\\u{ord(value[bad.start]):04x}), which is no character; "
+            "write the character itself or its full surrogate pair"
+        ) from None
+    return value
+
+
+def _request_row(line: dict[str, Any], custom_id: str, index: int, limits: BatchLimits | None) -> dict[str, Any]:
     url = line.get("url")
     if url not in URLS:
         raise _BadLine(f"url {url!r} is not one of {', '.join(URLS)}")
@@ -160,39 +209,52 @@ def _request_row(raw: bytes, number: int, position: int, first_line: dict[str, i
         raise _BadLine("no body object")
     prompt = _chat_messages(body) if url == CHAT_URL else _completion_prompt(body)
     sampling = _sampling(body, limits)
-    return {"data_source": DATA_SOURCE, "prompt": prompt, "extra_info": {"index": position, "custom_id": custom_id, "url": url, "sampling_params": sampling}}
+    info = {"index": index, "custom_id": custom_id, "url": url, "sampling_params": sampling}
+    return {"data_source": DATA_SOURCE, "prompt": prompt, "extra_info": info}
 
 
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadLine("body.messages must be a non-empty list of chat messages")
     converted = []
     for position, message in enumerate(messages):
+        where = f"body.messages[{position}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _BadLine(f"body.messages[{position}] is not a message with a role")
-        if message.get("tool_calls") or message["role"] == "tool":
-            raise _BadLine(f"body.messages[{position}]: tool calls in batch prompts are not supported; give text messages")
+            raise _BadLine(f"{where} is not a message with a role")
+        if message["role"] not in ROLES:
+            role = message["role"]
+            raise _BadLine(f"{where}.role {role!r} is not one a chat template renders; "
+                           "use system, developer, user or assistant")
+        if message.get("tool_calls"):
+            raise _BadLine(f"{where}: tool calls in batch prompts are not supported; give text messages")
         content = message.get("content")
         if isinstance(content, list):
             kinds = {part.get("type") for part in content if isinstance(part, dict)}
             if kinds - {"text"} or len(kinds) != 1 or not all(isinstance(part, dict) for part in content):
-                raise _BadLine(f"body.messages[{position}].content has non-text parts ({', '.join(sorted(map(str, kinds - {'text'})))}); only text is supported")
+                others = ", ".join(sorted(map(str, kinds - {"text"})))
+                raise _BadLine(f"{where}.content has non-text parts ({others}); only text is supported")
             content = "".join(str(part.get("text", "")) for part in content)
         if not isinstance(content, str):
-            raise _BadLine(f"body.messages[{position}].content must be text")
-        # The chat templates of open models know system, not OpenAI's newer developer role.
-        converted.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+            raise _BadLine(f"{where}.content must be text")
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _BadLine(f"{where}.name must be text")
+        converted.append({
+            "role": ROLES[message["role"]],
+            "content": _text(content, f"{where}.content"),
+            "name": None if name is None else _text(name, f"{where}.name"),
+        })
     return converted
 
 
-def _completion_prompt(body: dict[str, Any]) -> list[dict[str, str]]:
+def _completion_prompt(body: dict[str, Any]) -> list[dict[str, str | None]]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise _BadLine("body.prompt must be one non-empty string (token-id and multi-prompt requests are not supported)")
-    return [{"role": "user", "content": prompt}]
+    return [{"role": "user", "content": _text(prompt, "body.prompt"), "name": None}]
 
 
 def _sampling(body: dict[str, Any], limits: BatchLimits | None) -> dict[str, Any]:
