@@ -87,7 +87,9 @@ def test_run_json_holds_no_credentials(tmp_path):
 
 
 # One secret in each place a config holds one: a remote server's key, s3fs' client_kwargs, a
-# reward judge's key, Ray workers' environment and the input bucket's options.
+# reward judge's key, Ray workers' environment and the input bucket's options; and one of each
+# shape the name rule alone misses: inside a list-valued override, inside a URL, under a name
+# that says `webhook`.
 CONFIG_SECRETS = {
     "actor_rollout_ref.rollout.engine_kwargs.remote.api_key": "sk-remote-5e1f0c8a",
     "+storage.options.client_kwargs.aws_secret_access_key": "s3-client-secret-77d2b1",
@@ -95,42 +97,45 @@ CONFIG_SECRETS = {
     "+ray_kwargs.ray_init.runtime_env.env_vars.GENRUN_TEST_JUDGE_TOKEN": "ray-env-token-0b6e21",
     # A mapping at once: move_credentials_to_environment refuses data.storage_options.token=...
     "data.storage_options": "{token: input-token-c4d5e6, endpoint_url: null}",
+    "+reward.custom_reward_function.reward_kwargs.judges": "[{name: second, api_key: list-key-9d8e7f}]",
+    "+reward.custom_reward_function.reward_kwargs.judge_url": "'https://judge:url-pass-8c1d2e@judge.example/v1?sig=url-sig-4f5a6b&model=m'",
+    "+reward.custom_reward_function.reward_kwargs.webhook_url": "https://hooks.example/services/webhook-path-31f0aa",
 }
-SECRET_TEXTS = ["sk-remote-5e1f0c8a", "s3-client-secret-77d2b1", "judge-key-a93c44", "ray-env-token-0b6e21", "input-token-c4d5e6"]
+SECRET_TEXTS = [
+    "sk-remote-5e1f0c8a", "s3-client-secret-77d2b1", "judge-key-a93c44", "ray-env-token-0b6e21", "input-token-c4d5e6",
+    "list-key-9d8e7f", "url-pass-8c1d2e", "url-sig-4f5a6b", "webhook-path-31f0aa",
+]
+# The three of them as the flow run's `overrides` parameter holds them: masked, still overrides.
+MASKED_OVERRIDES = [
+    "+reward.custom_reward_function.reward_kwargs.judges=[{name:'second',api_key:'<redacted>'}]",
+    "+reward.custom_reward_function.reward_kwargs.judge_url='https://<redacted>@judge.example/v1?sig=<redacted>&model=m'",
+    "+reward.custom_reward_function.reward_kwargs.webhook_url='<redacted>'",
+]
 
-# 1.0 only where the shard worker's config and environment hold the judge's secrets again
+# 1.0 only where the shard worker's config and environment hold the judges' secrets again
 # (compared by digest: this file is no place for the secrets' text either).
 SECRET_CHECKING_REWARD = """
 import hashlib, os
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, judge_api_key=None, **kwargs):
-    seen = hashlib.sha256(f"{judge_api_key}|{os.environ.get('GENRUN_TEST_JUDGE_TOKEN')}".encode()).hexdigest()
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, judge_api_key=None, judges=None, judge_url=None,
+                  webhook_url=None, **kwargs):
+    given = [judge_api_key, os.environ.get('GENRUN_TEST_JUDGE_TOKEN'), judges[0]["api_key"], judge_url, webhook_url]
+    seen = hashlib.sha256("|".join(map(str, given)).encode()).hexdigest()
     return 1.0 if seen == "EXPECTED" else 0.0
 """
+GIVEN_TO_THE_JUDGE = [
+    "judge-key-a93c44", "ray-env-token-0b6e21", "list-key-9d8e7f",
+    "https://judge:url-pass-8c1d2e@judge.example/v1?sig=url-sig-4f5a6b&model=m", "https://hooks.example/services/webhook-path-31f0aa",
+]
 
 
 def _secret_overrides(tmp_path) -> list[str]:
     import hashlib
 
-    expected = hashlib.sha256(b"judge-key-a93c44|ray-env-token-0b6e21").hexdigest()
+    expected = hashlib.sha256("|".join(GIVEN_TO_THE_JUDGE).encode()).hexdigest()
     reward = tmp_path / "judge_reward.py"
     reward.write_text(SECRET_CHECKING_REWARD.replace("EXPECTED", expected))
     return [f"{key}={value}" for key, value in CONFIG_SECRETS.items()] + [f"reward.custom_reward_function.path={reward}"]
-
-
-def test_the_config_secrets_rule():
-    from generation_core.secrets import PLACEHOLDER, is_secret_name, overrides_without_secrets, split_secrets, with_secrets
-
-    secret = ["key", "secret", "token", "api_key", "aws_secret_access_key", "aws_access_key_id", "awsSessionToken", "hf_token", "password", "Authorization", "credentials"]
-    not_secret = ["prompt_key", "image_key", "endpoint_url", "profile", "anon", "tokenizer", "max_token_len_per_gpu", "num_key_value_heads", "profile_token_start"]
-    assert [name for name in secret if not is_secret_name(name)] == []
-    assert [name for name in not_secret if is_secret_name(name)] == []
-    config = {"a": {"api_key": "K", "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": "E"}}, "data": {"prompt_key": "prompt"}}
-    masked, secrets = split_secrets(config)
-    assert masked == {"a": {"api_key": PLACEHOLDER, "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": PLACEHOLDER}}, "data": {"prompt_key": "prompt"}}
-    assert with_secrets(masked, secrets) == config
-    assert overrides_without_secrets(["x.api_key=K", "+ray.env_vars.A=E", "data.storage_options={key: K}", "n=2"]) == [
-        f"x.api_key={PLACEHOLDER}", f"+ray.env_vars.A={PLACEHOLDER}", f"data.storage_options={PLACEHOLDER}", "n=2"]
 
 
 def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(tmp_path, model_dir, monkeypatch):
@@ -161,12 +166,14 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_offline_dir):
-    """One secret in each of the five places, one run through the CLI with its temporary Prefect
-    server, W&B (offline) and its own Ray: no file under this test's folder (the run folder with
-    its run.json, zip, manifest and report, the Prefect server's database and result storage, the
-    W&B run, Ray's session logs) nor the terminal holds any secret's text, and the run still works:
-    its reward function on the shard worker saw the judge's key and the Ray env var (rewards 1.0).
-    A run of its own: the five secrets need a flow run with a real Prefect database (about 40 s)."""
+    """One secret in each place a config holds one, one run through the CLI with its temporary
+    Prefect server, W&B (offline) and its own Ray: no file under this test's folder (the run folder
+    with its run.json, zip, manifest and report, the Prefect server's database and result storage,
+    the W&B run, Ray's session logs) nor the terminal holds any secret's text, and the run still
+    works: its reward function on the shard worker saw every judge secret and the Ray env var
+    (rewards 1.0). Issue 43 item 6: also a secret inside a list-valued override, the credentials
+    of a URL and a secret under a `webhook` name; the flow run's parameters hold those overrides
+    masked. A run of its own: the secrets need a flow run with a real Prefect database."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -198,11 +205,25 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
         # The places that would hold the secrets were searched: they hold the masked config.
         database = next(p for p in written if p.name == "prefect.db").read_bytes()
         assert f"trainer.default_local_dir={out}".encode() in database and b"<redacted>" in database, "the flow run's parameters are in it"
+        overrides = _flow_run_overrides(next(p for p in written if p.name == "prefect.db"))
+        assert [o for o in overrides if o.startswith(("+reward.custom_reward_function.reward_kwargs.j", "+reward.custom_reward_function.reward_kwargs.w"))] == [
+            "+reward.custom_reward_function.reward_kwargs.judge_api_key='<redacted>'", *MASKED_OVERRIDES]
         assert any(p.suffix == ".wandb" and b"<redacted>" in p.read_bytes() for p in written), "the W&B run's config is in it"
         assert any(str(p).startswith(ray_tmp) and p.suffix == ".log" for p in written), "Ray's session logs are searched"
         assert any(b"<redacted>" in member for p in written if p.suffix == ".zip" for member in _contents(p)[1:]), "the zip's run.json is searched"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _flow_run_overrides(database) -> list[str]:
+    """The `overrides` parameter of the one flow run in a Prefect server's database (read-only)."""
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+        runs = [json.loads(parameters) for (parameters,) in db.execute("SELECT parameters FROM flow_run")]
+    assert len(runs) == 1, runs
+    return runs[0]["overrides"]
 
 
 def _contents(path) -> list[bytes]:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from generation_core.config.settings import HfEngineKwargs, RemoteEngineKwargs, check_hf_device, hf_device
 from generation_core.errors import GenrunError
+from generation_core.secrets import without_url_credentials
 
 GPU_ENGINES = ("sglang", "vllm")
 """verl's replicas, booted on the Ray cluster's GPUs."""
@@ -178,7 +179,7 @@ def remote_urls(cfg: DictConfig) -> list[str]:
     for url in urls:
         parts = urlsplit(str(url).strip())
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise GenrunError(f"invalid URL {url!r} in {key}: write http://host:port (the server's base URL)")
+            raise GenrunError(f"invalid URL {without_url_credentials(str(url))!r} in {key}: write http://host:port (the server's base URL)")
         path = parts.path.rstrip("/")
         if path.endswith("/v1"):
             path = path[: -len("/v1")]

@@ -25,6 +25,7 @@ from generation_core.config import bundled
 from generation_core.config.settings import GenerationSettings, hf_device
 from generation_core.config.validation import validate_values
 from generation_core.errors import GenrunError
+from generation_core.secrets import PLACEHOLDER, masked_paths
 from generation_core.verl_adapter import base_trainer_config_file
 
 VERL_BASE_CONFIG = base_trainer_config_file()
@@ -94,6 +95,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise GenrunError(f"config does not resolve: {exc}".splitlines()[0]) from None
+    _refuse_masked_secrets(cfg)
     _route_legacy_keys(cfg)
     validate_values(cfg)
     # The defaults other settings decide, filled in so that run.json and every shard worker see
@@ -105,6 +107,17 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
     cfg.generation.stall_seconds = settings.stall_seconds
     return cfg
+
+
+def _refuse_masked_secrets(cfg: DictConfig) -> None:
+    """Overrides copied from a stored run (its Prefect parameters, run.json) hold the placeholder
+    where a secret was: refused, rather than sent to a server or bucket as the secret."""
+    masked = masked_paths(OmegaConf.to_container(cfg))
+    if masked:
+        raise GenrunError(
+            f"{', '.join(masked)}: {PLACEHOLDER} is the mask genrun stores in place of a secret, not a value; "
+            f"give the secret itself, from the environment: {masked[0]}='${{oc.env:NAME}}'"
+        )
 
 
 def _route_legacy_keys(cfg: DictConfig) -> None:

@@ -32,6 +32,7 @@ from generation_core.config.layout import remote_settings, remote_urls
 from generation_core.config.settings import RemoteEngineKwargs
 from generation_core.engines.base import STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 from generation_core.errors import GenrunError
+from generation_core.secrets import without_url_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class CompletionsServer:
         probe_interval: float = RemoteEngineKwargs.health_interval,
     ):
         self.base_url = base_url
+        self.name = without_url_credentials(base_url)
+        """`base_url` as messages and logs show it: its credentials (`user:pass@`, `?sig=`) masked."""
         self.http = http
         """Shared by every server of a CompletionsServers; closed there."""
         self.model = model
@@ -135,20 +138,20 @@ class CompletionsServer:
         if max_tokens <= 0:
             return EngineOutput(token_ids=[], log_probs=[] if params.logprobs else None, stop_reason=STOP_LENGTH)
         if self.model is None:
-            raise RemoteServerUnavailable(f"{self.base_url}: not connected (no model name yet)")
+            raise RemoteServerUnavailable(f"{self.name}: not connected (no model name yet)")
         body = completion_request(self.model, prompt_ids, params, max_tokens)
         try:
             answer = await self.http.post(self.base_url + "/v1/completions", json=body)
         except httpx.HTTPError as exc:
-            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+            raise RemoteServerUnavailable(f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}") from None
         if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
-            raise RemoteRequestRejected(f"{self.base_url} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
+            raise RemoteRequestRejected(f"{self.name} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
         if answer.status_code >= 400:
-            raise RemoteServerUnavailable(f"{self.base_url} answered {answer.status_code}: {_error_message(answer)}")
+            raise RemoteServerUnavailable(f"{self.name} answered {answer.status_code}: {_error_message(answer)}")
         try:
             payload = answer.json()
         except ValueError:
-            raise RemoteServerUnavailable(f"{self.base_url} answered with something that is not JSON: {answer.text[:200]!r}") from None
+            raise RemoteServerUnavailable(f"{self.name} answered with something that is not JSON: {without_url_credentials(answer.text[:200])!r}") from None
         output = parse_completion(payload, params.logprobs)
         self.stats["requests"] += 1
         self.stats["generated_tokens"] += len(output.token_ids)
@@ -185,24 +188,27 @@ class CompletionsServer:
         try:
             answer = await self.http.get(self.base_url + path)
         except httpx.HTTPError as exc:
-            raise RemoteServerUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+            raise RemoteServerUnavailable(f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}") from None
         if answer.status_code >= 400:
-            raise RemoteServerUnavailable(f"{self.base_url}{path} answered {answer.status_code}")
+            raise RemoteServerUnavailable(f"{self.name}{path} answered {answer.status_code}")
         return answer
 
 
 def _error_message(answer: httpx.Response) -> str:
+    """The server's own words on a failed request (a server may echo the URL it was asked)."""
     try:
         payload = answer.json()
     except ValueError:
-        return answer.text[:300]
+        return without_url_credentials(answer.text[:300])
     error = payload.get("error", payload) if isinstance(payload, dict) else payload
     message = error.get("message", error) if isinstance(error, dict) else error
-    return str(message)[:300]
+    return without_url_credentials(str(message)[:300])
 
 
 def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
-    """One CompletionsServer per configured URL, sharing one connection pool."""
+    """One CompletionsServer per configured URL, sharing one connection pool, by the URL's name
+    (credentials masked): the routing client logs it, and each trajectory's turns record it as
+    the replica that answered."""
     settings = remote_settings(cfg)
     rollout = cfg.actor_rollout_ref.rollout
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
@@ -215,12 +221,14 @@ def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
         limits=httpx.Limits(max_connections=int(settings.max_connections or RemoteEngineKwargs.max_connections) * len(urls), max_keepalive_connections=None),
     )
     interval = float(settings.health_interval or RemoteEngineKwargs.health_interval)
-    return {
-        url: CompletionsServer(
+    servers: dict[str, CompletionsServer] = {}
+    for position, url in enumerate(urls):
+        server = CompletionsServer(
             url, http, model=settings.model, prompt_length=rollout.prompt_length, response_length=rollout.response_length, probe_interval=interval
         )
-        for url in urls
-    }
+        # Two URLs that differ only in their credentials stay two servers.
+        servers[server.name if server.name not in servers else f"{server.name} [{position}]"] = server
+    return servers
 
 
 class CompletionsServers:
@@ -262,7 +270,7 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
     finally:
         await next(iter(servers.values())).http.aclose()
     answering = {url: models for url, models in zip(servers, results, strict=True) if not isinstance(models, BaseException)}
-    down = {url: str(err) for url, err in zip(servers, results, strict=True) if isinstance(err, BaseException)}
+    down = {url: without_url_credentials(str(err)) for url, err in zip(servers, results, strict=True) if isinstance(err, BaseException)}
     if not answering:
         raise GenrunError(
             f"none of the {len(servers)} remote inference server(s) answered: "
