@@ -227,7 +227,10 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
         tokenizer.apply_chat_template = counted
         return tokenizer
 
-    monkeypatch.setattr(preflight_module, "hf_tokenizer", counting_tokenizer)
+    import verl.utils
+
+    # preflight imports verl's loader when it needs it (after the light checks): patched at its source.
+    monkeypatch.setattr(verl.utils, "hf_tokenizer", counting_tokenizer)
     plan = preflight_module.preflight([f"data.train_files={path}", "generation.num_shards=16", f"trainer.default_local_dir={tmp_path / 'out'}"])
     assert plan.dataset.num_rows == 50_000 and len(plan.shards) == 16
     assert 0 < len(calls.read_text()) <= OVERLONG_SAMPLE_ROWS

@@ -93,6 +93,8 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
     fs.pipe_file(f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet", records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]))
     merged = run_genrun(["merge", url], env=dict(os.environ, **s3_env), timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]
+    # Issue 45 item 6: the command's answer once, not also as a log line.
+    assert (merged.stdout + merged.stderr).count("merged ") == 1, merged.stdout + merged.stderr
     assert fs.cat_file(f"{url}/trajectories.pkl") == before, "merging the same parts again is byte-identical"
     with pytest.raises(GenrunError, match="holds a different run"):
         preflight([*_instant(prompts, url, "generation.num_shards=3"), "actor_rollout_ref.rollout.temperature=0.3"])

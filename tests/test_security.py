@@ -22,18 +22,20 @@ def test_trust_remote_code_is_off_by_default():
 
 
 def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
-    import generation_core.plan.preflight
+    import verl.utils
+
     from generation_core.plan.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     calls = []
-    real = generation_core.plan.preflight.hf_tokenizer
+    real = verl.utils.hf_tokenizer
 
     def recording_hf_tokenizer(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generation_core.plan.preflight, "hf_tokenizer", recording_hf_tokenizer)
+    # preflight imports verl's loader when it needs it (after the light checks): patched at its source.
+    monkeypatch.setattr(verl.utils, "hf_tokenizer", recording_hf_tokenizer)
     prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
     preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}"])
     assert calls and all(call.get("trust_remote_code") is False for call in calls), calls

@@ -3,6 +3,7 @@ and `genrun merge DIR` (`merge_folder`), the same merge on demand."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from generation_core.store.part_repair import DamagedPart, mark_for_repair
 from generation_core.store.run_folder import MANIFEST_FILE, RUN_FILE, SuccessMarker, read_run_record
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def padding_of(rollout: Any, pad_token_id: int) -> Padding:
@@ -46,6 +48,8 @@ def finish_run(
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
         merged = merge_repairing(folder, lambda: merge_output(folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
+        # The run's terminal says so once; `genrun merge` prints its own line (merge_folder).
+        logger.info("merged %d trajectories into %s", merged.rows, folder.display(merged.entry_file))
         summary["artifact"] = folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)

@@ -236,7 +236,7 @@ def merge_run(folder: StorageFolder, *, prompt_length: int, response_length: int
     with folder.open_write(MERGED_FILE) as handle:
         dump_dataproto(data, handle)
     remove_stale_merge_output(folder, keep={MERGED_FILE})
-    logger.info("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
+    logger.debug("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
     return data
 
 
@@ -273,7 +273,7 @@ def merge_run_chunked(
         },
     )
     remove_stale_merge_output(folder, keep={CHUNK_INDEX_FILE, *(chunk["name"] for chunk in chunks)})
-    logger.info("merged %d trajectories into %d chunk(s) listed in %s", merge_input.rows, len(chunks), folder.display(CHUNK_INDEX_FILE))
+    logger.debug("merged %d trajectories into %d chunk(s) listed in %s", merge_input.rows, len(chunks), folder.display(CHUNK_INDEX_FILE))
     return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
 
 
