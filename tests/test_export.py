@@ -317,7 +317,7 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
 
 def test_tool_run_filters(tool_run, tmp_path):
     def keys(*options):
-        return sorted((r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "out.parquet", *options))
+        return sorted((r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "out.parquet", "--overwrite", *options))
 
     assert keys("--min-reward", "0.5") == [(0, 0), (0, 1), (2, 0), (2, 1)]
     assert keys("--best-of-n") == [(0, 0), (1, 0), (2, 0)], "ties: the lowest rollout_n"
@@ -367,7 +367,7 @@ def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
     assert "--min-reward 'high' is not a number" in _refused(capsys, tool_run, out, "--min-reward", "high")
     assert "--layout 'chat' is not one of messages, prompt-completion" in _refused(capsys, tool_run, out, "--layout=chat")
     assert "unknown option '--best'" in _refused(capsys, tool_run, out, "--best")
-    assert "usage: genrun export RUN_DIR OUT.parquet" in _refused(capsys, tool_run)
+    assert "usage: genrun export RUN_DIR OUT" in _refused(capsys, tool_run)
     assert "only storage.options.KEY=VALUE may follow" in _refused(capsys, tool_run, out, "storage.bad=1")
     assert "no trajectory of" in _refused(capsys, tool_run, out, "--min-reward", "2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty-run"], "nothing written, no temporary files"
@@ -382,7 +382,7 @@ def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "sft.parquet").write_bytes(b"the previous export")
-    assert "does not match the checksum" in _refused(capsys, damaged, out_dir / "sft.parquet")
+    assert "does not match the checksum" in _refused(capsys, damaged, out_dir / "sft.parquet", "--overwrite")
     assert [p.name for p in out_dir.iterdir()] == ["sft.parquet"] and (out_dir / "sft.parquet").read_bytes() == b"the previous export"
 
 
@@ -588,7 +588,7 @@ def test_the_export_writes_a_dataset_card_beside_its_file(nan_run, tmp_path):
     record = read_run_record(StorageFolder(str(nan_run)))
     every = _export(nan_run, tmp_path / "all" / "sft.parquet")
     card = (tmp_path / "all" / "README.md").read_text()
-    assert card.startswith("---\ntags:\n- genrun\n") and "    path: sft.parquet\n" in card
+    assert card.startswith("---\ntags:\n- genrun\n") and '    path: "sft.parquet"\n' in card
     assert f"| run fingerprint | `{record.fingerprint}` |" in card and "| engine | `instant` |" in card
     assert "| committed trajectories | 6 |" in card and "| exported rows | 6 |" in card
     assert "- none: every committed trajectory" in card

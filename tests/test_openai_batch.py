@@ -7,11 +7,15 @@ from an undisturbed run."""
 from __future__ import annotations
 
 import json
+import re
+from datetime import datetime
 
 import pytest
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.openai_batch import BatchLimits, batch_table, is_batch_file, line_sampling_params
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import read_run_record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,8 +125,15 @@ def _run_args(batch, out, model_dir):
 def _export(run, out):
     from generation_core.outputs.export import ExportOptions, export_batch_output
 
-    summary = export_batch_output(str(run), str(out), ExportOptions(format="openai-batch"))
+    # overwrite: the crashed run is exported again, after its resume, to the same name.
+    summary = export_batch_output(str(run), str(out), ExportOptions(format="openai-batch", overwrite=True))
     return summary, out.read_bytes()
+
+
+def _but_created(exported: bytes) -> bytes:
+    """An export without its `created` values: the time its run took its folder, which differs
+    between two folders (within one folder, killed and resumed, it stays)."""
+    return re.sub(rb'"created": \d+, ', b"", exported)
 
 
 def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, model_dir, ray_local, monkeypatch):
@@ -152,7 +163,9 @@ def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, m
 
     run_in_process(preflight(_run_args(batch, tmp_path / "crashed", model_dir)))
     summary, resumed = _export(tmp_path / "crashed", tmp_path / "partial.jsonl")
-    assert resumed == expected
+    assert _but_created(resumed) == _but_created(expected) and resumed != _but_created(resumed)
+    started = read_run_record(StorageFolder(str(tmp_path / "crashed"))).created
+    assert {json.loads(line)["response"]["body"]["created"] for line in resumed.splitlines()} == {int(datetime.fromisoformat(started).timestamp())}
     assert not (tmp_path / "partial_errors.jsonl").exists(), "the earlier export's error file is gone once every request is complete"
     assert (summary.requests, summary.errors) == (expected_summary.requests, expected_summary.errors) == (24, 0)
 

@@ -1,16 +1,26 @@
 """The dataset card `genrun export` writes beside its Parquet file: a README.md as Hugging Face
-datasets have one (YAML front matter naming the data file, then Markdown), saying what generated
-the rows (model, engine, sampling, run fingerprint, genrun build, input files), how many there
-are, their reward and length statistics, and the filters the export applied.
+datasets have one (YAML front matter naming the data files, then Markdown), saying for each export
+in the folder what generated the rows (model, engine, sampling, run fingerprint, genrun build,
+input files), how many there are, their reward and length statistics, and the filters applied.
+
+One card per folder lists every export in it: each export is a config of its own named after its
+file (`datasets.load_dataset(folder, "sft")` reads sft.parquet), the folder's first export is the
+default config (`load_dataset(folder)` keeps reading what it read before a second export came),
+and each has its own section, between markers that the next export finds again. Exports differ in
+columns (layouts), so one config over all files would not load. An export to a name already listed
+(with --overwrite) replaces its entry; an entry whose file is gone is dropped. A card of an earlier
+genrun (one file, config `default`) is read as one entry.
 
 Only values a run folder records are written: run.json's config has its secrets masked, and the
 card takes named fields of it, never the whole. The card is named README.md unless a README.md
 that is not a genrun card is already there (a project's own README is never overwritten): then
-`<output name>.README.md`.
+`<output name>.README.md`, which describes that one file.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import statistics
 from array import array
 from dataclasses import dataclass, field
@@ -21,6 +31,7 @@ from generation_core.store.folder import StorageFolder
 from generation_core.store.run_record import RunRecord
 
 CARD_MARK = "<!-- written by genrun export -->"
+_SECTION = re.compile(r"<!-- genrun export of (?P<name>.+?) -->\n(?P<body>.*?)<!-- end of (?P=name) -->\n", re.S)
 
 
 @dataclass
@@ -47,12 +58,62 @@ def card_name(out_folder: StorageFolder, out_name: str) -> str:
 def write_dataset_card(
     out_folder: StorageFolder, out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats | list[str],
 ) -> str:
-    """Write the card (see the module docstring); returns its name in `out_folder`. `stats`: the
-    exported trajectories' rewards and lengths, or (a layout whose rows are not trajectories)
-    the Markdown lines that describe its rows instead."""
+    """Write the card (see the module docstring) with this export's entry; returns its name in
+    `out_folder`. `stats`: the exported trajectories' rewards and lengths, or (a layout whose rows
+    are not trajectories) the Markdown lines that describe its rows instead."""
     name = card_name(out_folder, out_name)
-    out_folder.put_atomic(name, render_card(out_name, record, counts, filters, layout, stats).encode())
+    sections = {}
+    if name == "README.md" and out_folder.exists(name):
+        sections = card_sections(out_folder.read_bytes(name).decode(errors="replace"))
+    # In place when the name is listed already (the default config stays the folder's first export).
+    sections = {file: body for file, body in sections.items() if file == out_name or out_folder.exists(file)}
+    sections[out_name] = render_section(out_name, record, counts, filters, layout, stats)
+    out_folder.put_atomic(name, render_card(sections).encode())
     return name
+
+
+def card_sections(card: str) -> dict[str, str]:
+    """{data file: its section} of a card genrun wrote, in the card's order (a card of an earlier
+    genrun, which held one file, gives that file and its text, headings moved one level down)."""
+    sections = {match["name"]: match["body"] for match in _SECTION.finditer(card)}
+    if sections or CARD_MARK not in card:
+        return sections
+    front = card.split(CARD_MARK, 1)[0]
+    paths = [json.loads(path) if path.startswith('"') else path for path in re.findall(r"^ +path: (.+)$", front, re.M)]
+    body = card.split(CARD_MARK, 1)[1].strip("\n")
+    if not paths:
+        return {}
+    return {paths[0]: "\n".join(f"#{line}" if line.startswith("#") else line for line in body.splitlines()) + "\n"}
+
+
+def config_names(file_names: list[str]) -> dict[str, str]:
+    """The `datasets` config each export's file is loaded by: its name without the extension, or
+    the whole name where two files share a stem."""
+    stems = {name: (name.rpartition(".")[0] or name) if "." in name else name for name in file_names}
+    return {name: stem if list(stems.values()).count(stem) == 1 else name for name, stem in stems.items()}
+
+
+def render_card(sections: dict[str, str]) -> str:
+    """The whole card: front matter with one config per file (the first the default), then the
+    sections in order."""
+    names = config_names(list(sections))
+    front = ["tags:", "- genrun", "- synthetic", "configs:"]
+    for position, file_name in enumerate(sections):
+        # JSON strings are YAML strings: a file name with any character stays one value.
+        front += [f"- config_name: {json.dumps(names[file_name])}", *(["  default: true"] if position == 0 else [])]
+        front += ["  data_files:", "  - split: train", f"    path: {json.dumps(file_name)}"]
+    first = next(iter(sections))
+    others = [f'`load_dataset(folder, "{names[name]}")` reads {name}' for name in list(sections)[1:]]
+    lines = [
+        "---", *front, "---", CARD_MARK,
+        "# genrun exports", "",
+        "Rows generated by genrun and exported with `genrun export`, one section per file. "
+        f"`datasets.load_dataset(folder)` reads {first} (the default config){'; ' + '; '.join(others) if others else ''}.",
+        "",
+    ]
+    for file_name, body in sections.items():
+        lines += [f"<!-- genrun export of {file_name} -->", body.rstrip("\n"), f"<!-- end of {file_name} -->"]
+    return "\n".join(lines) + "\n"
 
 
 def card_counts(summary: Any) -> dict[str, int]:
@@ -75,23 +136,21 @@ def card_filters(options: Any, summary: Any) -> list[str]:
     return filters
 
 
-def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats | list[str]) -> str:
+def render_section(
+    out_name: str, record: RunRecord, counts: dict[str, int], filters: list[str], layout: str, stats: RowStats | list[str]
+) -> str:
+    """One export's section of the card: the run that generated the rows, their counts, the filters and statistics."""
     config = record.config
     rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
     model = config.get("actor_rollout_ref", {}).get("model", {}).get("path")
     generation = config.get("generation", {})
     files = [f.get("url") for f in (record.dataset or {}).get("files", [])]
     lines = [
-        "---",
-        "tags:", "- genrun", "- synthetic",
-        "configs:", "- config_name: default", "  data_files:", "  - split: train", f"    path: {out_name}",
-        "---",
-        CARD_MARK,
-        f"# {out_name}",
+        f"## {out_name}",
         "",
-        f"Trajectories generated by genrun and exported with `genrun export` (layout `{layout}`).",
+        f"Exported with `genrun export` (layout `{layout}`).",
         "",
-        "## Generation",
+        "### Generation",
         "",
         "| | |",
         "| --- | --- |",
@@ -106,28 +165,28 @@ def render_card(out_name: str, record: RunRecord, counts: dict[str, int], filter
         f"| input | {', '.join(f'`{url}`' for url in files) or 'unknown'} ({(record.dataset or {}).get('num_rows', '?')} prompts) |",
         f"| run started | {record.created or 'unknown'} |",
         "",
-        "## Rows",
+        "### Rows",
         "",
         "| | |",
         "| --- | --- |",
         *(f"| {what} | {count} |" for what, count in counts.items()),
         "",
-        "## Filters",
+        "### Filters",
         "",
         *([f"- {line}" for line in filters] or ["- none: every committed trajectory"]),
         "",
         *(stats if isinstance(stats, list) else _trajectory_lines(stats)),
     ]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _trajectory_lines(stats: RowStats) -> list[str]:
     return [
-        "## Rewards",
+        "### Rewards",
         "",
         _reward_lines(stats.rewards, len(stats.response_tokens)),
         "",
-        "## Lengths",
+        "### Lengths",
         "",
         _distribution("response tokens", stats.response_tokens),
         _distribution("turns", stats.turns),
@@ -137,7 +196,9 @@ def _trajectory_lines(stats: RowStats) -> list[str]:
 
 def pass_rate_lines(pass_rates: list[float], samples: list[int]) -> list[str]:
     """The rl-prompts layout's rows: one per prompt, described by its pass rate and samples."""
-    return ["## Pass rates", "", _distribution_of("pass rate", pass_rates), _distribution("samples per prompt", samples), ""]
+    return [
+        "### Pass rates", "", _distribution_of("pass rate", pass_rates), _distribution("samples per prompt", samples), "",
+    ]
 
 
 def _distribution_of(what: str, values: list[float]) -> str:

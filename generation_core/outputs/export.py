@@ -1,7 +1,8 @@
-"""`genrun export`: a run's committed trajectories as one SFT Parquet file (local or s3://).
+"""`genrun export`: a run's committed trajectories as one SFT Parquet file (local or s3://); the
+command's other layouts and formats are dispatched from here (export_command).
 
-One row per trajectory, read part by part from the committed parts (never the whole run at
-once), with the chat messages rebuilt from its tokens by sft_messages.py:
+One row per trajectory, read part by part from the committed parts (key_order.py says how
+many at once), with the chat messages rebuilt from its tokens by sft_messages.py:
 - layout `messages` (default): `messages` (the prompt's messages, then the assistant and the
   tool/user turns), what verl's `MultiTurnSFTDataset` reads (`data.messages_key`);
 - layout `prompt-completion` (earlier name `prompt-response`, still accepted): `prompt` (the
@@ -15,9 +16,10 @@ end-of-sequence token, which rendering the messages adds) and, when the run had 
 Filters: `--min-reward X` keeps trajectories scored at least X; `--best-of-n` keeps the
 highest-scored trajectory of each prompt (ties: the lowest rollout_n; a prompt with no scored
 trajectory has no best and is left out, counted apart), which needs a first pass
-over the parts' index/rollout_n/reward columns. Rows come out shard by shard, sorted by
-(index, rollout_n) within each part. The output file appears whole or not at all
-(StorageFolder.open_write), also when the export fails half way.
+over the parts' index/rollout_n/reward columns. Rows come out sorted by (index, rollout_n) across
+the whole run, as verl's merged DataProto is. The output file appears whole or not at all
+(StorageFolder.open_write), also when the export fails half way; where it may go and when it
+may replace a file: export_target.py.
 """
 
 from __future__ import annotations
@@ -33,42 +35,29 @@ import pyarrow.parquet as pq
 from generation_core.errors import GenrunError
 from generation_core.outputs import export_tools, rl_prompts
 from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
-from generation_core.outputs.openai_batch_output import BatchExportSummary, export_openai_batch
+from generation_core.outputs.export_options import (
+    OPENAI_BATCH,
+    OPENAI_BATCH_INPUT,
+    RL_PROMPTS,
+    ExportOptions,
+    check_combination,
+)
+from generation_core.outputs.export_target import output_location
+from generation_core.outputs.key_order import records_in_key_order
+from generation_core.outputs.openai_batch_input import BatchInputSummary, export_openai_batch_input
+from generation_core.outputs.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
 from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
-from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_from_parquet, score_or_none, to_json
+from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, score_or_none, to_json
 
 logger = logging.getLogger(__name__)
 
-LAYOUTS = ("messages", "prompt-completion", rl_prompts.LAYOUT)
-LAYOUT_ALIASES = {"prompt-response": "prompt-completion"}
-"""The layout's earlier name, still accepted."""
-FORMATS = ("parquet", "openai-batch")
-USAGE = (
-    "usage: genrun export RUN_DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts] "
-    "[--pass-rate MIN MAX] [--pass-threshold X] [--format parquet|openai-batch] [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
-)
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
-
-
-@dataclass
-class ExportOptions:
-    min_reward: float | None = None
-    """Keep trajectories whose reward is at least this (unscored ones are dropped)."""
-    best_of_n: bool = False
-    """Keep the highest-scored trajectory of each prompt."""
-    layout: str = "messages"
-    format: str = "parquet"
-    """`openai-batch`: the OpenAI Batch API's output layout (outputs/openai_batch_output.py)."""
-    tokenizer: str | None = None
-    """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
-    trust_remote_code: bool = False
-    """Run the tokenizer's code from its folder (`--trust-remote-code`; run.json's setting is not followed)."""
-    pass_rate: tuple[float, float] | None = None  # rl-prompts: keep pass rates in [MIN, MAX] (--pass-rate)
-    pass_threshold: float = 0.0  # rl-prompts: a sample passes when its reward is above this (--pass-threshold)
+ROWS_PER_GROUP = 1000
+"""Rows per Parquet row group: rows come out one at a time in key order, written in groups."""
 
 
 @dataclass
@@ -104,60 +93,15 @@ class ExportSummary:
         return text
 
 
-def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, list[str]]:
-    """(run folder, output, options, the remaining storage.options.KEY=VALUE arguments)."""
-    positional, rest, options = [], [], ExportOptions()
-    arguments = list(argv)
-    while arguments:
-        argument = arguments.pop(0)
-        name, has_value, value = argument.partition("=")
-        if rl_prompts.parse_option(argument, arguments, options, USAGE):
-            continue
-        if name in ("--min-reward", "--layout", "--tokenizer", "--format"):
-            if not has_value:
-                if not arguments:
-                    raise GenrunError(f"{name} needs a value; {USAGE}")
-                value = arguments.pop(0)
-            if name == "--min-reward":
-                try:
-                    options.min_reward = float(value)
-                except ValueError:
-                    raise GenrunError(f"--min-reward {value!r} is not a number") from None
-                if options.min_reward != options.min_reward:
-                    raise GenrunError("--min-reward nan keeps nothing; give a number")
-            elif name == "--layout":
-                value = LAYOUT_ALIASES.get(value, value)
-                if value not in LAYOUTS:
-                    raise GenrunError(f"--layout {value!r} is not one of {', '.join(LAYOUTS)}")
-                options.layout = value
-            elif name == "--format":
-                if value not in FORMATS:
-                    raise GenrunError(f"--format {value!r} is not one of {', '.join(FORMATS)}")
-                options.format = value
-            else:
-                options.tokenizer = value
-        elif argument == "--best-of-n":
-            options.best_of_n = True
-        elif argument == "--trust-remote-code":
-            options.trust_remote_code = True
-        elif argument.startswith("-"):
-            raise GenrunError(f"unknown option {argument!r}; {USAGE}")
-        elif argument.lstrip("+").startswith("storage."):
-            rest.append(argument)
-        else:
-            positional.append(argument)
-    if len(positional) != 2:
-        raise GenrunError(USAGE)
-    if options.format == "openai-batch" and (options.min_reward is not None or options.best_of_n or options.layout != "messages"):
-        raise GenrunError("--format openai-batch writes every request with all its samples; it takes no --min-reward, --best-of-n or --layout")
-    return positional[0], positional[1], options, rest
-
-
 def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
-    if options.layout == rl_prompts.LAYOUT or options.pass_rate is not None or options.pass_threshold != 0.0:
-        return rl_prompts.export_command(run_url, out_url, options, storage_options, _output_location)
-    if options.format == "openai-batch":
+    check_combination(options)
+    if options.layout == RL_PROMPTS:
+        return rl_prompts.export_command(run_url, out_url, options, storage_options)
+    if options.format == OPENAI_BATCH:
         print(export_batch_output(run_url, out_url, options, storage_options).line())
+        return 0
+    if options.format == OPENAI_BATCH_INPUT:
+        print(export_batch_input(run_url, out_url, options, storage_options).line())
         return 0
     summary = export_run(run_url, out_url, options, storage_options)
     print(summary.line(options))
@@ -168,9 +112,19 @@ def export_batch_output(run_url: str, out_url: str, options: ExportOptions, stor
     """The run in the OpenAI batch output layout (outputs/openai_batch_output.py)."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
-    out_folder, out_name = _output_location(out_url, storage_options)
+    errors = errors_name(str(out_url).rstrip("/").rpartition("/")[2])
+    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite, beside=(errors,))
     data_options = config.get("data", {}).get("storage_options") or storage_options
     return export_openai_batch(folder, out_folder, out_name, _tokenizer(config, options), _tokenizer_dir(config, options.tokenizer), data_options)
+
+
+def export_batch_input(
+    run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
+) -> BatchInputSummary:
+    """The run's prompts in the OpenAI batch input layout (outputs/openai_batch_input.py)."""
+    folder = StorageFolder(run_url, storage_options)
+    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
+    return export_openai_batch_input(folder, out_folder, out_name, options.trust_remote_code)
 
 
 def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
@@ -180,21 +134,31 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
-    out_folder, out_name = _output_location(out_url, storage_options)
+    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
     tools = export_tools.run_tool_schemas(config, options.trust_remote_code)
     rebuilder = MessageRebuilder(_tokenizer(config, options), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
-    keep_prompts = {index for index, _ in keep} if keep is not None else None
     summary = ExportSummary(out_folder.display(out_name))
     with out_folder.open_write(out_name) as sink:
         writer = pq.ParquetWriter(sink, schema, compression="zstd")
         try:
-            for part in parts:
-                records = sorted(records_from_parquet(read_verified_part(folder, part)), key=lambda r: r.key)
-                rows = _part_rows(records, rebuilder, options, keep, keep_prompts, tools, summary, part.storage_seconds_per_row)
-                if rows:
+            rows: list[dict[str, Any]] = []
+            for trajectory, part in records_in_key_order(folder, parts):
+                if not _kept(trajectory, options, keep, summary):
+                    continue
+                prompt = _prompt_of(trajectory)
+                rebuilt = rebuilder.rebuild(prompt, trajectory.response_ids, trajectory.response_mask)
+                summary.rows += 1
+                summary.truncated += rebuilt.truncated
+                summary.unmatched_turns += rebuilt.unmatched_turns
+                summary.stats.add(len(trajectory.response_ids), trajectory.reward_score, trajectory.num_turns)
+                rows.append(_row(trajectory, rebuilt, options.layout, tools, part.storage_seconds_per_row))
+                if len(rows) == ROWS_PER_GROUP:
                     writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+                    rows = []
+            if rows:
+                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
         finally:
             writer.close()
         if not summary.rows:
@@ -206,31 +170,22 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
     return summary
 
 
-
-def _part_rows(
-    records: list[TrajectoryRecord], rebuilder: MessageRebuilder, options: ExportOptions, keep, keep_prompts, tools, summary: ExportSummary,
-    storage_seconds: float | None = None,
-) -> list[dict[str, Any]]:
-    rows = []
-    for record in records:
-        summary.committed += 1
-        summary.scored += record.reward_score is not None
-        if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
-            summary.below_min_reward += 1
-            continue
-        if keep is not None and record.index not in keep_prompts:
-            summary.unscored_prompts += 1
-            continue
-        if keep is not None and record.key not in keep:
-            summary.not_best += 1
-            continue
-        rebuilt = rebuilder.rebuild(_prompt_of(record), record.response_ids, record.response_mask)
-        summary.rows += 1
-        summary.truncated += rebuilt.truncated
-        summary.unmatched_turns += rebuilt.unmatched_turns
-        summary.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
-        rows.append(_row(record, rebuilt, options.layout, tools, storage_seconds))
-    return rows
+def _kept(
+    record: TrajectoryRecord, options: ExportOptions, keep: dict[int, int] | None, summary: ExportSummary
+) -> bool:
+    """Whether the filters keep `record`, counting it (committed, scored) and what dropped it."""
+    summary.committed += 1
+    summary.scored += record.reward_score is not None
+    if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
+        summary.below_min_reward += 1
+        return False
+    if keep is not None and record.index not in keep:
+        summary.unscored_prompts += 1
+        return False
+    if keep is not None and keep[record.index] != record.rollout_n:
+        summary.not_best += 1
+        return False
+    return True
 
 
 def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools, storage_seconds: float | None) -> dict[str, Any]:
@@ -271,8 +226,8 @@ def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
     return pa.schema(fields)
 
 
-def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_reward: float | None) -> set[tuple[int, int]]:
-    """The (index, rollout_n) of the highest-scored trajectory of each prompt (ties: the lowest
+def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_reward: float | None) -> dict[int, int]:
+    """The rollout_n of the highest-scored trajectory of each prompt, by index (ties: the lowest
     rollout_n), among those scored at least `min_reward`; reads three columns of every part."""
     best: dict[int, tuple[float, int]] = {}
     scored = 0
@@ -288,7 +243,7 @@ def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_rewar
                 best[index] = (reward, rollout_n)
     if not scored:
         raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)")
-    return {(index, rollout_n) for index, (_, rollout_n) in best.items()}
+    return {index: rollout_n for index, (_, rollout_n) in best.items()}
 
 
 def _scored_at_least(reward: float | None, minimum: float | None) -> TypeGuard[float]:
@@ -305,21 +260,6 @@ def _prompt_of(record: TrajectoryRecord) -> Any:
     if prompt is None:
         raise GenrunError(f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages")
     return prompt
-
-
-def _output_location(out_url: str, storage_options: dict[str, Any] | None) -> tuple[StorageFolder, str]:
-    """The folder the output goes to (checked writable) and the file name in it."""
-    url = str(out_url)
-    parent, _, name = url.rstrip("/").rpartition("/")
-    if not name or url.endswith("/"):
-        raise GenrunError(f"output {out_url!r} names a folder; give a file name such as out.parquet")
-    if "://" not in url and os.path.isdir(url):
-        raise GenrunError(f"output {out_url!r} is a directory; give a file name such as {os.path.join(url, 'sft.parquet')}")
-    out_folder = StorageFolder(parent if parent else ".", storage_options)
-    if "://" not in url and parent and os.path.isfile(parent):
-        raise GenrunError(f"cannot write {out_url!r}: {parent!r} is a file, not a folder")
-    out_folder.check_writable()
-    return out_folder, name
 
 
 def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:

@@ -1,20 +1,25 @@
 """`genrun export DIR out.jsonl --format openai-batch`: a run over an OpenAI Batch API file
 (inputs/openai_batch.py) written back in the Batch API's output layout.
 
-One line per request whose `rollout.n` samples are all committed, in the input file's line
-order: `id`, `custom_id`, `response` (`status_code` 200, `request_id`, `body`: a
-`chat.completion` or `text_completion` with `n` `choices`, each with `message` / `text` and
+One line per request whose owed samples are all committed, in the input file's line order: `id`,
+`custom_id`, `response` (`status_code` 200, `request_id`, `body`: a `chat.completion` or
+`text_completion` with `created` and one of `choices` per sample, each with `message` / `text` and
 `finish_reason` ("length" where the sample was cut at its token budget, else "stop"), `logprobs`
 (the sampled tokens' log-probabilities where the line asked for them; no top_logprobs), and `usage`),
-`error` null. Every other request goes to the error file beside it (`<stem>_errors.jsonl`), as
-the Batch API's error file: `response` null, `error` {`code`, `message`}: `generation_failed` with
-the failure log's error for a sample that failed after its retries, `not_generated` for one
-never committed (a prompt over data.max_prompt_length, or a run not finished).
+`error` null. A request owes `rollout.n` samples; with adaptive sampling (generation.adaptive) a
+request decided by its first `adaptive_k` samples owes those (the shard's own decision,
+shard/adaptive.py's decided_prompts over its commit records) and its line has `adaptive_k` choices. Every other
+request goes to the error file beside it (`<stem>_errors.jsonl`), as the Batch API's error file:
+`response` null, `error` {`code`, `message`}: `generation_failed` with the failure log's error for
+a sample that failed after its retries, `not_generated` for one never committed, whose message
+says why: the run has not finished (some shard has no standing done record), or, in a finished
+run, the prompt was dropped as longer than data.max_prompt_length.
 
-Every field is a function of the committed trajectories and the run's fingerprint (ids are
-digests of fingerprint and custom_id, there is no `created` time), so a run killed and resumed
-exports the same bytes as an undisturbed one. Each file appears whole or not at all; an error
-file left by an earlier export of the same name is removed when there is no error.
+Every field is a function of the committed trajectories and run.json (ids are digests of the
+fingerprint and custom_id; `created` is the time the run took its folder, run.json's `created`),
+so a run killed and resumed exports the same bytes as it would have undisturbed. Each file appears
+whole or not at all; an error file left by an earlier export of the same name (replaced with
+--overwrite) is removed when there is no error.
 """
 
 from __future__ import annotations
@@ -25,17 +30,22 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import read_json_table
 from generation_core.inputs.openai_batch import CHAT_URL
 from generation_core.outputs.sft_messages import eos_token_ids_of
 from generation_core.run_plan import DatasetFiles
-from generation_core.store.commit_log import read_failure_log
+from generation_core.shard.adaptive import AdaptiveRule, decided_prompts
+from generation_core.store.commit_log import ShardCheckpoint, read_failure_log, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
+from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
 
 logger = logging.getLogger(__name__)
@@ -47,9 +57,14 @@ class BatchExportSummary:
     errors_output: str
     requests: int = 0
     errors: int = 0
+    decided: int = 0
+    """Exported requests that adaptive sampling decided by their first adaptive_k samples."""
+    adaptive_k: int | None = None
 
     def line(self) -> str:
         text = f"exported {self.requests} request(s) to {self.output} in the OpenAI batch output layout"
+        if self.decided:
+            text += f" ({self.decided} decided by their first {self.adaptive_k} samples, with that many choices)"
         return text + (f"; {self.errors} request(s) without all their samples in {self.errors_output}" if self.errors else "")
 
 
@@ -62,6 +77,23 @@ class _Request:
     completion_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class _RunState:
+    """What a request's missing samples can be explained by."""
+
+    n: int
+    adaptive_k: int | None
+    decided: set[int]
+    """Prompts adaptive sampling decided by their first adaptive_k samples (shard/adaptive.py)."""
+    unfinished_shards: list[str]
+    shards: int
+    max_prompt_length: Any
+    failures: dict[int, str]
+
+    def owed(self, index: int) -> int:
+        return self.adaptive_k if self.adaptive_k is not None and index in self.decided else self.n
+
+
 def errors_name(out_name: str) -> str:
     stem = out_name[: -len(".jsonl")] if out_name.endswith(".jsonl") else out_name
     return f"{stem}_errors.jsonl"
@@ -71,7 +103,6 @@ def export_openai_batch(folder: StorageFolder, out_folder: StorageFolder, out_na
     """Write the output file and (when some request lacks samples) the error file; see the module docstring."""
     record = read_run_record(folder)
     config = record.config
-    n = int(record.rollout_n or config["actor_rollout_ref"]["rollout"]["n"])
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
@@ -80,19 +111,23 @@ def export_openai_batch(folder: StorageFolder, out_folder: StorageFolder, out_na
     for part in parts:
         for trajectory in records_from_parquet(read_verified_part(folder, part)):
             _add_choice(requests, trajectory, tokenizer, eos_ids, folder)
-    failures = _failures(folder, [shard.name for shard in record.shards])
+    state = _run_state(folder, record)
     model = os.path.basename(str(config["actor_rollout_ref"]["model"]["path"]).rstrip("/"))
     fingerprint = record.fingerprint or ""
+    created = _created(record)
     summary = BatchExportSummary(out_folder.display(out_name), out_folder.display(errors_name(out_name)))
+    summary.adaptive_k = state.adaptive_k
     outputs, errors = [], []
     for index in sorted(requests):
         request = requests[index]
         request_id = hashlib.sha256(f"{fingerprint}:{request.custom_id}".encode()).hexdigest()[:32]
         choices = request.choices or {}
-        if len(choices) == n:
-            outputs.append(_output_line(request, request_id, [choices[k] for k in sorted(choices)], model))
+        owed = state.owed(index)
+        if len(choices) == owed:
+            outputs.append(_output_line(request, request_id, [choices[k] for k in sorted(choices)], model, created))
+            summary.decided += owed != state.n
         else:
-            errors.append(_error_line(request, request_id, index, n, failures))
+            errors.append(_error_line(request, request_id, index, owed, state))
     summary.requests, summary.errors = len(outputs), len(errors)
     with out_folder.open_write(out_name) as sink:
         sink.write("".join(outputs).encode())
@@ -167,11 +202,12 @@ def _completion_logprobs(tokenizer, tokens: list[int], values: list[float] | Non
     return {"tokens": texts, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
-def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any]], model: str) -> str:
+def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any]], model: str, created: int) -> str:
     chat = request.url == CHAT_URL
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         "object": "chat.completion" if chat else "text_completion",
+        "created": created,
         "model": model,
         "choices": choices,
         "usage": {"prompt_tokens": request.prompt_tokens, "completion_tokens": request.completion_tokens, "total_tokens": request.prompt_tokens + request.completion_tokens},
@@ -180,14 +216,61 @@ def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 
-def _error_line(request: _Request, request_id: str, index: int, n: int, failures: dict[int, str]) -> str:
+def _error_line(request: _Request, request_id: str, index: int, owed: int, state: _RunState) -> str:
     got = len(request.choices or {})
-    if index in failures:
-        error = {"code": "generation_failed", "message": f"{n - got} of {n} samples failed after their retries: {failures[index]}"}
+    if index in state.failures:
+        message = f"{owed - got} of {owed} samples failed after their retries: {state.failures[index]}"
+        error = {"code": "generation_failed", "message": message}
+    elif state.unfinished_shards:
+        error = {
+            "code": "not_generated",
+            "message": f"{got} of {owed} samples committed: the run has not finished "
+            f"({len(state.unfinished_shards)} of {state.shards} shard(s) not done, e.g. {state.unfinished_shards[0]}); run the same genrun command again to finish it",
+        }
+    elif not got:
+        error = {
+            "code": "not_generated",
+            "message": f"the prompt is longer than data.max_prompt_length ({state.max_prompt_length} tokens): "
+            "verl's overlong filter dropped it, as the run's shards recorded",
+        }
     else:
-        error = {"code": "not_generated", "message": f"{got} of {n} samples committed (the prompt is longer than data.max_prompt_length, or the run has not finished)"}
+        # A finished shard accounts for every sample it owed (merge.check_shard_counts): only an
+        # edited folder gets here.
+        message = f"{got} of {owed} samples committed in a finished run; its folder was changed after the run"
+        error = {"code": "not_generated", "message": message}
     line = {"id": f"batch_req_{request_id}", "custom_id": request.custom_id, "response": None, "error": error}
     return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def _run_state(folder: StorageFolder, record: RunRecord) -> _RunState:
+    config = record.config
+    rule = AdaptiveRule.of(OmegaConf.create(config))
+    decided: set[int] = set()
+    unfinished = []
+    for shard in record.shards:
+        checkpoint = ShardCheckpoint.load(folder, shard.name)
+        if rule is not None:
+            # The shard's own decision, read as its round 2 read it.
+            decided |= decided_prompts(rule, folder, shard.name, checkpoint)
+        if read_marker(folder, shard.name, checkpoint) is None:
+            unfinished.append(shard.name)
+    return _RunState(
+        n=record.samples_per_prompt,
+        adaptive_k=rule.k if rule is not None else None,
+        decided=decided,
+        unfinished_shards=unfinished,
+        shards=len(record.shards),
+        max_prompt_length=(config.get("data") or {}).get("max_prompt_length"),
+        failures=_failures(folder, [shard.name for shard in record.shards]),
+    )
+
+
+def _created(record: RunRecord) -> int:
+    """Unix seconds of the run's start (run.json's `created`); 0 for a run.json without one."""
+    if not record.created:
+        return 0
+    moment = datetime.fromisoformat(record.created.replace("Z", "+00:00"))
+    return int(moment.timestamp())
 
 
 def _failures(folder: StorageFolder, shards: list[str]) -> dict[int, str]:

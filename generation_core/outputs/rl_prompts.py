@@ -10,14 +10,14 @@ run read them: `data.train_files` in run.json, tasks already built into files), 
 - `num_samples`, `num_scored`, `num_passed`: committed samples, those with a reward, those passed;
 - `reward_mean`, `reward_std`, `reward_min`, `reward_max` over the scored samples.
 `--pass-rate MIN MAX` keeps the prompts whose pass rate lies in [MIN, MAX] (both inclusive; a
-prompt with no scored sample has no pass rate and is left out, counted apart). The output is what
+prompt with no scored sample has no pass rate and is left out, counted apart). Rows are sorted by
+`extra_info.index`, as every export's rows are by their key. The output is what
 verl's `RLHFDataset` reads for training (`data.train_files=out.parquet`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +28,14 @@ from omegaconf import OmegaConf
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import data_storage_options, open_input, read_json_table, resolve_train_files, storage_errors
 from generation_core.outputs.dataset_card import pass_rate_lines, write_dataset_card
+from generation_core.outputs.export_options import RL_PROMPTS, ExportOptions
+from generation_core.outputs.export_target import output_location
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
 from generation_core.store.trajectory_record import read_part_table, score_or_none
 
-LAYOUT = "rl-prompts"
+LAYOUT = RL_PROMPTS
 
 
 @dataclass
@@ -78,56 +80,17 @@ class RlPromptsSummary:
         return text + (f"; dataset card {self.card}" if self.card else "")
 
 
-def parse_pass_rate(low: str, high: str) -> tuple[float, float]:
-    """`--pass-rate MIN MAX`, checked: numbers with 0 <= MIN <= MAX <= 1."""
-    try:
-        band = (float(low), float(high))
-    except ValueError:
-        raise GenrunError(f"--pass-rate {low} {high}: give two numbers between 0 and 1, e.g. --pass-rate 0.1 0.9") from None
-    if not 0 <= band[0] <= band[1] <= 1:
-        raise GenrunError(f"--pass-rate {low} {high}: needs 0 <= MIN <= MAX <= 1, e.g. --pass-rate 0.1 0.9")
-    return band
-
-
-def parse_option(argument: str, arguments: list[str], options, usage: str) -> bool:
-    """`--pass-rate MIN MAX` and `--pass-threshold X` into export.ExportOptions, taken off
-    `arguments`; False for any other argument."""
-    if argument == "--pass-rate":
-        if len(arguments) < 2:
-            raise GenrunError(f"--pass-rate needs two values, MIN and MAX; {usage}")
-        options.pass_rate = parse_pass_rate(arguments.pop(0), arguments.pop(0))
-        return True
-    name, has_value, value = argument.partition("=")
-    if name != "--pass-threshold":
-        return False
-    if not has_value:
-        if not arguments:
-            raise GenrunError(f"--pass-threshold needs a value; {usage}")
-        value = arguments.pop(0)
-    try:
-        options.pass_threshold = float(value)
-    except ValueError:
-        raise GenrunError(f"--pass-threshold {value!r} is not a number") from None
-    if math.isnan(options.pass_threshold):
-        raise GenrunError("--pass-threshold nan passes nothing; give a number")
-    return True
-
-
-def export_command(run_url: str, out_url: str, options, storage_options: dict[str, Any] | None,
-                   output_location: Callable[[str, dict[str, Any] | None], tuple[StorageFolder, str]]) -> int:
-    """`genrun export --layout rl-prompts` with export.ExportOptions; no tokenizer is needed."""
-    if options.layout != LAYOUT:
-        raise GenrunError(f"--pass-rate and --pass-threshold go with --layout {LAYOUT}; add it")
-    if options.format != "parquet":
-        raise GenrunError(f"--layout {LAYOUT} writes Parquet; it takes no --format {options.format}")
-    if options.min_reward is not None or options.best_of_n:
-        raise GenrunError(f"--min-reward and --best-of-n filter trajectories; --layout {LAYOUT} filters prompts with --pass-rate MIN MAX")
+def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None) -> int:
+    """`genrun export --layout rl-prompts` (options checked by export_options.check_combination);
+    no tokenizer is needed."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
     parts = committed_parts(folder)
     if not parts:
         raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
-    summary = export_rl_prompts(folder, config, parts, output_location(out_url, storage_options), options.pass_threshold, options.pass_rate)
+    out = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
+    threshold = 0.0 if options.pass_threshold is None else options.pass_threshold
+    summary = export_rl_prompts(folder, config, parts, out, threshold, options.pass_rate)
     print(summary.line(options.pass_rate))
     return 0
 
@@ -179,6 +142,8 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
     for row in _input_rows(config, set(statistics)):
         row["extra_info"] = {**row["extra_info"], **statistics[row["extra_info"]["index"]]}
         rows.append(row)
+    # The input files' order need not be the index order (several files, a task's rows).
+    rows.sort(key=lambda row: row["extra_info"]["index"])
     if len(rows) != len(statistics):
         raise GenrunError(f"{len(statistics) - len(rows)} prompt(s) of {folder.display()} are not in the run's input files (data.train_files in run.json) any more; restore them, nothing written")
     if not rows:
