@@ -9,10 +9,12 @@
     genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     write DIR/report.html: plots, shard table, failures,
                                     a trajectory viewer (N trajectories at most, default 500)
-    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n] [--layout messages|prompt-completion|rl-prompts [--pass-rate MIN MAX]]
-                  [--format parquet|openai-batch]
+    genrun export DIR OUT.parquet [--min-reward X] [--best-of-n]
+                  [--layout messages|prompt-completion|rl-prompts [--pass-rate MIN MAX] [--pass-threshold X]]
+                  [--format parquet|openai-batch|openai-batch-input] [--overwrite]
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
-                                    committed trajectories as an SFT Parquet file (chat messages)
+                                    committed trajectories as an SFT Parquet file (chat messages),
+                                    sorted by (index, rollout_n); `genrun export --help` explains each option
     genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
                                     the engine's own offline benchmark and a genrun run on the
                                     same prompts and lengths, per sitting: tokens/s and genrun/engine
@@ -246,6 +248,18 @@ def _print_stopped(plan) -> None:
 def _read_only_command(argv: list[str]) -> int | None:
     """Run `bench`, `export`, `report`, `status` or `merge` (each imports only what it needs:
     `status` no torch, verl or Ray); None when `argv` is a run."""
+    if argv and argv[0] == "export":
+        # export's own parser: its --help lists every option.
+        from generation_core.outputs.export_options import export_help, parse_export_arguments, wants_help
+
+        if wants_help(argv[1:]):
+            print(export_help())
+            return 0
+        run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
+        storage_options = storage_options_from(rest)
+        from generation_core.outputs.export import export_command
+
+        return export_command(run_dir, out, export_options, storage_options)
     if argv and argv[0] in SUBCOMMANDS and any(argument in HELP_FLAGS for argument in argv[1:]):
         print(subcommand_usage(argv[0]))
         return 0
@@ -253,11 +267,6 @@ def _read_only_command(argv: list[str]) -> int | None:
         from generation_core.driver.bench import bench_command
 
         return bench_command(argv[1:])
-    if argv and argv[0] == "export":
-        from generation_core.outputs.export import export_command, parse_export_arguments
-
-        run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
-        return export_command(run_dir, out, export_options, storage_options_from(rest))
     if argv and argv[0] == "report":
         from generation_core.report.html import report_command, split_report_arguments
 
