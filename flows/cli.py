@@ -39,6 +39,7 @@ from generation_core.config.bundled import cache_root
 from generation_core.console import setup_logging
 from generation_core.errors import GenrunError
 from generation_core.instrumentation import mark
+from generation_core.secrets import without_url_credentials
 
 USAGE = __doc__
 logger = logging.getLogger("genrun")
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = _read_only_command(argv)
         return answer if answer is not None else _generate(argv)
     except GenrunError as exc:
-        print(f"genrun: error: {exc}", file=sys.stderr)
+        # A message may quote a URL the user gave (a data file, a server): its credentials masked.
+        print(f"genrun: error: {without_url_credentials(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("genrun: interrupted; run the same command again to resume", file=sys.stderr)
@@ -315,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(exc, ShardsFailed):
             # Which shards and why, in one line; the flow run's log has the tracebacks.
-            print(f"genrun: error: {exc}", file=sys.stderr)
+            print(f"genrun: error: {without_url_credentials(str(exc))}", file=sys.stderr)
             return 1
         if not isinstance(exc, httpx.TransportError):
             raise
         # The Prefect API stayed unreachable past its client's retries (about a minute; a
         # server down or restarting): one line instead of a traceback. Committed parts stay.
-        url = os.environ.get("PREFECT_API_URL", "")
+        url = without_url_credentials(os.environ.get("PREFECT_API_URL", ""))
         print(f"genrun: error: lost the Prefect API {url} ({type(exc).__name__}: {exc}); committed trajectories are kept, run the same command again to resume", file=sys.stderr)
         return 1
 

@@ -244,3 +244,14 @@ def test_no_default_key_of_verl_or_genrun_is_a_secret_but_the_remote_api_key():
     defaults = OmegaConf.to_container(merged)
     masked = [".".join(map(str, path)) for path, _ in split_secrets(filled(defaults))[1]]
     assert masked == ["actor_rollout_ref.rollout.engine_kwargs.remote.api_key"]
+
+
+def test_a_refusal_that_quotes_a_url_masks_its_credentials(tmp_path, capsys):
+    """Issue 43 item 6 (audit #13, error messages): genrun's one-line refusal names the data file
+    the user gave, with the URL's credentials masked; nothing is written."""
+    from flows.cli import main
+
+    code = main(["data.train_files=https://alice:s3cr3tpw@127.0.0.1:9/prompts.parquet", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err
+    assert code == 2 and "s3cr3tpw" not in error and "https://<redacted>@127.0.0.1:9/prompts.parquet" in error, error
+    assert not (tmp_path / "run").exists()
