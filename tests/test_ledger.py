@@ -123,6 +123,10 @@ def test_status_shows_the_ledger(finished_run, capsys):
     ledger = json.loads((out / "manifest.json").read_text())["ledger"]
     long = dict(ledger, eta=dict(ledger["eta"], generation_seconds=600.0, median_error=0.015, max_error=0.055))
     assert "ETA error:     median 1.5%, max 5.5% of the 600 s generation (from 10% done)" in ledger_lines(long)
+    # Issue 45 item 7: GPU replicas are counted in GPU-seconds; CPU ones are said to be on the CPU.
+    on_cpu = ledger_lines(ledger)[0]
+    assert ledger["gpus_per_replica"] == 0 and on_cpu.endswith("replica-s (on the CPU)") and "GPU" not in on_cpu, on_cpu
+    assert ledger_lines(dict(ledger, gpus_per_replica=1, gpu_seconds=12.0))[0].endswith("replica-s (12.0 GPU-s)")
 
 
 def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_replica_and_time(finished_run):

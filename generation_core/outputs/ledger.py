@@ -154,7 +154,7 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
     total = sum(split.values()) or 1.0
     lines = [
         f"capacity:      {ledger['replicas']} replica(s) x {ledger['wall_seconds']:.1f} s = {ledger['replica_seconds']:.1f} replica-s"
-        f" ({ledger['gpu_seconds']:.1f} GPU-s)",
+        + (f" ({ledger['gpu_seconds']:.1f} GPU-s)" if ledger.get("gpus_per_replica") else " (on the CPU)"),
         "time split:    " + ", ".join(f"{name} {seconds:.1f} s ({100 * seconds / total:.0f}%)" for name, seconds in split.items() if seconds),
     ]
     for replica, row in (ledger.get("per_replica") or {}).items():

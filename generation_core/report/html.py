@@ -109,9 +109,12 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
     if not ledger:
         body = "<p class=note>No capacity ledger yet: manifest.json has none until the run finishes (the charts come from the trajectories committed so far).</p>"
     else:
-        facts = [("wall time", f"{ledger['wall_seconds']:,.1f} s"), ("replicas", f"{ledger['replicas']} x {ledger['gpus_per_replica']} GPU(s)"),
-                 ("replica-seconds", f"{ledger['replica_seconds']:,.1f}"), ("GPU-seconds", f"{ledger['gpu_seconds']:,.1f}"),
-                 ("output tokens", f"{ledger['output_tokens']:,}")]
+        on_gpus = bool(ledger.get("gpus_per_replica"))
+        replicas = f"{ledger['replicas']} x {ledger['gpus_per_replica']} GPU(s)" if on_gpus else f"{ledger['replicas']} on the CPU"
+        facts = [("wall time", f"{ledger['wall_seconds']:,.1f} s"), ("replicas", replicas), ("replica-seconds", f"{ledger['replica_seconds']:,.1f}")]
+        if on_gpus:
+            facts.append(("GPU-seconds", f"{ledger['gpu_seconds']:,.1f}"))
+        facts.append(("output tokens", f"{ledger['output_tokens']:,}"))
         if ledger.get("prefix_cache_hit_rate") is not None:
             facts.append(("prefix-cache hit rate", f"{100 * ledger['prefix_cache_hit_rate']:.1f}%"))
         if ledger.get("cost") is not None:
