@@ -216,6 +216,24 @@ class ProgressDisplay:
                 logger.info("%s", final)
             self.enabled = False
 
+    @contextlib.contextmanager
+    def while_waiting(self, what: str, every: float = 1.0) -> Iterator[None]:
+        """While the body runs (replicas starting: a model loading, an engine compiling), the line
+        says `what` and for how long, so a minute of start-up is never a silent minute."""
+        started, done = time.monotonic(), threading.Event()
+
+        def tick() -> None:
+            while not done.wait(every):
+                self.show(f"{what} ({time.monotonic() - started:.0f} s)")
+
+        thread = threading.Thread(target=tick, name="genrun-waiting-line", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def clear(self) -> None:
         """Take the line off the screen for a moment (a message written by other means)."""
         with self.lock:

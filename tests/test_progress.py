@@ -5,6 +5,8 @@ every N seconds elsewhere. No Ray, no Prefect: the real run is tests/test_interr
 import asyncio
 import io
 import logging
+import re
+import time
 
 import pytest
 
@@ -153,6 +155,22 @@ def test_elsewhere_a_plain_line_every_interval(caplog):
         display.close("trajectories 10/10")
     assert [r.getMessage() for r in caplog.records] == ["trajectories 1/10", "trajectories 10/10"]
     assert stream.getvalue() == ""
+
+
+def test_while_replicas_start_the_line_says_so_and_for_how_long(caplog):
+    """Issue 45 item 5: no silent minute between the engine's announcement and the first
+    progress line: while the body runs (the replicas booting) the line names what is starting
+    and how long it has taken."""
+    display = ProgressDisplay(stream=io.StringIO(), interval=0)
+    with caplog.at_level(logging.INFO, logger="generation_core.console"):
+        with display.while_waiting("starting 1 hf replica(s) on the CPU", every=0.01):
+            deadline = time.monotonic() + 60
+            while len(caplog.records) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        shown = len(caplog.records)
+        time.sleep(0.05)
+    assert shown >= 2 and all(re.fullmatch(r"starting 1 hf replica\(s\) on the CPU \(\d+ s\)", r.getMessage()) for r in caplog.records)
+    assert len(caplog.records) == shown, "the line stops with the body"
 
 
 def test_disabled_shows_nothing(caplog):

@@ -185,7 +185,8 @@ def _drive_holding(
             watch.shard_finished(manifest)
         try:
             # Minutes for SGLang: a Ctrl-C ends the boot at once (Ray's shutdown stops the replicas).
-            with prints_to_debug_log("verl"), STOP.interruptible():
+            starting = f"starting {resolve_layout(plan.cfg).describe()}: loading the model, then the first requests"
+            with prints_to_debug_log("verl"), STOP.interruptible(), watch.display.while_waiting(starting):
                 pool = boot_pool(plan, registry_name)
         except BaseException:
             submitter.stop(set())
