@@ -20,6 +20,8 @@ them cost before (verl.experimental.agent_loop brings Ray, hydra and the tool st
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,7 +211,10 @@ def rows_dataset(data_config: Any, tokenizer: Any) -> RLHFDataset:
         def _read_files_and_tokenize(self):
             pass
 
-    return RowsDataset([], tokenizer, data_config, processor=None, max_samples=-1)
+    # Its __init__ loads the run's tools (data.tool_config_path), whose verl BaseTool prints every
+    # schema it builds on stdout: the terminal shows a run's status lines, not tool schemas.
+    with contextlib.redirect_stdout(io.StringIO()):
+        return RowsDataset([], tokenizer, data_config, processor=None, max_samples=-1)
 
 
 def hand_rows(dataset: RLHFDataset, rows: datasets.Dataset) -> None:

@@ -351,3 +351,18 @@ def test_a_dataproto_pickles_as_the_state_the_adapter_writes():
     loaded = object.__new__(DataProto)
     loaded.__setstate__(verl_adapter.dataproto_state(state[0], data.non_tensor_batch, data.meta_info))
     assert torch.equal(loaded.batch["ids"], data.batch["ids"]) and list(loaded.non_tensor_batch["tag"]) == ["a", "b"] and loaded.meta_info == {"m": 1}
+
+
+def test_building_the_rows_dataset_prints_no_tool_schema(model_dir, capsys):
+    """Issue 45 item 7: verl's RLHFDataset loads the run's tools, and verl's BaseTool prints each
+    schema (18 lines for the tool example) on stdout; genrun's terminal shows its status lines only."""
+    from verl.utils import hf_tokenizer
+
+    from generation_core.config.loading import load_config
+    from generation_core.verl_adapter import rows_dataset
+
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.tool_config_path=examples/tool_calling/tools.yaml"])
+    cfg.data.tool_config_path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    dataset = rows_dataset(cfg.data, hf_tokenizer(str(model_dir)))
+    assert dataset.tool_schemas and dataset.tool_schemas[0]["function"]["name"] == "calculator"
+    assert capsys.readouterr().out == ""
