@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from verl.protocol import DataProto
@@ -78,9 +82,41 @@ def _user_plugin(site):
     dist = site / "my_loops-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-loops\nVersion: 0.1\n")
-    # The example self-refine loop, registered the way a user's package would register it (genrun
-    # itself declares no plugin: every install would import it).
-    (dist / "entry_points.txt").write_text("[verl.plugins]\nmy_loops = my_loops\ngenrun_self_refine = examples.self_refine.self_refine_loop\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\nmy_loops = my_loops\n")
+    # The example self-refine loop, installed as its README says (genrun itself declares no
+    # plugin: every install would import it).
+    install_self_refine_example(site)
+
+
+def install_self_refine_example(site: Path) -> None:
+    """examples/self_refine installed as docs/agents.md says (its pyproject.toml, a verl.plugins
+    entry point), into `site` (a folder for PYTHONPATH) instead of the venv: built from a copy, so
+    the checkout gets no build folders."""
+    source = site.parent / "self_refine_source"
+    shutil.copytree(REPO / "examples" / "self_refine", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(site.parent / "wheel")], check=True, timeout=120, capture_output=True)
+    (wheel,) = (site.parent / "wheel").glob("*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=120, capture_output=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_self_refine_example_installed_as_documented_registers_its_loop(tmp_path):
+    """Issue 45 item 8: `default_agent_loop=self_refine` (the first way docs/agents.md shows)
+    works once the example is installed with its pyproject.toml: a fresh process finds the loop
+    through verl's plugin entry point."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_self_refine_example(site)
+    probe = (
+        "from generation_core.config.loading import load_config\n"
+        "from generation_core.inputs.agent_loops import check_agent_loops\n"
+        "check_agent_loops(load_config(['actor_rollout_ref.rollout.agent.default_agent_loop=self_refine']), {'self_refine'})\n"
+        "print('registered')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("registered"), done.stderr[-2000:]
 
 
 @pytest.mark.slow
