@@ -49,17 +49,19 @@ def test_keys_added_in_free_form_sections_are_accepted():
         "+data.storage_options.endpoint_url=http://127.0.0.1:9000": "data.storage_options.endpoint_url",
         "+ray_kwargs.ray_init.runtime_env.env_vars.HF_HOME=/tmp/hf": "ray_kwargs.ray_init.runtime_env.env_vars.HF_HOME",
         "+reward.custom_reward_function.reward_kwargs.judge=small": "reward.custom_reward_function.reward_kwargs.judge",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static=0.8": "actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static",
         "+actor_rollout_ref.rollout.engine_kwargs.my_engine.depth=2": "actor_rollout_ref.rollout.engine_kwargs.my_engine.depth",
         "+actor_rollout_ref.rollout.custom.critique_turns=2": "actor_rollout_ref.rollout.custom.critique_turns",
         "+data.apply_chat_template_kwargs.enable_thinking=false": "data.apply_chat_template_kwargs.enable_thinking",
-        "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my_pkg.Manager": "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=false": "actor_rollout_ref.rollout.enable_sleep_mode",
         "+data.cache_dir=/tmp/verl": "data.cache_dir",
     }
     cfg = load_config([*added, "+generation.num_shards=2"])
     for key in added.values():
         assert OmegaConf.select(cfg, key) is not None, key
     assert cfg.generation.num_shards == 2, "+ on a key that exists sets it"
+    # verl's SGLang server's own options, with that engine (config/verl_keys.py: another engine refuses them).
+    sglang = load_config(["actor_rollout_ref.rollout.name=sglang", "+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static=0.8"])
+    assert sglang.actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static == 0.8
     # verl's older top-level reward section: its kwargs reach the function too.
     legacy = load_config(["custom_reward_function.path=/r.py", "+custom_reward_function.reward_kwargs.judge=small"])
     assert legacy.reward.custom_reward_function.reward_kwargs.judge == "small"
@@ -158,8 +160,10 @@ ENGINE = "actor_rollout_ref.rollout.engine_kwargs"
 @pytest.mark.timeout(120)
 def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_others_are_not():
     base = fingerprint(load_config([]), "data")
-    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.instant.delay_sigma=1.0", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m", f"+{ENGINE}.sglang.attention_backend=fa3"]
+    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.instant.delay_sigma=1.0", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m"]
     assert [o for o in shaping if fingerprint(load_config([o]), "data") == base] == []
+    sglang = "actor_rollout_ref.rollout.name=sglang"
+    assert fingerprint(load_config([sglang, f"+{ENGINE}.sglang.attention_backend=fa3"]), "data") != fingerprint(load_config([sglang]), "data")
     operational = [
         f"{ENGINE}.hf.num_threads=1", f"{ENGINE}.instant.delay_seconds=1.0", f"{ENGINE}.remote.base_urls=[http://h:1]", f"{ENGINE}.remote.api_key=k",
         f"{ENGINE}.remote.connect_timeout=1", f"{ENGINE}.remote.health_interval=1", f"{ENGINE}.remote.max_connections=1",

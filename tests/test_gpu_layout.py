@@ -59,7 +59,8 @@ def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp
         f"actor_rollout_ref.rollout.data_parallel_size={dp}",
         f"actor_rollout_ref.rollout.pipeline_model_parallel_size={pp}",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
-        "actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3",
+        # The engine's own kwargs (another engine's are refused: config/verl_keys.py).
+        f"actor_rollout_ref.rollout.engine_kwargs.{engine}.attention_backend=fa3",
     ])
     layout = resolve_layout(cfg)
     verl_replicas, world, nodes, per_node = _verl_replica(cfg)
@@ -69,7 +70,7 @@ def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp
     assert len(layout.placement_groups) == nodes and all(len(group) == per_node for group in layout.placement_groups)
     # What verl's replica is given: memory share and engine kwargs pass through untouched.
     rollout = cfg.actor_rollout_ref.rollout
-    assert rollout.gpu_memory_utilization == 0.9 and rollout.engine_kwargs.sglang.attention_backend == "fa3"
+    assert rollout.gpu_memory_utilization == 0.9 and rollout.engine_kwargs[engine].attention_backend == "fa3"
     assert rollout.n_gpus_per_node == gpus_per_node and rollout.nnodes == nnodes
 
 

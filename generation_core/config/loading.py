@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from generation_core.config import bundled
 from generation_core.config.settings import GenerationSettings, hf_device
-from generation_core.config.validation import validate_values
+from generation_core.config.validation import check_verl_keys, validate_values, verl_key_values
 from generation_core.errors import GenrunError
 from generation_core.secrets import PLACEHOLDER, masked_paths
 from generation_core.verl_adapter import base_trainer_config_file
@@ -88,8 +88,10 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     _check_override_list(overrides)
     cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS)))  # two mappings
     known_keys = _flat_keys(cfg)
+    verl_defaults = verl_key_values(cfg)
     for override in _parse_overrides(list(overrides)):
         _apply_override(cfg, override, known_keys)
+    verl_settings = verl_key_values(cfg)
     try:
         # Resolve once: per-sample interpolation in verl's agent loop costs a third of its time.
         OmegaConf.resolve(cfg)
@@ -98,6 +100,9 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     _refuse_masked_secrets(cfg)
     _route_legacy_keys(cfg)
     validate_values(cfg)
+    # After the values' own checks (whose messages say more), before anything starts: a verl key
+    # the user set that genrun would not act on is refused (config/verl_keys.py).
+    check_verl_keys(cfg, verl_defaults, verl_settings)
     # The defaults other settings decide, filled in so that run.json and every shard worker see
     # the values that apply.
     settings = GenerationSettings.of(cfg)
@@ -223,7 +228,8 @@ def _read_when_added(cfg: DictConfig, key: str) -> bool:
     if any(key == section or key.startswith(section + ".") for section in FREE_FORM_SECTIONS):
         return True
     # A field verl's dataclass for the section has but its generated YAML leaves out
-    # (e.g. actor_rollout_ref.rollout.agent.agent_loop_manager_class): verl reads it.
+    # (e.g. actor_rollout_ref.rollout.enable_sleep_mode): verl reads it. Whether genrun acts on
+    # it is config/verl_keys.py's to say (check_verl_keys).
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else None
     if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):

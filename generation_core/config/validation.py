@@ -3,12 +3,13 @@ key, what it must be and (where there is one) the fix, instead of a failure afte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from generation_core.config.layout import resolve_layout
 from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs, SimulatedEngineKwargs
+from generation_core.config.verl_keys import REFUSED, SECTIONS, engines_of, is_placed_whole, placement
 from generation_core.errors import GenrunError
 
 
@@ -176,6 +177,61 @@ def _check_inputs_and_trackers(cfg: DictConfig) -> None:
     _require(isinstance(cfg.storage.options, DictConfig), "storage.options", cfg.storage.options, "must be a mapping of fsspec options")
     data_options = cfg.data.get("storage_options")
     _require(data_options is None or isinstance(data_options, DictConfig), "data.storage_options", data_options, "must be null (use storage.options) or a mapping of fsspec options")
+
+
+def verl_key_values(cfg: DictConfig) -> dict[str, Any]:
+    """Each key under verl_keys.SECTIONS with its value as written, interpolations unresolved: taken
+    before and after the overrides, the two tell which keys the user set (`check_verl_keys`). A key
+    whose default follows another (rollout.prompt_length from data.max_prompt_length) is unchanged
+    until the user sets it itself."""
+    values: dict[str, Any] = {}
+    for section in SECTIONS:
+        node = OmegaConf.select(cfg, section, throw_on_missing=False)
+        if isinstance(node, DictConfig):
+            _collect_values(node, section, values)
+    return values
+
+
+def _collect_values(node: DictConfig, prefix: str, values: dict[str, Any]) -> None:
+    for name in node.keys():
+        key = f"{prefix}.{name!s}"
+        child = node._get_node(name)
+        container = isinstance(child, DictConfig | ListConfig) and not (child._is_none() or child._is_interpolation())
+        if container and isinstance(child, DictConfig) and len(child) and not is_placed_whole(key):
+            _collect_values(child, key, values)
+        elif container:
+            # An empty mapping, a list, or a mapping the table places whole (engine_kwargs.sglang).
+            values[key] = OmegaConf.to_container(cast(DictConfig | ListConfig, child), resolve=False)
+        else:
+            values[key] = child._value()  # type: ignore[union-attr]  # a value node: its value as written
+
+
+def check_verl_keys(cfg: DictConfig, before: dict[str, Any], after: dict[str, Any]) -> None:
+    """Refuse every verl key the overrides changed (`before` and `after`: `verl_key_values`) that
+    genrun would not act on: one refused by config/verl_keys.py, one only other engines read, or
+    one the table does not place (added with `+`)."""
+    engine = cfg.actor_rollout_ref.rollout.name
+    deleted = object()
+    for key in sorted(set(before) | set(after)):
+        value = after.get(key, deleted)
+        if value == before.get(key, deleted):
+            continue
+        setting = f"~{key}" if value is deleted else f"{key}={value!r}"
+        placed = placement(key)
+        if placed is None:
+            raise GenrunError(
+                f"{setting}: genrun does not know whether this verl key would act in a generation run "
+                "(docs/configuration.md, verl keys, lists every key it places); remove it"
+            )
+        status, reason = placed
+        engines = engines_of(status)
+        if status == REFUSED:
+            raise GenrunError(f"{setting}: {reason}")
+        if engines is not None and engine not in engines:
+            raise GenrunError(
+                f"{setting} acts only with actor_rollout_ref.rollout.name={' or '.join(engines)}, not {engine} "
+                f"({reason}); remove it"
+            )
 
 
 # Engines that take a `seed` in each request's sampling parameters (verl's SGLang server does not).
