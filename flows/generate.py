@@ -34,6 +34,7 @@ from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.config.layout import SHARD_TASK_RESOURCES
 from generation_core.driver.run_driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
 from generation_core.driver.stall_alarm import Stall
+from generation_core.errors import GenrunError
 from generation_core.plan.preflight import preflight
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
@@ -43,7 +44,7 @@ from generation_core.store.lease import LeaseFence
 from generation_core.store.run_folder import SuccessMarker
 from tasks.merge import merge
 from tasks.publish import publish
-from tasks.run_shard import shard_task
+from tasks.run_shard import REFUSED, shard_task
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,11 @@ class ShardTasksOnRay:
             time.sleep(self.plan.cfg.generation.retry_delay_seconds)
             self._submit(shard, retries_left - 1)
             return None
+        if state.is_failed() and state.name == REFUSED:
+            # The shard's input changed under the run (tasks/run_shard.py): every shard reads the
+            # same input, so the run stops with the refusal, one line, as a changed finished shard
+            # stops it before any starts.
+            raise GenrunError(state.message)
         if state.is_completed():
             manifest = SuccessMarker.from_dict(future.result())
             # A finished shard's result comes from Prefect's cache: it did no work now.

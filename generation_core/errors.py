@@ -3,3 +3,9 @@
 
 class GenrunError(Exception):
     """A problem with the user's input or environment; the message says what to fix."""
+
+
+class InputChanged(GenrunError):
+    """The run's input changed under it (a data file since the run was planned, a shard's rows
+    since its first attempt): a retry would read the same input, so a shard task that raises it
+    is not retried, and the run stops with its message (tasks/run_shard.py)."""

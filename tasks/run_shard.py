@@ -9,8 +9,10 @@ import json
 from typing import Any
 
 from prefect import Task, task
-from prefect.states import Cancelled, State
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import Cancelled, Failed, State
 
+from generation_core.errors import InputChanged
 from generation_core.instrumentation import mark
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.shard.job import run_shard_job
@@ -33,12 +35,25 @@ def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
     return f"{run_identity(parameters['plan'])}-shard-{parameters['shard']['shard_id']:05d}"
 
 
+REFUSED = "Refused"
+"""The name of a shard task's final state when its input changed under the run (InputChanged):
+Failed, never retried; the flow stops the run with its message (flows/generate.py)."""
+
+
+def retry_unless_refused(_task: Task, _task_run: TaskRun, state: State) -> bool:
+    """Prefect's retry condition: a shard whose input changed reads the same input again."""
+    return state.name != REFUSED
+
+
 def shard_task(finished: SuccessMarker | None, *, retries: int, retry_delay_seconds: float) -> Task:
     """The run_shard task as the flow submits it for one shard, given what `finished_shard`
     decided for it as the run started. Prefect's cached result of an earlier flow run may stand
     in only for a finished shard (its job would find nothing to do); a shard with work left
     always runs its job (refresh_cache), which decides again, reading every part."""
-    return run_shard.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds, refresh_cache=finished is None)
+    return run_shard.with_options(
+        retries=retries, retry_delay_seconds=retry_delay_seconds, refresh_cache=finished is None,
+        retry_condition_fn=retry_unless_refused,
+    )
 
 
 @task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
@@ -48,7 +63,8 @@ def run_shard(
 ) -> dict[str, Any] | State:
     """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict).
     `rows_checked`: the flow checked this finished shard's rows as the run started. A shard
-    stopped because the run is stopping ends Cancelled: not retried, not cached."""
+    stopped because the run is stopping ends Cancelled: not retried, not cached; one whose input
+    changed ends Failed as REFUSED (not retried, not cached), its message the refusal."""
     mark(f"shard_task_start {shard['shard_id']}")
     try:
         manifest = run_shard_job(
@@ -57,4 +73,6 @@ def run_shard(
         )
     except ShardStopped as stopped:
         return Cancelled(message=str(stopped))
+    except InputChanged as changed:
+        return Failed(name=REFUSED, message=str(changed))
     return manifest.to_dict()

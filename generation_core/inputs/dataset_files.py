@@ -31,7 +31,7 @@ from fsspec.core import url_to_fs
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config.loading import train_files
-from generation_core.errors import GenrunError
+from generation_core.errors import GenrunError, InputChanged
 from generation_core.inputs.media_columns import check_text_only
 from generation_core.inputs.openai_batch import BatchLimits, FirstSeen, batch_table, is_batch_file
 from generation_core.run_plan import DataFile, DatasetFiles
@@ -271,7 +271,7 @@ def check_planned(data_file: DataFile, size: int, digest: str | None = None, row
     if digest is not None and data_file.digest is not None and digest != data_file.digest and not changes:
         changes.append("its Parquet footer differs" if data_file.is_parquet else "its content differs")
     if changes:
-        raise GenrunError(
+        raise InputChanged(
             f"data file {data_file.url} changed since the run was planned ({'; '.join(changes)}); restore the file as it was and "
             "run the same command again to resume, or run the command again on the new file to plan a new run "
             "(a changed dataset has another fingerprint, so its output goes to another folder)"

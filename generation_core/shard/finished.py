@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from generation_core.errors import GenrunError
+from generation_core.errors import InputChanged
 from generation_core.inputs.dataset_files import data_storage_options
 from generation_core.inputs.shard_rows import read_rows, rows_digest
 from generation_core.run_plan import RunPlan, ShardSpec
@@ -23,7 +23,7 @@ from generation_core.store.run_folder import COMMITS_DIR, SuccessMarker, shard_f
 RECHECK_THREADS = 8
 
 
-class FinishedRowsChanged(GenrunError):
+class FinishedRowsChanged(InputChanged):
     """A finished shard's dataset rows changed since it was generated: its trajectories belong to
     other prompts and are not reused (built by `of`, which keeps the shard and both digests)."""
 

@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from generation_core.build import genrun_build
-from generation_core.errors import GenrunError
+from generation_core.errors import GenrunError, InputChanged
 from generation_core.store.fencing import Fence
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import (
@@ -240,7 +240,7 @@ class ShardCheckpoint:
         for _ in range(_CONFLICT_RETRIES):
             checkpoint = cls.load(folder, shard, fence)
             if rows_digest is not None and checkpoint.rows_digest is not None and rows_digest != checkpoint.rows_digest:
-                raise GenrunError(
+                raise InputChanged(
                     f"the dataset rows of {shard} changed since its first attempt (digest {rows_digest[:12]}, recorded "
                     f"{checkpoint.rows_digest[:12]} in {folder.display(shard_file(shard, COMMITS_DIR))}): its committed trajectories "
                     "belong to other prompts. Restore the dataset, or write to another trainer.default_local_dir"
