@@ -24,11 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from generation_core.errors import GenrunError
-from generation_core.inputs.dataset_files import open_input, read_json_table, storage_errors
+from generation_core.inputs.dataset_files import planned_rows
 from generation_core.inputs.openai_batch import CHAT_URL, COMPLETIONS_URL
 from generation_core.outputs import export_tools
 from generation_core.run_plan import DatasetFiles
@@ -64,7 +61,7 @@ def export_openai_batch_input(
     data = config.get("data") or {}
     data_options = data.get("storage_options") or folder.storage_options
     lines = {}
-    for row in _input_rows(DatasetFiles.from_dict(record.dataset), data_options):
+    for row in planned_rows(DatasetFiles.from_dict(record.dataset), data_options):
         info = row.get("extra_info") or {}
         if info.get("index") is None:
             raise GenrunError(
@@ -128,15 +125,3 @@ def _messages(prompt: Any, index: int) -> list[dict[str, Any]]:
             f"{json.dumps(prompt, default=str)[:200]}"
         )
     return [{key: value for key, value in dict(message).items() if value is not None} for message in prompt]
-
-
-def _input_rows(files: DatasetFiles, options: dict[str, Any]):
-    """The run's input rows, file by file, as dicts (the rows the run was planned over)."""
-    for data_file, lo, hi in files.pieces(0, files.num_rows):
-        with storage_errors(data_file.url):
-            if data_file.is_parquet:
-                with open_input(data_file.url, options) as handle:
-                    table: pa.Table = pq.read_table(handle)
-            else:
-                table = read_json_table(data_file.url, options, planned=data_file)
-        yield from table.slice(lo, hi - lo).to_pylist()

@@ -26,10 +26,18 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
-from generation_core.inputs.dataset_files import data_storage_options, open_input, read_json_table, resolve_train_files, storage_errors
+from generation_core.inputs.dataset_files import (
+    data_storage_options,
+    open_input,
+    planned_rows,
+    read_json_table,
+    resolve_train_files,
+    storage_errors,
+)
 from generation_core.outputs.dataset_card import pass_rate_lines, write_dataset_card
 from generation_core.outputs.export_options import RL_PROMPTS, ExportOptions
 from generation_core.outputs.export_target import output_location
+from generation_core.run_plan import DatasetFiles
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import read_run_record
@@ -105,20 +113,30 @@ def prompt_rewards(folder: StorageFolder, parts: list[CommittedPartRef]) -> dict
     return by_prompt
 
 
-def _input_rows(config: dict[str, Any], wanted: set[int]):
-    """The run's input rows whose extra_info.index is in `wanted`, as dicts, in file order."""
+def _input_rows(folder: StorageFolder, config: dict[str, Any], wanted: set[int]):
+    """The run's input rows whose extra_info.index is in `wanted`, as dicts, in file order: the
+    files run.json says the run was planned over (an OpenAI batch file's requests numbered as the
+    run numbered them), or for a run.json of an earlier genrun, data.train_files as they are now."""
     cfg = OmegaConf.create(config)
     options = data_storage_options(cfg)
-    for url in resolve_train_files(cfg):
-        with storage_errors(url):
-            if url.endswith((".json", ".jsonl")):
-                table = read_json_table(url, options)
-            else:
-                with open_input(url, options) as handle:
-                    table = pq.read_table(handle)
-        for row in table.to_pylist():
-            if (row.get("extra_info") or {}).get("index") in wanted:
-                yield row
+    dataset = read_run_record(folder).dataset
+    if dataset:
+        rows = planned_rows(DatasetFiles.from_dict(dataset), options)
+    else:
+        rows = (row for url in resolve_train_files(cfg) for row in _whole_file(url, options))
+    for row in rows:
+        if (row.get("extra_info") or {}).get("index") in wanted:
+            yield row
+
+
+def _whole_file(url: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    with storage_errors(url):
+        if url.endswith((".json", ".jsonl")):
+            table = read_json_table(url, options)
+        else:
+            with open_input(url, options) as handle:
+                table = pq.read_table(handle)
+    return table.to_pylist()
 
 
 def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list[CommittedPartRef], out: tuple[StorageFolder, str],
@@ -139,7 +157,7 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
     if summary.unscored == summary.prompts:
         raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --layout {LAYOUT} needs (a reward function, reward.custom_reward_function.path); nothing written")
     rows = []
-    for row in _input_rows(config, set(statistics)):
+    for row in _input_rows(folder, config, set(statistics)):
         row["extra_info"] = {**row["extra_info"], **statistics[row["extra_info"]["index"]]}
         rows.append(row)
     # The input files' order need not be the index order (several files, a task's rows).
