@@ -189,7 +189,7 @@ def _generate(argv: list[str]) -> int:
     # Every input check first, so a bad input is one line here, not a failed flow run; the
     # light checks first of all, so a typo or a finished run answers before the engine stack loads.
     inputs = check_inputs(argv)
-    finished = finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files)
+    finished = finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files) if inputs.fingerprint else None
     if finished is not None:
         _print_finished(finished)
         return 0

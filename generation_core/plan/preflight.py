@@ -90,8 +90,11 @@ class CheckedInputs:
     cfg: DictConfig
     dataset: DatasetInspection
     model_dir: Path
-    fingerprint: str
+    fingerprint: str | None
+    """None while user code the fingerprint walks does not load (plan_run refuses it)."""
     model_digest: str | None
+    served_model: str | None = None
+    tasks: str | None = None
 
 
 def preflight(overrides: list[str]) -> RunPlan:
@@ -117,9 +120,18 @@ def check_inputs(overrides: list[str]) -> CheckedInputs:
     dataset = inspect_dataset(cfg)
     model_dir = check_model_dir(cfg)
     _check_context(cfg, model_dir)
-    fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks_digest(built_tasks) if built_tasks else None)
+    tasks = tasks_digest(built_tasks) if built_tasks else None
+    try:
+        fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, served_model, tasks)
+    except GenrunError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code (an agent loop, a tool) that does not load
+        # Its refusal, in one line naming the key, comes from check_run_code in plan_run; until
+        # then this run has no fingerprint (and no finished folder to recognise).
+        logger.debug("fingerprint deferred: %s: %s", type(exc).__name__, exc)
+        return CheckedInputs(cfg, dataset, model_dir, None, None, served_model, tasks)
     finalize_run_location(cfg, fingerprint)
-    return CheckedInputs(cfg, dataset, model_dir, fingerprint, model_digest)
+    return CheckedInputs(cfg, dataset, model_dir, fingerprint, model_digest, served_model, tasks)
 
 
 def plan_run(inputs: CheckedInputs) -> RunPlan:
@@ -138,16 +150,20 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
+    fingerprint, model_digest = inputs.fingerprint, inputs.model_digest
+    if fingerprint is None:
+        fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, inputs.served_model, inputs.tasks)
+        finalize_run_location(cfg, fingerprint)
     # After the run's own folder is known: an earlier run is looked for beside it, never in it.
     hints = hints_for_run(cfg, dataset.files)
     if hints is not None:
         shards = shards_longest_first(shards, dataset.row_indices, hints)
-    plan = RunPlan(cfg, inputs.fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=inputs.model_digest, length_hints=hints)
+    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest, length_hints=hints)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()
     # Refused here when the folder holds another run; run.json itself is written under the lease.
-    existing = check_run_folder(plan.folder, inputs.fingerprint)
+    existing = check_run_folder(plan.folder, fingerprint)
     if existing is not None:
         warning = other_build_warning(plan.folder.display(), existing.build)
         if warning:
