@@ -54,9 +54,15 @@ def prefect_api(alongside: Callable[[], None] | None = None) -> Iterator[str]:
     try:
         if alongside is not None:
             alongside()
-    finally:
+    except BaseException:
+        # What started alongside failed (Ray on a loaded machine): nothing else would stop the server.
         starter.join()
+        server.stop()
+        os.environ.pop("PREFECT_API_URL", None)
+        raise
+    starter.join()
     if failure:
+        server.stop()  # a start that timed out may have left its process
         os.environ.pop("PREFECT_API_URL", None)
         raise failure[0]
     if server.api_url != url:

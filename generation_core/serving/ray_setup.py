@@ -1,7 +1,14 @@
 """How a run's processes join Ray: `ray.init` arguments from `ray_kwargs.ray_init`, with safe
 single-host defaults (loopback only, no dashboard, a small object store, no token auth) and
 quiet ones (Ray's INFO lines and its workers' stdout/stderr reach the terminal only at
-GENRUN_LOG_LEVEL=DEBUG; the driver shows progress from the workers' counters instead)."""
+GENRUN_LOG_LEVEL=DEBUG; the driver shows progress from the workers' counters instead).
+
+A local Ray that misses its start-up deadlines is started once more. Ray 2.60 gives its
+raylet's DashboardAgent 15 s to report its ports (the raylet aborts after that) and the node 30 s
+to register (ray/_private/node.py); neither has a setting (RAY_raylet_start_wait_time_s and
+RAY_agent_register_timeout_ms do not move them). On a loaded machine the agents' Python start
+alone can take longer ("The current node timed out during startup"). The second start finds
+their files in the page cache and the Prefect server started; a second failure is one line."""
 
 from __future__ import annotations
 
@@ -13,7 +20,11 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.console import debug_output
+from generation_core.errors import GenrunError
+from generation_core.processes import command_line, descendants, kill_and_wait, left_in_group, process_table
 from generation_core.secrets import SECRETS_ENV
+
+logger = logging.getLogger(__name__)
 
 # What shard jobs on Ray workers need from the driver's environment (workers of a cluster that
 # was started separately do not inherit it): the config's secrets among them, which the plan
@@ -60,9 +71,60 @@ def _keep_ray_on_loopback() -> None:
 
 
 def start_ray(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[str, ...] = ()) -> None:
-    """Join (or start) the run's Ray, unless this process has already."""
-    if not ray.is_initialized():
-        ray.init(**ray_init_kwargs(cfg, run_fingerprint, forward_env))
+    """Join (or start) the run's Ray, unless this process has already. A local start that fails
+    is cleared away and tried once more; a second failure is a GenrunError saying what to do."""
+    if ray.is_initialized():
+        return
+    init_kwargs = ray_init_kwargs(cfg, run_fingerprint, forward_env)
+    if "address" in init_kwargs or os.environ.get("RAY_ADDRESS"):
+        ray.init(**init_kwargs)  # a cluster started separately: its errors are about it, not this machine
+        return
+    for attempt in (1, 2):
+        before = _local_ray_processes()
+        try:
+            ray.init(**init_kwargs)
+            return
+        except (TypeError, ValueError):
+            raise  # ray_kwargs.ray_init that Ray refuses: another start would not change that
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node misses a deadline
+            failure = _first_line(exc)
+            ray.shutdown()
+            # What the failed start left (its GCS, a raylet and its agents) would compete with the
+            # next start for the CPU, and the agents outlive a crashed raylet by about a minute.
+            left = {pid: started for pid, started in _local_ray_processes().items() if before.get(pid) != started}
+            kill_and_wait(left)
+            if attempt == 2:
+                raise GenrunError(_did_not_start(failure)) from exc
+            logger.warning("Ray's local node did not start (%s); starting it once more", failure)
+
+
+def _local_ray_processes() -> dict[int, int]:
+    """pid -> start time of the Ray processes this process started: those below it and those
+    left in its process group when their parent died (a crashed raylet's agents)."""
+    table = process_table()
+    me = os.getpid()
+    candidates = descendants(table, [me])
+    if me in table:
+        candidates |= left_in_group(table, table[me].pgid, 0)
+    ray_root = os.path.dirname(ray.__file__).encode()
+    return {
+        pid: table[pid].started for pid in candidates
+        if command_line(pid).startswith(b"ray::") or ray_root in command_line(pid)
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _did_not_start(failure: str) -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"Ray's local node did not start, twice ({failure}) at a load of {load:.1f} on {os.cpu_count()} CPU(s): "
+        "Ray 2.60 gives its agents 15 s and its node 30 s to start, and has no setting for either; "
+        "run the same command again when the machine is less busy, "
+        "or start Ray separately and pass ray_kwargs.ray_init.address (docs/clusters.md)"
+    )
 
 
 def describe_ray() -> str:
