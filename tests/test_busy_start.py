@@ -110,6 +110,8 @@ def test_a_ray_start_that_fails_twice_is_one_line_saying_what_to_do(monkeypatch)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", node_times_out)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    # Nothing was started; the clean-up of what a start leaves is the test above's.
+    monkeypatch.setattr(ray_setup, "_local_ray_processes", lambda: {})
     monkeypatch.setattr(ray_setup, "ray_init_kwargs", lambda cfg, fingerprint, forward_env=(): {"include_dashboard": False})
     with pytest.raises(GenrunError) as raised:
         ray_setup.start_ray(OmegaConf.create({}), "0" * 64)
