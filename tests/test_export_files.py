@@ -25,7 +25,7 @@ from generation_core.store.part_repair import committed_parts, read_verified_par
 from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, read_run_record
 from generation_core.store.trajectory_record import read_part_table
 from tests.conftest import REPO
-from tests.test_export import _run
+from tests.test_export import _refused, _run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,12 +88,6 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _refused(capsys, *arguments) -> str:
-    assert main(["export", *map(str, arguments)]) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("genrun: error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
