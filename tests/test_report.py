@@ -289,15 +289,34 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
 
 
 def test_report_loads_no_verl_or_ray(run_dir, tmp_path):
-    """`genrun report` is read-only: no verl, Ray or Prefect (issue 32, item 2); transformers,
-    and torch with it, only to read the run's tokenizer when its model is on this machine."""
+    """`genrun report` is read-only: no verl, Ray or Prefect (issue 32, item 2), and no
+    transformers or torch either (issue 45 item 6: seconds of a read-only command's start): the
+    run's tokenizer.json is read with the `tokenizers` library."""
     from tests.test_light_imports import ENGINE_STACK, command_loads
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    assert sorted(command_loads(["report", str(copy)]) & set(ENGINE_STACK)) == ["torch", "transformers"]
+    assert sorted(command_loads(["report", str(copy)]) & {*ENGINE_STACK, "torch"}) == []
     # Made on another machine than the run's model: token ids in the viewer, no tokenizer loaded.
     run = json.loads((copy / "run.json").read_text())
     run["config"]["actor_rollout_ref"]["model"]["path"] = str(tmp_path / "model-elsewhere")
     (copy / "run.json").write_text(json.dumps(run))
     assert sorted(command_loads(["report", str(copy)]) & set(ENGINE_STACK)) == []
+
+
+def test_the_viewers_decoder_decodes_as_transformers_does(model_dir):
+    """The report's light decoder (report/token_decoder.py, no torch) gives transformers' text for
+    every token of the bundled model alone and for random sequences, and the same eos id."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from generation_core.report.token_decoder import TokenDecoder
+
+    decoder, tokenizer = TokenDecoder.of_folder(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    assert decoder is not None and decoder.eos_token_id == tokenizer.eos_token_id
+    every_token = [[token] for token in range(tokenizer.vocab_size)]
+    assert decoder.batch_decode(every_token) == tokenizer.batch_decode(every_token)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(tokenizer.vocab_size) for _ in range(40)] for _ in range(100)]
+    assert [decoder.decode(ids) for ids in sequences] == [tokenizer.decode(ids) for ids in sequences]

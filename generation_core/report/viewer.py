@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from generation_core.report.data import STOP_REASONS, ReportData, data_source_of, sample_hash, stop_reasons
+from generation_core.report.token_decoder import TokenDecoder
 from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, records_to_table
 
@@ -44,8 +45,11 @@ def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
     if not Path(path).is_dir():
         logger.warning("report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path)
         return None
-    # Here, not at the top: transformers imports torch (seconds), which a read-only command loads
-    # only when it has a tokenizer to read.
+    # tokenizer.json through the `tokenizers` library when the folder has one and no tokenizer
+    # code: transformers would import torch, seconds of a read-only command's start.
+    decoder = TokenDecoder.of_folder(Path(path))
+    if decoder is not None:
+        return decoder
     from transformers import AutoTokenizer
 
     try:
