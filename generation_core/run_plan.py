@@ -129,16 +129,13 @@ class RunPlan:
     cfg: DictConfig
     fingerprint: str
     shards: list[ShardSpec]
-    """In dispatch order: by id, or longest expected first (generation.longest_first_from)."""
+    """By id."""
     pad_token_id: int
     dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
     """The input files and their row counts; shards are ranges of these rows."""
     model_digest: str | None = None
     """The model's identity as the fingerprint took it (plan.fingerprint.model_identity, or the
     model a remote server serves); every trajectory's provenance names it."""
-    length_hints: Any = field(default=None, repr=False, compare=False)
-    """The driver's `inputs.length_hints.LengthHints` (generation.longest_first_from), written to
-    the run folder once the lease is held; not part of the plan's JSON."""
     folder: StorageFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -188,7 +185,6 @@ class RunPlan:
             # The genrun that took the folder (build.py: each shard's attempt records its own too).
             build=genrun_build(),
             pad_token_id=self.pad_token_id,
-            # By id: the list itself is in dispatch order (generation.longest_first_from reorders it).
             shards=[ShardRange(s.name, s.start, s.end) for s in sorted(self.shards, key=lambda s: s.shard_id)],
             dataset=self.dataset.to_dict(),
             rollout_n=self.cfg.actor_rollout_ref.rollout.n,

@@ -456,7 +456,7 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
     manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     folder.put_json(RUN_FILE, {"fingerprint": "f" * 64})
-    plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64, length_hints=None)
+    plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64)
     taken: list[RunLease] = []
     old = RunLease.acquire(folder, seconds=60)
     real_dump = merge.dump_dataproto

@@ -81,8 +81,6 @@ class GenerationSettings:
     inflight_share_cap: int = 8
     """A shard still running while others finished may take up to this many times max_inflight
     (shard/progress_board.py: the run's in-flight budget shared by the shards still running)."""
-    longest_first_from: str | None = None
-    """An earlier run's folder: its response lengths order shards and rows, longest first (inputs/length_hints.py)."""
     sample_seed: int | None = None
     """Base of every request's seed (None: engines sample freely)."""
     adaptive: bool = False

@@ -78,11 +78,6 @@ def _check_generation(cfg: DictConfig) -> None:
         isinstance(share_cap, int) and not isinstance(share_cap, bool) and share_cap >= 1,
         "generation.inflight_share_cap", share_cap, "must be an integer >= 1 (1: each shard keeps its own max_inflight)",
     )
-    longest_first = gen.get("longest_first_from")
-    _require(
-        longest_first is None or (isinstance(longest_first, str) and longest_first.strip() != ""),
-        "generation.longest_first_from", longest_first, "must be null or the output folder (path or URI) of an earlier run over the same prompts",
-    )
     _require(isinstance(gen.retries, int) and gen.retries >= 0, "generation.retries", gen.retries, "must be an integer >= 0")
     _require(_is_number(gen.retry_delay_seconds) and gen.retry_delay_seconds >= 0, "generation.retry_delay_seconds", gen.retry_delay_seconds, "must be a number of seconds >= 0")
     _require(_is_number(gen.lease_seconds) and gen.lease_seconds >= 4, "generation.lease_seconds", gen.lease_seconds, "must be a number of seconds >= 4")

@@ -25,7 +25,6 @@ from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
 from generation_core.driver.run_watch import RunWatch
 from generation_core.driver.stall_alarm import Stall
-from generation_core.inputs.length_hints import hints_for_run, write_hints
 from generation_core.instrumentation import failpoint, mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
@@ -157,11 +156,6 @@ def drive_run(
         )
         with held as lease:
             plan.claim_folder()
-            # A plan that crossed to the Prefect flow as JSON (genrun's own path) left its figures
-            # behind: read again; the shards kept their order in the JSON.
-            if plan.length_hints is None:
-                plan.length_hints = hints_for_run(plan.cfg, plan.dataset)
-            write_hints(plan.folder, plan.length_hints)
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
         # A Ctrl-C while waiting for the lease, booting replicas, merging or publishing

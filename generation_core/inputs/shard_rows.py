@@ -32,9 +32,7 @@ from generation_core.inputs.dataset_files import (
     read_json_table,
     storage_errors,
 )
-from generation_core.inputs.length_hints import read_hints_for, rows_longest_first
 from generation_core.run_plan import ShardSpec
-from generation_core.store.folder import StorageFolder
 from generation_core.verl_adapter import PromptLengthSettings, hand_rows, overlong_prompt_rule, prompt_length_settings, rows_dataset
 
 logger = logging.getLogger(__name__)
@@ -197,19 +195,12 @@ class ShardPrompts:
         self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
         self._names = pc.unique(table.column("agent_name")).to_pylist() if "agent_name" in table.column_names else [None]
         self.dispatch_rows: Sequence[int] = range(self.num_rows)
-        """The raw rows in the order the shard job dispatches them: dataset order, or longest
-        expected first (generation.longest_first_from, inputs/length_hints.py)."""
+        """The raw rows in the order the shard job dispatches them: dataset order."""
 
     @classmethod
-    def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer, folder: StorageFolder | None = None) -> ShardPrompts:
-        """The shard's prompts; with generation.longest_first_from, dispatched by the length
-        figures the driver wrote to the run `folder`."""
-        prompts = cls(cfg, dataset, shard.start, shard.end, tokenizer)
-        if folder is not None and cfg.generation.get("longest_first_from"):
-            hints = read_hints_for(folder, prompts._indices)
-            if hints is not None:
-                prompts.dispatch_rows = rows_longest_first(prompts._indices, hints)
-        return prompts
+    def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer) -> ShardPrompts:
+        """The shard's prompts."""
+        return cls(cfg, dataset, shard.start, shard.end, tokenizer)
 
     # ---- raw rows, decided lazily (the shard job) ----
 

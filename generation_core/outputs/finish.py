@@ -54,8 +54,6 @@ def finish_run(
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
     summary["ledger"] = run_ledger(plan, summary, elapsed)
-    if plan.length_hints is not None:
-        summary["longest_first"] = plan.length_hints.describe()
     if eta is not None:
         summary["ledger"]["eta"] = eta
     folder.put_json(MANIFEST_FILE, summary)

@@ -53,7 +53,6 @@ OPERATIONAL_KEYS = (
     "generation.max_inflight",
     "generation.max_open_trajectories",
     "generation.inflight_share_cap",
-    "generation.longest_first_from",
     "generation.final_merge",
     "generation.merge_chunk_size",
     "generation.merge_max_file_bytes",

@@ -138,7 +138,6 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     """The checks that load the engine registry, the tokenizer and the user's code, then the plan."""
     from verl.utils import hf_tokenizer
 
-    from generation_core.inputs.length_hints import hints_for_run, shards_longest_first
     from generation_core.inputs.shard_rows import check_overlong_sample, plan_shards
     from generation_core.serving.pool import check_rollout_name
 
@@ -154,11 +153,7 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     if fingerprint is None:
         fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, inputs.served_model, inputs.tasks)
         finalize_run_location(cfg, fingerprint)
-    # After the run's own folder is known: an earlier run is looked for beside it, never in it.
-    hints = hints_for_run(cfg, dataset.files)
-    if hints is not None:
-        shards = shards_longest_first(shards, dataset.row_indices, hints)
-    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest, length_hints=hints)
+    plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
     plan.folder.check_writable()

@@ -92,7 +92,7 @@ def run_shard_job(
     cfg = plan.cfg
     tokenizer = _tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code)
     # Only this shard's rows, read and filtered here (never the whole dataset).
-    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer, folder)
+    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     client = attach_client(cfg, registry_name)
     worker = build_streaming_worker(cfg, client, prompts)
     worker.provenance["model_digest"] = plan.model_digest
