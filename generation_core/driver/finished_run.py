@@ -11,6 +11,7 @@ shard are refused here as they would be there (FinishedRowsChanged), before anyt
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -33,12 +34,19 @@ from generation_core.store.run_folder import (
     shard_file,
 )
 
+logger = logging.getLogger(__name__)
+
 
 def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> dict[str, Any] | None:
     """The run's manifest.json (with `report`: where report.html is) when the run in cfg's folder
     has nothing left to do, else None."""
     folder = StorageFolder(cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
-    if not folder.exists(RUN_FILE) or not folder.exists(MANIFEST_FILE):
+    try:
+        finished_before = folder.exists(RUN_FILE) and folder.exists(MANIFEST_FILE)
+    except Exception as exc:  # noqa: BLE001 - no credentials, a missing bucket: the planned run's folder check says which, in one line
+        logger.debug("not asking whether %s is finished: %s: %s", folder.display(), type(exc).__name__, exc)
+        return None
+    if not finished_before:
         return None
     # Another run's folder is refused here, as the planned run would refuse it.
     record = check_run_folder(folder, fingerprint)
