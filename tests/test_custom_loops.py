@@ -119,6 +119,8 @@ def test_the_self_refine_example_installed_as_documented_registers_its_loop(tmp_
     assert done.returncode == 0 and done.stdout.strip().endswith("registered"), done.stderr[-2000:]
 
 
+# Extended: make test holds each loop on its own: the self-refine masks (test_self_refine_masks_the_user_turns), the example installed as a plugin (test_the_self_refine_example_installed_as_documented_registers_its_loop), verl's tool loop token by token (tests/test_tool_loop.py) and agent loops in Ray workers (every CLI run).
+@pytest.mark.extended
 @pytest.mark.slow
 def test_real_model_runs_tool_self_refine_yaml_and_plugin_loops_in_ray_workers(tmp_path, model_dir, prefect_server):
     site = tmp_path / "site"

@@ -104,6 +104,8 @@ def test_three_shards_on_ray_equal_the_in_process_run(prefect_server, ray_local,
     assert any(k.endswith("-output") for k in artifacts)
 
 
+# Extended: make test holds a failed shard retried from the UI and resuming (test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard) and a killed worker's shard resumed (test_a_killed_shard_worker_...).
+@pytest.mark.extended
 def test_a_shard_failing_once_is_retried_and_resumes_from_its_checkpoint(prefect_server, tmp_path):
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(8))
     flag = tmp_path / "fail-once"

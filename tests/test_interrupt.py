@@ -262,6 +262,8 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_committing_what_finished(prompts, tm
     # a quit at once leaves (the test below; CI time: one resume for both).
 
 
+# Extended: make test holds a quick exit at once (test_a_ctrl_c_while_replicas_boot_or_during_the_merge_exits_at_once_and_the_folder_resumes), the takeover after a kill (tests/test_crash_resume.py) and a Ctrl-C run resumed exactly (test_a_ctrl_c_stops_an_in_process_run_cleanly_with_progress_shown_and_the_run_resumes_exactly).
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_a_second_ctrl_c_quits_at_once_and_the_same_command_takes_over_and_resumes_exactly(prompts, uninterrupted, tmp_path):
     with _ctrl_c_after_a_commit(prompts, tmp_path) as (terminal, out, prefect_home):

@@ -81,7 +81,10 @@ def test_every_readme_command_is_run_here_or_says_why_not(runs, prefect_server):
         arguments = shlex.split(command, comments=True)
         if arguments[:2] == ["make", "demo"]:
             _run_make_demo(arguments[2:], runs["tmp"], prefect_server.env)
-        elif arguments[0] == ".venv/bin/genrun" and (len(arguments) == 1 or "=" in arguments[1]):
+        elif arguments == [".venv/bin/genrun"]:
+            # The bundled defaults: the `runs` fixture ran exactly this (instant engine) for the demo folder.
+            assert (runs["demo"] / "trajectories.pkl").exists()
+        elif arguments[0] == ".venv/bin/genrun" and "=" in arguments[1]:
             _run_generation(arguments[1:], runs["tmp"], prefect_server.env)
         elif arguments[0] == ".venv/bin/genrun" and RUN_FOLDER in arguments:
             # Block 6 filters by reward: the run with rewards; the others read the demo's folder.
@@ -107,15 +110,14 @@ def _run_generation(arguments: list[str], tmp: Path, env: dict[str, str]) -> Non
 
 
 def _run_make_demo(arguments: list[str], tmp: Path, env: dict[str, str]) -> None:
+    """`make demo ARGS=...` is `make setup`, then `.venv/bin/genrun ARGS` (the generation itself ran
+    as the block's first command): make's own plan of it is checked, not a third run."""
     (assignment,) = arguments
     name, _, value = assignment.partition("=")
     assert name == "ARGS", arguments
-    out = tmp / "make-demo"
-    # Few prompts: the command's path through make is what is checked here.
-    extra = f"{value} {INSTANT} data.train_max_samples=4 trainer.default_local_dir={out}"
-    done = subprocess.run(["make", "demo", f"ARGS={extra}"], cwd=REPO, env={**_environment(), **env}, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(["make", "-n", "demo", f"ARGS={value}"], cwd=REPO, env={**_environment(), **env}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (out / "trajectories.pkl").exists()
+    assert done.stdout.strip().splitlines()[-1] == f".venv/bin/genrun {value}", done.stdout
 
 
 def _run_on_folder(arguments: list[str], folder: Path, tmp: Path) -> None:
