@@ -141,6 +141,11 @@ def _split_url(text: str) -> tuple[str, list[str]]:
     return (masked, found) if found else (text, [])
 
 
+def url_credentials(text: str) -> list[str]:
+    """The credentials a URL carries (its user part, secret query values); [] for any other text."""
+    return _split_url(text)[1]
+
+
 def without_url_credentials(text: str) -> str:
     """`text` (an error message, a log line) with the credentials of every URL in it masked."""
     return _URL_IN_TEXT.sub(lambda match: _split_url(match.group())[0], text)

@@ -36,6 +36,7 @@ from generation_core.errors import GenrunError, InputChanged
 from generation_core.inputs.media_columns import check_text_only
 from generation_core.inputs.openai_batch import BatchLimits, FirstSeen, batch_table, is_batch_file
 from generation_core.run_plan import DataFile, DatasetFiles
+from generation_core.secrets import url_credentials, without_url_credentials
 
 SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
 JSON_MAX_BYTES = 256 << 20
@@ -295,9 +296,21 @@ def _sampled_content(fs, path: str, size: int) -> bytes:
     return b"".join(fs.cat_ranges([path] * SAMPLE_SLICES, starts, [min(s + SAMPLE_SLICE_BYTES, size) for s in starts]))
 
 
+def _refuse_urls_with_credentials(urls: list[str]) -> None:
+    """An input file's URL is stored (run.json, the plan Prefect keeps, the report): one that carries
+    credentials (`https://user:password@host/...`, a signed URL) is refused rather than stored."""
+    for url in urls:
+        if url_credentials(str(url)):
+            raise GenrunError(
+                f"data.train_files holds a URL with credentials ({without_url_credentials(str(url))}): genrun stores its input "
+                "files' URLs; give the credentials through data.storage_options (e.g. profile=NAME) or the environment"
+            )
+
+
 def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
     """Resolve, check and fingerprint the input files from metadata plus one nested column
     (extra_info.index) and agent_name; see SAMPLE_SLICES for the fingerprint's trade-off."""
+    _refuse_urls_with_credentials(train_files(cfg))
     options = data_storage_options(cfg)
     cap = cfg.data.train_max_samples if cfg.data.train_max_samples and cfg.data.train_max_samples > 0 else None
     files: list[DataFile] = []
