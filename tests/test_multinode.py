@@ -127,6 +127,9 @@ def _load(fs, url: str):
         return pickle.load(handle)
 
 
+# Extended (make test-all): a three-node cluster costs CI over a minute; make test holds the shards' spread over
+# Ray workers and S3 input and output on one node (tests/test_many_shards.py, tests/test_s3.py).
+@pytest.mark.extended
 def test_shards_spread_over_a_three_node_cluster_with_s3_input_and_output(ray_cluster, s3_server, prefect_server, ray_local, tmp_path, monkeypatch):
     fs = fsspec.filesystem("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], key=s3_server["AWS_ACCESS_KEY_ID"], secret=s3_server["AWS_SECRET_ACCESS_KEY"], use_listings_cache=False)
     local_prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))

@@ -115,7 +115,9 @@ def _run_make_demo(arguments: list[str], tmp: Path, env: dict[str, str]) -> None
     (assignment,) = arguments
     name, _, value = assignment.partition("=")
     assert name == "ARGS", arguments
-    done = subprocess.run(["make", "-n", "demo", f"ARGS={value}"], cwd=REPO, env={**_environment(), **env}, capture_output=True, text=True, timeout=120)
+    # --no-print-directory: under `make test` (CI) make would name the directories it enters.
+    command = ["make", "--no-print-directory", "-n", "demo", f"ARGS={value}"]
+    done = subprocess.run(command, cwd=REPO, env={**_environment(), **env}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f".venv/bin/genrun {value}", done.stdout
 

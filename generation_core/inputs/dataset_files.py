@@ -18,7 +18,6 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -389,16 +388,3 @@ def _check_schema(url: str, schema: pa.Schema, prompt_key: str, reference: tuple
         "every file of data.train_files must have the same columns and types: rewrite them with one schema"
     )
 
-
-def planned_rows(files: DatasetFiles, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The rows a run was planned over (run.json's dataset), file by file, as dicts: each file
-    checked to be the one planned (check_planned) and an OpenAI batch file's requests numbered
-    from its first dataset row, as the run's shards read them."""
-    for data_file, lo, hi in files.pieces(0, files.num_rows):
-        with storage_errors(data_file.url):
-            if data_file.is_parquet:
-                with open_input(data_file.url, options) as handle:
-                    table: pa.Table = pq.read_table(handle)
-            else:
-                table = read_json_table(data_file.url, options, planned=data_file)
-        yield from table.slice(lo, hi - lo).to_pylist()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -283,3 +283,16 @@ def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> 
             f"than data.max_prompt_length={cfg.data.max_prompt_length} tokens; raise it or turn off data.filter_overlong_prompts"
         )
 
+
+def planned_rows(files: DatasetFiles, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The rows a run was planned over (run.json's dataset), file by file, as dicts: each file
+    checked to be the one planned (check_planned) and an OpenAI batch file's requests numbered
+    from its first dataset row, as the run's shards read them."""
+    for data_file, lo, hi in files.pieces(0, files.num_rows):
+        with storage_errors(data_file.url):
+            if data_file.is_parquet:
+                with open_input(data_file.url, options) as handle:
+                    table: pa.Table = pq.read_table(handle)
+            else:
+                table = read_json_table(data_file.url, options, planned=data_file)
+        yield from table.slice(lo, hi - lo).to_pylist()

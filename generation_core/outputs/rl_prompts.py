@@ -29,11 +29,11 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import (
     data_storage_options,
     open_input,
-    planned_rows,
     read_json_table,
     resolve_train_files,
     storage_errors,
 )
+from generation_core.inputs.shard_rows import planned_rows
 from generation_core.outputs.dataset_card import pass_rate_lines, write_dataset_card
 from generation_core.outputs.export_options import RL_PROMPTS, ExportOptions
 from generation_core.outputs.export_target import output_location
