@@ -1,8 +1,8 @@
 """A chat message's content as the text a chat template reads.
 
 Datasets and API requests give content as a string or as OpenAI-style content parts
-(`[{"type": "text", "text": ...}, ...]`). Text parts are joined in order, as the OpenAI batch
-reader does; anything else (an image or audio part, null content, a number) has no text form a
+(`[{"type": "text", "text": ...}, ...]`). Text parts are joined in order (tasks and the OpenAI batch
+reader alike); anything else (an image or audio part, null content, a number) has no text form a
 chat template would read the same way, so it is refused rather than written as its Python repr.
 A pure function, so every reader of chat messages can share it.
 """

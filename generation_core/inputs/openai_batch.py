@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from generation_core.config.validation import SEEDED_ENGINES
 from generation_core.errors import GenrunError
+from generation_core.inputs.chat_content import NotText, content_text
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -228,15 +229,11 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
                            "use system, developer, user or assistant")
         if message.get("tool_calls"):
             raise _BadLine(f"{where}: tool calls in batch prompts are not supported; give text messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            kinds = {part.get("type") for part in content if isinstance(part, dict)}
-            if kinds - {"text"} or len(kinds) != 1 or not all(isinstance(part, dict) for part in content):
-                others = ", ".join(sorted(map(str, kinds - {"text"})))
-                raise _BadLine(f"{where}.content has non-text parts ({others}); only text is supported")
-            content = "".join(str(part.get("text", "")) for part in content)
-        if not isinstance(content, str):
-            raise _BadLine(f"{where}.content must be text")
+        try:
+            # One rule with the tasks' chat_messages: text parts joined, anything else refused.
+            content = content_text(message.get("content"))
+        except NotText as not_text:
+            raise _BadLine(f"{where}.{not_text}") from None
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise _BadLine(f"{where}.name must be text")
