@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from generation_core.inputs.shard_rows import plan_shards
 from generation_core.run_plan import DatasetFiles, RunPlan
-from generation_core.shard.finished import FinishedRowsChanged, rows_digest_reader
+from generation_core.shard.finished import check_rows_unchanged, rows_digest_reader
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import part_damage
@@ -89,13 +89,7 @@ def _finished_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpo
 def _check_rows_unchanged(plan: RunPlan, recorded_digests: dict[int, str | None]) -> None:
     """Every shard's rows are those it was generated from (shard/finished.py's check)."""
     for shard in plan.shards:
-        recorded = recorded_digests[shard.shard_id]
-        reader = rows_digest_reader(plan, shard)
-        if reader is None or recorded is None:
-            continue
-        current = reader()
-        if current is not None and current != recorded:
-            raise FinishedRowsChanged.of(plan.folder, shard, current, recorded)
+        check_rows_unchanged(plan.folder, shard, recorded_digests[shard.shard_id], rows_digest_reader(plan, shard))
 
 
 def _logs_to_a_tracker(cfg: DictConfig) -> bool:

@@ -84,12 +84,19 @@ def finished_shard(
         return None
     if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
         return None
-    recorded = checkpoint.rows_digest
+    check_rows_unchanged(folder, shard, checkpoint.rows_digest, rows_digest_now)
+    return marker
+
+
+def check_rows_unchanged(
+    folder: StorageFolder, shard: ShardSpec, recorded: str | None, rows_digest_now: Callable[[], str | None] | None
+) -> None:
+    """FinishedRowsChanged when the shard's rows now digest otherwise than `recorded` (its first
+    attempt's); nothing to check without a recorded digest or a reader (`rows_digest_reader`)."""
     if rows_digest_now is not None and recorded is not None:
         current = rows_digest_now()
         if current is not None and current != recorded:
             raise FinishedRowsChanged.of(folder, shard, current, recorded)
-    return marker
 
 
 def rows_digest_reader(plan: RunPlan, shard: ShardSpec, options: dict[str, Any] | None = None) -> Callable[[], str | None] | None:
