@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from generation_core.processes import descendants, process_table
+
 FIRST_MESSAGE = (
     "genrun: stopping: committing the trajectories that have finished, then releasing the output folder "
     "(Ctrl-C again to quit at once)"
@@ -129,24 +131,7 @@ class StopRequest:
 def kill_descendants() -> list[int]:
     """SIGKILL every process this one started, and theirs, found through /proc (nothing where
     there is no /proc); answers their pids. For quitting at once: nothing waits."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return []
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                # "pid (command) state ppid ...": the command may hold spaces and parentheses.
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # it ended meanwhile
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+    found = sorted(descendants(process_table(), [os.getpid()]))
     for pid in found:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
