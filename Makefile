@@ -29,6 +29,7 @@ demo: setup
 # tests against a real vLLM server (`vllm_server`: a 3.4 GB environment) in `make test-remote`.
 # Static checks first: they fail in seconds, before the suite's half hour.
 lint: setup
+	$(BIN)/ruff format --check generation_core flows tasks tests bench examples
 	$(BIN)/ruff check generation_core flows tasks tests bench examples
 	$(BIN)/mypy generation_core flows tasks
 

@@ -26,22 +26,30 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-REWARD = '''
+REWARD = """
 import hashlib
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     draw = int.from_bytes(hashlib.sha256(solution_str.encode()).digest()[:8], "big") / 2**64
     return float(draw < float(ground_truth))
-'''
+"""
 
 
 def write_inputs(folder: Path, prompts: int) -> tuple[Path, Path]:
     draw = random.Random(0)
-    rates = [0.0 if u < 0.35 else 1.0 if u < 0.70 else draw.uniform(0.2, 0.8) for u in (draw.random() for _ in range(prompts))]
+    rates = [
+        0.0 if u < 0.35 else 1.0 if u < 0.70 else draw.uniform(0.2, 0.8)
+        for u in (draw.random() for _ in range(prompts))
+    ]
     rows = [
-        {"data_source": "bench", "prompt": [{"role": "user", "content": f"Problem {i}: what is {i} * 7?"}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": repr(rate)}, "extra_info": {"index": i}}
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": f"Problem {i}: what is {i} * 7?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": repr(rate)},
+            "extra_info": {"index": i},
+        }
         for i, rate in enumerate(rates)
     ]
     pq.write_table(pa.Table.from_pylist(rows), folder / "prompts.parquet")
@@ -65,18 +73,32 @@ def run(folder: Path, prompts: Path, reward: Path, n: int, k: int | None):
 
     model = prepare_bundled_model()
     adaptive = ["generation.adaptive=true", f"generation.adaptive_k={k}"] if k else []
-    plan = preflight([
-        f"data.train_files={prompts}", f"trainer.default_local_dir={folder}", f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.rollout.name=instant", f"actor_rollout_ref.rollout.n={n}", "data.max_prompt_length=64", "data.max_response_length=16",
-        "generation.show_progress=false", "generation.sample_seed=3", f"reward.custom_reward_function.path={reward}", *adaptive,
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={folder}",
+            f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.rollout.name=instant",
+            f"actor_rollout_ref.rollout.n={n}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+            "generation.sample_seed=3",
+            f"reward.custom_reward_function.path={reward}",
+            *adaptive,
+        ]
+    )
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model))
     [shard] = plan.shards
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     worker = StreamingWorker(plan.cfg, engine, RewardScorer.from_config(plan.cfg, tokenizer))
     try:
-        marker = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
+        marker = asyncio.run(
+            run_shard_with_worker(
+                plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker
+            )
+        )
     finally:
         worker.shutdown()
     rewards = {index: p.rewards for index, p in prompt_rewards(plan.folder, committed_parts(plan.folder)).items()}
@@ -98,7 +120,9 @@ def main() -> None:
         prompts, reward = write_inputs(base, args.prompts)
         full, full_tokens = run(base / "plain", prompts, reward, args.n, None)
         reference = kept(full)
-        print(f"{args.prompts} prompts, n={args.n}: plain n-sampling {full_tokens} response tokens, {len(reference)} prompts kept (0 < pass rate < 1)")
+        print(
+            f"{args.prompts} prompts, n={args.n}: plain n-sampling {full_tokens} response tokens, {len(reference)} prompts kept (0 < pass rate < 1)"
+        )
         print("| k | tokens | tokens / plain | fewer tokens | kept | precision | recall |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for k in args.k:
@@ -106,7 +130,9 @@ def main() -> None:
             chosen = kept(rewards)
             precision = len(chosen & reference) / len(chosen) if chosen else 1.0
             recall = len(chosen & reference) / len(reference) if reference else 1.0
-            print(f"| {k} | {tokens} | {tokens / full_tokens:.3f} | {1 - tokens / full_tokens:.1%} | {len(chosen)} | {precision:.3f} | {recall:.3f} |")
+            print(
+                f"| {k} | {tokens} | {tokens / full_tokens:.3f} | {1 - tokens / full_tokens:.1%} | {len(chosen)} | {precision:.3f} | {recall:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -81,11 +81,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(str(prepare_bundled_model()), dtype=torch.float32).eval()
-    print(f"bundled model, {args.threads} threads, context {args.context}: median ms per step over {args.rounds} alternating rounds")
+    print(
+        f"bundled model, {args.threads} threads, context {args.context}: median ms per step over {args.rounds} alternating rounds"
+    )
     print(f"{'step':<20} {'nn.Linear':>10} {'weight-first':>13} {'ratio':>6} {'max |logit diff|':>17}")
     ratios = []
-    cases = [(f"decode {rows:>3} rows", lambda rows=rows: decode_steps(model, rows, args.context, args.rounds)) for rows in args.rows]
-    cases += [(f"prefill {tokens} tokens", lambda tokens=tokens: prefills(model, tokens, args.rounds)) for tokens in args.prefill]
+    cases = [
+        (f"decode {rows:>3} rows", lambda rows=rows: decode_steps(model, rows, args.context, args.rounds))
+        for rows in args.rows
+    ]
+    cases += [
+        (f"prefill {tokens} tokens", lambda tokens=tokens: prefills(model, tokens, args.rounds))
+        for tokens in args.prefill
+    ]
     for name, measure in cases:
         plain, first, diff = measure()
         ratios.append(plain / first)

@@ -25,7 +25,11 @@ from generation_core.engines.hf import EngineSettings, HFEngine
 
 
 def rate(model_dir, prompts, batch: int, seconds: float, seed: int) -> float:
-    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=512, response_length=128, max_batch_size=batch, num_threads=os.cpu_count()))
+    engine = HFEngine(
+        EngineSettings(
+            str(model_dir), prompt_length=512, response_length=128, max_batch_size=batch, num_threads=os.cpu_count()
+        )
+    )
     try:
         return asyncio.run(streaming(engine, prompts, batch, 64, seconds, seed))
     finally:

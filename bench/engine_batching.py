@@ -18,13 +18,26 @@ from transformers import AutoTokenizer
 from generation_core.config.bundled import prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 
-QUESTIONS = ["Name a color.", "What is 3 + 4?", "Describe rain.", "Give a fruit.", "Why is the sky blue?", "Say hi.", "Count to five.", "What is a cat?"]
+QUESTIONS = [
+    "Name a color.",
+    "What is 3 + 4?",
+    "Describe rain.",
+    "Give a fruit.",
+    "Why is the sky blue?",
+    "Say hi.",
+    "Count to five.",
+    "What is a cat?",
+]
 
 
 def _prompts(tokenizer, count: int) -> list[list[int]]:
     out = []
     for i in range(count):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         out.append(ids if isinstance(ids, list) else list(ids["input_ids"]))
     return out
 
@@ -32,7 +45,9 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
 async def _run(engine: HFEngine, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
     params = {"temperature": 0, "max_tokens": tokens}
     started = time.perf_counter()
-    outs = await asyncio.gather(*[engine.generate(str(i), prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+    outs = await asyncio.gather(
+        *[engine.generate(str(i), prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+    )
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - started
 
 
@@ -43,7 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = prepare_bundled_model()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=256, response_length=args.tokens, max_batch_size=args.batch, num_threads=os.cpu_count()))
+    engine = HFEngine(
+        EngineSettings(
+            str(model_dir),
+            prompt_length=256,
+            response_length=args.tokens,
+            max_batch_size=args.batch,
+            num_threads=os.cpu_count(),
+        )
+    )
     prompts = _prompts(tokenizer, args.batch)
     asyncio.run(_run(engine, prompts[:2], 4))  # warm-up
     single_tokens, single_seconds = 0, 0.0

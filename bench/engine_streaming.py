@@ -51,13 +51,22 @@ def static_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> 
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     seconds = time.perf_counter() - started
     generated = (out.shape[1] - width) * len(prompts)
     return generated / seconds
 
 
-async def streaming(engine: HFEngine, prompts: list[list[int]], concurrency: int, mean_tokens: int, seconds: float, seed: int) -> float:
+async def streaming(
+    engine: HFEngine, prompts: list[list[int]], concurrency: int, mean_tokens: int, seconds: float, seed: int
+) -> float:
     """tokens/s of the engine while `concurrency` clients keep one request each in flight."""
     rng = random.Random(seed)
     low, high = max(1, mean_tokens // 4), mean_tokens * 7 // 4
@@ -100,28 +109,48 @@ def main() -> None:
     threads = os.cpu_count()
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    settings = EngineSettings(str(model_dir), prompt_length=512, response_length=args.mean_tokens * 2, max_batch_size=args.concurrency, num_threads=threads)
+    settings = EngineSettings(
+        str(model_dir),
+        prompt_length=512,
+        response_length=args.mean_tokens * 2,
+        max_batch_size=args.concurrency,
+        num_threads=threads,
+    )
     # The bundled prompts repeat over the run (48 of them), and every one starts with the same
     # system prompt: the default engine reuses those prefixes, which a static batch cannot. The
     # engine without any prefix reuse runs beside it, so the gain of each part shows.
-    engines = {"default": HFEngine(settings), "no prefix reuse": HFEngine(dataclasses.replace(settings, prefix_cache_bytes=0))}
+    engines = {
+        "default": HFEngine(settings),
+        "no prefix reuse": HFEngine(dataclasses.replace(settings, prefix_cache_bytes=0)),
+    }
     prompts = bundled_prompt_ids(tokenizer, 4 * args.concurrency)
     static_generate(model, tokenizer, prompts[:4], 4)  # warm-up
     static_rates, streaming_rates = [], {name: [] for name in engines}
     for round_ in range(args.rounds):
         static_rates.append(static_generate(model, tokenizer, prompts[: args.concurrency], args.mean_tokens))
         for name, engine in engines.items():
-            streaming_rates[name].append(asyncio.run(streaming(engine, prompts, args.concurrency, args.mean_tokens, args.seconds, seed=round_)))
-        print(f"round {round_ + 1}: static model.generate {static_rates[-1]:.1f} tokens/s, "
-              + ", ".join(f"engine streaming ({name}) {rates[-1]:.1f} tokens/s" for name, rates in streaming_rates.items()), flush=True)
+            streaming_rates[name].append(
+                asyncio.run(streaming(engine, prompts, args.concurrency, args.mean_tokens, args.seconds, seed=round_))
+            )
+        print(
+            f"round {round_ + 1}: static model.generate {static_rates[-1]:.1f} tokens/s, "
+            + ", ".join(
+                f"engine streaming ({name}) {rates[-1]:.1f} tokens/s" for name, rates in streaming_rates.items()
+            ),
+            flush=True,
+        )
     for engine in engines.values():
         engine.shutdown()
     static = sum(static_rates) / len(static_rates)
-    print(f"concurrency {args.concurrency}, streaming lengths uniform in [{max(1, args.mean_tokens // 4)}, {args.mean_tokens * 7 // 4}], static length {args.mean_tokens}")
+    print(
+        f"concurrency {args.concurrency}, streaming lengths uniform in [{max(1, args.mean_tokens // 4)}, {args.mean_tokens * 7 // 4}], static length {args.mean_tokens}"
+    )
     print(f"static batch (model.generate): {static:.1f} tokens/s")
     for name, rates in streaming_rates.items():
         stream = sum(rates) / len(rates)
-        print(f"streaming ({name}) / static throughput: {stream / static:.2f} ({stream:.1f} tokens/s; target {TARGET:.2f})")
+        print(
+            f"streaming ({name}) / static throughput: {stream / static:.2f} ({stream:.1f} tokens/s; target {TARGET:.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ SAMPLE_TRACE_ENV = "GENRUN_SAMPLE_TRACE"
 def write_prompts(path: Path, count: int) -> Path:
     rows = [
         {
-            "data_source": "bench", "prompt": [{"role": "user", "content": f"Say something about item {i}."}], "ability": "chat",
-            "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "bench", "index": i},
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": f"Say something about item {i}."}],
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "bench", "index": i},
         }
         for i in range(count)
     ]
@@ -51,7 +54,9 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
-def run(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[float, int, int, float | None, float | None]], float, dict]:
+def run(
+    args: argparse.Namespace, scratch: Path
+) -> tuple[list[tuple[float, int, int, float | None, float | None]], float, dict]:
     """(unix time, done + failed, total, eta, window eta) at every driver tick, when the last
     trajectory finished (the sample trace: GENRUN_SAMPLE_TRACE), and the ledger's `eta`."""
     from generation_core.driver import run_watch
@@ -70,13 +75,20 @@ def run(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[float, int,
 
     run_watch.RunWatch.tick = recording_tick  # type: ignore[method-assign]
     prompts = write_prompts(scratch / "prompts.parquet", args.prompts)
-    plan = preflight([
-        f"data.train_files={prompts}", f"trainer.default_local_dir={scratch / 'run'}", "actor_rollout_ref.rollout.name=instant",
-        f"actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds={args.delay}",
-        f"actor_rollout_ref.rollout.engine_kwargs.instant.delay_sigma={args.sigma}",
-        "actor_rollout_ref.rollout.engine_kwargs.instant.response_tokens=32", "actor_rollout_ref.rollout.response_length=512",
-        f"generation.num_shards={args.shards}", f"generation.max_inflight={args.inflight}", "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={scratch / 'run'}",
+            "actor_rollout_ref.rollout.name=instant",
+            f"actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds={args.delay}",
+            f"actor_rollout_ref.rollout.engine_kwargs.instant.delay_sigma={args.sigma}",
+            "actor_rollout_ref.rollout.engine_kwargs.instant.response_tokens=32",
+            "actor_rollout_ref.rollout.response_length=512",
+            f"generation.num_shards={args.shards}",
+            f"generation.max_inflight={args.inflight}",
+            "generation.show_progress=false",
+        ]
+    )
     trace = scratch / "samples.trace"
     os.environ[SAMPLE_TRACE_ENV] = str(trace)
     summary = run_in_process(plan)
@@ -129,15 +141,21 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"ticks": ticks, "ended": ended}))
     new, old = errors(ticks, ended, 0), errors(ticks, ended, 1)
-    print(f"run: {ticks[-1][2]} trajectories, {args.shards} shards, max_inflight {args.inflight}, delay median {args.delay} s sigma {args.sigma}; "
-          f"generation {ended - generation_start(ticks):.1f} s, {len(new)} ticks past 10% done")
+    print(
+        f"run: {ticks[-1][2]} trajectories, {args.shards} shards, max_inflight {args.inflight}, delay median {args.delay} s sigma {args.sigma}; "
+        f"generation {ended - generation_start(ticks):.1f} s, {len(new)} ticks past 10% done"
+    )
     for name, values in (("eta (shard/eta.py)", new), ("window (last minute's rate)", old)):
         print(f"{name:30s} median error {statistics.median(values):6.1%}  max error {max(values):6.1%}")
-    print(f"ratio window/eta: median {statistics.median(old) / statistics.median(new):.2f}, max {max(old) / max(new):.2f}")
+    print(
+        f"ratio window/eta: median {statistics.median(old) / statistics.median(new):.2f}, max {max(old) / max(new):.2f}"
+    )
     print(f"target: max error <= {TARGET:.0%} once 10% is done: {'met' if max(new) <= TARGET else 'NOT met'}")
     if ledger_eta.get("max_error") is not None:
-        print(f"the run's own ledger (manifest.json eta, {len(ledger_eta['points'])} points, generation {ledger_eta['generation_seconds']:.1f} s): "
-              f"median error {ledger_eta['median_error']:.1%}  max error {ledger_eta['max_error']:.1%}")
+        print(
+            f"the run's own ledger (manifest.json eta, {len(ledger_eta['points'])} points, generation {ledger_eta['generation_seconds']:.1f} s): "
+            f"median error {ledger_eta['median_error']:.1%}  max error {ledger_eta['max_error']:.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -91,7 +91,10 @@ def max_errors(ends: np.ndarray, took: np.ndarray, slots: int, mean: float, drai
             estimate_eta(count - done, done, float(tick)),
             (count - done) * mean / slots + drain,
         )
-        worst = [max(so_far, math.inf if eta is None else abs(eta - left) / duration) for so_far, eta in zip(worst, etas, strict=True)]
+        worst = [
+            max(so_far, math.inf if eta is None else abs(eta - left) / duration)
+            for so_far, eta in zip(worst, etas, strict=True)
+        ]
     genrun, counts_only, oracle = worst
     return genrun, counts_only, oracle
 
@@ -103,17 +106,24 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0)
     args = parser.parse_args()
     mean = args.median * math.exp(args.sigma**2 / 2)
-    print(f"log-normal request times: median {args.median} s, sigma {args.sigma}; {args.seeds} seeds per size; "
-          f"error = |ETA - time left| / duration, judged from {JUDGED_FROM:.0%} done")
+    print(
+        f"log-normal request times: median {args.median} s, sigma {args.sigma}; {args.seeds} seeds per size; "
+        f"error = |ETA - time left| / duration, judged from {JUDGED_FROM:.0%} done"
+    )
     for count, slots in SIZES:
         drain = expected_drain(slots, args.median, args.sigma)
-        rows = [max_errors(*finish_times(seed, count, slots, args.median, args.sigma), slots, mean, drain) for seed in range(args.seeds)]
+        rows = [
+            max_errors(*finish_times(seed, count, slots, args.median, args.sigma), slots, mean, drain)
+            for seed in range(args.seeds)
+        ]
         duration = count * mean / slots
         # One standard deviation of a count-based ETA at 10% done: the mean time per request
         # estimated from the first tenth's requests (a renewal count's variance), over the 90% left.
         noise = math.sqrt((math.exp(args.sigma**2) - 1) / (JUDGED_FROM * count)) * (1 - JUDGED_FROM)
-        print(f"{count:>7,} trajectories, {slots:>3} in flight (~{duration:.0f} s; drain +{drain:.1f} s = {drain / duration:.1%}; "
-              f"count noise at 10% done {noise:.1%}): median max error, runs over {TARGET:.0%}:")
+        print(
+            f"{count:>7,} trajectories, {slots:>3} in flight (~{duration:.0f} s; drain +{drain:.1f} s = {drain / duration:.1%}; "
+            f"count noise at 10% done {noise:.1%}): median max error, runs over {TARGET:.0%}:"
+        )
         for name, column in (("genrun", 0), ("counts only (status)", 1), ("oracle", 2)):
             errors = np.array([row[column] for row in rows])
             print(f"    {name:24s} {np.median(errors):6.1%}  {int((errors > TARGET).sum()):>2}/{args.seeds}")

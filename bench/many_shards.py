@@ -59,11 +59,18 @@ def run_once(scratch: Path, prompts: Path, shards: int) -> dict:
     timeline = scratch / f"timeline-{shards}.txt"
     out = scratch / f"run-{shards}"
     command = [
-        GENRUN, f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        f"generation.num_shards={shards}", "generation.show_progress=false", "generation.upload_artifact=false",
+        GENRUN,
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"generation.num_shards={shards}",
+        "generation.show_progress=false",
+        "generation.upload_artifact=false",
     ]
     started = time.time()
-    process = subprocess.Popen(command, cwd=REPO, env=genrun_env(timeline), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=genrun_env(timeline), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     peak = [0]
 
     def poll() -> None:
@@ -109,14 +116,24 @@ def main() -> None:
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="genrun-many-shards-"))
     prompts = scratch / "prompts.parquet"
-    rows = [{"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}} for i in range(args.prompts)]
+    rows = [
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": f"Question number {i}?"}],
+            "extra_info": {"index": i},
+        }
+        for i in range(args.prompts)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), prompts)
     results = []
     try:
         for shards in args.shards:
             results.append(run_once(scratch, prompts, shards))
             r = results[-1]
-            print(f"{shards} shards: {r['wall']:.1f} s, {r['markers']} markers, {r['trajectories']} trajectories, {r['pids']} worker pids", flush=True)
+            print(
+                f"{shards} shards: {r['wall']:.1f} s, {r['markers']} markers, {r['trajectories']} trajectories, {r['pids']} worker pids",
+                flush=True,
+            )
     finally:
         if args.keep:
             print(f"kept {scratch}")
@@ -124,7 +141,9 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
     base = results[0]
     mib = 1024 * 1024
-    print(f"\n{args.prompts} prompts, instant engine, {Path(REPO).name} on {len(__import__('os').sched_getaffinity(0))} cores")
+    print(
+        f"\n{args.prompts} prompts, instant engine, {Path(REPO).name} on {len(__import__('os').sched_getaffinity(0))} cores"
+    )
     header = f"{'':44s}" + "".join(f"{r['shards']:>10d}" for r in results)
     print(header + "   (shards)")
     rows = [
@@ -134,7 +153,10 @@ def main() -> None:
         ("  last marker -> merged (s)", lambda r: f"{r['after_shards']:.1f}"),
         ("wall / shards (s)", lambda r: f"{r['wall'] / r['shards']:.3f}"),
         ("shard phase / shards (s)", lambda r: f"{r['shard_phase'] / r['shards']:.3f}"),
-        (f"marginal s per shard vs {base['shards']} shards", lambda r: "-" if r is base else f"{(r['wall'] - base['wall']) / (r['shards'] - base['shards']):.3f}"),
+        (
+            f"marginal s per shard vs {base['shards']} shards",
+            lambda r: "-" if r is base else f"{(r['wall'] - base['wall']) / (r['shards'] - base['shards']):.3f}",
+        ),
         ("shard task body, median (s)", lambda r: f"{r['in_task_median']:.3f}"),
         ("shard task bodies, sum (s)", lambda r: f"{r['in_task_sum']:.1f}"),
         ("distinct worker pids", lambda r: f"{r['pids']}"),

@@ -45,15 +45,27 @@ def vm_hwm_bytes(pid: int) -> int | None:
 
 def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
     prompts = scratch / f"prompts-{trajectories}.parquet"
-    rows = [{"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}} for i in range(trajectories)]
+    rows = [
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": f"Question number {i}?"}],
+            "extra_info": {"index": i},
+        }
+        for i in range(trajectories)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), prompts)
     out = scratch / f"run-{trajectories}"
     timeline = scratch / f"timeline-{trajectories}.txt"
     env = genrun_env(timeline)
     command = [
-        GENRUN, f"data.train_files={prompts}", f"trainer.default_local_dir={out}",
-        "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false", "generation.save_batch_size=500",
-        "generation.max_inflight=256", f"generation.merge_chunk_size={chunk}",
+        GENRUN,
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "generation.show_progress=false",
+        "generation.save_batch_size=500",
+        "generation.max_inflight=256",
+        f"generation.merge_chunk_size={chunk}",
     ]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     driver_peak, peak_at = 0, time.time()
@@ -69,7 +81,12 @@ def run(scratch: Path, trajectories: int, chunk: int) -> dict[str, int]:
     # The run phase the driver's peak was reached in: the last timeline event before it.
     events = [(stamp, name) for name, stamps in read_timeline(timeline).items() for stamp in stamps]
     phase = max([event for event in events if event[0] <= peak_at], default=(0.0, "start"))[1]
-    return {"driver": driver_peak, "driver_peak_after": phase, "worker": marker["last_attempt"]["peak_rss_bytes"], "trajectories": marker["num_trajectories"]}
+    return {
+        "driver": driver_peak,
+        "driver_peak_after": phase,
+        "worker": marker["last_attempt"]["peak_rss_bytes"],
+        "trajectories": marker["num_trajectories"],
+    }
 
 
 def main() -> None:
@@ -86,10 +103,14 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     mib = 1024 * 1024
     for name, result in (("small", small), ("large", large)):
-        print(f"{name}: {result['trajectories']} trajectories: driver peak {result['driver'] / mib:.0f} MiB (reached after `{result['driver_peak_after']}`), shard worker peak {result['worker'] / mib:.0f} MiB")
+        print(
+            f"{name}: {result['trajectories']} trajectories: driver peak {result['driver'] / mib:.0f} MiB (reached after `{result['driver_peak_after']}`), shard worker peak {result['worker'] / mib:.0f} MiB"
+        )
     for role in ("driver", "worker"):
         growth = large[role] / small[role] - 1
-        print(f"{role} peak RSS growth {args.small} -> {args.large} trajectories: {100 * growth:+.1f}% (target <= {100 * TARGET:.0f}%)")
+        print(
+            f"{role} peak RSS growth {args.small} -> {args.large} trajectories: {100 * growth:+.1f}% (target <= {100 * TARGET:.0f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -58,16 +58,28 @@ def build_folder(directory: str, trajectories: int, prompt_length: int, response
         parts, completed = [], []
         checkpoint = _checkpoint_writer(root, shard_dir.name)
         for first in range(indices.start, indices.stop, PARTS_OF):
-            records = [_record(TrajectoryRecord, rng, i, prompt_length, response_length) for i in range(first, min(first + PARTS_OF, indices.stop))]
+            records = [
+                _record(TrajectoryRecord, rng, i, prompt_length, response_length)
+                for i in range(first, min(first + PARTS_OF, indices.stop))
+            ]
             data = records_to_parquet(records)
             name = f"batch-{len(parts):05d}-bench.parquet"
             (shard_dir / name).write_bytes(data)
-            parts.append({"name": name, "count": len(records), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            parts.append(
+                {"name": name, "count": len(records), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            )
             completed.extend(f"{r.index}:{r.rollout_n}" for r in records)
             if checkpoint is not None:
                 checkpoint(parts[-1], [f"{r.index}:{r.rollout_n}" for r in records])
         if checkpoint is None:
-            legacy = {"parts": parts, "completed": completed, "failed": [], "response_tokens": 0, "generated_tokens": 0, "attempts": 1}
+            legacy = {
+                "parts": parts,
+                "completed": completed,
+                "failed": [],
+                "response_tokens": 0,
+                "generated_tokens": 0,
+                "attempts": 1,
+            }
             (shard_dir / "checkpoint.json").write_text(json.dumps(legacy))
 
 
@@ -106,12 +118,29 @@ def _record(record_type, rng, index: int, prompt_length: int, response_length: i
         reward_score=float(rng.integers(0, 2)),
         num_turns=2,
         input_fields={
-            "agent_name": "single_turn_agent", "data_source": "bench", "extra_info": {"index": index, "split": "train"},
-            "index": index, "interaction_kwargs": {}, "raw_prompt": messages,
-            "reward_model": {"ground_truth": str(index % 97), "style": "rule"}, "tools_kwargs": {},
+            "agent_name": "single_turn_agent",
+            "data_source": "bench",
+            "extra_info": {"index": index, "split": "train"},
+            "index": index,
+            "interaction_kwargs": {},
+            "raw_prompt": messages,
+            "reward_model": {"ground_truth": str(index % 97), "style": "rule"},
+            "tools_kwargs": {},
         },
-        extra_fields={"raw_prompt": messages, "turn_scores": [], "tool_rewards": [], "min_global_steps": None, "max_global_steps": None, "reward_extra_info": {"acc": float(index % 2)}},
-        metrics={"generate_sequences": float(rng.uniform(0.5, 20)), "tool_calls": 0.0, "compute_score": float(rng.uniform(0, 0.01)), "num_preempted": -1},
+        extra_fields={
+            "raw_prompt": messages,
+            "turn_scores": [],
+            "tool_rewards": [],
+            "min_global_steps": None,
+            "max_global_steps": None,
+            "reward_extra_info": {"acc": float(index % 2)},
+        },
+        metrics={
+            "generate_sequences": float(rng.uniform(0.5, 20)),
+            "tool_calls": 0.0,
+            "compute_score": float(rng.uniform(0, 0.01)),
+            "num_preempted": -1,
+        },
     )
 
 
@@ -138,7 +167,14 @@ def measure_merge(directory: str, prompt_length: int, response_length: int, chun
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM")
     sizes = [os.path.getsize(os.path.join(directory, name)) for name in files]
-    return {"rows": rows, "seconds": seconds, "peak_bytes": (peak - before) * 1024, "largest_file": max(sizes), "total_bytes": sum(sizes), "files": len(files)}
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "peak_bytes": (peak - before) * 1024,
+        "largest_file": max(sizes),
+        "total_bytes": sum(sizes),
+        "files": len(files),
+    }
 
 
 def _status_kib(name: str) -> int:
@@ -150,7 +186,13 @@ def _status_kib(name: str) -> int:
 
 def _run_step(code_root: Path, step: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code_root))
-    result = subprocess.run([sys.executable, str(Path(__file__).resolve()), *step], env=env, cwd=str(code_root), capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *step],
+        env=env,
+        cwd=str(code_root),
+        capture_output=True,
+        text=True,
+    )
     if result.returncode:
         raise SystemExit(f"{' '.join(step[:1])} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -191,7 +233,9 @@ def main() -> None:
         if args.baseline:
             baseline_root = scratch / "baseline-code"
             baseline_root.mkdir()
-            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline], check=True, capture_output=True).stdout
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", args.baseline], check=True, capture_output=True
+            ).stdout
             subprocess.run(["tar", "-x", "-C", str(baseline_root)], input=archive, check=True)
             results[f"baseline {args.baseline}"] = measure(baseline_root, scratch, "baseline", args)
         results["current tree"] = measure(REPO, scratch, "current", args)
@@ -200,7 +244,9 @@ def main() -> None:
 
     mib = 1 / (1 << 20)
     what = "largest chunk" if args.chunk_size else "trajectories.pkl"
-    print(f"{args.trajectories} trajectories, prompt_length {args.prompt_length}, response_length {args.response_length}, chunk_size {args.chunk_size}")
+    print(
+        f"{args.trajectories} trajectories, prompt_length {args.prompt_length}, response_length {args.response_length}, chunk_size {args.chunk_size}"
+    )
     for label, r in results.items():
         print(
             f"{label:>22}: {what} {r['largest_file'] * mib:8.1f} MiB ({r['files']} file(s), {r['total_bytes'] * mib:.1f} MiB in all), "
@@ -209,7 +255,9 @@ def main() -> None:
     for label, r in results.items():
         if args.chunk_size:
             print(f"{label:>22}: merge peak / largest chunk = {r['peak_bytes'] / r['largest_file']:.2f}")
-        print(f"{label:>22}: merge peak / {'all chunks' if args.chunk_size else what} = {r['peak_bytes'] / r['total_bytes']:.2f} (target <= {TARGET:.1f})")
+        print(
+            f"{label:>22}: merge peak / {'all chunks' if args.chunk_size else what} = {r['peak_bytes'] / r['total_bytes']:.2f} (target <= {TARGET:.1f})"
+        )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,24 @@ def write_batch(path: Path, lines: int) -> None:
     with open(path, "w") as handle:
         for i in range(lines):
             if i % 2:
-                line = {"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"model": "m", "messages": [{"role": "user", "content": f"Question {i}?"}], "max_tokens": 6, "temperature": 0.7}}
+                line = {
+                    "custom_id": f"chat-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": f"Question {i}?"}],
+                        "max_tokens": 6,
+                        "temperature": 0.7,
+                    },
+                }
             else:
-                line = {"custom_id": f"text-{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": f"Once upon a time {i}", "seed": i}}
+                line = {
+                    "custom_id": f"text-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"model": "m", "prompt": f"Once upon a time {i}", "seed": i},
+                }
             handle.write(json.dumps(line) + "\n")
 
 
@@ -73,9 +87,15 @@ def run(args, scratch: Path) -> int:
 
     def overrides(out: Path) -> list[str]:
         return [
-            f"data.train_files={batch}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-            "data.max_prompt_length=64", "data.max_response_length=16", f"generation.save_batch_size={args.part_rows}",
-            "generation.show_progress=false", "generation.final_merge=false", "generation.max_inflight=256",
+            f"data.train_files={batch}",
+            f"trainer.default_local_dir={out}",
+            "actor_rollout_ref.rollout.name=instant",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            f"generation.save_batch_size={args.part_rows}",
+            "generation.show_progress=false",
+            "generation.final_merge=false",
+            "generation.max_inflight=256",
         ]
 
     # Warm-up (Ray, the pool's first boot, imports), so that neither timed run pays it alone.
@@ -111,16 +131,26 @@ def run(args, scratch: Path) -> int:
     resumed_seconds = time.perf_counter() - started
 
     started = time.perf_counter()
-    export_batch_output(str(scratch / "undisturbed"), str(scratch / "undisturbed.jsonl"), ExportOptions(format="openai-batch"))
+    export_batch_output(
+        str(scratch / "undisturbed"), str(scratch / "undisturbed.jsonl"), ExportOptions(format="openai-batch")
+    )
     export_seconds = time.perf_counter() - started
-    summary = export_batch_output(str(scratch / "crashed"), str(scratch / "resumed.jsonl"), ExportOptions(format="openai-batch"))
+    summary = export_batch_output(
+        str(scratch / "crashed"), str(scratch / "resumed.jsonl"), ExportOptions(format="openai-batch")
+    )
     # `created` is the time each run took its folder: the two folders differ there, and only there.
-    identical = _but_created((scratch / "undisturbed.jsonl").read_bytes()) == _but_created((scratch / "resumed.jsonl").read_bytes())
+    identical = _but_created((scratch / "undisturbed.jsonl").read_bytes()) == _but_created(
+        (scratch / "resumed.jsonl").read_bytes()
+    )
 
     print(f"lines: {args.lines}, parts of {args.part_rows}, killed after part {args.kill_after_parts}")
     print(f"conversion (every line checked): {args.lines / convert_seconds:,.0f} lines/s ({convert_seconds:.1f} s)")
-    print(f"undisturbed run: {undisturbed_seconds:.1f} s; killed + resumed: {resumed_seconds:.1f} s; ratio {resumed_seconds / undisturbed_seconds:.2f}")
-    print(f"export: {args.lines / export_seconds:,.0f} requests/s ({export_seconds:.1f} s); requests exported {summary.requests}, errors {summary.errors}")
+    print(
+        f"undisturbed run: {undisturbed_seconds:.1f} s; killed + resumed: {resumed_seconds:.1f} s; ratio {resumed_seconds / undisturbed_seconds:.2f}"
+    )
+    print(
+        f"export: {args.lines / export_seconds:,.0f} requests/s ({export_seconds:.1f} s); requests exported {summary.requests}, errors {summary.errors}"
+    )
     print(f"resumed export identical to the undisturbed one: {identical}")
     return 0 if identical and summary.requests == args.lines else 1
 

@@ -35,7 +35,11 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="genrun-bench-"))
     os.environ.setdefault("HF_DATASETS_CACHE", str(scratch / "hf"))
     rows = [
-        {"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}}
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": f"Question number {i}?"}],
+            "extra_info": {"index": i},
+        }
         for i in range(args.samples)
     ]
     pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
@@ -43,11 +47,16 @@ def main() -> None:
     from generation_core.plan.preflight import preflight
 
     try:
-        plan = preflight([
-            f"data.train_files={scratch / 'prompts.parquet'}", f"trainer.default_local_dir={scratch / 'run'}",
-            "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",
-            "generation.save_batch_size=500", "generation.max_inflight=256",
-        ])
+        plan = preflight(
+            [
+                f"data.train_files={scratch / 'prompts.parquet'}",
+                f"trainer.default_local_dir={scratch / 'run'}",
+                "actor_rollout_ref.rollout.name=instant",
+                "generation.show_progress=false",
+                "generation.save_batch_size=500",
+                "generation.max_inflight=256",
+            ]
+        )
         summary = run_in_process(plan)
         marker = json.loads(next((scratch / "run" / "shards").glob("*/_SUCCESS.json")).read_text())
     finally:
@@ -58,9 +67,14 @@ def main() -> None:
     stages = marker["last_attempt"]["stage_seconds"]
     shard_seconds = now["generation_seconds"]
     rest = shard_seconds - stages["postprocess"] - stages["serialization"]
-    rows = [("agent loop + engine round trip (rest)", rest), *((name, stages[name]) for name in ("postprocess", "serialization", "storage"))]
+    rows = [
+        ("agent loop + engine round trip (rest)", rest),
+        *((name, stages[name]) for name in ("postprocess", "serialization", "storage")),
+    ]
     for name, seconds in rows:
-        print(f"  {name:38s} {1000 * seconds / now['trajectories']:7.3f} ms/trajectory  {100 * seconds / shard_seconds:5.1f}% of shard time")
+        print(
+            f"  {name:38s} {1000 * seconds / now['trajectories']:7.3f} ms/trajectory  {100 * seconds / shard_seconds:5.1f}% of shard time"
+        )
     print(f"orchestration rate: {rate:.0f} trajectories/s (target {TARGET:.0f}/s: {rate / TARGET:.2f} of target)")
 
 

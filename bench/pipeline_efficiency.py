@@ -62,7 +62,14 @@ def best_static_rate(model, tokenizer, prompts: list[list[int]], tokens: int) ->
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
             generated += (out.shape[1] - width) * len(group)
         rate = generated / (time.perf_counter() - started)
         print(f"  model.generate static batch {batch}: {rate:.1f} tokens/s")
@@ -75,9 +82,13 @@ def pipeline_run(scratch: Path, prompts_file: Path, tokens: int, shards: int) ->
     out = scratch / f"run-{shards}"
     env = genrun_env(timeline)
     command = [
-        GENRUN, f"data.train_files={prompts_file}", f"trainer.default_local_dir={out}",
-        f"data.max_response_length={tokens}", "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
-        f"generation.num_shards={shards}", "generation.show_progress=false",
+        GENRUN,
+        f"data.train_files={prompts_file}",
+        f"trainer.default_local_dir={out}",
+        f"data.max_response_length={tokens}",
+        "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
+        f"generation.num_shards={shards}",
+        "generation.show_progress=false",
     ]
     started = time.time()
     finished = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -86,7 +97,12 @@ def pipeline_run(scratch: Path, prompts_file: Path, tokens: int, shards: int) ->
         sys.exit(f"genrun failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
     manifest = json.loads((out / "manifest.json").read_text())
     generation_seconds = generation_phase_seconds(read_timeline(timeline))
-    return {"tokens": manifest["generated_tokens"], "trajectories": manifest["num_trajectories"], "generation_seconds": generation_seconds, "total_seconds": total}
+    return {
+        "tokens": manifest["generated_tokens"],
+        "trajectories": manifest["num_trajectories"],
+        "generation_seconds": generation_seconds,
+        "total_seconds": total,
+    }
 
 
 def main() -> None:
@@ -111,13 +127,19 @@ def main() -> None:
             runs[shards] = result = pipeline_run(scratch, prompts_file, args.tokens, shards)
             phase = result["tokens"] / result["generation_seconds"]
             whole = result["tokens"] / result["total_seconds"]
-            print(f"  genrun, {shards} shard(s): {result['trajectories']} trajectories, {result['tokens']} tokens; generation phase "
-                  f"{result['generation_seconds']:.1f} s = {phase:.1f} tokens/s; whole command {result['total_seconds']:.1f} s = {whole:.1f} tokens/s")
+            print(
+                f"  genrun, {shards} shard(s): {result['trajectories']} trajectories, {result['tokens']} tokens; generation phase "
+                f"{result['generation_seconds']:.1f} s = {phase:.1f} tokens/s; whole command {result['total_seconds']:.1f} s = {whole:.1f} tokens/s"
+            )
         print(f"best static batch: {static:.1f} tokens/s (batch {batch})")
         for shards, result in runs.items():
-            print(f"end to end / static, {shards} shard(s), this size: {result['tokens'] / result['total_seconds'] / static:.2f}")
+            print(
+                f"end to end / static, {shards} shard(s), this size: {result['tokens'] / result['total_seconds'] / static:.2f}"
+            )
         for shards, result in runs.items():
-            print(f"pipeline efficiency (generation phase / static), {shards} shard(s): {result['tokens'] / result['generation_seconds'] / static:.2f} (target {TARGET:.2f})")
+            print(
+                f"pipeline efficiency (generation phase / static), {shards} shard(s): {result['tokens'] / result['generation_seconds'] / static:.2f} (target {TARGET:.2f})"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

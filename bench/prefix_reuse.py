@@ -23,14 +23,27 @@ from transformers import AutoTokenizer
 from generation_core.config.bundled import prepare_bundled_model
 from generation_core.engines.hf import EngineSettings, HFEngine
 
-QUESTIONS = ["Name a color.", "What is 3 + 4?", "Describe rain.", "Give a fruit.", "Why is the sky blue?", "Say hi.", "Count to five.", "What is a cat?"]
+QUESTIONS = [
+    "Name a color.",
+    "What is 3 + 4?",
+    "Describe rain.",
+    "Give a fruit.",
+    "Why is the sky blue?",
+    "Say hi.",
+    "Count to five.",
+    "What is a cat?",
+]
 TOOL_TOKENS = 20
 
 
 def _first_prompts(tokenizer, count: int) -> list[list[int]]:
     out = []
     for i in range(count):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} Use the tool. ({i})"}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} Use the tool. ({i})"}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         out.append(ids if isinstance(ids, list) else list(ids["input_ids"]))
     return out
 
@@ -39,13 +52,17 @@ def _tool_turn(tokenizer) -> list[int]:
     """A ChatML tool turn of exactly TOOL_TOKENS tokens (its body cut to fit)."""
     head = tokenizer.encode("<|im_start|>tool\n", add_special_tokens=False)
     tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    body = tokenizer.encode("The tool returned 42, and the lookup found three matching records for the query", add_special_tokens=False)
+    body = tokenizer.encode(
+        "The tool returned 42, and the lookup found three matching records for the query", add_special_tokens=False
+    )
     ids = head + body[: TOOL_TOKENS - len(head) - len(tail)] + tail
     assert len(ids) == TOOL_TOKENS, len(ids)
     return ids
 
 
-async def _workload(engine: HFEngine, prompts: list[list[int]], tool: list[int], turns: int, tokens: int) -> tuple[list[list[int]], float]:
+async def _workload(
+    engine: HFEngine, prompts: list[list[int]], tool: list[int], turns: int, tokens: int
+) -> tuple[list[list[int]], float]:
     params = {"temperature": 0, "max_tokens": tokens, "ignore_eos": True}
 
     async def conversation(i: int, prompt: list[int]) -> list[int]:
@@ -76,7 +93,12 @@ def main() -> None:
     def engine(prefix_cache_bytes: int | None) -> HFEngine:
         extra = {} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}
         settings = EngineSettings(
-            str(model_dir), prompt_length=longest, response_length=args.tokens, max_batch_size=args.conversations, num_threads=os.cpu_count(), **extra
+            str(model_dir),
+            prompt_length=longest,
+            response_length=args.tokens,
+            max_batch_size=args.conversations,
+            num_threads=os.cpu_count(),
+            **extra,
         )
         return HFEngine(settings)
 
@@ -96,7 +118,9 @@ def main() -> None:
     for e in engines.values():
         e.shutdown()
     rates = {name: generated[name] / seconds[name] for name in engines}
-    print(f"{args.conversations} conversations x {args.turns} turns, {args.tokens} tokens a turn + {TOOL_TOKENS} tool tokens, {args.rounds} rounds each, alternated")
+    print(
+        f"{args.conversations} conversations x {args.turns} turns, {args.tokens} tokens a turn + {TOOL_TOKENS} tool tokens, {args.rounds} rounds each, alternated"
+    )
     for name, e in engines.items():
         stats = {k: e.stats[k] - before[name][k] for k in ("prefill_tokens", "prefix_hits", "prefix_reused_tokens")}
         print(

@@ -62,7 +62,14 @@ def baseline_tree(revision: str, scratch: Path) -> Path:
 def sitting(tree: Path, samples: int, scratch: Path) -> float:
     scratch.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", _SITTING, str(samples), str(scratch)], cwd=str(tree), env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _SITTING, str(samples), str(scratch)],
+        cwd=str(tree),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"sitting in {tree} failed:\n{done.stderr[-3000:]}")
     return float(json.loads(done.stdout.strip().splitlines()[-1])["rate"])
@@ -78,7 +85,9 @@ def part_bytes(folder: Path) -> tuple[int, int, int]:
     count = with_ = without = 0
     for part in committed_parts(run):
         records = records_from_parquet(read_verified_part(run, part))
-        assert all(r.provenance is not None for r in records), f"{part.path} was written without provenance: give a run folder of this tree"
+        assert all(r.provenance is not None for r in records), (
+            f"{part.path} was written without provenance: give a run folder of this tree"
+        )
         count += len(records)
         with_ += len(records_to_parquet(records))
         for record in records:
@@ -89,7 +98,9 @@ def part_bytes(folder: Path) -> tuple[int, int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("folder", nargs="?", type=Path, help="a run folder written by this tree (bytes measured on its parts)")
+    parser.add_argument(
+        "folder", nargs="?", type=Path, help="a run folder written by this tree (bytes measured on its parts)"
+    )
     parser.add_argument("--baseline", required=True, help="git revision without provenance (e.g. the merge base)")
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--sittings", type=int, default=3)
@@ -101,12 +112,20 @@ def main() -> None:
         rates["baseline"].append(sitting(base, args.samples, scratch / f"base-{n}"))
         rates["provenance"].append(sitting(REPO, args.samples, scratch / f"this-{n}"))
     for name, values in rates.items():
-        print(f"instant engine, {args.samples} samples: {name:10s} " + " ".join(f"{v:6.0f}" for v in values) + f"  median {statistics.median(values):6.0f} trajectories/s")
-    print(f"trajectories/s with provenance / without: {statistics.median(rates['provenance']) / statistics.median(rates['baseline']):.3f}")
+        print(
+            f"instant engine, {args.samples} samples: {name:10s} "
+            + " ".join(f"{v:6.0f}" for v in values)
+            + f"  median {statistics.median(values):6.0f} trajectories/s"
+        )
+    print(
+        f"trajectories/s with provenance / without: {statistics.median(rates['provenance']) / statistics.median(rates['baseline']):.3f}"
+    )
     folder = args.folder or scratch / f"this-{args.sittings - 1}" / "run"
     count, with_, without = part_bytes(folder)
-    print(f"part bytes ({folder if args.folder else 'the instant run'}; {count} trajectories): with provenance {with_ / count:.1f} B/trajectory, "
-          f"without {without / count:.1f} B/trajectory, ratio {with_ / without:.3f} (+{(with_ - without) / count:.1f} B/trajectory)")
+    print(
+        f"part bytes ({folder if args.folder else 'the instant run'}; {count} trajectories): with provenance {with_ / count:.1f} B/trajectory, "
+        f"without {without / count:.1f} B/trajectory, ratio {with_ / without:.3f} (+{(with_ - without) / count:.1f} B/trajectory)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ def write_dataset(path: Path, rows: int, row_group_size: int = 100_000) -> Path:
     for start in range(0, rows, row_group_size):
         stop = min(start + row_group_size, rows)
         count = stop - start
-        content = pa.array([f"Write one short sentence about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(start, stop)])
+        content = pa.array(
+            [f"Write one short sentence about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(start, stop)]
+        )
         messages = pa.StructArray.from_arrays([pa.array(["user"] * count), content], names=["role", "content"])
         prompt = pa.ListArray.from_arrays(pa.array(np.arange(count + 1, dtype=np.int32)), messages)
         table = pa.table(
@@ -68,8 +70,13 @@ def write_dataset(path: Path, rows: int, row_group_size: int = 100_000) -> Path:
                 "data_source": pa.array(["scale"] * count),
                 "prompt": prompt,
                 "ability": pa.array(["chat"] * count),
-                "reward_model": pa.StructArray.from_arrays([pa.array(["none"] * count), pa.array([""] * count)], names=["style", "ground_truth"]),
-                "extra_info": pa.StructArray.from_arrays([pa.array(["train"] * count), pa.array(np.arange(start, stop, dtype=np.int64))], names=["split", "index"]),
+                "reward_model": pa.StructArray.from_arrays(
+                    [pa.array(["none"] * count), pa.array([""] * count)], names=["style", "ground_truth"]
+                ),
+                "extra_info": pa.StructArray.from_arrays(
+                    [pa.array(["train"] * count), pa.array(np.arange(start, stop, dtype=np.int64))],
+                    names=["split", "index"],
+                ),
             }
         )
         if writer is None:
@@ -106,10 +113,14 @@ def _is_shard_worker(process: psutil.Process) -> bool:
     except psutil.Error:
         return False
     # Ray names a worker process after what it runs; the replicas and Ray's own agents are actors.
-    return title.startswith("ray::") and not any(word in title for word in ("Engine", "Replica", "Balancer", "IDLE", "Agent", "Dashboard"))
+    return title.startswith("ray::") and not any(
+        word in title for word in ("Engine", "Replica", "Balancer", "IDLE", "Agent", "Dashboard")
+    )
 
 
-def time_to_first_part(dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0) -> dict[str, float]:
+def time_to_first_part(
+    dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0
+) -> dict[str, float]:
     scratch.mkdir(parents=True, exist_ok=True)
     timeline = scratch / "timeline.txt"
     command = [
@@ -122,7 +133,14 @@ def time_to_first_part(dataset: Path, scratch: Path, *, after_first_part: float 
         f"trainer.default_local_dir={scratch / 'run'}",
     ]
     started = time.time()
-    process = subprocess.Popen(command, cwd=REPO, env=genrun_env(timeline), stdout=open(scratch / "out.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=genrun_env(timeline),
+        stdout=open(scratch / "out.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     driver = psutil.Process(process.pid)
     driver_peak = worker_peak = 0
     first_part_at = None
@@ -176,7 +194,9 @@ def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
         f"trainer.default_local_dir={run}",
     ]
     started = time.time()
-    finished = subprocess.run(command, cwd=REPO, env=genrun_env(scratch / "timeline.txt"), capture_output=True, text=True)
+    finished = subprocess.run(
+        command, cwd=REPO, env=genrun_env(scratch / "timeline.txt"), capture_output=True, text=True
+    )
     if finished.returncode != 0:
         sys.exit(f"the 100k run failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
     shard = run / "shards" / "shard-00000"
@@ -215,21 +235,30 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     started = time.time()
     dataset = write_dataset(scratch / "prompts.parquet", prompts)
     written = time.time() - started
-    plan = preflight([
-        f"data.train_files=[{dataset}]",
-        f"trainer.default_local_dir={scratch / 'run'}",
-        f"actor_rollout_ref.model.path={prepare_bundled_model()}",
-        "actor_rollout_ref.rollout.name=instant",
-        f"generation.num_shards={SHARDS}",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files=[{dataset}]",
+            f"trainer.default_local_dir={scratch / 'run'}",
+            f"actor_rollout_ref.model.path={prepare_bundled_model()}",
+            "actor_rollout_ref.rollout.name=instant",
+            f"generation.num_shards={SHARDS}",
+        ]
+    )
     plan.claim_folder()
     options = data_storage_options(plan.cfg)
     started = time.time()
     for shard in plan.shards:
-        ShardCheckpoint.start_attempt(plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options)))
+        ShardCheckpoint.start_attempt(
+            plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
+        )
     recorded = time.time() - started
     for shard in plan.shards:  # finished (no parts): only a finished shard's rows are read again
-        write_marker(plan.folder, SuccessMarker(shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0))
+        write_marker(
+            plan.folder,
+            SuccessMarker(
+                shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0
+            ),
+        )
     started = time.time()
     assert all(finished_shards(plan, plan.shards).values())
     return {
@@ -256,12 +285,19 @@ def main() -> None:
             for rows in args.sizes:
                 started = time.time()
                 dataset = write_dataset(tmp / f"data-{rows}" / "prompts.parquet", rows)
-                print(f"{rows:>10,} prompts: dataset written in {time.time() - started:.1f} s ({dataset.stat().st_size / 2**20:.0f} MiB)", flush=True)
+                print(
+                    f"{rows:>10,} prompts: dataset written in {time.time() - started:.1f} s ({dataset.stat().st_size / 2**20:.0f} MiB)",
+                    flush=True,
+                )
                 results[rows] = time_to_first_part(dataset, tmp / f"run-{rows}")
-                print(f"{rows:>10,} prompts: " + ", ".join(f"{k} {v:.1f}" for k, v in results[rows].items()), flush=True)
+                print(
+                    f"{rows:>10,} prompts: " + ", ".join(f"{k} {v:.1f}" for k, v in results[rows].items()), flush=True
+                )
                 dataset.unlink()
             smallest = min(results)
-            print("\n   prompts  preflight s  first part s  vs smallest  driver RSS MiB  shard worker RSS MiB  vs smallest")
+            print(
+                "\n   prompts  preflight s  first part s  vs smallest  driver RSS MiB  shard worker RSS MiB  vs smallest"
+            )
             for rows, r in results.items():
                 print(
                     f"{rows:>10,}  {r['inputs_checked_s']:11.1f}  {r['first_part_s']:12.1f}  {r['first_part_s'] / results[smallest]['first_part_s']:11.2f}"

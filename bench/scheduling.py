@@ -118,20 +118,35 @@ class Outcome:
 def _prompts(s: Scenario) -> list[list[list[int]]]:
     rng = random.Random(s.seed)
     system = [rng.randrange(3, 50_000) for _ in range(s.system_tokens)]
-    return [[system + [rng.randrange(3, 50_000) for _ in range(s.prompt_tokens)] for _ in range(s.prompts_per_worker)] for _ in range(s.workers)]
+    return [
+        [system + [rng.randrange(3, 50_000) for _ in range(s.prompt_tokens)] for _ in range(s.prompts_per_worker)]
+        for _ in range(s.workers)
+    ]
 
 
 async def _run(s: Scenario, mode: str) -> dict[str, Any]:
     engines = [
-        SimulatedEngine(SimulatedSettings(
-            prompt_length=s.system_tokens + s.prompt_tokens, response_length=s.response_length, eos_token_id=2, max_num_seqs=s.max_num_seqs,
-            vocab_size=50_000, decode_seconds_per_step=s.decode_seconds_per_step, prefill_seconds_per_token=s.prefill_seconds_per_token,
-            prefix_cache_tokens=s.prefix_cache_tokens, response_tokens_median=s.median, response_tokens_sigma=s.sigma, seed=s.seed + r,
-        ))
+        SimulatedEngine(
+            SimulatedSettings(
+                prompt_length=s.system_tokens + s.prompt_tokens,
+                response_length=s.response_length,
+                eos_token_id=2,
+                max_num_seqs=s.max_num_seqs,
+                vocab_size=50_000,
+                decode_seconds_per_step=s.decode_seconds_per_step,
+                prefill_seconds_per_token=s.prefill_seconds_per_token,
+                prefix_cache_tokens=s.prefix_cache_tokens,
+                response_tokens_median=s.median,
+                response_tokens_sigma=s.sigma,
+                seed=s.seed + r,
+            )
+        )
         for r in range(s.replicas)
     ]
     backends = {f"replica-{r}": SimulatedBackend(e) for r, e in enumerate(engines)}
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": mode}})
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": mode}}
+    )
     outcome, seen_blocks = Outcome(), set()
     prompts = _prompts(s)
     loop = asyncio.get_running_loop()
@@ -147,7 +162,9 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
         seen_blocks.update(keys)
         outcome.reusable_tokens += reusable
         request_id = f"w{w}-p{p}-s{k}"
-        await client.generate(request_id, prompt_ids=prompt, sampling_params={"temperature": 1.0, "seed": (w * 1_000_003 + p) * 64 + k})
+        await client.generate(
+            request_id, prompt_ids=prompt, sampling_params={"temperature": 1.0, "seed": (w * 1_000_003 + p) * 64 + k}
+        )
         outcome.trajectories += 1
         outcome.request_ids.append(request_id)
         outcome.finished_at.append(loop.time())
@@ -186,15 +203,23 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
     stats = [e.stats for e in engines]
     reused = sum(st["prefix_reused_tokens"] for st in stats)
     return {
-        "mode": mode, "trajectories": outcome.trajectories, "unique": len(set(outcome.request_ids)), "seconds": makespan,
-        "traj_per_s": outcome.trajectories / makespan, "tokens_per_s": sum(st["generated_tokens"] for st in stats) / makespan,
+        "mode": mode,
+        "trajectories": outcome.trajectories,
+        "unique": len(set(outcome.request_ids)),
+        "seconds": makespan,
+        "traj_per_s": outcome.trajectories / makespan,
+        "tokens_per_s": sum(st["generated_tokens"] for st in stats) / makespan,
         "imbalance": max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
         "inst_imbalance": sum(max(row) / (sum(row) / len(row)) for row in steady) / max(len(steady), 1),
-        "hit_rate": prefix_hit_rate({"prefix_reused_tokens": reused, "prefill_tokens": sum(st["prefill_tokens"] for st in stats)}),
+        "hit_rate": prefix_hit_rate(
+            {"prefix_reused_tokens": reused, "prefill_tokens": sum(st["prefill_tokens"] for st in stats)}
+        ),
         "hit_of_reusable": reused / outcome.reusable_tokens if outcome.reusable_tokens else None,
-        "replica_hit_rates": [prefix_hit_rate(st) for st in stats], "sent_all_at": sent_at,
+        "replica_hit_rates": [prefix_hit_rate(st) for st in stats],
+        "sent_all_at": sent_at,
         # The tail (item 5): the share of the run's time its last 1% of trajectories take.
-        "last_1pct_share": (makespan - sorted(outcome.finished_at)[int(0.99 * len(outcome.finished_at)) - 1]) / makespan,
+        "last_1pct_share": (makespan - sorted(outcome.finished_at)[int(0.99 * len(outcome.finished_at)) - 1])
+        / makespan,
     }
 
 
@@ -228,14 +253,18 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
     args = parser.parse_args()
-    base = dict(workers=args.workers, replicas=args.replicas, prompts_per_worker=args.prompts, n=args.n, sigma=args.sigma)
+    base = dict(
+        workers=args.workers, replicas=args.replicas, prompts_per_worker=args.prompts, n=args.n, sigma=args.sigma
+    )
     scenarios = [
         # genrun's default max_inflight: 2 x max_num_seqs per shard worker, queues on every replica.
         Scenario("default max_inflight (64/worker)", max_inflight=64, **base),
         # As many requests in flight as the replicas have slots: where a pile-up leaves slots idle.
         Scenario("in flight = slots (8/worker)", max_inflight=8, **base),
     ]
-    print("| scenario | routing | trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant) | prefix hit rate | hit / reusable | per replica | last 1% share |")
+    print(
+        "| scenario | routing | trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant) | prefix hit rate | hit / reusable | per replica | last 1% share |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in scenarios:
         rows = {mode: run_scenario(s, mode) for mode in MODES}
@@ -247,7 +276,9 @@ def main() -> None:
             )
         local = rows["local"]
         for mode in MODES[1:]:
-            print(f"| {s.name} | {mode} / local | | | {rows[mode]['traj_per_s'] / local['traj_per_s']:.2f} | {rows[mode]['tokens_per_s'] / local['tokens_per_s']:.2f} | | | | | | |")
+            print(
+                f"| {s.name} | {mode} / local | | | {rows[mode]['traj_per_s'] / local['traj_per_s']:.2f} | {rows[mode]['tokens_per_s'] / local['tokens_per_s']:.2f} | | | | | | |"
+            )
 
 
 if __name__ == "__main__":

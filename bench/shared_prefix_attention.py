@@ -36,9 +36,15 @@ def main() -> None:
     rows, prefix = args.rows, args.prefix
     after = torch.randint(0, 251, (rows,), generator=generator)
     end = prefix + int(after.max())
-    keys, values = torch.randn(rows, KV_HEADS, end + 1, DIM, generator=generator), torch.randn(rows, KV_HEADS, end + 1, DIM, generator=generator)
+    keys, values = (
+        torch.randn(rows, KV_HEADS, end + 1, DIM, generator=generator),
+        torch.randn(rows, KV_HEADS, end + 1, DIM, generator=generator),
+    )
     row_start = end - prefix - after
-    shared_k, shared_v = torch.randn(KV_HEADS, prefix, DIM, generator=generator), torch.randn(KV_HEADS, prefix, DIM, generator=generator)
+    shared_k, shared_v = (
+        torch.randn(KV_HEADS, prefix, DIM, generator=generator),
+        torch.randn(KV_HEADS, prefix, DIM, generator=generator),
+    )
     for row in range(rows):
         first = int(row_start[row])
         keys[row, :, first : first + prefix], values[row, :, first : first + prefix] = shared_k, shared_v
@@ -54,10 +60,14 @@ def main() -> None:
     step = CascadeStep(SharedPrefix(tuple(range(prefix)), [shared_k], [shared_v]), torch.zeros(rows, 1, 1), rows)
 
     def own_copies() -> torch.Tensor:
-        return F.scaled_dot_product_attention(query, keys[:, :, whole_start:], values[:, :, whole_start:], attn_mask=whole_mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            query, keys[:, :, whole_start:], values[:, :, whole_start:], attn_mask=whole_mask, enable_gqa=True
+        )
 
     def shared_once() -> torch.Tensor:
-        return cascade_decode_attention(query, keys[:, :, own_start:], values[:, :, own_start:], own_mask, step, 0, None)
+        return cascade_decode_attention(
+            query, keys[:, :, own_start:], values[:, :, own_start:], own_mask, step, 0, None
+        )
 
     difference = (own_copies() - shared_once()).abs().max().item()
     assert difference < 1e-5, difference
@@ -70,8 +80,12 @@ def main() -> None:
             fn()
             seconds[fn] += time.perf_counter() - started
     before, now = (seconds[fn] / args.calls * 1e3 for fn in (own_copies, shared_once))
-    print(f"{rows} rows, {prefix}-token shared prefix, 0-250 tokens after it (windows {end + 1 - whole_start} -> {end + 1 - own_start} columns), {args.threads} threads")
-    print(f"each row its own copy: {before:.2f} ms/layer; prefix read once: {now:.2f} ms/layer; ratio {before / now:.2f}x (outputs differ by {difference:.1e})")
+    print(
+        f"{rows} rows, {prefix}-token shared prefix, 0-250 tokens after it (windows {end + 1 - whole_start} -> {end + 1 - own_start} columns), {args.threads} threads"
+    )
+    print(
+        f"each row its own copy: {before:.2f} ms/layer; prefix read once: {now:.2f} ms/layer; ratio {before / now:.2f}x (outputs differ by {difference:.1e})"
+    )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ class BatchEngine(ScriptedEngine):
                 self._set_running(self.running - 1)
 
 
-def occupancy(changes: list[tuple[float, int]], start: float, end: float, max_num_seqs: int, window: float = 0.05) -> tuple[float, float]:
+def occupancy(
+    changes: list[tuple[float, int]], start: float, end: float, max_num_seqs: int, window: float = 0.05
+) -> tuple[float, float]:
     """Time-weighted mean of running / max_num_seqs over [start, end], and its lowest over whole windows."""
     if end <= start:
         return float("nan"), float("nan")
@@ -113,19 +115,29 @@ def run_once(model_dir: Path, tokenizer, tools_yaml: Path, args, tool_seconds: f
     from generation_core.config.settings import GenerationSettings
     from generation_core.shard.streaming import StreamingWorker
 
-    cfg = load_config([
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"data.tool_config_path={tools_yaml}",
-        f"actor_rollout_ref.rollout.max_num_seqs={args.max_num_seqs}",
-        "generation.show_progress=false",
-    ])
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"data.tool_config_path={tools_yaml}",
+            f"actor_rollout_ref.rollout.max_num_seqs={args.max_num_seqs}",
+            "generation.show_progress=false",
+        ]
+    )
     cfg.actor_rollout_ref.model.path = str(model_dir)
     gen = GenerationSettings.of(cfg)
     max_open = gen.inflight_limit if before else gen.open_trajectories_limit
     engine = BatchEngine(tokenizer, args.max_num_seqs, args.call_seconds)
     worker = StreamingWorker(cfg, engine)
     samples = [
-        ((i, 0), {"raw_prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}], "agent_name": "tool_agent", "index": i, "extra_info": {"index": i}})
+        (
+            (i, 0),
+            {
+                "raw_prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}],
+                "agent_name": "tool_agent",
+                "index": i,
+                "extra_info": {"index": i},
+            },
+        )
         for i in range(args.trajectories)
     ]
     finished_at: list[float] = []
@@ -134,6 +146,7 @@ def run_once(model_dir: Path, tokenizer, tools_yaml: Path, args, tool_seconds: f
     def drawn():
         yield from samples
         last_started.append(time.perf_counter())
+
     keys: list[tuple[int, int]] = []
 
     async def consume() -> None:
@@ -156,8 +169,14 @@ def run_once(model_dir: Path, tokenizer, tools_yaml: Path, args, tool_seconds: f
     mean, low = occupancy(engine.changes, full, last_started[0], args.max_num_seqs, window=args.window)
     mean_all, _ = occupancy(engine.changes, full, until, args.max_num_seqs, window=args.window)
     return {
-        "occupancy": mean, "min_window": low, "occupancy_all": mean_all, "per_s": len(keys) / wall, "wall": wall,
-        "exact": sorted(keys) == [(i, 0) for i in range(args.trajectories)], "calls": len(engine.calls), "max_open": max_open,
+        "occupancy": mean,
+        "min_window": low,
+        "occupancy_all": mean_all,
+        "per_s": len(keys) / wall,
+        "wall": wall,
+        "exact": sorted(keys) == [(i, 0) for i in range(args.trajectories)],
+        "calls": len(engine.calls),
+        "max_open": max_open,
     }
 
 
@@ -181,17 +200,28 @@ def main() -> None:
     tools_yaml = scratch / "tools.yaml"
     tools_yaml.write_text("tools:\n  - class_name: slots_per_call.SlowCalculatorTool\n    config: {type: native}\n")
 
-    print(f"{args.trajectories} tool trajectories (2 model calls each), max_num_seqs {args.max_num_seqs}, "
-          f"max_inflight {2 * args.max_num_seqs}, model call {args.call_seconds:g} s")
-    print("| tool s | run | max open | occupancy, prompts unstarted | lowest window | occupancy, >= max_num_seqs unfinished | trajectories/s | each once | after/before occupancy | after/before rate |")
+    print(
+        f"{args.trajectories} tool trajectories (2 model calls each), max_num_seqs {args.max_num_seqs}, "
+        f"max_inflight {2 * args.max_num_seqs}, model call {args.call_seconds:g} s"
+    )
+    print(
+        "| tool s | run | max open | occupancy, prompts unstarted | lowest window | occupancy, >= max_num_seqs unfinished | trajectories/s | each once | after/before occupancy | after/before rate |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for _ in range(args.rounds):
         for tool_seconds in args.tool_seconds:
             before = run_once(model_dir, tokenizer, tools_yaml, args, tool_seconds, before=True)
             after = run_once(model_dir, tokenizer, tools_yaml, args, tool_seconds, before=False)
             for name, r in (("before", before), ("after", after)):
-                ratios = f"{after['occupancy'] / before['occupancy']:.2f} | {after['per_s'] / before['per_s']:.2f}" if name == "after" else " | "
-                print(f"| {tool_seconds:g} | {name} | {r['max_open']} | {r['occupancy']:.3f} | {r['min_window']:.2f} | {r['occupancy_all']:.3f} | {r['per_s']:.1f} | {r['exact']} | {ratios} |", flush=True)
+                ratios = (
+                    f"{after['occupancy'] / before['occupancy']:.2f} | {after['per_s'] / before['per_s']:.2f}"
+                    if name == "after"
+                    else " | "
+                )
+                print(
+                    f"| {tool_seconds:g} | {name} | {r['max_open']} | {r['occupancy']:.3f} | {r['min_window']:.2f} | {r['occupancy_all']:.3f} | {r['per_s']:.1f} | {r['exact']} | {ratios} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -52,16 +52,20 @@ def plain_step_ms(model, rows: int, context: int) -> float:
 async def engine_step_ms(engine: HFEngine, rows: int, context: int) -> float:
     async def run(tokens: int, tag: int) -> tuple[int, float]:
         before = dict(engine.stats)
-        await asyncio.gather(*[
-            engine.generate(
-                f"{tag}-{rows}-{i}",
-                # Distinct prompts: no prefix shared between them, as the drain's conversations.
-                prompt_ids=[(7 * i + 13 * j + 3 * tag) % 5000 + 100 for j in range(context)],
-                sampling_params={"temperature": 1.0, "max_tokens": tokens},
-            )
-            for i in range(rows)
-        ])
-        return engine.stats["forward_steps"] - before["forward_steps"], engine.stats["busy_seconds"] - before["busy_seconds"]
+        await asyncio.gather(
+            *[
+                engine.generate(
+                    f"{tag}-{rows}-{i}",
+                    # Distinct prompts: no prefix shared between them, as the drain's conversations.
+                    prompt_ids=[(7 * i + 13 * j + 3 * tag) % 5000 + 100 for j in range(context)],
+                    sampling_params={"temperature": 1.0, "max_tokens": tokens},
+                )
+                for i in range(rows)
+            ]
+        )
+        return engine.stats["forward_steps"] - before["forward_steps"], engine.stats["busy_seconds"] - before[
+            "busy_seconds"
+        ]
 
     short_steps, short_seconds = await run(20, 1)
     long_steps, long_seconds = await run(60, 2)
@@ -75,7 +79,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     path = str(prepare_bundled_model())
-    engine = HFEngine(EngineSettings(model_path=path, prompt_length=args.context + 64, response_length=128, max_batch_size=max(args.rows), num_threads=THREADS, ignore_eos=True))
+    engine = HFEngine(
+        EngineSettings(
+            model_path=path,
+            prompt_length=args.context + 64,
+            response_length=128,
+            max_batch_size=max(args.rows),
+            num_threads=THREADS,
+            ignore_eos=True,
+        )
+    )
     try:
         print(f"bundled model, {THREADS} threads, context {args.context} tokens: ms per decode step")
         print(f"{'rows':>5} {'plain':>8} {'engine':>8} {'engine/plain':>13}")

@@ -32,7 +32,10 @@ STAGES = [
     ("ray_ready", "flow run created, Ray started"),
     ("engine_ready", "engine replica: actor start + model load"),
     ("shard_worker_ready", "shard task on a Ray worker: imports, tokenizer, prompts, agent loop setup"),
-    ("first_part_written", "first part committed (cut by age: generation.first_part_max_seconds after its first trajectory)"),
+    (
+        "first_part_written",
+        "first part committed (cut by age: generation.first_part_max_seconds after its first trajectory)",
+    ),
 ]
 
 
@@ -81,7 +84,9 @@ def time_refusals() -> None:
         for label, arguments in REFUSALS:
             code, wall, cpu = cpu_seconds_of([GENRUN, *arguments, f"trainer.default_local_dir={scratch / 'run'}"], env)
             verdict = "met" if cpu <= REFUSAL_TARGET_CPU else "not met"
-            print(f"refused {label:18s} exit {code}  {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})")
+            print(
+                f"refused {label:18s} exit {code}  {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -110,7 +115,9 @@ def main() -> None:
             previous = at
         print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
     first = sorted(r["first_part_written"] for r in results)[len(results) // 2]
-    print(f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {'met' if first <= TARGET else 'not met'})")
+    print(
+        f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {'met' if first <= TARGET else 'not met'})"
+    )
 
 
 if __name__ == "__main__":

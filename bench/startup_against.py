@@ -41,7 +41,10 @@ def main() -> None:
                 timeline = run_once(folder, tree)
                 times[name].append({stage: timeline[stage] for stage in STAGES})
                 shutil.rmtree(folder, ignore_errors=True)
-                print(f"round {round_ + 1} {name:>12}: " + "  ".join(f"{k} {v:5.1f}" for k, v in times[name][-1].items()), flush=True)
+                print(
+                    f"round {round_ + 1} {name:>12}: " + "  ".join(f"{k} {v:5.1f}" for k, v in times[name][-1].items()),
+                    flush=True,
+                )
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(earlier)], check=False)
         shutil.rmtree(scratch, ignore_errors=True)

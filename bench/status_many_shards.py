@@ -32,17 +32,33 @@ from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_nam
 def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:
     folder = StorageFolder(str(path))
     names = [shard_name(i) for i in range(shards)]
-    folder.put_json("run.json", {
-        "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
-        "shards": [{"name": name, "range": [i * rows_per_shard, (i + 1) * rows_per_shard]} for i, name in enumerate(names)],
-        "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
-    })
+    folder.put_json(
+        "run.json",
+        {
+            "fingerprint": "f" * 64,
+            "rollout_n": 1,
+            "pad_token_id": 0,
+            "shards": [
+                {"name": name, "range": [i * rows_per_shard, (i + 1) * rows_per_shard]} for i, name in enumerate(names)
+            ],
+            "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
+        },
+    )
     for i, name in enumerate(names):
         keys = [f"{i * rows_per_shard + row}:0" for row in range(rows_per_shard)]
         part = PartEntry(name="part-00000.parquet", count=rows_per_shard, bytes=1, sha256="0" * 64)
         ShardCheckpoint.start_attempt(folder, name).commit_part(folder, name, part, keys)
-        write_marker(folder, SuccessMarker(shard=name, shard_id=i, range=[i * rows_per_shard, (i + 1) * rows_per_shard],
-                                           num_trajectories=rows_per_shard, expected_trajectories=rows_per_shard, parts=[part]))
+        write_marker(
+            folder,
+            SuccessMarker(
+                shard=name,
+                shard_id=i,
+                range=[i * rows_per_shard, (i + 1) * rows_per_shard],
+                num_trajectories=rows_per_shard,
+                expected_trajectories=rows_per_shard,
+                parts=[part],
+            ),
+        )
 
 
 def main() -> None:
@@ -59,7 +75,13 @@ def main() -> None:
         times = []
         for _ in range(args.rounds):
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "flows.cli", "status", str(run)], cwd=REPO, capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "flows.cli", "status", str(run)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             times.append(time.perf_counter() - started)
         print(done.stdout.splitlines()[-2])
         print("rounds: " + ", ".join(f"{t:.2f} s" for t in times) + f"; median {statistics.median(times):.2f} s")

@@ -38,8 +38,11 @@ PART_SIZE = 16  # generation.save_batch_size's default
 
 def generate(directory: Path, logprobs: bool) -> None:
     command = [
-        str(Path(sys.executable).parent / "genrun"), "data.max_response_length=256", "generation.show_progress=false",
-        f"actor_rollout_ref.rollout.calculate_log_probs={str(logprobs).lower()}", f"trainer.default_local_dir={directory}",
+        str(Path(sys.executable).parent / "genrun"),
+        "data.max_response_length=256",
+        "generation.show_progress=false",
+        f"actor_rollout_ref.rollout.calculate_log_probs={str(logprobs).lower()}",
+        f"trainer.default_local_dir={directory}",
     ]
     subprocess.run(command, check=True, cwd=str(REPO), stdout=subprocess.DEVNULL)
 
@@ -56,7 +59,11 @@ def part_records(directory: Path) -> list[list]:
 
 def baseline_records_module(revision: str, scratch: Path):
     """That revision's records.py, loaded on its own (it imports nothing from genrun)."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:generation_core/store/trajectory_record.py"], check=True, capture_output=True).stdout
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:generation_core/store/trajectory_record.py"],
+        check=True,
+        capture_output=True,
+    ).stdout
     path = scratch / "baseline_records.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("baseline_records", path)
@@ -106,7 +113,13 @@ def breakdown(parts: list[list]) -> dict[str, int]:
         columns = [group.column(i) for i in range(group.num_columns)]
         for column in columns:
             name = column.path_in_schema
-            kind = "token ids" if name.split(".")[0] in ("prompt_ids", "response_ids") else "logprobs" if name.startswith("response_logprobs") else "other columns"
+            kind = (
+                "token ids"
+                if name.split(".")[0] in ("prompt_ids", "response_ids")
+                else "logprobs"
+                if name.startswith("response_logprobs")
+                else "other columns"
+            )
             sizes[kind] += column.total_compressed_size
         sizes["file overhead"] += len(data) - sum(column.total_compressed_size for column in columns)
     return sizes
@@ -135,14 +148,18 @@ def measure(directory: Path, parts: list[list], baseline) -> dict:
         "padded": padded_pickle_bytes(records, run["config"]["actor_rollout_ref"]["rollout"]["prompt_length"]),
     }
     if baseline is not None:
-        result["baseline"] = {label: part_bytes(grouping, baseline.records_to_parquet) for label, grouping in groupings.items()}
+        result["baseline"] = {
+            label: part_bytes(grouping, baseline.records_to_parquet) for label, grouping in groupings.items()
+        }
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="*", type=Path)
-    parser.add_argument("--baseline", help="a git revision whose records_to_parquet writes the same records, side by side")
+    parser.add_argument(
+        "--baseline", help="a git revision whose records_to_parquet writes the same records, side by side"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="genrun-storage-bench-") as scratch:
         folders = list(args.folders)
@@ -160,18 +177,33 @@ def main() -> None:
     for folder, r in results:
         n, raw = r["trajectories"], 4 * r["tokens"]
         logprobs = "on" if r["logprobs"] else "off"
-        print(f"{folder}, logprobs {logprobs}: {n} trajectories of {r['tokens'] / n:.0f} tokens ({r['response_tokens'] / n:.0f} response), raw int32 tokens {raw / n:.0f} B/trajectory")
+        print(
+            f"{folder}, logprobs {logprobs}: {n} trajectories of {r['tokens'] / n:.0f} tokens ({r['response_tokens'] / n:.0f} response), raw int32 tokens {raw / n:.0f} B/trajectory"
+        )
         print(f"  trajectories per part as committed: {r['parts']}")
         for label in r["current"]:
-            before = f"baseline {args.baseline} {r['baseline'][label] / n:6.0f} B/trajectory = {r['baseline'][label] / raw:.2f}x raw, " if "baseline" in r else ""
-            print(f"  {label:>14}: {before}current {r['current'][label] / n:6.0f} B/trajectory = {r['current'][label] / raw:.2f}x raw")
+            before = (
+                f"baseline {args.baseline} {r['baseline'][label] / n:6.0f} B/trajectory = {r['baseline'][label] / raw:.2f}x raw, "
+                if "baseline" in r
+                else ""
+            )
+            print(
+                f"  {label:>14}: {before}current {r['current'][label] / n:6.0f} B/trajectory = {r['current'][label] / raw:.2f}x raw"
+            )
         parts_of = r["current"][f"parts of {PART_SIZE}"]
-        print(f"  parts of {PART_SIZE}, bytes per trajectory: " + ", ".join(f"{kind} {size / n:.0f}" for kind, size in r["breakdown"].items()))
-        print(f"  padded DataProto pickle at response_length {PADDED_RESPONSE_LENGTH}: {r['padded'] / n:.0f} B/trajectory; parts of {PART_SIZE} are {parts_of / r['padded']:.4f} of it")
+        print(
+            f"  parts of {PART_SIZE}, bytes per trajectory: "
+            + ", ".join(f"{kind} {size / n:.0f}" for kind, size in r["breakdown"].items())
+        )
+        print(
+            f"  padded DataProto pickle at response_length {PADDED_RESPONSE_LENGTH}: {r['padded'] / n:.0f} B/trajectory; parts of {PART_SIZE} are {parts_of / r['padded']:.4f} of it"
+        )
     for _, r in results:
         raw = 4 * r["tokens"]
         figures = ", ".join(f"{label} {size / raw:.2f}" for label, size in r["current"].items())
-        print(f"parts / raw int32 token bytes, logprobs {'on' if r['logprobs'] else 'off'}: {figures} (target <= {TARGET})")
+        print(
+            f"parts / raw int32 token bytes, logprobs {'on' if r['logprobs'] else 'off'}: {figures} (target <= {TARGET})"
+        )
 
 
 if __name__ == "__main__":

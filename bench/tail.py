@@ -77,15 +77,27 @@ def shard_sizes(s: Scenario) -> list[int]:
 async def _run(s: Scenario, cap: int) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     engines = [
-        SimulatedEngine(SimulatedSettings(
-            prompt_length=s.prompt_tokens, response_length=s.response_length, eos_token_id=2, max_num_seqs=s.max_num_seqs, vocab_size=50_000,
-            decode_seconds_per_step=0.02, prefill_seconds_per_token=0.0001, prefix_cache_tokens=65_536,
-            response_tokens_median=s.median, response_tokens_sigma=s.sigma, seed=s.seed + r,
-        ))
+        SimulatedEngine(
+            SimulatedSettings(
+                prompt_length=s.prompt_tokens,
+                response_length=s.response_length,
+                eos_token_id=2,
+                max_num_seqs=s.max_num_seqs,
+                vocab_size=50_000,
+                decode_seconds_per_step=0.02,
+                prefill_seconds_per_token=0.0001,
+                prefix_cache_tokens=65_536,
+                response_tokens_median=s.median,
+                response_tokens_sigma=s.sigma,
+                seed=s.seed + r,
+            )
+        )
         for r in range(s.replicas)
     ]
     backends = {f"replica-{r}": SimulatedBackend(e) for r, e in enumerate(engines)}
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": "prefix_affinity"}})
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": "prefix_affinity"}}
+    )
     rng = random.Random(s.seed)
     sizes = shard_sizes(s)
     prompts = [[[rng.randrange(3, 50_000) for _ in range(s.prompt_tokens)] for _ in range(size)] for size in sizes]
@@ -109,7 +121,11 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
 
         async def sample(p: int, k: int) -> None:
             try:
-                await client.generate(f"s{shard}-p{p}-k{k}", prompt_ids=prompts[shard][p], sampling_params={"seed": (shard * 10_007 + p) * 64 + k})
+                await client.generate(
+                    f"s{shard}-p{p}-k{k}",
+                    prompt_ids=prompts[shard][p],
+                    sampling_params={"seed": (shard * 10_007 + p) * 64 + k},
+                )
                 finished_at.append(loop.time())
                 report["generated"] += 1
             finally:
@@ -127,7 +143,9 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
         board.report(dict(report, ended=True))
 
     async def worker(w: int) -> None:
-        client = RoutingClient(config, _Source(backends), chooser=ReplicaChooser("prefix_affinity", random.Random(s.seed * 100 + w)))
+        client = RoutingClient(
+            config, _Source(backends), chooser=ReplicaChooser("prefix_affinity", random.Random(s.seed * 100 + w))
+        )
         while queue:
             await run_shard(client, queue.pop(0))
         await client.aclose()
@@ -144,12 +162,15 @@ async def _run(s: Scenario, cap: int) -> dict[str, Any]:
     for e in engines:
         e.shutdown()
     slots_total = s.replicas * s.max_num_seqs
-    last = busy_samples[int(0.8 * len(busy_samples)):]
+    last = busy_samples[int(0.8 * len(busy_samples)) :]
     ordered = sorted(finished_at)
     return {
-        "trajectories": len(finished_at), "seconds": makespan, "traj_per_s": len(finished_at) / makespan,
+        "trajectories": len(finished_at),
+        "seconds": makespan,
+        "traj_per_s": len(finished_at) / makespan,
         "tail": (makespan - ordered[int(0.99 * len(ordered)) - 1]) / makespan,
-        "busy": sum(busy_samples) / (len(busy_samples) * slots_total), "busy_last": sum(last) / (len(last) * slots_total),
+        "busy": sum(busy_samples) / (len(busy_samples) * slots_total),
+        "busy_last": sum(last) / (len(last) * slots_total),
         "peak_slots": peak_slots,
     }
 
@@ -167,23 +188,42 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8, help="mean prompts per shard")
-    parser.add_argument("--shard-sigma", type=float, default=0.8, help="lognormal sigma of the shard sizes (0: equal shards)")
+    parser.add_argument(
+        "--shard-sigma", type=float, default=0.8, help="lognormal sigma of the shard sizes (0: equal shards)"
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
     parser.add_argument("--cap", type=int, default=8, help="generation.inflight_share_cap of the 'after' rows")
     args = parser.parse_args()
-    base = dict(workers=args.workers, shards=args.shards, mean_prompts=args.prompts, shard_sigma=args.shard_sigma, replicas=args.replicas, n=args.n, sigma=args.sigma)
-    scenarios = [Scenario("default max_inflight (64/shard)", max_inflight=64, **base), Scenario("in flight = slots (8/shard)", max_inflight=8, **base)]
-    print("| scenario | shares | trajectories | sim s | traj/s | last 1% share | busy slots (run) | busy slots (last 20%) | most calls one shard had in flight |")
+    base = dict(
+        workers=args.workers,
+        shards=args.shards,
+        mean_prompts=args.prompts,
+        shard_sigma=args.shard_sigma,
+        replicas=args.replicas,
+        n=args.n,
+        sigma=args.sigma,
+    )
+    scenarios = [
+        Scenario("default max_inflight (64/shard)", max_inflight=64, **base),
+        Scenario("in flight = slots (8/shard)", max_inflight=8, **base),
+    ]
+    print(
+        "| scenario | shares | trajectories | sim s | traj/s | last 1% share | busy slots (run) | busy slots (last 20%) | most calls one shard had in flight |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in scenarios:
         rows = {"own max_inflight (cap 1)": run_scenario(s, 1), f"shared (cap {args.cap})": run_scenario(s, args.cap)}
         for name, r in rows.items():
-            print(f"| {s.name} | {name} | {r['trajectories']} | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tail']:.3f} | {r['busy']:.3f} | {r['busy_last']:.3f} | {r['peak_slots']} |")
+            print(
+                f"| {s.name} | {name} | {r['trajectories']} | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tail']:.3f} | {r['busy']:.3f} | {r['busy_last']:.3f} | {r['peak_slots']} |"
+            )
         before, after = rows.values()
-        print(f"| {s.name} | after / before | | {after['seconds'] / before['seconds']:.2f} | {after['traj_per_s'] / before['traj_per_s']:.2f} | "
-              f"{after['tail'] / before['tail']:.2f} | | {after['busy_last'] / before['busy_last']:.2f} | |")
+        print(
+            f"| {s.name} | after / before | | {after['seconds'] / before['seconds']:.2f} | {after['traj_per_s'] / before['traj_per_s']:.2f} | "
+            f"{after['tail'] / before['tail']:.2f} | | {after['busy_last'] / before['busy_last']:.2f} | |"
+        )
 
 
 if __name__ == "__main__":

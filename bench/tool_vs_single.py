@@ -61,14 +61,19 @@ def run(scratch: Path, name: str, overrides: list[str]) -> dict:
     out = scratch / name
     command = [GENRUN, f"trainer.default_local_dir={out}", "generation.show_progress=false", *overrides]
     started = time.time()
-    finished = subprocess.run(command, cwd=REPO, env=genrun_env(scratch / f"{name}.timeline"), capture_output=True, text=True)
+    finished = subprocess.run(
+        command, cwd=REPO, env=genrun_env(scratch / f"{name}.timeline"), capture_output=True, text=True
+    )
     if finished.returncode != 0:
         sys.exit(f"{name}: genrun failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
     summary = json.loads((out / "manifest.json").read_text())
     now = summary["this_invocation"]
     turns = multi_turn(out)
-    print(f"  {name}: {now['trajectories']} trajectories, {now['generated_tokens']} model tokens in {now['generation_seconds']} s "
-          f"= {now['tokens_per_second']} tokens/s; {turns} with more than one model turn; whole command {time.time() - started:.0f} s", flush=True)
+    print(
+        f"  {name}: {now['trajectories']} trajectories, {now['generated_tokens']} model tokens in {now['generation_seconds']} s "
+        f"= {now['tokens_per_second']} tokens/s; {turns} with more than one model turn; whole command {time.time() - started:.0f} s",
+        flush=True,
+    )
     return now
 
 
@@ -112,7 +117,8 @@ def main() -> None:
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS / 'tools.yaml'}",
             f"reward.custom_reward_function.path={TOOLS / 'reward.py'}",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
-            "data.max_prompt_length=256", "data.max_response_length=256",
+            "data.max_prompt_length=256",
+            "data.max_response_length=256",
         ]
         seeded = f"generation.sample_seed={args.seed}"
         single, tool = [*single, seeded], [*tool, seeded]
@@ -126,19 +132,27 @@ def main() -> None:
             rates["tool"].append(run(scratch, f"tool-{round_}", tool)["tokens_per_second"])
             if args.arrival_order_too:
                 arrival = [*tool, "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first=false"]
-                rates["tool-arrival-order"].append(run(scratch, f"tool-arrival-order-{round_}", arrival)["tokens_per_second"])
+                rates["tool-arrival-order"].append(
+                    run(scratch, f"tool-arrival-order-{round_}", arrival)["tokens_per_second"]
+                )
             if args.own_prefix_too:
                 own = [*tool, "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention=false"]
                 rates["tool-own-prefix"].append(run(scratch, f"tool-own-prefix-{round_}", own)["tokens_per_second"])
         mean = {name: sum(values) / len(values) for name, values in rates.items() if values}
         single_rate, tool_rate = mean["single"], mean["tool"]
-        print(f"{prompts} prompts each, {'as shipped' if args.as_shipped else 'prompt 256 / response 256'}: single-turn {single_rate:.1f} tokens/s; tool example {tool_rate:.1f} tokens/s")
+        print(
+            f"{prompts} prompts each, {'as shipped' if args.as_shipped else 'prompt 256 / response 256'}: single-turn {single_rate:.1f} tokens/s; tool example {tool_rate:.1f} tokens/s"
+        )
         print(f"tool / single-turn: {tool_rate / single_rate:.2f} (target >= {TARGET})")
         if "tool-arrival-order" in mean:
-            print(f"tool example, arrival order: {mean['tool-arrival-order']:.1f} tokens/s = {mean['tool-arrival-order'] / single_rate:.2f} of single-turn")
+            print(
+                f"tool example, arrival order: {mean['tool-arrival-order']:.1f} tokens/s = {mean['tool-arrival-order'] / single_rate:.2f} of single-turn"
+            )
         if "tool-own-prefix" in mean:
             own_rate = mean["tool-own-prefix"]
-            print(f"tool example, each sequence reading its own prefix copy: {own_rate:.1f} tokens/s = {own_rate / single_rate:.2f} of single-turn; shared prefix read once: {tool_rate / own_rate:.2f}x")
+            print(
+                f"tool example, each sequence reading its own prefix copy: {own_rate:.1f} tokens/s = {own_rate / single_rate:.2f} of single-turn; shared prefix read once: {tool_rate / own_rate:.2f}x"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -155,7 +169,9 @@ def later_vs_arrival(scratch: Path, tool: list[str], rounds: int, prompts: int) 
             overrides = [*tool, f"{setting}={'true' if name == 'later' else 'false'}"]
             rates[name].append(run(scratch, f"tool-{name}-{round_}", overrides)["tokens_per_second"])
     later, arrival = (sum(v) / len(v) for v in (rates["later"], rates["arrival"]))
-    print(f"{prompts} prompts, tool example: later turns first {later:.1f} tokens/s {rates['later']}; arrival order {arrival:.1f} tokens/s {rates['arrival']}")
+    print(
+        f"{prompts} prompts, tool example: later turns first {later:.1f} tokens/s {rates['later']}; arrival order {arrival:.1f} tokens/s {rates['arrival']}"
+    )
     print(f"later turns first / arrival order: {later / arrival:.2f}")
 
 

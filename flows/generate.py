@@ -59,9 +59,15 @@ def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = N
     run_plan = RunPlan.from_dict(plan) if plan is not None else preflight(list(overrides or []))
     shard_tasks = ShardTasksOnRay(run_plan)
     result = drive_run(
-        run_plan, shard_tasks, started=started, finish=merge,
-        publish=lambda run, summary, manifests, fence: publish(run, summary, manifests, shard_tasks.artifact_key, fence),
-        on_progress=shard_tasks.update_progress_artifact, on_stall=shard_tasks.stall_alarm,
+        run_plan,
+        shard_tasks,
+        started=started,
+        finish=merge,
+        publish=lambda run, summary, manifests, fence: publish(
+            run, summary, manifests, shard_tasks.artifact_key, fence
+        ),
+        on_progress=shard_tasks.update_progress_artifact,
+        on_stall=shard_tasks.stall_alarm,
     )
     return result if result is not None else _stopped(run_plan)
 
@@ -96,9 +102,12 @@ class ShardTasksOnRay:
         self.stopping = False
 
     def __enter__(self) -> ShardTasksOnRay:
-        self.progress_artifact = cast(UUID, create_progress_artifact(
-            progress=0.0, key=f"{self.artifact_key}-progress", description="Trajectories committed (%)"
-        ))  # sync caller: the id
+        self.progress_artifact = cast(
+            UUID,
+            create_progress_artifact(
+                progress=0.0, key=f"{self.artifact_key}-progress", description="Trajectories committed (%)"
+            ),
+        )  # sync caller: the id
         self.runner.__enter__()
         return self
 
@@ -119,7 +128,8 @@ class ShardTasksOnRay:
         """The stall alarm in the flow run: a warning in its log and a markdown artifact."""
         get_run_logger().warning("%s", stall.message())
         create_markdown_artifact(
-            key=f"{self.artifact_key}-stall", description="The run stalled",
+            key=f"{self.artifact_key}-stall",
+            description="The run stalled",
             markdown=f"**Stalled**: {stall.message()}\n\n`genrun status {self.plan.folder.display()}` shows each shard.",
         )
 
@@ -147,8 +157,11 @@ class ShardTasksOnRay:
         gen = self.plan.cfg.generation
         task = shard_task(marker, retries=retries, retry_delay_seconds=gen.retry_delay_seconds)
         parameters = {
-            "plan": self.job_plan, "shard": shard.to_dict(), "registry_name": self.job.registry_name,
-            "lease_generation": self.job.lease_generation, "progress_board": self.job.progress_board,
+            "plan": self.job_plan,
+            "shard": shard.to_dict(),
+            "registry_name": self.job.registry_name,
+            "lease_generation": self.job.lease_generation,
+            "progress_board": self.job.progress_board,
             "rows_checked": marker is not None,
         }
         # Shard tasks hold a CPU and never a GPU: the replicas own the GPUs. max_retries=0:
@@ -178,7 +191,12 @@ class ShardTasksOnRay:
         elif not self.stopping:  # (after a Ctrl-C, a cancelled task that never started reads Crashed too)
             record_crash(future.task_run_id, state)
         if state.is_crashed() and retries_left > 0 and not self.stopping:
-            logger.warning("%s: its worker died (%s); running it again (%d retries left)", shard.name, state.message, retries_left - 1)
+            logger.warning(
+                "%s: its worker died (%s); running it again (%d retries left)",
+                shard.name,
+                state.message,
+                retries_left - 1,
+            )
             time.sleep(self.plan.cfg.generation.retry_delay_seconds)
             self._submit(shard, retries_left - 1)
             return None

@@ -57,6 +57,14 @@ def wait_until_recorded(task_run_ids: Iterable[UUID], timeout: float) -> None:
     except (httpx.HTTPError, PrefectException) as exc:
         logger.debug("could not read the shard task runs' states: %s", exc)
     if waiting:
-        logger.debug("%d shard task run(s) not shown final by the Prefect API after %.1f s: %s", len(waiting), timeout, sorted(map(str, waiting)))
+        logger.debug(
+            "%d shard task run(s) not shown final by the Prefect API after %.1f s: %s",
+            len(waiting),
+            timeout,
+            sorted(map(str, waiting)),
+        )
     elif polls > 1:
-        logger.debug("the shard task runs' final states reached the Prefect API %.1f s after their futures ended", time.monotonic() - started)
+        logger.debug(
+            "the shard task runs' final states reached the Prefect API %.1f s after their futures ended",
+            time.monotonic() - started,
+        )

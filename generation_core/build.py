@@ -54,11 +54,16 @@ def _git_state(root: Path) -> tuple[str | None, bool]:
     if not (root / ".git").exists():
         return None, False
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=_GIT_SECONDS)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=_GIT_SECONDS
+        )
         if head.returncode != 0:
             return None, False
         status = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", *OWN_PACKAGES], capture_output=True, text=True, timeout=_GIT_SECONDS
+            ["git", "-C", str(root), "status", "--porcelain", "--", *OWN_PACKAGES],
+            capture_output=True,
+            text=True,
+            timeout=_GIT_SECONDS,
         )
     except (OSError, subprocess.SubprocessError):  # no git, or it hangs: the build is its version only
         return None, False

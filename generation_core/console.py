@@ -79,7 +79,11 @@ class _ShortFormatter(logging.Formatter):
         super().__init__(datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        self._style._fmt = "%(asctime)s %(message)s" if record.levelno < logging.WARNING else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        self._style._fmt = (
+            "%(asctime)s %(message)s"
+            if record.levelno < logging.WARNING
+            else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         return super().format(record)
 
 

@@ -81,7 +81,6 @@ class SampleTrace:
             self._file.close()
 
 
-
 FAILPOINTS_ENV = "GENRUN_FAILPOINTS"
 FAILPOINT_DIR_ENV = "GENRUN_FAILPOINT_DIR"
 ACTIONS = ("kill", "kill_run", "enospc", "hold")

@@ -45,7 +45,7 @@ def read_process(pid: int) -> ProcessEntry | None:
         with open(f"/proc/{pid}/stat") as handle:
             text = handle.read()
         # After the command's closing parenthesis (a command may hold one): state, ppid, pgrp, ...
-        fields = text[text.rindex(")") + 2:].split()
+        fields = text[text.rindex(")") + 2 :].split()
         if fields[0] in ("Z", "X"):
             return None
         return ProcessEntry(ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
@@ -87,8 +87,10 @@ def left_in_group(table: dict[int, ProcessEntry], pgid: int, started_since: int)
     they died. (A shell puts each job in a group of its own, so a job started later by the same
     shell is never one of them.)"""
     return {
-        pid for pid, entry in table.items()
-        if entry.pgid == pgid and entry.started >= started_since
+        pid
+        for pid, entry in table.items()
+        if entry.pgid == pgid
+        and entry.started >= started_since
         and (entry.ppid not in table or table[entry.ppid].pgid != pgid)
     }
 

@@ -71,8 +71,10 @@ class DatasetFiles:
     num_rows: int
 
     def to_dict(self) -> dict[str, Any]:
-        files = [{"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest, "first_row": f.first_row}
-                 for f in self.files]
+        files = [
+            {"url": f.url, "rows": f.rows, "size": f.size, "digest": f.digest, "first_row": f.first_row}
+            for f in self.files
+        ]
         return {"files": files, "num_rows": self.num_rows}
 
     @classmethod
@@ -139,7 +141,9 @@ class RunPlan:
     folder: StorageFolder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.folder = StorageFolder(self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options)))
+        self.folder = StorageFolder(
+            self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options))
+        )
 
     def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
         """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a

@@ -35,10 +35,26 @@ SECRETS_ENV = "GENRUN_CONFIG_SECRETS"
 """JSON list of [path, value] pairs: the config's secrets, for the run's own workers."""
 
 # Words that make any name a secret, wherever they stand.
-SECRET_WORDS = frozenset({
-    "secret", "secrets", "password", "passwd", "passphrase", "passkey", "credential", "credentials", "apikey",
-    "authorization", "auth", "cookie", "bearer", "dsn", "webhook", "webhooks",
-})
+SECRET_WORDS = frozenset(
+    {
+        "secret",
+        "secrets",
+        "password",
+        "passwd",
+        "passphrase",
+        "passkey",
+        "credential",
+        "credentials",
+        "apikey",
+        "authorization",
+        "auth",
+        "cookie",
+        "bearer",
+        "dsn",
+        "webhook",
+        "webhooks",
+    }
+)
 # Words that make a name a secret as its last word (`api_key`, `aws_session_token`), not
 # elsewhere (`max_token_len_per_gpu`, `num_key_value_heads`).
 SECRET_LAST_WORDS = frozenset({"key", "token", "pwd"})
@@ -46,10 +62,21 @@ SECRET_LAST_WORDS = frozenset({"key", "token", "pwd"})
 # holds `AccountKey=`, `private_key_pem` a key.
 SECRET_WORD_PAIRS = frozenset({("connection", "string"), ("conn", "str"), ("private", "key")})
 # verl's names of dataset columns: keys that hold a column name, not a secret.
-COLUMN_NAMES = frozenset({
-    "prompt_key", "reward_fn_key", "image_key", "video_key", "audio_key", "teacher_key", "tools_key", "messages_key",
-    "response_key", "answer_key", "question_key",
-})
+COLUMN_NAMES = frozenset(
+    {
+        "prompt_key",
+        "reward_fn_key",
+        "image_key",
+        "video_key",
+        "audio_key",
+        "teacher_key",
+        "tools_key",
+        "messages_key",
+        "response_key",
+        "answer_key",
+        "question_key",
+    }
+)
 # Everything under a mapping of this name is a secret (environment variables of Ray workers).
 SECRET_MAPPINGS = frozenset({"env_vars"})
 # The `key` of each entry of these mappings names a dataset (verl's distillation teachers).

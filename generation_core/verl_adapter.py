@@ -135,7 +135,11 @@ def share_continuous_token_builders() -> None:
 def _caching_builder(create: Callable[..., Any]) -> Callable[..., Any]:
     def shared_token_builder(tokenizer, **kwargs):
         try:
-            key = (id(tokenizer), id(kwargs.get("processor")), repr(sorted((k, v) for k, v in kwargs.items() if k != "processor")))
+            key = (
+                id(tokenizer),
+                id(kwargs.get("processor")),
+                repr(sorted((k, v) for k, v in kwargs.items() if k != "processor")),
+            )
         except Exception:  # noqa: BLE001 - settings without a stable repr: build one as verl would
             return create(tokenizer, **kwargs)
         if key not in _token_builders:
@@ -290,7 +294,9 @@ def prompt_length_settings(dataset: RLHFDataset) -> PromptLengthSettings:
 # ---- the pickled DataProto (verl/protocol.py) ----
 
 
-def dataproto_state(batch_bytes: bytes, non_tensor_batch: dict[str, Any], meta_info: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+def dataproto_state(
+    batch_bytes: bytes, non_tensor_batch: dict[str, Any], meta_info: dict[str, Any]
+) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
     """The state a pickled DataProto carries: verl 0.9.1's `DataProto.__getstate__` returns
     (torch.save bytes of the TensorDict batch, non_tensor_batch, meta_info) and `__setstate__`
     reads that tuple back (unless VERL_DATAPROTO_SERIALIZATION_METHOD=numpy, which genrun's

@@ -14,5 +14,11 @@ from generation_core.store.run_folder import SuccessMarker
 
 
 @task(name="merge", cache_policy=NO_CACHE)
-def merge(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fence: LeaseFence | None = None, eta: dict[str, Any] | None = None) -> dict[str, Any]:
+def merge(
+    plan: RunPlan,
+    manifests: list[SuccessMarker],
+    elapsed: float,
+    fence: LeaseFence | None = None,
+    eta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return finish_run(plan, manifests, elapsed, fence, eta)

@@ -18,9 +18,19 @@ from generation_core.store.run_folder import SuccessMarker
 
 
 @task(name="publish", cache_policy=NO_CACHE)
-def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarker], artifact_key: str, fence: LeaseFence | None = None) -> dict[str, Any]:
-    published = publish_run(plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key), fence=fence)
-    create_table_artifact(key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics")
+def publish(
+    plan: RunPlan,
+    summary: dict[str, Any],
+    manifests: list[SuccessMarker],
+    artifact_key: str,
+    fence: LeaseFence | None = None,
+) -> dict[str, Any]:
+    published = publish_run(
+        plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key), fence=fence
+    )
+    create_table_artifact(
+        key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics"
+    )
     lines = [
         f"# Trajectories: {summary['num_trajectories']}",
         f"- output folder: `{summary['output']}`",
@@ -30,7 +40,9 @@ def publish(plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarke
         f"- generated tokens: {summary['generated_tokens']}",
         f"- fingerprint: `{summary['fingerprint']}`",
     ]
-    create_markdown_artifact(key=f"{artifact_key}-output", markdown="\n".join(lines), description="Where the run's output is")
+    create_markdown_artifact(
+        key=f"{artifact_key}-output", markdown="\n".join(lines), description="Where the run's output is"
+    )
     return dict(summary, published=published)
 
 
@@ -39,4 +51,6 @@ def report_artifacts(report: Report, artifact_key: str) -> None:
     markdown artifact with all of them (both inline PNG data URLs: nothing to host)."""
     for plot in report.plots:
         create_image_artifact(image_url=plot.data_url, key=f"{artifact_key}-{plot.name}", description=plot.title)
-    create_markdown_artifact(key=f"{artifact_key}-report", markdown=report.markdown(), description=f"Run report: {report.location}")
+    create_markdown_artifact(
+        key=f"{artifact_key}-report", markdown=report.markdown(), description=f"Run report: {report.location}"
+    )

@@ -51,14 +51,26 @@ def shard_task(finished: SuccessMarker | None, *, retries: int, retry_delay_seco
     in only for a finished shard (its job would find nothing to do); a shard with work left
     always runs its job (refresh_cache), which decides again, reading every part."""
     return run_shard.with_options(
-        retries=retries, retry_delay_seconds=retry_delay_seconds, refresh_cache=finished is None,
+        retries=retries,
+        retry_delay_seconds=retry_delay_seconds,
+        refresh_cache=finished is None,
         retry_condition_fn=retry_unless_refused,
     )
 
 
-@task(name="run_shard", task_run_name="shard-{shard[shard_id]:05d}", persist_result=True, cache_key_fn=shard_cache_key, result_serializer="json")
+@task(
+    name="run_shard",
+    task_run_name="shard-{shard[shard_id]:05d}",
+    persist_result=True,
+    cache_key_fn=shard_cache_key,
+    result_serializer="json",
+)
 def run_shard(
-    plan: str, shard: dict[str, int], registry_name: str, lease_generation: int | None = None, progress_board: str | None = None,
+    plan: str,
+    shard: dict[str, int],
+    registry_name: str,
+    lease_generation: int | None = None,
+    progress_board: str | None = None,
     rows_checked: bool = False,
 ) -> dict[str, Any] | State:
     """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict).
@@ -68,8 +80,12 @@ def run_shard(
     mark(f"shard_task_start {shard['shard_id']}")
     try:
         manifest = run_shard_job(
-            RunPlan.from_dict(json.loads(plan)), ShardSpec.from_dict(shard),
-            registry_name=registry_name, lease_generation=lease_generation, progress_board=progress_board, rows_checked=rows_checked,
+            RunPlan.from_dict(json.loads(plan)),
+            ShardSpec.from_dict(shard),
+            registry_name=registry_name,
+            lease_generation=lease_generation,
+            progress_board=progress_board,
+            rows_checked=rows_checked,
         )
     except ShardStopped as stopped:
         return Cancelled(message=str(stopped))

@@ -40,11 +40,20 @@ class FailingEngine:
 
 def overrides(prompts, reward, out, model_dir, *extra: str) -> list[str]:
     return [
-        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", f"actor_rollout_ref.rollout.n={N}", "data.max_prompt_length=64", "data.max_response_length=16",
-        "generation.show_progress=false", f"generation.sample_seed={SEED}", "generation.save_batch_size=4",
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"actor_rollout_ref.rollout.n={N}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.show_progress=false",
+        f"generation.sample_seed={SEED}",
+        "generation.save_batch_size=4",
         f"reward.custom_reward_function.path={reward}",
-        "generation.adaptive=true", f"generation.adaptive_k={K}", *extra,
+        "generation.adaptive=true",
+        f"generation.adaptive_k={K}",
+        *extra,
     ]
 
 

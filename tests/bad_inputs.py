@@ -48,7 +48,9 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     directory_named_parquet = tmp_path / "folder.parquet"
     directory_named_parquet.mkdir()
     # Several files: one schema, ids unique across them.
-    other_schema = write_parquet(tmp_path / "other_schema.parquet", [dict(row, ability=1) for row in chat_rows(2, first_index=10)])
+    other_schema = write_parquet(
+        tmp_path / "other_schema.parquet", [dict(row, ability=1) for row in chat_rows(2, first_index=10)]
+    )
     same_ids = write_parquet(tmp_path / "same_ids.parquet", chat_rows(2, first_index=1))
     # Model folders missing a piece (checked before anything loads them).
     no_config = tmp_path / "model_without_config"
@@ -62,7 +64,15 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     a_file.write_text("not a folder")
     other_run = tmp_path / "other_run"
     (other_run / "shards" / "shard-00000").mkdir(parents=True)
-    (other_run / "run.json").write_text(json.dumps({"fingerprint": "f" * 64, "fingerprint_version": FINGERPRINT_VERSION, "shards": [{"name": "shard-00000", "range": [0, 3]}]}))
+    (other_run / "run.json").write_text(
+        json.dumps(
+            {
+                "fingerprint": "f" * 64,
+                "fingerprint_version": FINGERPRINT_VERSION,
+                "shards": [{"name": "shard-00000", "range": [0, 3]}],
+            }
+        )
+    )
     (other_run / "shards" / "shard-00000" / "part-00000.parquet").write_bytes(b"PAR1 an earlier run's part PAR1")
     return [
         ([f"data.train_files={tmp_path / 'missing.parquet'}"], "does not exist"),
@@ -72,52 +82,164 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={no_index}"], "extra_info.index is missing"),
         ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
         # A key added with + that nothing reads (these ran one shard and the bundled prompts, exit 0).
-        ([f"data.train_files={good}", "+generation.num_shard=2"], r"\+generation.num_shard: no such config key.*did you mean 'generation.num_shards'"),
+        (
+            [f"data.train_files={good}", "+generation.num_shard=2"],
+            r"\+generation.num_shard: no such config key.*did you mean 'generation.num_shards'",
+        ),
         (["+train_tasks=[a.parquet]"], r"\+train_tasks: no such config key.*'data.train_tasks'"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"], "model path .* does not exist"),
+        (
+            [f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"],
+            "model path .* does not exist",
+        ),
         ([f"data.train_files={good}", "generation.num_shards=4"], "num_shards=4 is more than the 3 prompts"),
-        ([f"data.train_files={good}", "data.storage_options.secret=abc"], "data.storage_options.secret on the command line would be stored in the Prefect flow run's parameters"),
+        (
+            [f"data.train_files={good}", "data.storage_options.secret=abc"],
+            "data.storage_options.secret on the command line would be stored in the Prefect flow run's parameters",
+        ),
         ([f"data.train_files={good}", "data.max_response_length=9000"], "exceed the model's context"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"], "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"], "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?single_turn_agent, tool_agent"),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.name=nope"],
+            "unknown actor_rollout_ref.rollout.name='nope'; known engines: .*hf",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agnet"],
+            "unknown agent loop 'tool_agnet' .*registered agent loops: (.*, )?single_turn_agent, tool_agent",
+        ),
         ([f"data.train_files={with_agent}"], "unknown agent loop 'my_loop' .*registered agent loops:"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"], "agent loop 'broken' names 'nowhere.Loop', which cannot be imported"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"], "tool config .*tool_config_path=.* does not load"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'none.yaml'}"], "tool_config_path=.* does not exist"),
-        ([f"data.train_files={good}", f"reward.custom_reward_function.path={tmp_path / 'none.py'}"], "reward.custom_reward_function.path=.* does not exist"),
-        ([f"data.train_files={good}", f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=score"], "has no function 'score'"),
+        (
+            [f"data.train_files={good}", f"actor_rollout_ref.rollout.agent.agent_loop_config_path={bad_loops}"],
+            "agent loop 'broken' names 'nowhere.Loop', which cannot be imported",
+        ),
+        (
+            [f"data.train_files={good}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}"],
+            "tool config .*tool_config_path=.* does not load",
+        ),
+        (
+            [
+                f"data.train_files={good}",
+                f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'none.yaml'}",
+            ],
+            "tool_config_path=.* does not exist",
+        ),
+        (
+            [f"data.train_files={good}", f"reward.custom_reward_function.path={tmp_path / 'none.py'}"],
+            "reward.custom_reward_function.path=.* does not exist",
+        ),
+        (
+            [
+                f"data.train_files={good}",
+                f"reward.custom_reward_function.path={reward}",
+                "reward.custom_reward_function.name=score",
+            ],
+            "has no function 'score'",
+        ),
         ([f"data.train_files={good}", "generation.max_failed_fraction=2"], "invalid generation.max_failed_fraction=2"),
-        ([f"data.train_files={good}", "generation.inflight_share_cap=0"], r"invalid generation.inflight_share_cap=0: must be an integer >= 1 \(1: each shard keeps its own max_inflight\)"),
-        ([f"data.train_files={good}", "generation.gpu_hour_price=-1"], r"invalid generation.gpu_hour_price=-1: must be null \(no cost figures\) or the price of one GPU-hour"),
-        ([f"data.train_files={csv_named_parquet}"], r"data file .*csv_inside.parquet cannot be read as parquet .*; data.train_files takes Parquet"),
+        (
+            [f"data.train_files={good}", "generation.inflight_share_cap=0"],
+            r"invalid generation.inflight_share_cap=0: must be an integer >= 1 \(1: each shard keeps its own max_inflight\)",
+        ),
+        (
+            [f"data.train_files={good}", "generation.gpu_hour_price=-1"],
+            r"invalid generation.gpu_hour_price=-1: must be null \(no cost figures\) or the price of one GPU-hour",
+        ),
+        (
+            [f"data.train_files={csv_named_parquet}"],
+            r"data file .*csv_inside.parquet cannot be read as parquet .*; data.train_files takes Parquet",
+        ),
         ([f"data.train_files={csv_file}"], r"data file .*prompts.csv: unsupported format; use .parquet, .json, .jsonl"),
-        ([f"data.train_files={directory_named_parquet}"], r"data file .*folder.parquet is a directory with no \*.parquet file in it; put the Parquet files there or list the files"),
-        ([f"data.train_files={tmp_path / 'nowhere' / 'part-*.parquet'}"], r"data.train_files pattern .*nowhere/part-\*.parquet matches no file"),
-        ([f"data.train_files=[{good},{other_schema}]"], r"data file .*other_schema.parquet has another schema than .*good.parquet \(column 'ability': int64 here, string there\)"),
-        ([f"data.train_files=[{good},{same_ids}]"], r"data file .*same_ids.parquet row 0: extra_info.index 1 repeats \(also in .*good.parquet row 1\); ids must be unique"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.n=0"], r"invalid actor_rollout_ref.rollout.n=0: must be an integer >= 1"),
-        ([f"data.train_files={good}", "data.max_prompt_length=-8"], r"invalid data.max_prompt_length=-8: must be an integer >= 1"),
-        ([f"data.train_files={good}", "data.max_response_length=-8"], r"invalid data.max_response_length=-8: must be an integer >= 1"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.response_length=-8"], r"invalid actor_rollout_ref.rollout.response_length=-8: must be an integer >= 1"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.temperature=-0.5"], r"invalid actor_rollout_ref.rollout.temperature=-0.5: must be a number >= 0"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_config}"], r"model_without_config has no config.json; set actor_rollout_ref.model.path"),
-        ([f"data.train_files={good}", f"actor_rollout_ref.model.path={no_tokenizer}"], r"model_without_tokenizer has no tokenizer files .*; save the tokenizer there"),
-        ([f"data.train_files={good}", "data.max_prompt_length=3"], r"no prompt left after filtering: all 3 sampled prompts .* are longer than data.max_prompt_length=3 tokens; raise it"),
-        ([f"data.train_files={good}", f"{OUTPUT_KEY}{a_file / 'out'}"], r"cannot create output folder .*a_file/out: .*a_file is a file, not a folder; choose another trainer.default_local_dir"),
+        (
+            [f"data.train_files={directory_named_parquet}"],
+            r"data file .*folder.parquet is a directory with no \*.parquet file in it; put the Parquet files there or list the files",
+        ),
+        (
+            [f"data.train_files={tmp_path / 'nowhere' / 'part-*.parquet'}"],
+            r"data.train_files pattern .*nowhere/part-\*.parquet matches no file",
+        ),
+        (
+            [f"data.train_files=[{good},{other_schema}]"],
+            r"data file .*other_schema.parquet has another schema than .*good.parquet \(column 'ability': int64 here, string there\)",
+        ),
+        (
+            [f"data.train_files=[{good},{same_ids}]"],
+            r"data file .*same_ids.parquet row 0: extra_info.index 1 repeats \(also in .*good.parquet row 1\); ids must be unique",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.n=0"],
+            r"invalid actor_rollout_ref.rollout.n=0: must be an integer >= 1",
+        ),
+        (
+            [f"data.train_files={good}", "data.max_prompt_length=-8"],
+            r"invalid data.max_prompt_length=-8: must be an integer >= 1",
+        ),
+        (
+            [f"data.train_files={good}", "data.max_response_length=-8"],
+            r"invalid data.max_response_length=-8: must be an integer >= 1",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.response_length=-8"],
+            r"invalid actor_rollout_ref.rollout.response_length=-8: must be an integer >= 1",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.temperature=-0.5"],
+            r"invalid actor_rollout_ref.rollout.temperature=-0.5: must be a number >= 0",
+        ),
+        (
+            [f"data.train_files={good}", f"actor_rollout_ref.model.path={no_config}"],
+            r"model_without_config has no config.json; set actor_rollout_ref.model.path",
+        ),
+        (
+            [f"data.train_files={good}", f"actor_rollout_ref.model.path={no_tokenizer}"],
+            r"model_without_tokenizer has no tokenizer files .*; save the tokenizer there",
+        ),
+        (
+            [f"data.train_files={good}", "data.max_prompt_length=3"],
+            r"no prompt left after filtering: all 3 sampled prompts .* are longer than data.max_prompt_length=3 tokens; raise it",
+        ),
+        (
+            [f"data.train_files={good}", f"{OUTPUT_KEY}{a_file / 'out'}"],
+            r"cannot create output folder .*a_file/out: .*a_file is a file, not a folder; choose another trainer.default_local_dir",
+        ),
         # Inference engines: a GPU engine that is not installed, a layout the GPUs cannot hold,
         # remote servers not given or not answering.
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=sglang"], r"rollout.name=sglang needs the sglang package .*pip install 'genrun\[sglang\]'"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], r"rollout.name=vllm: 2 GPU\(s\) .*cannot be split into replicas of .* = 4 GPUs"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"rollout.name=hf has no model parallelism"),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=remote"], r"rollout.name=remote needs the servers' base URLs: set actor_rollout_ref.rollout.engine_kwargs.remote.base_urls="),
-        ([f"data.train_files={good}", "actor_rollout_ref.rollout.name=remote", "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[http://127.0.0.1:9]"], r"none of the 1 remote inference server\(s\) answered: http://127.0.0.1:9: .*start them"),
-        ([f"data.train_files={good}", f"{OUTPUT_KEY}{other_run}"], r"output folder .*other_run holds a different run .*To start fresh, set another trainer.default_local_dir .*or delete that folder"),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.name=sglang"],
+            r"rollout.name=sglang needs the sglang package .*pip install 'genrun\[sglang\]'",
+        ),
+        (
+            [
+                f"data.train_files={good}",
+                "actor_rollout_ref.rollout.name=vllm",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            ],
+            r"rollout.name=vllm: 2 GPU\(s\) .*cannot be split into replicas of .* = 4 GPUs",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+            r"rollout.name=hf has no model parallelism",
+        ),
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.name=remote"],
+            r"rollout.name=remote needs the servers' base URLs: set actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=",
+        ),
+        (
+            [
+                f"data.train_files={good}",
+                "actor_rollout_ref.rollout.name=remote",
+                "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[http://127.0.0.1:9]",
+            ],
+            r"none of the 1 remote inference server\(s\) answered: http://127.0.0.1:9: .*start them",
+        ),
+        (
+            [f"data.train_files={good}", f"{OUTPUT_KEY}{other_run}"],
+            r"output folder .*other_run holds a different run .*To start fresh, set another trainer.default_local_dir .*or delete that folder",
+        ),
     ]
 
 
 def output_folder(args: list[str], default: Path) -> Path:
     """The output folder a case writes to: its own trainer.default_local_dir, else `default`."""
-    named = [arg[len(OUTPUT_KEY):] for arg in args if arg.startswith(OUTPUT_KEY)]
+    named = [arg[len(OUTPUT_KEY) :] for arg in args if arg.startswith(OUTPUT_KEY)]
     return Path(named[-1]) if named else default
 
 

@@ -45,8 +45,16 @@ def tiny_model_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
@@ -58,7 +66,9 @@ def chat_rows(count: int, first_index: int = 0) -> list[dict]:
     return [
         {
             "data_source": "test",
-            "prompt": [{"role": "user", "content": f"Write one short sentence about {topics[i % len(topics)]} (#{i})."}],
+            "prompt": [
+                {"role": "user", "content": f"Write one short sentence about {topics[i % len(topics)]} (#{i})."}
+            ],
             "ability": "chat",
             "reward_model": {"style": "none", "ground_truth": ""},
             "extra_info": {"split": "test", "index": first_index + i},
@@ -98,7 +108,13 @@ def wandb_offline_dir(tmp_path, monkeypatch) -> Path:
 def ray_local():
     import ray
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=128 * 1024 * 1024, namespace="genrun-tests", log_to_driver=False)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        object_store_memory=128 * 1024 * 1024,
+        namespace="genrun-tests",
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -106,7 +122,15 @@ def ray_local():
 def run_genrun(args: list[str], *, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the CLI as a user would, in its own process group (so nothing outlives the test)."""
     full_env = dict(os.environ, **(env or {}))
-    process = subprocess.Popen(GENRUN + args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        GENRUN + args,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=timeout)
     finally:
@@ -175,9 +199,20 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     env = {k: v for k, v in SESSION_ENV.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false", PYTHONPATH=str(REPO))
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PYTHONPATH=str(REPO),
+    )
     log = open(home / "server.log", "w")
-    process = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120
@@ -213,7 +248,13 @@ def start_moto(log_path: Path, extra_env: dict | None = None):
     port = free_port()
     env = dict(os.environ, **(extra_env or {}))
     log = open(log_path, "w")
-    process = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -234,7 +275,9 @@ def s3_server(tmp_path_factory):
     process, endpoint, log = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
         env = dict(S3_ENV, AWS_ENDPOINT_URL=endpoint)
-        s3fs.S3FileSystem(endpoint_url=endpoint, key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"]).mkdir("genrun-test")
+        s3fs.S3FileSystem(
+            endpoint_url=endpoint, key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"]
+        ).mkdir("genrun-test")
         yield env
     finally:
         kill_group(process)

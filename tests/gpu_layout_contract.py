@@ -28,7 +28,12 @@ class StandInRolloutWorker:
         self.replica_rank = replica_rank
 
     def placement(self) -> dict:
-        return {"replica": self.replica_rank, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "node_id": ray.get_runtime_context().get_node_id(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "replica": self.replica_rank,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
 
 def stand_in_replica_class():
@@ -40,16 +45,31 @@ def stand_in_replica_class():
 
     class StandInSGLangReplica(RolloutReplica):
         def get_ray_class_with_init_args(self):
-            return RayClassWithInitArgs(cls=ray.remote(StandInRolloutWorker), rollout_config=None, model_config=None, replica_rank=self.replica_rank)
+            return RayClassWithInitArgs(
+                cls=ray.remote(StandInRolloutWorker),
+                rollout_config=None,
+                model_config=None,
+                replica_rank=self.replica_rank,
+            )
 
         async def launch_servers(self):
             # Like verl's SGLangReplica: the server actor lives on the node of the replica's first worker.
             placements = await asyncio.gather(*[w.placement.remote() for w in self.workers])
             self.placements = placements
-            settings = InstantSettings(prompt_length=self.config.prompt_length, response_length=self.config.response_length, eos_token_id=2, response_tokens=4, delay_seconds=0.0, vocab_size=1000)
+            settings = InstantSettings(
+                prompt_length=self.config.prompt_length,
+                response_length=self.config.response_length,
+                eos_token_id=2,
+                response_tokens=4,
+                delay_seconds=0.0,
+                vocab_size=1000,
+            )
             server = (
                 ray.remote(EngineServer)
-                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=placements[0]["node_id"], soft=False))
+                .options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=placements[0]["node_id"], soft=False),
+                )
                 .remote(lambda: InstantEngine(settings))
             )
             await server.health.remote()
@@ -88,7 +108,9 @@ def main(overrides: list[str]) -> dict:
             client = pool.client()
             out = await client.generate("r0", prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0})
             replicas = pool.manager.get_replicas()
-            groups = [[dict(b) for b in pg.bundle_specs] for r in replicas for pg in r.resource_pool.get_placement_groups()]
+            groups = [
+                [dict(b) for b in pg.bundle_specs] for r in replicas for pg in r.resource_pool.get_placement_groups()
+            ]
             return {
                 "replicas": len(replicas),
                 "placements": [p for r in replicas for p in r.placements],
@@ -101,13 +123,24 @@ def main(overrides: list[str]) -> dict:
             pool.shutdown()
 
     result = asyncio.run(boot_and_generate())
-    result["layout"] = {"replicas": layout.replicas, "gpus_per_replica": layout.gpus_per_replica, "placement_groups": layout.placement_groups}
+    result["layout"] = {
+        "replicas": layout.replicas,
+        "gpus_per_replica": layout.gpus_per_replica,
+        "placement_groups": layout.placement_groups,
+    }
     return result
 
 
 if __name__ == "__main__":
     gpus = int(os.environ.get("CONTRACT_GPUS", "4"))
-    ray.init(num_cpus=int(os.environ.get("CONTRACT_CPUS", "10")), num_gpus=gpus, _node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=128 * 1024 * 1024, log_to_driver=False)
+    ray.init(
+        num_cpus=int(os.environ.get("CONTRACT_CPUS", "10")),
+        num_gpus=gpus,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        object_store_memory=128 * 1024 * 1024,
+        log_to_driver=False,
+    )
     try:
         print("CONTRACT " + json.dumps(main(sys.argv[1:])), flush=True)
     finally:

@@ -33,16 +33,30 @@ def layout_of_records(records: list[TrajectoryRecord]) -> BatchLayout:
     )
 
 
-def build_dataproto(records: list[TrajectoryRecord], *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
+def build_dataproto(
+    records: list[TrajectoryRecord], *, prompt_length: int, response_length: int, pad_token_id: int
+) -> DataProto:
     """Pad and batch `records` (in the given order) the way verl's agent loop does."""
     if not records:
         raise GenrunError("nothing to merge: no trajectory was committed")
-    builder = PaddedBatchBuilder(len(records), layout_of_records(records), prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    builder = PaddedBatchBuilder(
+        len(records),
+        layout_of_records(records),
+        prompt_length=prompt_length,
+        response_length=response_length,
+        pad_token_id=pad_token_id,
+    )
     tokens = pa.table(
         {name: [getattr(r, name) for r in records] for name in _TOKEN_COLUMNS},
         schema=pa.schema([PART_SCHEMA.field(name) for name in _TOKEN_COLUMNS]),
     )
-    builder.add(tokens, np.arange(len(records)), [r.input_fields for r in records], [r.extra_fields for r in records], [r.metrics for r in records])
+    builder.add(
+        tokens,
+        np.arange(len(records)),
+        [r.input_fields for r in records],
+        [r.extra_fields for r in records],
+        [r.metrics for r in records],
+    )
     return builder.finish()
 
 

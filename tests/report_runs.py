@@ -23,8 +23,14 @@ TOOLS = REPO / "examples" / "tool_calling" / "tools.yaml"
 EXPRESSIONS = {"seven": "3+4", "twelve": "3*4", "nine": "(2+1)**2"}
 # (word, data source, ground truth offset): row 4's ground truth is wrong (reward 0), row 5's
 # prompt makes the engine fail every time (both its samples are failures).
-ROWS = [("seven", "test/arithmetic"), ("twelve", "test/arithmetic"), ("nine", "test/arithmetic"),
-        ("seven", "test/puzzles"), ("twelve", "test/puzzles"), ("nine", "test/puzzles")]
+ROWS = [
+    ("seven", "test/arithmetic"),
+    ("twelve", "test/arithmetic"),
+    ("nine", "test/arithmetic"),
+    ("seven", "test/puzzles"),
+    ("twelve", "test/puzzles"),
+    ("nine", "test/puzzles"),
+]
 WRONG_ROW, FAILING_ROW = 4, 5
 FAILING_TEXT = "carefully"
 ROLLOUT_N = 2
@@ -37,13 +43,15 @@ def tool_rows() -> list[dict]:
     for index, (word, source) in enumerate(ROWS):
         answer = eval(EXPRESSIONS[word])  # noqa: S307 - the test's own expressions
         text = f"Compute {word} with the calculator{', ' + FAILING_TEXT if index == FAILING_ROW else ''}."
-        rows.append({
-            "data_source": source,
-            "prompt": [{"role": "user", "content": text}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(answer + 1 if index == WRONG_ROW else answer)},
-            "extra_info": {"split": "test", "index": index},
-        })
+        rows.append(
+            {
+                "data_source": source,
+                "prompt": [{"role": "user", "content": text}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer + 1 if index == WRONG_ROW else answer)},
+                "extra_info": {"split": "test", "index": index},
+            }
+        )
     return rows
 
 
@@ -55,21 +63,23 @@ def tool_run(directory: Path, model_dir: Path, output: str | None = None) -> Run
     data_file = write_parquet(directory / "tools.parquet", tool_rows())
     reward_file = directory / "reward.py"
     reward_file.write_text(REWARD)
-    plan = preflight([
-        f"data.train_files={data_file}",
-        f"trainer.default_local_dir={output or directory / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"data.tool_config_path={TOOLS}",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-        f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-        f"reward.custom_reward_function.path={reward_file}",
-        "generation.num_shards=2",
-        "generation.save_batch_size=2",
-        "generation.show_progress=false",
-        "generation.request_backoff_seconds=0",
-        "generation.max_failed_fraction=0.5",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={data_file}",
+            f"trainer.default_local_dir={output or directory / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"data.tool_config_path={TOOLS}",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+            f"reward.custom_reward_function.path={reward_file}",
+            "generation.num_shards=2",
+            "generation.save_batch_size=2",
+            "generation.show_progress=false",
+            "generation.request_backoff_seconds=0",
+            "generation.max_failed_fraction=0.5",
+        ]
+    )
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model_dir))
     manifests = []

@@ -21,7 +21,9 @@ class EngineCrashed(RuntimeError):
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, expressions: dict[str, str] | None = None, failures: dict[str, int | None] | None = None):
+    def __init__(
+        self, tokenizer, expressions: dict[str, str] | None = None, failures: dict[str, int | None] | None = None
+    ):
         self.tokenizer = tokenizer
         self.expressions = expressions or {}
         self.failures = dict(failures or {})
@@ -36,7 +38,9 @@ class ScriptedEngine:
         return ANSWER.replace("RESULT", str(eval(expression)))  # noqa: S307 - the test's own expressions
 
     def turn_tokens(self, prompt_text: str) -> list[int]:
-        return self.tokenizer.encode(self.turn_text(prompt_text), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return self.tokenizer.encode(self.turn_text(prompt_text), add_special_tokens=False) + [
+            self.tokenizer.eos_token_id
+        ]
 
     @staticmethod
     def logprobs(count: int) -> list[float]:

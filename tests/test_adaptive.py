@@ -21,7 +21,7 @@ from tests.conftest import REPO, write_parquet
 
 pytestmark = pytest.mark.timeout(300)
 
-REWARD = '''
+REWARD = """
 import hashlib
 
 
@@ -29,13 +29,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     if ground_truth in ("yes", "no"):
         return float(ground_truth == "yes")
     return float(hashlib.sha256(solution_str.encode()).digest()[0] % 2)
-'''
+"""
 
 
 def _inputs(tmp_path):
     rows = [
-        {"data_source": "t", "prompt": [{"role": "user", "content": f"Question {i}?"}], "ability": "t",
-         "reward_model": {"style": "rule", "ground_truth": ("yes", "no", "half")[i % 3]}, "extra_info": {"index": i}}
+        {
+            "data_source": "t",
+            "prompt": [{"role": "user", "content": f"Question {i}?"}],
+            "ability": "t",
+            "reward_model": {"style": "rule", "ground_truth": ("yes", "no", "half")[i % 3]},
+            "extra_info": {"index": i},
+        }
         for i in range(9)
     ]
     reward = tmp_path / "reward.py"
@@ -46,7 +51,10 @@ def _inputs(tmp_path):
 def _samples(folder) -> dict[int, list[float | None]]:
     """Each prompt's committed rewards in rollout order."""
     [shard] = folder.list("shards")
-    return {index: [by_rollout[r] for r in sorted(by_rollout)] for index, by_rollout in shard_rewards(folder, shard, ShardCheckpoint.load(folder, shard)).items()}
+    return {
+        index: [by_rollout[r] for r in sorted(by_rollout)]
+        for index, by_rollout in shard_rewards(folder, shard, ShardCheckpoint.load(folder, shard)).items()
+    }
 
 
 def _keys(folder) -> list[str]:
@@ -74,7 +82,15 @@ def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, m
 
     # kill -9 after the third part is written (round 1), then the same command resumes.
     env = {**os.environ, "PYTHONPATH": str(REPO), "GENRUN_FAILPOINTS": "after_part_write@3:kill"}
-    args = [sys.executable, "-m", "tests.adaptive_shard", str(prompts), str(reward), str(tmp_path / "killed"), str(model_dir)]
+    args = [
+        sys.executable,
+        "-m",
+        "tests.adaptive_shard",
+        str(prompts),
+        str(reward),
+        str(tmp_path / "killed"),
+        str(model_dir),
+    ]
     killed = subprocess.run(args, env=env, cwd=REPO, capture_output=True, timeout=240)
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed_plan, resumed = run_one_shard(prompts, reward, tmp_path / "killed", model_dir)
@@ -82,7 +98,6 @@ def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, m
     assert _keys(resumed_plan.folder) == _keys(plan.folder)
     assert _samples(resumed_plan.folder) == rewards
     assert (resumed.num_trajectories, resumed.not_owed) == (marker.num_trajectories, marker.not_owed)
-
 
 
 class Killed(Exception):

@@ -15,9 +15,21 @@ def _request(name: str, later_turn: bool):
 
 def test_later_turns_come_out_first_and_each_kind_in_arrival_order():
     waiting = AdmissionQueue()
-    for name, later in [("first-1", False), ("first-2", False), ("later-1", True), ("first-3", False), ("later-2", True)]:
+    for name, later in [
+        ("first-1", False),
+        ("first-2", False),
+        ("later-1", True),
+        ("first-3", False),
+        ("later-2", True),
+    ]:
         waiting.put(_request(name, later))
-    assert [waiting.get_nowait().name for _ in range(waiting.qsize())] == ["later-1", "later-2", "first-1", "first-2", "first-3"]
+    assert [waiting.get_nowait().name for _ in range(waiting.qsize())] == [
+        "later-1",
+        "later-2",
+        "first-1",
+        "first-2",
+        "first-3",
+    ]
     assert waiting.empty() and waiting.peek() is None
 
 

@@ -29,7 +29,12 @@ def folder(request, tmp_path):
     if request.param == "local":
         return StorageFolder(str(tmp_path / "run"))
     env = request.getfixturevalue("s3_server")
-    options = {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"], "default_block_size": BLOCK}
+    options = {
+        "endpoint_url": env["AWS_ENDPOINT_URL"],
+        "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "default_block_size": BLOCK,
+    }
     folder = StorageFolder(f"s3://genrun-test/atomic-{tmp_path.name}", options)
     folder.retry_delays = (0.05,)
     return folder
@@ -84,7 +89,9 @@ def test_a_merge_that_fails_half_way_leaves_the_previous_pickle(folder, monkeypa
         merge_run(folder, **_lengths())
     before = _snapshot(folder)
     # Past one S3 part on S3: parts were uploaded before the failure and must be discarded.
-    monkeypatch.setattr(merge, "dump_dataproto", _dump_half_then_fail(merge.dump_dataproto, pad=0 if folder.is_local else BLOCK + 1))
+    monkeypatch.setattr(
+        merge, "dump_dataproto", _dump_half_then_fail(merge.dump_dataproto, pad=0 if folder.is_local else BLOCK + 1)
+    )
     with pytest.raises(HalfWrite):
         merge_run(folder, **_lengths())
     assert _snapshot(folder) == before, "a failed merge changed the folder"

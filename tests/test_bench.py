@@ -16,8 +16,23 @@ pytestmark = pytest.mark.timeout(400)
 def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path, prompts_file):
     out = tmp_path / "bench.json"
     # Prompts from the user's dataset (12 rows; the first 6 taken), rollout.n from the overrides.
-    result = run_genrun(["bench", "--sittings", "1", "--prompts", "6", "--tokens", "5", "--json", str(out), "--report",
-                         f"data.train_files={prompts_file}", "actor_rollout_ref.rollout.n=2"], timeout=360)
+    result = run_genrun(
+        [
+            "bench",
+            "--sittings",
+            "1",
+            "--prompts",
+            "6",
+            "--tokens",
+            "5",
+            "--json",
+            str(out),
+            "--report",
+            f"data.train_files={prompts_file}",
+            "actor_rollout_ref.rollout.n=2",
+        ],
+        timeout=360,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     bench = json.loads(out.read_text())
     assert (bench["engine"], bench["requests"], bench["tokens"]) == ("hf", 12, 5)
@@ -28,7 +43,9 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
     assert sitting["genrun_wall_seconds"] > sitting["genrun_generation_seconds"]
     # From the unrounded figures: the tokens/s fields are rounded to 0.01, coarse on a busy machine.
     genrun_rate = sitting["genrun_tokens"] / sitting["genrun_generation_seconds"]
-    assert sitting["ratio"] == pytest.approx(genrun_rate / (sitting["engine_tokens"] / sitting["engine_seconds"]), rel=1e-3)
+    assert sitting["ratio"] == pytest.approx(
+        genrun_rate / (sitting["engine_tokens"] / sitting["engine_seconds"]), rel=1e-3
+    )
     assert bench["ratio"]["min"] <= bench["ratio"]["median"] <= bench["ratio"]["max"]
     assert "genrun/engine: median" in result.stdout and "sitting 1: engine" in result.stdout
     # --report: the figures beside the last sitting's run, and in its report.

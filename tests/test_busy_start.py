@@ -32,7 +32,10 @@ NUL = b"\0"
 def busy_loops():
     """A CPU-burning process per core, each in a session of its own: Linux shares the CPU between
     sessions first (autogroup), so loops in one session would take only that session's share."""
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(os.cpu_count() or 2)]
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(os.cpu_count() or 2)
+    ]
     try:
         yield
     finally:
@@ -70,16 +73,27 @@ def test_genrun_starts_and_finishes_while_busy_loops_hold_every_core(tmp_path, p
     # The session's Prefect server (a temporary one would add its start, under the busy loops).
     env = {k: v for k, v in os.environ.items() if k != "GENRUN_LOG_LEVEL"}
     env.update(
-        prefect_server.env, PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
-        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold), GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
+        prefect_server.env,
+        PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
+        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold),
+        GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
     )
     args = [
-        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        "actor_rollout_ref.rollout.n=1", "generation.show_progress=false",
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.n=1",
+        "generation.show_progress=false",
     ]
     with busy_loops():
         process = subprocess.Popen(
-            [*GENRUN, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            [*GENRUN, *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             stdout, stderr = process.communicate(timeout=800)
@@ -105,7 +119,9 @@ def test_a_ray_start_that_fails_twice_is_one_line_saying_what_to_do(monkeypatch)
 
     def node_times_out(**kwargs):
         starts.append(kwargs)
-        raise Exception("The current node timed out during startup. This could happen because some of the raylet failed to startup")
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of the raylet failed to startup"
+        )
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -113,13 +129,17 @@ def test_a_ray_start_that_fails_twice_is_one_line_saying_what_to_do(monkeypatch)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     # Nothing was started; the clean-up of what a start leaves is the test above's.
     monkeypatch.setattr(ray_setup, "_local_ray_processes", lambda: {})
-    monkeypatch.setattr(ray_setup, "ray_init_kwargs", lambda cfg, fingerprint, forward_env=(): {"include_dashboard": False})
+    monkeypatch.setattr(
+        ray_setup, "ray_init_kwargs", lambda cfg, fingerprint, forward_env=(): {"include_dashboard": False}
+    )
     with pytest.raises(GenrunError) as raised:
         ray_setup.start_ray(OmegaConf.create({}), "0" * 64)
     assert len(starts) == 2
     message = str(raised.value)
     assert "\n" not in message
-    assert message.startswith("Ray's local node did not start, twice (The current node timed out during startup. This could")
+    assert message.startswith(
+        "Ray's local node did not start, twice (The current node timed out during startup. This could"
+    )
     assert "run the same command again when the machine is less busy" in message
 
 

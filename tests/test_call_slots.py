@@ -41,7 +41,10 @@ def test_a_freed_slot_goes_to_later_turns_first_then_first_turns_in_arrival_orde
             order.append(name)
 
         await slots.acquire(False)  # the only slot is taken while the others queue
-        waiters = [asyncio.ensure_future(call("new prompt 1", False)), asyncio.ensure_future(call("new prompt 2", False))]
+        waiters = [
+            asyncio.ensure_future(call("new prompt 1", False)),
+            asyncio.ensure_future(call("new prompt 2", False)),
+        ]
         await asyncio.sleep(0)
         # A started trajectory back from its tool, after both new prompts queued.
         waiters.append(asyncio.ensure_future(call("later turn", True)))
@@ -117,14 +120,16 @@ class CountingEngine(ScriptedEngine):
 def slow_tool_config(model_dir, tmp_path, *extra):
     tools = tmp_path / "slow_tools.yaml"
     tools.write_text(SLOW_TOOLS)
-    cfg = load_config([
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"data.tool_config_path={tools}",
-        "generation.show_progress=false",
-        "generation.request_backoff_seconds=0",
-        "generation.first_part_max_seconds=null",
-        *extra,
-    ])
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"data.tool_config_path={tools}",
+            "generation.show_progress=false",
+            "generation.request_backoff_seconds=0",
+            "generation.first_part_max_seconds=null",
+            *extra,
+        ]
+    )
     cfg.actor_rollout_ref.model.path = str(model_dir)
     return cfg
 
@@ -134,11 +139,20 @@ def test_a_tool_run_bounds_model_calls_not_trajectories_and_commits_each_once(mo
 
     tokenizer = hf_tokenizer(str(model_dir))
     rows = [
-        {"prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}], "data_source": "t", "extra_info": {"index": i}}
+        {
+            "prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}],
+            "data_source": "t",
+            "extra_info": {"index": i},
+        }
         for i in range(24)
     ]
-    cfg = slow_tool_config(model_dir, tmp_path, f"data.train_files={write_parquet(tmp_path / 'rows.parquet', rows)}",
-                           "actor_rollout_ref.rollout.n=2", "generation.max_inflight=4")
+    cfg = slow_tool_config(
+        model_dir,
+        tmp_path,
+        f"data.train_files={write_parquet(tmp_path / 'rows.parquet', rows)}",
+        "actor_rollout_ref.rollout.n=2",
+        "generation.max_inflight=4",
+    )
     assert GenerationSettings.of(cfg).open_trajectories_limit == 32
     folder = StorageFolder(str(tmp_path / "run"))
     dataset = inspect_dataset(cfg).files
@@ -166,11 +180,17 @@ def test_a_tool_run_bounds_model_calls_not_trajectories_and_commits_each_once(mo
     finally:
         worker.shutdown()
 
-    assert engine.peak_running == 4, "never more model calls in flight than generation.max_inflight, and the bound is reached"
-    assert open_peak > 4 and SlowCalculatorTool.peak_running > 0, "trajectories in their tool calls beyond the model-call slots"
+    assert engine.peak_running == 4, (
+        "never more model calls in flight than generation.max_inflight, and the bound is reached"
+    )
+    assert open_peak > 4 and SlowCalculatorTool.peak_running > 0, (
+        "trajectories in their tool calls beyond the model-call slots"
+    )
     assert len(engine.calls) == 2 * 48, "two model turns (call, answer) per trajectory"
     rollout = cfg.actor_rollout_ref.rollout
-    batch = merge_run(folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=2)
+    batch = merge_run(
+        folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=2
+    )
     keys = committed_keys(folder)
     assert len(keys) == len(set(keys)) == 48, "every trajectory committed exactly once"
     assert batch.non_tensor_batch["index"].tolist() == [i for i in range(24) for _ in range(2)]
@@ -192,8 +212,15 @@ def test_max_open_trajectories_defaults_to_eight_slots_each_and_a_bad_value_is_o
     from generation_core.errors import GenrunError
 
     cfg = load_config(["actor_rollout_ref.rollout.max_num_seqs=8"])
-    assert (cfg.generation.max_inflight, cfg.generation.max_open_trajectories) == (16, 128), "filled into run.json's config"
-    assert load_config(["generation.max_inflight=3", "generation.max_open_trajectories=3"]).generation.max_open_trajectories == 3
+    assert (cfg.generation.max_inflight, cfg.generation.max_open_trajectories) == (16, 128), (
+        "filled into run.json's config"
+    )
+    assert (
+        load_config(
+            ["generation.max_inflight=3", "generation.max_open_trajectories=3"]
+        ).generation.max_open_trajectories
+        == 3
+    )
     for bad in ("0", "true", "many"):
         with pytest.raises(GenrunError, match="generation.max_open_trajectories=.*must be null"):
             load_config([f"generation.max_open_trajectories={bad}"])
@@ -251,8 +278,20 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     from generation_core.shard.job import pending_samples
 
     tokenizer = hf_tokenizer(str(model_dir))
-    rows = [{"prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}], "data_source": "t", "extra_info": {"index": i}} for i in range(24)]
-    cfg = slow_tool_config(model_dir, tmp_path, f"data.train_files={write_parquet(tmp_path / 'rows.parquet', rows)}", "generation.max_inflight=2")
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Compute {i}+{i} with the calculator."}],
+            "data_source": "t",
+            "extra_info": {"index": i},
+        }
+        for i in range(24)
+    ]
+    cfg = slow_tool_config(
+        model_dir,
+        tmp_path,
+        f"data.train_files={write_parquet(tmp_path / 'rows.parquet', rows)}",
+        "generation.max_inflight=2",
+    )
     dataset = inspect_dataset(cfg).files
     prompts = ShardPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
     engine = CountingEngine(tokenizer, seconds=0.05)
@@ -261,7 +300,9 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
 
     async def scenario():
         nonlocal peak_before
-        async for record in worker.stream(pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share[0]):
+        async for record in worker.stream(
+            pending_samples(prompts, 1, set()), 2, idle_timeout=0.05, max_open=2, scale=lambda: share[0]
+        ):
             open_seen.append((share[0], len(worker.open_samples)))
             if record is None:
                 continue
@@ -279,5 +320,10 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     assert sorted(finished) == [(i, 0) for i in range(24)]
     # What the shard's progress report says is open (the ETA's drain): within each limit, and
     # nothing once the stream is over.
-    assert max(count for factor, count in open_seen if factor == 1.0) <= 2 < max(count for factor, count in open_seen if factor == 3.0) <= 6
+    assert (
+        max(count for factor, count in open_seen if factor == 1.0)
+        <= 2
+        < max(count for factor, count in open_seen if factor == 3.0)
+        <= 6
+    )
     assert len(worker.open_samples) == 0

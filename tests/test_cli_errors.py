@@ -48,7 +48,11 @@ def test_bad_inputs_get_one_line_before_any_work(tmp_path, model_dir, capsys, mo
 @pytest.mark.extended
 def test_the_console_script_refuses_bad_input_in_one_line(tmp_path, model_dir):
     """The same contract seen by a user at the shell: the installed command, its exit code."""
-    cases = [case for case in bad_input_cases(tmp_path) if any(word in case[1] for word in ("does not exist", "did you mean", "unknown agent loop 'tool_agnet'"))]
+    cases = [
+        case
+        for case in bad_input_cases(tmp_path)
+        if any(word in case[1] for word in ("does not exist", "did you mean", "unknown agent loop 'tool_agnet'"))
+    ]
     assert len(cases) >= 3
     for args, message in cases[:3]:
         out = tmp_path / "out"

@@ -26,7 +26,15 @@ from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
-from generation_core.store.run_folder import CHECKPOINT_FILE, COMMITS_DIR, RUN_FILE, PartEntry, check_run_folder, commit_file, shard_file
+from generation_core.store.run_folder import (
+    CHECKPOINT_FILE,
+    COMMITS_DIR,
+    RUN_FILE,
+    PartEntry,
+    check_run_folder,
+    commit_file,
+    shard_file,
+)
 from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 from tests.conftest import REPO
 from tests.merge_oracles import read_committed_records
@@ -50,8 +58,17 @@ class TokenWorker(ScriptedWorker):
         rng = random.Random(hash(key))
         response = [rng.randrange(49152) for _ in range(self.response_tokens)]
         return TrajectoryRecord(
-            key[0], key[1], [rng.randrange(49152) for _ in range(self.prompt_tokens)], response, [1] * len(response),
-            [-rng.random() for _ in response], float(key[0] % 2), 2, kwargs, {}, {},
+            key[0],
+            key[1],
+            [rng.randrange(49152) for _ in range(self.prompt_tokens)],
+            response,
+            [1] * len(response),
+            [-rng.random() for _ in response],
+            float(key[0] % 2),
+            2,
+            kwargs,
+            {},
+            {},
         )
 
 
@@ -61,9 +78,18 @@ def _commit_sizes(run_dir, shard: str = SHARD.name) -> list[int]:
 
 
 def _part(folder: StorageFolder, name: str, indices: list[int]) -> PartEntry:
-    data = records_to_parquet([TrajectoryRecord(i, 0, [1, 2], [3, 2], [1, 1], None, None, 2, {}, {}, {}) for i in indices])
+    data = records_to_parquet(
+        [TrajectoryRecord(i, 0, [1, 2], [3, 2], [1, 1], None, None, 2, {}, {}, {}) for i in indices]
+    )
     folder.put_atomic(shard_file(SHARD.name, name), data)
-    return PartEntry(name=name, count=len(indices), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), response_tokens=2 * len(indices), generated_tokens=2 * len(indices))
+    return PartEntry(
+        name=name,
+        count=len(indices),
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        response_tokens=2 * len(indices),
+        generated_tokens=2 * len(indices),
+    )
 
 
 # --- record sizes ---------------------------------------------------------------------------------
@@ -75,7 +101,12 @@ def test_a_commit_record_does_not_grow_with_the_shard(tmp_path):
     checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
     for number in range(200):
         indices = [100_000 + 8 * number + k for k in range(8)]
-        checkpoint.commit_part(folder, SHARD.name, _part(folder, f"batch-{number:05d}-test0000.parquet", indices), [f"{i}:0" for i in indices])
+        checkpoint.commit_part(
+            folder,
+            SHARD.name,
+            _part(folder, f"batch-{number:05d}-test0000.parquet", indices),
+            [f"{i}:0" for i in indices],
+        )
     sizes = _commit_sizes(tmp_path)[1:]  # the part records (the first is the attempt's)
     print(f"part commit record sizes: first {sizes[0]} bytes, last {sizes[-1]} bytes, largest {max(sizes)} bytes")
     assert len(sizes) == 200 and max(sizes) <= sizes[0] + 16, "a record holds its own part only"
@@ -91,12 +122,20 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
     the bytes of its parts."""
     shard = ShardSpec(0, 0, 2000)
     # The size target alone cuts parts here (a slow machine must not cut the first one by age).
-    cfg = _cfg("generation.max_inflight=64", "generation.first_part_max_seconds=null", *([f"generation.save_batch_size={cap}"] if cap else []))
-    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
+    cfg = _cfg(
+        "generation.max_inflight=64",
+        "generation.first_part_max_seconds=null",
+        *([f"generation.save_batch_size={cap}"] if cap else []),
+    )
+    manifest = asyncio.run(
+        run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker())
+    )
     commit_bytes = sum(_commit_sizes(tmp_path))
     part_bytes = sum(p.bytes for p in manifest.parts)
     ratio = commit_bytes / part_bytes
-    print(f"save_batch_size={cap}: {len(manifest.parts)} part(s), {part_bytes} part bytes, {commit_bytes} commit bytes, ratio {ratio:.4%}")
+    print(
+        f"save_batch_size={cap}: {len(manifest.parts)} part(s), {part_bytes} part bytes, {commit_bytes} commit bytes, ratio {ratio:.4%}"
+    )
     assert manifest.num_trajectories == 2000
     if cap is None:
         assert len(manifest.parts) == 1, "2000 trajectories (~6 MB) are far below the 64 MiB target: one part"
@@ -125,7 +164,15 @@ asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder({run_dir!r}), FakePr
 def test_a_crash_between_a_part_and_its_record_regenerates_exactly_the_missing_samples(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     env = dict(os.environ, GENRUN_FAILPOINTS="after_part_write@2:kill", PYTHONPATH=str(REPO))
-    crashed = subprocess.run([sys.executable, "-c", textwrap.dedent(CRASHING_SHARD.format(run_dir=str(run_dir)))], cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False)
+    crashed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CRASHING_SHARD.format(run_dir=str(run_dir)))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert crashed.returncode == -9, crashed.stderr[-3000:]
     shard_dir = run_dir / "shards" / SHARD.name
     committed = committed_keys(run_dir, SHARD.name)
@@ -144,7 +191,11 @@ def test_a_crash_between_a_part_and_its_record_regenerates_exactly_the_missing_s
     shard = ShardSpec(0, 0, 9)
     worker = ScriptedWorker()
     folder = StorageFolder(str(run_dir))
-    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker))
+    manifest = asyncio.run(
+        run_shard_with_worker(
+            _cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker
+        )
+    )
     assert sorted(worker.started) == [(100 + p, 0) for p in range(3, 9)], "exactly the samples no record holds"
     assert manifest.num_trajectories == 9 and manifest.attempts == 2
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(9)]
@@ -176,34 +227,64 @@ def test_a_takeover_reads_what_landed_before_its_claim_and_refuses_what_comes_af
     new = None
     try:
         old_view = ShardCheckpoint.start_attempt(folder, SHARD.name, old.fence())
-        old_view.commit_part(folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100]), ["100:0"], fence=old.fence())
+        old_view.commit_part(
+            folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100]), ["100:0"], fence=old.fence()
+        )
         _stall_heartbeat(folder, old)
         new = RunLease.acquire(_folder(url_and_options), seconds=60)
         new_folder = _folder(url_and_options)
         new_view = ShardCheckpoint.start_attempt(new_folder, SHARD.name, new.fence())
-        assert new_view.completed == ["100:0"] and new_view.attempts == 2, "the commit that landed before the claim is read"
+        assert new_view.completed == ["100:0"] and new_view.attempts == 2, (
+            "the commit that landed before the claim is read"
+        )
         assert new_view.lease == new.record.generation
 
         # The old holder passed its lease check, stalled, and commits now: its number is the claim's.
         late = _part(folder, "batch-00001-bbbbbbbb.parquet", [101])
         before = _snapshot(folder)
         with pytest.raises(LeaseLost):
-            old_view.commit_part(folder, SHARD.name, late, ["101:0"], fence=_CheckedBeforeTheTakeover(old.record.generation))
+            old_view.commit_part(
+                folder, SHARD.name, late, ["101:0"], fence=_CheckedBeforeTheTakeover(old.record.generation)
+            )
         assert _snapshot(folder) == before, "the refused commit created no record"
         with pytest.raises(LeaseLost):
             ShardCheckpoint.load(folder, SHARD.name, old.fence())
 
         # A record of the old lease after the claim (genrun never writes one) is ignored by the fold.
-        forged = {"kind": "part", "seq": new_view.next_seq, "lease": old.record.generation, "token": "forged", "time": 0,
-                  "part": json.loads(json.dumps(late.__dict__)), "samples": ["101:0"], "failed": []}
+        forged = {
+            "kind": "part",
+            "seq": new_view.next_seq,
+            "lease": old.record.generation,
+            "token": "forged",
+            "time": 0,
+            "part": json.loads(json.dumps(late.__dict__)),
+            "samples": ["101:0"],
+            "failed": [],
+        }
         assert folder.create_exclusive(commit_file(SHARD.name, new_view.next_seq), json.dumps(forged).encode())
         folded = ShardCheckpoint.load(new_folder, SHARD.name)
-        assert folded.completed == ["100:0"] and folded.ignored == [new_view.next_seq] and folded.lease == new.record.generation
+        assert (
+            folded.completed == ["100:0"]
+            and folded.ignored == [new_view.next_seq]
+            and folded.lease == new.record.generation
+        )
         # The new holder's next record goes after it (its view is stale: refused, then read again).
         with pytest.raises(CheckpointConflict):
-            new_view.commit_part(new_folder, SHARD.name, _part(new_folder, "batch-00001-cccccccc.parquet", [102]), ["102:0"], fence=new.fence())
+            new_view.commit_part(
+                new_folder,
+                SHARD.name,
+                _part(new_folder, "batch-00001-cccccccc.parquet", [102]),
+                ["102:0"],
+                fence=new.fence(),
+            )
         fresh = ShardCheckpoint.load(new_folder, SHARD.name, new.fence())
-        fresh.commit_part(new_folder, SHARD.name, _part(new_folder, "batch-00001-dddddddd.parquet", [102]), ["102:0"], fence=new.fence())
+        fresh.commit_part(
+            new_folder,
+            SHARD.name,
+            _part(new_folder, "batch-00001-dddddddd.parquet", [102]),
+            ["102:0"],
+            fence=new.fence(),
+        )
         assert ShardCheckpoint.load(folder, SHARD.name).completed == ["100:0", "102:0"]
     finally:
         if new is not None:
@@ -219,26 +300,48 @@ def test_parts_are_cut_by_size(tmp_path):
     shard = ShardSpec(0, 0, 200)
     target = 16 * 1024
     cfg = _cfg(f"generation.part_target_bytes={target}", "generation.max_inflight=8")
-    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker(prompt_tokens=32, response_tokens=128)))
+    manifest = asyncio.run(
+        run_shard_with_worker(
+            cfg,
+            shard,
+            StorageFolder(str(tmp_path)),
+            FakePrompts(shard),
+            TokenWorker(prompt_tokens=32, response_tokens=128),
+        )
+    )
     sizes = [p.bytes for p in manifest.parts]
     print(f"{len(sizes)} parts of {sizes} bytes (target {target})")
     assert len(sizes) > 3 and all(size >= target for size in sizes[:-1]) and all(size < 4 * target for size in sizes)
     assert sum(p.count for p in manifest.parts) == 200
-    assert sorted(r.key for r in read_committed_records(StorageFolder(str(tmp_path)))) == [(100 + p, 0) for p in range(200)]
+    assert sorted(r.key for r in read_committed_records(StorageFolder(str(tmp_path)))) == [
+        (100 + p, 0) for p in range(200)
+    ]
 
 
 @pytest.mark.timeout(120)
 def test_parts_are_cut_by_age(tmp_path):
     shard = ShardSpec(0, 0, 6)
     cfg = _cfg("generation.part_max_seconds=0.000001", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker()))
-    assert [p.count for p in manifest.parts] == [1] * 6, "each trajectory was older than part_max_seconds once it was added"
+    manifest = asyncio.run(
+        run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker())
+    )
+    assert [p.count for p in manifest.parts] == [1] * 6, (
+        "each trajectory was older than part_max_seconds once it was added"
+    )
 
 
 @pytest.mark.timeout(120)
 def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
-    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"), shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker()))
+    manifest = asyncio.run(
+        run_shard_with_worker(
+            _cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"),
+            shard,
+            StorageFolder(str(tmp_path)),
+            FakePrompts(shard),
+            TokenWorker(),
+        )
+    )
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
     assert len(_commit_sizes(tmp_path)) == 3, "one attempt record, one part record, the done record"
 
@@ -248,12 +351,22 @@ def test_a_part_of_many_row_groups_merges_byte_identically(tmp_path, monkeypatch
     import pyarrow.parquet as pq
 
     shard = ShardSpec(0, 0, 40)
-    records = [asyncio.run(TokenWorker(prompt_tokens=16, response_tokens=24).run_one((100 + p, 0), FakePrompts(shard).agent_kwargs(p))) for p in range(40)]
+    records = [
+        asyncio.run(
+            TokenWorker(prompt_tokens=16, response_tokens=24).run_one((100 + p, 0), FakePrompts(shard).agent_kwargs(p))
+        )
+        for p in range(40)
+    ]
     # Today's layout: the part as one table.
     whole = StorageFolder(str(tmp_path / "whole"))
     data = records_to_parquet(records)
     whole.put_atomic(shard_file(SHARD.name, "batch-00000-whole000.parquet"), data)
-    ShardCheckpoint().commit_part(whole, SHARD.name, PartEntry("batch-00000-whole000.parquet", 40, len(data), hashlib.sha256(data).hexdigest()), [f"{r.index}:0" for r in records])
+    ShardCheckpoint().commit_part(
+        whole,
+        SHARD.name,
+        PartEntry("batch-00000-whole000.parquet", 40, len(data), hashlib.sha256(data).hexdigest()),
+        [f"{r.index}:0" for r in records],
+    )
     # Streamed: row groups of 6 records.
     monkeypatch.setattr(part_writer, "ROW_GROUP_RECORDS", 6)
     streamed = StorageFolder(str(tmp_path / "streamed"))
@@ -269,7 +382,9 @@ def test_a_part_of_many_row_groups_merges_byte_identically(tmp_path, monkeypatch
     assert part.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     for folder in (whole, streamed):
         merge_run(folder, prompt_length=16, response_length=24, pad_token_id=2)
-    assert (tmp_path / "whole" / "trajectories.pkl").read_bytes() == (tmp_path / "streamed" / "trajectories.pkl").read_bytes()
+    assert (tmp_path / "whole" / "trajectories.pkl").read_bytes() == (
+        tmp_path / "streamed" / "trajectories.pkl"
+    ).read_bytes()
 
 
 # --- a folder of the earlier format ---------------------------------------------------------------
@@ -303,7 +418,10 @@ def test_a_shard_with_a_checkpoint_json_and_no_commits_is_refused(tmp_path):
     folder.put_json(shard_file(SHARD.name, CHECKPOINT_FILE), {"parts": [], "completed": ["100:0"]})
     before = _files(run_dir)
     for read in (lambda: check_run_folder(folder, "a" * 64), lambda: ShardCheckpoint.load(folder, SHARD.name)):
-        with pytest.raises(GenrunError, match=rf"output folder {run_dir} holds shard progress in the earlier format .*checkpoint.json.*pip install genrun==0.5.0") as refused:
+        with pytest.raises(
+            GenrunError,
+            match=rf"output folder {run_dir} holds shard progress in the earlier format .*checkpoint.json.*pip install genrun==0.5.0",
+        ) as refused:
             read()
         assert "\n" not in str(refused.value)
     assert _files(run_dir) == before, "nothing written"
@@ -329,7 +447,10 @@ def test_a_folder_with_shards_and_no_run_json_is_refused(tmp_path):
     folder = StorageFolder(str(run_dir))
     ShardCheckpoint.start_attempt(folder, SHARD.name)
     before = _files(run_dir)
-    with pytest.raises(GenrunError, match=rf"output folder {run_dir} holds {run_dir}/shards but no run.json.*Set another trainer.default_local_dir") as refused:
+    with pytest.raises(
+        GenrunError,
+        match=rf"output folder {run_dir} holds {run_dir}/shards but no run.json.*Set another trainer.default_local_dir",
+    ) as refused:
         check_run_folder(folder, "a" * 64)
     assert "\n" not in str(refused.value)
     assert _files(run_dir) == before, "nothing written"
@@ -367,7 +488,10 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     running = {}
 
     async def cancelled_shard():
-        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.ensure_future(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        running["loop"], running["task"] = (
+            asyncio.get_running_loop(),
+            asyncio.ensure_future(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())),
+        )
         with pytest.raises(asyncio.CancelledError):
             await running["task"]
 
@@ -375,7 +499,9 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     assert in_commit.is_set() and discarded.is_set()
     _, records = read_commit_records(folder, SHARD.name)
     parts = [record for record in records if record["kind"] == "part" and record["part"]]
-    assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], "the record lists its part's samples"
+    assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], (
+        "the record lists its part's samples"
+    )
     manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert manifest.num_trajectories == 6
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
@@ -387,7 +513,9 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
     wrote): the fold leaves the part unread and its samples pending, and says so."""
     folder = StorageFolder(str(tmp_path))
     checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
-    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"])
+    checkpoint.commit_part(
+        folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"]
+    )
     # Hand-written: the part holds 102 and 103, the record names none of them.
     checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00001-bbbbbbbb.parquet", [102, 103]), [], ["104:0"])
     with caplog.at_level("WARNING"):
@@ -395,7 +523,11 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
     assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
     assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
     assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
-    manifest = asyncio.run(run_shard_with_worker(_cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = asyncio.run(
+        run_shard_with_worker(
+            _cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()
+        )
+    )
     assert manifest.num_trajectories == 6
     assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
 
@@ -441,15 +573,23 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
 
     folder = StorageFolder(str(tmp_path / "4k"))
     # An earlier version's log, kept beside the new files.
-    folder.put_atomic(shard_file(SHARD.name, FAILURES_FILE), b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n')
+    folder.put_atomic(
+        shard_file(SHARD.name, FAILURES_FILE),
+        b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n',
+    )
     writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.load(folder, SHARD.name))
     writer.add_failure(SampleFailure(500, 0, "E" * 50_000, "T" * 50_000 + "the raising frame"))
     writer.commit()
     logged = read_failure_log(folder, SHARD.name)
     assert [entry["index"] for entry in logged] == [999, *range(80), 500], "every failure once, oldest first"
     huge = logged[-1]
-    assert len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
-    assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [(999, "old"), (0, "RuntimeError: boom")]
+    assert (
+        len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
+    )
+    assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [
+        (999, "old"),
+        (0, "RuntimeError: boom"),
+    ]
     assert len(_failures(folder, SHARD.name, set())) == 82
 
 
@@ -467,7 +607,11 @@ def test_the_next_attempt_under_the_lease_removes_orphan_parts_and_temporary_fil
     listed = _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101])
     checkpoint.commit_part(folder, SHARD.name, listed, ["100:0", "101:0"])
     shard_dir = run_dir / "shards" / SHARD.name
-    left = [shard_dir / "batch-00001-bbbbbbbb.parquet", shard_dir / ".tmp-0123abcd-batch-00001-cccccccc.parquet", shard_dir / COMMITS_DIR / ".tmp-4567ef01-0000000002.json"]
+    left = [
+        shard_dir / "batch-00001-bbbbbbbb.parquet",
+        shard_dir / ".tmp-0123abcd-batch-00001-cccccccc.parquet",
+        shard_dir / COMMITS_DIR / ".tmp-4567ef01-0000000002.json",
+    ]
     for path in left:
         path.write_bytes(b"left by a killed writer")
         os.utime(path, (os.path.getmtime(path) - 600,) * 2)

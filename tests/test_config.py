@@ -18,7 +18,14 @@ def test_defaults_are_the_bundled_cpu_run():
 
 
 def test_overrides_use_hydra_syntax():
-    cfg = load_config(["generation.num_shards=3", "trainer.logger=[console,wandb]", "storage.options.endpoint_url=http://127.0.0.1:9000", "+reward.custom_reward_function.reward_kwargs.judge=small"])
+    cfg = load_config(
+        [
+            "generation.num_shards=3",
+            "trainer.logger=[console,wandb]",
+            "storage.options.endpoint_url=http://127.0.0.1:9000",
+            "+reward.custom_reward_function.reward_kwargs.judge=small",
+        ]
+    )
     assert cfg.generation.num_shards == 3
     assert list(cfg.trainer.logger) == ["console", "wandb"]
     assert cfg.storage.options.endpoint_url == "http://127.0.0.1:9000"
@@ -31,7 +38,10 @@ def test_overrides_use_hydra_syntax():
         ("+generation.num_shard=4", "'generation.num_shards'"),
         ("+train_tasks=[a.parquet,b.parquet]", "'data.train_tasks'"),
         ("+generation.note=hello", "'generation'"),
-        ("+actor_rollout_ref.rollout.engine_kwargs.hf.num_thread=2", "'actor_rollout_ref.rollout.engine_kwargs.hf.num_threads'"),
+        (
+            "+actor_rollout_ref.rollout.engine_kwargs.hf.num_thread=2",
+            "'actor_rollout_ref.rollout.engine_kwargs.hf.num_threads'",
+        ),
     ],
 )
 def test_a_key_added_where_nothing_reads_it_is_refused_naming_the_closest_key(override, closest):
@@ -60,7 +70,12 @@ def test_keys_added_in_free_form_sections_are_accepted():
         assert OmegaConf.select(cfg, key) is not None, key
     assert cfg.generation.num_shards == 2, "+ on a key that exists sets it"
     # verl's SGLang server's own options, with that engine (config/verl_keys.py: another engine refuses them).
-    sglang = load_config(["actor_rollout_ref.rollout.name=sglang", "+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static=0.8"])
+    sglang = load_config(
+        [
+            "actor_rollout_ref.rollout.name=sglang",
+            "+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static=0.8",
+        ]
+    )
     assert sglang.actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction_static == 0.8
     # verl's older top-level reward section: its kwargs reach the function too.
     legacy = load_config(["custom_reward_function.path=/r.py", "+custom_reward_function.reward_kwargs.judge=small"])
@@ -99,7 +114,15 @@ def test_invalid_values_are_refused(override, expected):
 
 def test_fingerprint_ignores_operational_keys_only():
     base = fingerprint(load_config([]), "data")
-    assert fingerprint(load_config(["generation.max_inflight=7", "generation.save_batch_size=3", "generation.show_progress=false"]), "data") == base
+    assert (
+        fingerprint(
+            load_config(
+                ["generation.max_inflight=7", "generation.save_batch_size=3", "generation.show_progress=false"]
+            ),
+            "data",
+        )
+        == base
+    )
     assert fingerprint(load_config(["actor_rollout_ref.rollout.temperature=0.5"]), "data") != base
     assert fingerprint(load_config([]), "other data") != base
     assert "trainer.default_local_dir" in OPERATIONAL_KEYS
@@ -116,7 +139,13 @@ def test_default_output_folder_derives_from_the_fingerprint():
 
 
 def test_pass_through_mappings_accept_their_libraries_keys():
-    cfg = load_config(["ray_kwargs.ray_init.address=127.0.0.1:6379", "ray_kwargs.ray_init.include_dashboard=true", "storage.options.anon=false"])
+    cfg = load_config(
+        [
+            "ray_kwargs.ray_init.address=127.0.0.1:6379",
+            "ray_kwargs.ray_init.include_dashboard=true",
+            "storage.options.anon=false",
+        ]
+    )
     assert cfg.ray_kwargs.ray_init.address == "127.0.0.1:6379"
     assert cfg.ray_kwargs.ray_init.include_dashboard is True
     assert cfg.storage.options.anon is False
@@ -131,10 +160,16 @@ def test_unknown_tracking_backend_is_refused():
     "overrides, expected",
     [
         # What a deployment's `parameters: {overrides: ...}` in prefect.yaml can hold by mistake.
-        ("data.train_files=x.parquet", r"overrides must be a list of 'key=value' strings, got str 'data.train_files=x.parquet'"),
+        (
+            "data.train_files=x.parquet",
+            r"overrides must be a list of 'key=value' strings, got str 'data.train_files=x.parquet'",
+        ),
         ({"data.train_files": "x.parquet"}, r"overrides must be a list of 'key=value' strings, got dict"),
         (["generation.num_shards=2", 4], r"overrides\[1\] must be a 'key=value' string, got int 4"),
-        (["generation.num_shards=2", {"generation.num_shards": 4}], r"overrides\[1\] must be a 'key=value' string, got dict"),
+        (
+            ["generation.num_shards=2", {"generation.num_shards": 4}],
+            r"overrides\[1\] must be a 'key=value' string, got dict",
+        ),
         ([True], r"overrides\[0\] must be a 'key=value' string, got bool"),
     ],
 )
@@ -160,21 +195,42 @@ ENGINE = "actor_rollout_ref.rollout.engine_kwargs"
 @pytest.mark.timeout(120)
 def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_others_are_not():
     base = fingerprint(load_config([]), "data")
-    shaping = [f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.instant.delay_sigma=1.0", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.hf.device=cuda", f"{ENGINE}.remote.model=m"]
+    shaping = [
+        f"{ENGINE}.instant.response_tokens=4",
+        f"{ENGINE}.instant.delay_sigma=1.0",
+        f"{ENGINE}.hf.dtype=bfloat16",
+        f"{ENGINE}.hf.ignore_eos=true",
+        f"{ENGINE}.hf.device=cuda",
+        f"{ENGINE}.remote.model=m",
+    ]
     assert [o for o in shaping if fingerprint(load_config([o]), "data") == base] == []
     sglang = "actor_rollout_ref.rollout.name=sglang"
-    assert fingerprint(load_config([sglang, f"+{ENGINE}.sglang.attention_backend=fa3"]), "data") != fingerprint(load_config([sglang]), "data")
+    assert fingerprint(load_config([sglang, f"+{ENGINE}.sglang.attention_backend=fa3"]), "data") != fingerprint(
+        load_config([sglang]), "data"
+    )
     operational = [
-        f"{ENGINE}.hf.num_threads=1", f"{ENGINE}.instant.delay_seconds=1.0", f"{ENGINE}.remote.base_urls=[http://h:1]", f"{ENGINE}.remote.api_key=k",
-        f"{ENGINE}.remote.connect_timeout=1", f"{ENGINE}.remote.health_interval=1", f"{ENGINE}.remote.max_connections=1",
-        "generation.request_timeout=5", "generation.stall_seconds=30", "trainer.logger=[console]",
-        "actor_rollout_ref.rollout.agent.num_workers=3", "data.dataloader_num_workers=2",
+        f"{ENGINE}.hf.num_threads=1",
+        f"{ENGINE}.instant.delay_seconds=1.0",
+        f"{ENGINE}.remote.base_urls=[http://h:1]",
+        f"{ENGINE}.remote.api_key=k",
+        f"{ENGINE}.remote.connect_timeout=1",
+        f"{ENGINE}.remote.health_interval=1",
+        f"{ENGINE}.remote.max_connections=1",
+        "generation.request_timeout=5",
+        "generation.stall_seconds=30",
+        "trainer.logger=[console]",
+        "actor_rollout_ref.rollout.agent.num_workers=3",
+        "data.dataloader_num_workers=2",
     ]
     assert [o for o in operational if fingerprint(load_config([o]), "data") != base] == []
     # A file given by its digest enters by content: its path may change, its content may not.
     moved = load_config(["actor_rollout_ref.model.path=/elsewhere/model"])
-    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"}) == fingerprint(load_config([]), "data", {"actor_rollout_ref.model.path": "m1"})
-    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m2"}) != fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"})
+    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m1"}) == fingerprint(
+        load_config([]), "data", {"actor_rollout_ref.model.path": "m1"}
+    )
+    assert fingerprint(moved, "data", {"actor_rollout_ref.model.path": "m2"}) != fingerprint(
+        moved, "data", {"actor_rollout_ref.model.path": "m1"}
+    )
 
 
 @pytest.mark.timeout(120)
@@ -199,7 +255,10 @@ def test_request_timeout_defaults_to_a_finite_value_from_the_response_budget():
 def test_max_inflight_defaults_to_twice_the_decode_batch_and_is_filled_in():
     assert load_config([]).generation.max_inflight == 2 * 64
     assert load_config(["actor_rollout_ref.rollout.max_num_seqs=8"]).generation.max_inflight == 16
-    assert load_config(["actor_rollout_ref.rollout.max_num_seqs=8", "generation.max_inflight=3"]).generation.max_inflight == 3
+    assert (
+        load_config(["actor_rollout_ref.rollout.max_num_seqs=8", "generation.max_inflight=3"]).generation.max_inflight
+        == 3
+    )
     for bad in ("0", "true", "many"):
         with pytest.raises(GenrunError, match="generation.max_inflight=.*must be null"):
             load_config([f"generation.max_inflight={bad}"])
@@ -211,12 +270,29 @@ def test_the_sample_deadline_defaults_to_every_turns_request_attempts_and_is_ope
     attempts, and one request_timeout more for its tools (the last turn's: the reward)."""
     defaults = load_config([])
     assert defaults.generation.sample_timeout_seconds == default_sample_timeout(1, 3, 856) == 1 * (3 + 2) * 856
-    turns = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "generation.request_timeout=10"])
+    turns = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+            "generation.request_timeout=10",
+        ]
+    )
     assert turns.generation.sample_timeout_seconds == 3 * 5 * 10
-    unlimited = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "generation.request_retries=0", "generation.request_timeout=10"])
+    unlimited = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "generation.request_retries=0",
+            "generation.request_timeout=10",
+        ]
+    )
     assert unlimited.generation.sample_timeout_seconds == 16 * 2 * 10, "no turn limit: a finite allowance of turns"
     assert load_config(["generation.sample_timeout_seconds=7.5"]).generation.sample_timeout_seconds == 7.5
     for bad in ("0", "-1", "soon"):
-        with pytest.raises(GenrunError, match=f"generation.sample_timeout_seconds='?{bad}'?: must be null .* or a number of seconds > 0"):
+        with pytest.raises(
+            GenrunError,
+            match=f"generation.sample_timeout_seconds='?{bad}'?: must be null .* or a number of seconds > 0",
+        ):
             load_config([f"generation.sample_timeout_seconds={bad}"])
-    assert fingerprint(load_config(["generation.sample_timeout_seconds=5"]), "data") == fingerprint(defaults, "data"), "a resumed run may change it"
+    assert fingerprint(load_config(["generation.sample_timeout_seconds=5"]), "data") == fingerprint(defaults, "data"), (
+        "a resumed run may change it"
+    )

@@ -41,7 +41,9 @@ def test_a_strided_input_gives_the_same_rows():
     torch.manual_seed(1)
     layer = nn.Linear(8, 6)
     x = torch.randn(4, 9, 8)[:, ::2]  # not contiguous
-    torch.testing.assert_close(weight_first_forward(layer, x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        weight_first_forward(layer, x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6
+    )
 
 
 class _Adapter(nn.Linear):
@@ -69,7 +71,14 @@ def test_a_llama_gives_the_same_logits_and_greedy_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(3, 97, (3, 12))
     with torch.no_grad():
@@ -82,7 +91,14 @@ def test_a_llama_gives_the_same_logits_and_greedy_tokens():
 
 @pytest.mark.parametrize("weight_first", [True, False], ids=["weight-first", "nn-linear"])
 def test_the_engine_setting_decides_and_both_give_the_greedy_tokens(tiny_model_dir, weight_first):
-    settings = EngineSettings(str(tiny_model_dir), prompt_length=64, response_length=16, max_batch_size=4, num_threads=1, weight_first_linear=weight_first)
+    settings = EngineSettings(
+        str(tiny_model_dir),
+        prompt_length=64,
+        response_length=16,
+        max_batch_size=4,
+        num_threads=1,
+        weight_first_linear=weight_first,
+    )
     engine = HFEngine(settings)
     try:
         replaced = [m for m in engine.model.modules() if "forward" in vars(m)]
@@ -91,13 +107,17 @@ def test_the_engine_setting_decides_and_both_give_the_greedy_tokens(tiny_model_d
 
         async def main():
             params = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
-            return await asyncio.gather(*[engine.generate(f"r{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[engine.generate(f"r{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+            )
 
         outputs = asyncio.run(asyncio.wait_for(main(), 60))
         use_plain_linears(engine.model)
         for prompt, out in zip(prompts, outputs, strict=True):
             with torch.no_grad():
-                expected = engine.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-            assert out.token_ids == expected[0, len(prompt):].tolist()
+                expected = engine.model.generate(
+                    torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+                )
+            assert out.token_ids == expected[0, len(prompt) :].tolist()
     finally:
         engine.shutdown()

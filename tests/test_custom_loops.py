@@ -48,7 +48,12 @@ def test_self_refine_masks_the_user_turns(model_dir):
     from examples.self_refine.self_refine_loop import CRITIQUE_REQUEST, REVISE_REQUEST
 
     tokenizer = hf_tokenizer(str(model_dir))
-    cfg = load_config(["actor_rollout_ref.rollout.agent.default_agent_loop=self_refine", "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.agent.default_agent_loop=self_refine",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+        ]
+    )
     cfg.actor_rollout_ref.model.path = str(model_dir)
     engine = ReplyInTurn(tokenizer)
     worker = StreamingWorker(cfg, engine)
@@ -56,9 +61,17 @@ def test_self_refine_masks_the_user_turns(model_dir):
     record = asyncio.run(worker.run_one((0, 0), sample))
 
     def user_turn(text):
-        return tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        return tokenizer.encode(
+            f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
 
-    turns = [(engine.tokens(0), 1), (user_turn(CRITIQUE_REQUEST), 0), (engine.tokens(1), 1), (user_turn(REVISE_REQUEST), 0), (engine.tokens(2), 1)]
+    turns = [
+        (engine.tokens(0), 1),
+        (user_turn(CRITIQUE_REQUEST), 0),
+        (engine.tokens(1), 1),
+        (user_turn(REVISE_REQUEST), 0),
+        (engine.tokens(2), 1),
+    ]
     assert record.response_ids == [t for ids, _ in turns for t in ids]
     assert record.response_mask == [m for ids, m in turns for _ in ids]
     assert record.response_logprobs == [-1.0 if m else 0.0 for ids, m in turns for _ in ids]
@@ -67,7 +80,8 @@ def test_self_refine_masks_the_user_turns(model_dir):
 
 def _user_plugin(site):
     """A user's own package, installed only as a dist-info with a verl.plugins entry point."""
-    (site / "my_loops.py").write_text(textwrap.dedent('''
+    (site / "my_loops.py").write_text(
+        textwrap.dedent("""
         from verl.experimental.agent_loop.agent_loop import register
         from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
@@ -78,7 +92,8 @@ def _user_plugin(site):
                 import ray
                 output.extra_fields["in_ray_worker"] = ray._private.worker.global_worker.mode == ray.WORKER_MODE
                 return output
-    '''))
+    """)
+    )
     dist = site / "my_loops-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-loops\nVersion: 0.1\n")
@@ -93,11 +108,20 @@ def install_self_refine_example(site: Path) -> None:
     entry point), into `site` (a folder for PYTHONPATH) instead of the venv: built from a copy, so
     the checkout gets no build folders."""
     source = site.parent / "self_refine_source"
-    shutil.copytree(REPO / "examples" / "self_refine", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        REPO / "examples" / "self_refine", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(site.parent / "wheel")], check=True, timeout=120, capture_output=True)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(site.parent / "wheel")],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
     (wheel,) = (site.parent / "wheel").glob("*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=120, capture_output=True)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=120, capture_output=True
+    )
 
 
 @pytest.mark.timeout(300)
@@ -115,7 +139,9 @@ def test_the_self_refine_example_installed_as_documented_registers_its_loop(tmp_
         "print('registered')\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("registered"), done.stderr[-2000:]
 
 

@@ -104,11 +104,20 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     rows[1]["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
     rows[3]["prompt"][0]["content"] = "Describe a cat in great detail. " * 60
     path = write_parquet(tmp_path / "mixed.parquet", rows)
-    plan = preflight([f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    plan = preflight(
+        [f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"]
+    )
     prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
     assert (len(prompts), prompts.filtered_overlong) == (2, 2)
     assert [prompts.sample_index(i) for i in range(len(prompts))] == [0, 2]
-    manifest = SuccessMarker(shard="shard-00000", shard_id=0, range=[0, 4], num_trajectories=2, expected_trajectories=2, filtered_overlong=prompts.filtered_overlong)
+    manifest = SuccessMarker(
+        shard="shard-00000",
+        shard_id=0,
+        range=[0, 4],
+        num_trajectories=2,
+        expected_trajectories=2,
+        filtered_overlong=prompts.filtered_overlong,
+    )
     summary = summarize(plan, [SuccessMarker.from_dict(manifest.to_dict())], 0.0)
     assert summary["filtered_overlong_prompts"] == 2
     _print_summary(summary, plan)

@@ -109,7 +109,9 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
         filtered += prompts.filtered_overlong
     assert filtered == 20 - len(reference) == 4, "rows 2, 7, 12, 17 are too long"
     assert kept == [_verl_kwargs(reference, p) for p in range(len(reference))]
-    assert any(k["tools_kwargs"] for k in kept) and any(reference[p]["agent_name"] is None for p in range(len(reference))), "the rows exercise both"
+    assert any(k["tools_kwargs"] for k in kept) and any(
+        reference[p]["agent_name"] is None for p in range(len(reference))
+    ), "the rows exercise both"
 
     # A range inside one row group of a.parquet into the middle of b.parquet.
     middle = ShardPrompts(cfg, dataset, 5, 10, tokenizer)
@@ -118,7 +120,9 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("batched_agrees", [True, False])
-def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(tmp_path, tokenizer, monkeypatch, caplog, batched_agrees):
+def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(
+    tmp_path, tokenizer, monkeypatch, caplog, batched_agrees
+):
     """Past the first DECIDE_WINDOW_ROWS (checked against verl's predicate row by row) a shard
     decides prompt lengths a window per tokenizer call; the kept rows are verl's either way, and
     a batched rule that disagrees with verl's is dropped for verl's own."""
@@ -165,7 +169,10 @@ def test_directories_globs_and_home_expand_in_sorted_order(tmp_path, monkeypatch
     assert resolve_train_files(_cfg(str(folder))) == expected, "a directory: every *.parquet, sorted"
     assert resolve_train_files(_cfg(str(folder / "part-*.parquet"))) == expected
     assert resolve_train_files(_cfg("~/prompts/part-1.parquet")) == expected[1:2]
-    assert resolve_train_files(_cfg([folder / "part-2.parquet", f"{folder}/part-[01].parquet"])) == [expected[2], *expected[:2]], "entries keep their order"
+    assert resolve_train_files(_cfg([folder / "part-2.parquet", f"{folder}/part-[01].parquet"])) == [
+        expected[2],
+        *expected[:2],
+    ], "entries keep their order"
     inspection = inspect_dataset(_cfg(str(folder)))
     assert [f.rows for f in inspection.files.files] == [3, 3, 3] and inspection.files.num_rows == 9
     assert inspect_dataset(_cfg(str(folder), "data.train_max_samples=4")).files.num_rows == 4
@@ -201,7 +208,9 @@ def test_the_fingerprint_reads_content_not_names_or_times(tmp_path):
     digests = [rows_digest(read_rows(d.files, shard.start, shard.end, {})) for d in (dataset, changed)]
     assert digests[0] != digests[1]
     other = plan_shards(600, 4)[0]
-    assert rows_digest(read_rows(dataset.files, other.start, other.end, {})) == rows_digest(read_rows(changed.files, other.start, other.end, {}))
+    assert rows_digest(read_rows(dataset.files, other.start, other.end, {})) == rows_digest(
+        read_rows(changed.files, other.start, other.end, {})
+    )
 
 
 def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, monkeypatch):
@@ -231,7 +240,9 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
 
     # preflight imports verl's loader when it needs it (after the light checks): patched at its source.
     monkeypatch.setattr(verl.utils, "hf_tokenizer", counting_tokenizer)
-    plan = preflight_module.preflight([f"data.train_files={path}", "generation.num_shards=16", f"trainer.default_local_dir={tmp_path / 'out'}"])
+    plan = preflight_module.preflight(
+        [f"data.train_files={path}", "generation.num_shards=16", f"trainer.default_local_dir={tmp_path / 'out'}"]
+    )
     assert plan.dataset.num_rows == 50_000 and len(plan.shards) == 16
     assert 0 < len(calls.read_text()) <= OVERLONG_SAMPLE_ROWS
     payload = plan.to_dict(with_shards=False)
@@ -246,7 +257,9 @@ def test_only_a_sample_decides_that_every_prompt_is_too_long(tmp_path, model_dir
     for row in rows[:OVERLONG_SAMPLE_ROWS]:
         row["prompt"][0]["content"] = "Describe the sea in great detail. " * 60
     path = _write(tmp_path / "long_first.parquet", rows, 64)
-    with pytest.raises(GenrunError, match=rf"all {OVERLONG_SAMPLE_ROWS} sampled prompts .* longer than data.max_prompt_length=256"):
+    with pytest.raises(
+        GenrunError, match=rf"all {OVERLONG_SAMPLE_ROWS} sampled prompts .* longer than data.max_prompt_length=256"
+    ):
         preflight([f"data.train_files={path}", f"trainer.default_local_dir={tmp_path / 'out'}"])
 
 
@@ -257,7 +270,10 @@ def test_large_json_is_refused_with_the_conversion(tmp_path, monkeypatch):
     path.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
     assert inspect_dataset(_cfg(str(path))).files.num_rows == 50, "small JSONL is read whole"
     monkeypatch.setattr("generation_core.inputs.dataset_files.JSON_MAX_BYTES", 1024)
-    with pytest.raises(GenrunError, match=r"prompts.jsonl is 0 MiB of JSON, more than .*convert it to Parquet, e.g. python -c \"import pandas as pd; pd.read_json\("):
+    with pytest.raises(
+        GenrunError,
+        match=r"prompts.jsonl is 0 MiB of JSON, more than .*convert it to Parquet, e.g. python -c \"import pandas as pd; pd.read_json\(",
+    ):
         inspect_dataset(_cfg(str(path)))
 
 
@@ -279,10 +295,20 @@ def test_bad_local_inputs_through_genrun(tmp_path, model_dir, capsys, monkeypatc
     big_json = tmp_path / "big.jsonl"
     big_json.write_text("\n".join(json.dumps(row) for row in chat_rows(50)) + "\n")
     monkeypatch.setattr("generation_core.inputs.dataset_files.JSON_MAX_BYTES", 1024)
-    _refused([f"data.train_files={big_json}"], tmp_path, capsys, r"big.jsonl is 0 MiB of JSON, more than the 0 MiB .*convert it to Parquet")
+    _refused(
+        [f"data.train_files={big_json}"],
+        tmp_path,
+        capsys,
+        r"big.jsonl is 0 MiB of JSON, more than the 0 MiB .*convert it to Parquet",
+    )
     first = _write(tmp_path / "one.parquet", chat_rows(3), 2)
     second = _write(tmp_path / "two.parquet", chat_rows(3, first_index=2), 2)
-    _refused([f"data.train_files=[{first},{second}]"], tmp_path, capsys, r"two.parquet row 0: extra_info.index 2 repeats \(also in .*one.parquet row 2\)")
+    _refused(
+        [f"data.train_files=[{first},{second}]"],
+        tmp_path,
+        capsys,
+        r"two.parquet row 0: extra_info.index 2 repeats \(also in .*one.parquet row 2\)",
+    )
 
 
 @pytest.fixture
@@ -313,7 +339,9 @@ def test_s3_input_by_url_and_glob_reads_the_same_rows(s3_input, tmp_path, tokeni
     from_s3 = ShardPrompts.for_shard(cfg, remote.files, shard, tokenizer)
     from_disk = ShardPrompts.for_shard(_cfg(local), on_disk.files, shard, tokenizer)
     assert from_s3.rows_digest == from_disk.rows_digest
-    assert [from_s3.agent_kwargs(p) for p in range(len(from_s3))] == [from_disk.agent_kwargs(p) for p in range(len(from_disk))]
+    assert [from_s3.agent_kwargs(p) for p in range(len(from_s3))] == [
+        from_disk.agent_kwargs(p) for p in range(len(from_disk))
+    ]
 
     # data.storage_options reaches the input where the environment does not: endpoint and keys.
     monkeypatch.delenv("AWS_ENDPOINT_URL")
@@ -324,11 +352,26 @@ def test_s3_input_by_url_and_glob_reads_the_same_rows(s3_input, tmp_path, tokeni
 @pytest.mark.slow
 def test_bad_s3_inputs_get_one_line_and_write_nothing(s3_input, tmp_path, model_dir, capsys):
     for url, message in (
-        ("s3://no-such-bucket-genrun/prompts.parquet", r"data file s3://no-such-bucket-genrun/prompts.parquet does not exist \(or its bucket does not\)"),
-        ("s3://genrun-test/inputs/missing.parquet", r"data file s3://genrun-test/inputs/missing.parquet does not exist"),
-        ("s3://genrun-test/inputs/nothing-*.parquet", r"pattern s3://genrun-test/inputs/nothing-\*.parquet matches no file"),
-        ("s3://no-such-bucket-genrun/*.parquet", r"(pattern s3://no-such-bucket-genrun/\*.parquet matches no file|does not exist)"),
-        ("s3://genrun-test/inputs/broken.parquet", r"data file s3://genrun-test/inputs/broken.parquet cannot be read as parquet"),
+        (
+            "s3://no-such-bucket-genrun/prompts.parquet",
+            r"data file s3://no-such-bucket-genrun/prompts.parquet does not exist \(or its bucket does not\)",
+        ),
+        (
+            "s3://genrun-test/inputs/missing.parquet",
+            r"data file s3://genrun-test/inputs/missing.parquet does not exist",
+        ),
+        (
+            "s3://genrun-test/inputs/nothing-*.parquet",
+            r"pattern s3://genrun-test/inputs/nothing-\*.parquet matches no file",
+        ),
+        (
+            "s3://no-such-bucket-genrun/*.parquet",
+            r"(pattern s3://no-such-bucket-genrun/\*.parquet matches no file|does not exist)",
+        ),
+        (
+            "s3://genrun-test/inputs/broken.parquet",
+            r"data file s3://genrun-test/inputs/broken.parquet cannot be read as parquet",
+        ),
     ):
         _refused([f"data.train_files={url}"], tmp_path, capsys, message)
 
@@ -340,7 +383,12 @@ def test_data_storage_options_are_operational_and_never_written(tmp_path):
     from generation_core.store.run_folder import config_without_secrets
 
     plain = _cfg(str(tmp_path / "x.parquet"))
-    with_keys = _cfg(str(tmp_path / "x.parquet"), "data.storage_options.key=AKIA", "data.storage_options.secret=s3cr3t", "data.storage_options.endpoint_url=http://h:9")
+    with_keys = _cfg(
+        str(tmp_path / "x.parquet"),
+        "data.storage_options.key=AKIA",
+        "data.storage_options.secret=s3cr3t",
+        "data.storage_options.endpoint_url=http://h:9",
+    )
     assert fingerprint(plain, "d") == fingerprint(with_keys, "d"), "endpoint and credentials may change on resume"
     written = config_without_secrets(OmegaConf.to_container(with_keys, resolve=True))
     assert "s3cr3t" not in str(written) and "AKIA" not in str(written)
@@ -357,10 +405,16 @@ def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp
     from generation_core.driver.in_process import run_in_process
     from generation_core.plan.preflight import preflight
 
-    plan = preflight([
-        "data.train_files='s3://genrun-test/inputs/prompts/*.parquet'", "data.max_prompt_length=64", f"trainer.default_local_dir={tmp_path / 'out'}",
-        "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false", "generation.num_shards=3",
-    ])
+    plan = preflight(
+        [
+            "data.train_files='s3://genrun-test/inputs/prompts/*.parquet'",
+            "data.max_prompt_length=64",
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+            "actor_rollout_ref.rollout.name=instant",
+            "generation.show_progress=false",
+            "generation.num_shards=3",
+        ]
+    )
     summary = run_in_process(plan)
     assert summary["num_trajectories"] == 16 and summary["filtered_overlong_prompts"] == 4
     markers = [json.loads((tmp_path / "out" / "shards" / s.name / "_SUCCESS.json").read_text()) for s in plan.shards]
@@ -383,19 +437,33 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     from generation_core.shard.streaming import StreamingWorker
 
     table = pa.Table.from_pylist(chat_rows(2))
-    table = table.append_column("when", pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2025, 1, 1)], pa.timestamp("us")))
+    table = table.append_column(
+        "when", pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2025, 1, 1)], pa.timestamp("us"))
+    )
     table = table.append_column("day", pa.array([datetime.date(2024, 1, 2), datetime.date(2024, 2, 3)], pa.date32()))
-    table = table.append_column("price", pa.array([decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal128(10, 2)))
+    table = table.append_column(
+        "price", pa.array([decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal128(10, 2))
+    )
     table = table.append_column("blob", pa.array([b"\x00\x01", b"hi"], pa.binary()))
     pq.write_table(table, tmp_path / "typed.parquet")
-    plan = preflight([
-        f"data.train_files={tmp_path / 'typed.parquet'}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={tmp_path / 'typed.parquet'}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+        ]
+    )
     plan.claim_folder()
     [shard] = plan.shards
     prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
-    worker = StreamingWorker(plan.cfg, InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)))
+    worker = StreamingWorker(
+        plan.cfg,
+        InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
+    )
     try:
         manifest = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker))
     finally:
@@ -422,7 +490,9 @@ def test_a_file_changed_after_planning_is_refused_by_the_shard_that_reads_it(tmp
     assert read_rows(dataset, 5, 15, {}).num_rows == 10
     # Cut: the last rows of b.parquet are gone.
     _write(files[1], _rich_rows(3, 7), 3)
-    with pytest.raises(GenrunError, match=r"b\.parquet changed since the run was planned \(\d+ bytes, planned \d+\); restore the file"):
+    with pytest.raises(
+        GenrunError, match=r"b\.parquet changed since the run was planned \(\d+ bytes, planned \d+\); restore the file"
+    ):
         read_rows(dataset, 5, 15, {})
     # Other rows of the same count and, where possible, the same size: the footer tells.
     _write(files[1], [dict(row, difficulty=row["difficulty"] + 1) for row in _rich_rows(5, 7)], 3)
@@ -444,10 +514,15 @@ def test_the_merge_refuses_a_shard_that_does_not_account_for_its_rows():
     from generation_core.outputs.merge import check_shard_counts
     from generation_core.store.run_folder import SuccessMarker
 
-    whole = SuccessMarker("shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2)
+    whole = SuccessMarker(
+        "shard-00000", 0, [0, 10], num_trajectories=15, expected_trajectories=16, failures=1, filtered_overlong=2
+    )
     check_shard_counts([whole], rollout_n=2)
     short = SuccessMarker("shard-00001", 1, [10, 20], num_trajectories=14, expected_trajectories=14)
-    with pytest.raises(GenrunError, match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed"):
+    with pytest.raises(
+        GenrunError,
+        match=r"shard-00001 accounts for 14 of the 20 trajectories of its rows \[10, 20\) x n=2 .*input changed",
+    ):
         check_shard_counts([whole, short], rollout_n=2)
 
 
@@ -470,8 +545,13 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     path = tmp_path / "plain.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, compression="none")
     overrides = [
-        f"data.train_files={path}", f"trainer.default_local_dir={tmp_path / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
+        f"data.train_files={path}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.show_progress=false",
         "generation.num_shards=2",
     ]
     plan = preflight(overrides)
@@ -481,7 +561,15 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     def run(shard):
         worker = StreamingWorker(plan.cfg, engine)
         try:
-            return asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker))
+            return asyncio.run(
+                run_shard_with_worker(
+                    plan.cfg,
+                    shard,
+                    plan.folder,
+                    ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
+                    worker,
+                )
+            )
         finally:
             worker.shutdown()
 
@@ -497,7 +585,10 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     path.write_bytes(data.replace(b"GT04", b"GT03"))
     assert inspect_dataset(plan.cfg).files == plan.dataset, "the planned size, footer and row counts cannot tell"
     assert read_rows(plan.dataset, 3, 6, {}).column("reward_model").to_pylist()[1]["ground_truth"] == "GT03"
-    with pytest.raises(GenrunError, match=r"the dataset rows of finished shard-00000 \(and shard-00001\) changed since it was generated .*Restore the dataset as it was, or write to another trainer.default_local_dir"):
+    with pytest.raises(
+        GenrunError,
+        match=r"the dataset rows of finished shard-00000 \(and shard-00001\) changed since it was generated .*Restore the dataset as it was, or write to another trainer.default_local_dir",
+    ):
         finished_shards(plan, plan.shards)
     with pytest.raises(GenrunError, match="the dataset rows of finished shard-00001 changed"):
         run(plan.shards[1])

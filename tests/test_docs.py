@@ -26,13 +26,19 @@ DOCS = ["README.md", "CHANGELOG.md", *(str(path.relative_to(REPO)) for path in s
 
 def _test_names(path: str) -> set[str]:
     tree = ast.parse((REPO / path).read_text())
-    return {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")}
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+    }
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_test_a_doc_names_exists(doc):
     references = TEST_REFERENCE.findall((REPO / doc).read_text())
-    missing = [f"{path}::{name}" for path, name in references if not (REPO / path).exists() or name not in _test_names(path)]
+    missing = [
+        f"{path}::{name}" for path, name in references if not (REPO / path).exists() or name not in _test_names(path)
+    ]
     assert not missing, f"{doc} names tests that do not exist: {missing}"
 
 
@@ -124,7 +130,8 @@ def test_every_config_key_a_doc_names_exists(doc, loaded_config):
     unknown = [
         key
         for key in named
-        if not key.startswith(FREE_FORM_PREFIXES) and OmegaConf.select(loaded_config, key, default=absent, throw_on_missing=False) is absent
+        if not key.startswith(FREE_FORM_PREFIXES)
+        and OmegaConf.select(loaded_config, key, default=absent, throw_on_missing=False) is absent
     ]
     assert not unknown, f"{doc} names config keys the loaded configuration does not have: {unknown}"
 

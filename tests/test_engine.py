@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2))
+    engine = HFEngine(
+        EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2)
+    )
     yield engine
     engine.shutdown()
 
@@ -32,7 +34,12 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
 
-TEXTS = ["What is 2 + 2?", "Name a color.", "Say hello to the world in a long friendly way.", "What is the capital of Italy?"]
+TEXTS = [
+    "What is 2 + 2?",
+    "Name a color.",
+    "Say hello to the world in a long friendly way.",
+    "What is the capital of Italy?",
+]
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -67,7 +74,13 @@ def test_engines_implement_the_contract(engine):
 def test_greedy_matches_model_generate_and_logprobs_match_a_rescore(engine, reference, prompts):
     outputs = _generate_all(engine, prompts, {"temperature": 0, "logprobs": True})
     for prompt, out in zip(prompts, outputs, strict=True):
-        expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=24, do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
+        expected = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+            pad_token_id=2,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == expected
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
@@ -145,14 +158,20 @@ def system_prompted(model_dir):
     one without it: rows that read the batch's shared prefix beside one that cannot."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     system = "You are a careful assistant. Answer in one short sentence, use plain words, and check every number twice before you answer."
-    shared = [_chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": t}]) for t in TEXTS]
+    shared = [
+        _chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": t}]) for t in TEXTS
+    ]
     return [*shared, _chat_ids(tokenizer, [{"role": "user", "content": "Count to five."}])]
 
 
 @pytest.mark.parametrize(
-    "mixed_steps,shared_prefix", [(True, False), (False, False), (True, True)], ids=["mixed-steps", "plain-steps", "mixed-steps-shared-prefix"]
+    "mixed_steps,shared_prefix",
+    [(True, False), (False, False), (True, True)],
+    ids=["mixed-steps", "plain-steps", "mixed-steps-shared-prefix"],
 )
-def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(model_dir, reference, prompts, system_prompted, mixed_steps, shared_prefix):
+def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(
+    model_dir, reference, prompts, system_prompted, mixed_steps, shared_prefix
+):
     """Three slots, nine requests of very different lengths arriving over time: slots are
     reused, sequences move down into slots others left, the KV store grows past its first size
     and shifts its window left, and a longer
@@ -161,7 +180,16 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
     joiners prefilled in the decode step (mixed) and apart (plain, the path for models the
     packed attention cannot drive); and with prompts that start with one long system prompt,
     whose KV the mixed steps read once for every row that shares it (shared_prefix.py)."""
-    small = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=100, max_batch_size=3, num_threads=2, mixed_steps=mixed_steps))
+    small = HFEngine(
+        EngineSettings(
+            str(model_dir),
+            prompt_length=128,
+            response_length=100,
+            max_batch_size=3,
+            num_threads=2,
+            mixed_steps=mixed_steps,
+        )
+    )
     assert small._mixed is mixed_steps and small._share_prefixes is mixed_steps
     lengths = [100, 4, 40, 9, 70, 1, 25, 50, 12]
     chosen_prompts = system_prompted if shared_prefix else prompts
@@ -207,7 +235,18 @@ def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(m
     results = {}
     for mixed in (True, False):
         # No prefix reuse: every prompt token is prefilled, so the counts compare.
-        engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=8, num_threads=2, mixed_steps=mixed, max_step_tokens=60, prefix_cache_bytes=0))
+        engine = HFEngine(
+            EngineSettings(
+                str(model_dir),
+                prompt_length=128,
+                response_length=24,
+                max_batch_size=8,
+                num_threads=2,
+                mixed_steps=mixed,
+                max_step_tokens=60,
+                prefix_cache_bytes=0,
+            )
+        )
         try:
             outputs = _generate_all(engine, staggered, params, stagger=0.1)
             results[mixed] = (outputs, dict(engine.stats))
@@ -215,7 +254,14 @@ def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(m
             engine.shutdown()
     (mixed_out, mixed_stats), (plain_out, plain_stats) = results[True], results[False]
     assert [o.token_ids for o in mixed_out] == [o.token_ids for o in plain_out]
-    assert max(abs(a - b) for m, p in zip(mixed_out, plain_out, strict=True) for a, b in zip(m.log_probs, p.log_probs, strict=True)) < 1e-4
+    assert (
+        max(
+            abs(a - b)
+            for m, p in zip(mixed_out, plain_out, strict=True)
+            for a, b in zip(m.log_probs, p.log_probs, strict=True)
+        )
+        < 1e-4
+    )
     assert mixed_stats["prefill_tokens"] == plain_stats["prefill_tokens"] == sum(len(p) for p in staggered)
     assert mixed_stats["mixed_steps"] > 0 and plain_stats["mixed_steps"] == 0
     assert mixed_stats["largest_step_tokens"] <= max(60, 8 + max(len(p) for p in staggered))
@@ -225,7 +271,9 @@ def test_a_model_whose_attention_mixed_steps_cannot_drive_runs_plain_steps(model
     from generation_core.engines import packed_step
 
     monkeypatch.setattr(packed_step, "agrees_with_plain_forwards", lambda *args: False)
-    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=4, num_threads=2))
+    engine = HFEngine(
+        EngineSettings(str(model_dir), prompt_length=128, response_length=24, max_batch_size=4, num_threads=2)
+    )
     try:
         assert engine._mixed is False
         assert engine.model.config._attn_implementation == "sdpa"
@@ -236,7 +284,12 @@ def test_a_model_whose_attention_mixed_steps_cannot_drive_runs_plain_steps(model
 
 def _per_row_reference(logits, params, generators):
     """The sampler as it was before it ran batched: one row at a time on the CPU."""
-    return torch.cat([sample_next_tokens(logits[i : i + 1], [p], [g]) for i, (p, g) in enumerate(zip(params, generators, strict=True))])
+    return torch.cat(
+        [
+            sample_next_tokens(logits[i : i + 1], [p], [g])
+            for i, (p, g) in enumerate(zip(params, generators, strict=True))
+        ]
+    )
 
 
 def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
@@ -268,7 +321,10 @@ def test_batched_sampler_keeps_per_row_greedy_top_k_top_p_and_seeds():
     alone = _per_row_reference(logits[4:5], params[4:5], [torch.Generator().manual_seed(3)])
     assert seeded == {int(alone[0])}
     # All-greedy batch: argmax of every row.
-    assert sample_next_tokens(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6).tolist() == logits.argmax(-1).tolist()
+    assert (
+        sample_next_tokens(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6).tolist()
+        == logits.argmax(-1).tolist()
+    )
 
 
 def test_unfiltered_sampling_draws_from_the_tempered_softmax_and_seeded_rows_stay_their_own():
@@ -320,7 +376,9 @@ def test_the_draw_at_the_ends_of_its_uniform_range_picks_a_kept_token(monkeypatc
 
 
 def _tiny_engine(path, max_batch_size=4):
-    return HFEngine(EngineSettings(str(path), prompt_length=64, response_length=400, max_batch_size=max_batch_size, num_threads=1))
+    return HFEngine(
+        EngineSettings(str(path), prompt_length=64, response_length=400, max_batch_size=max_batch_size, num_threads=1)
+    )
 
 
 TINY_PROMPTS = [[5, 9, 11, 7], [20, 3, 33], [40, 41, 42, 43, 44]]
@@ -348,7 +406,10 @@ def test_a_failing_admission_fails_the_joining_requests_names_the_engine_and_rec
     try:
         outcomes = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 5}))
         assert all(isinstance(o, RuntimeError) for o in outcomes), outcomes
-        assert all(re.search(r"transformers engine \(tiny-llama\w* on cpu\).*injected sampling failure", str(o)) for o in outcomes), outcomes
+        assert all(
+            re.search(r"transformers engine \(tiny-llama\w* on cpu\).*injected sampling failure", str(o))
+            for o in outcomes
+        ), outcomes
         # The engine serves the next requests.
         again = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 5}))
         assert [len(o.token_ids) for o in again] == [5, 5, 5]
@@ -407,7 +468,9 @@ def test_a_decode_loop_that_dies_fails_every_waiting_request(tiny_model_dir):
 
     engine._step = dies_on_the_third_step
     try:
-        outcomes = asyncio.run(_settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 300, "ignore_eos": True}))
+        outcomes = asyncio.run(
+            _settled(engine, TINY_PROMPTS, {"temperature": 0, "max_tokens": 300, "ignore_eos": True})
+        )
     finally:
         engine.shutdown()
     assert all(isinstance(o, ConnectionError) and "decode loop ended" in str(o) for o in outcomes), outcomes
@@ -433,7 +496,9 @@ def test_the_transformers_engine_says_why_a_response_stopped(tiny_model_dir):
 
 
 def _instant(prompt, **params):
-    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=32, eos_token_id=2, response_tokens=8, vocab_size=500))
+    engine = InstantEngine(
+        InstantSettings(prompt_length=64, response_length=32, eos_token_id=2, response_tokens=8, vocab_size=500)
+    )
     return asyncio.run(engine.generate("any-id", prompt_ids=prompt, sampling_params=params))
 
 
@@ -444,7 +509,9 @@ def test_the_instant_engine_answers_per_prompt_seed_and_temperature_and_says_why
     assert len({tuple(s) for s in samples}) == 4
     assert [_instant(prompt, temperature=1.0, seed=n).token_ids for n in range(4)] == samples
     assert _instant(prompt, temperature=0.7, seed=0).token_ids != samples[0]
-    assert _instant([11, 12, 14, 13], temperature=1.0, seed=0).token_ids != samples[0], "the prompt's order counts, not its sum"
+    assert _instant([11, 12, 14, 13], temperature=1.0, seed=0).token_ids != samples[0], (
+        "the prompt's order counts, not its sum"
+    )
     # Greedy: the prompt alone decides, as a model's argmax does.
     assert _instant(prompt, temperature=0, seed=1).token_ids == _instant(prompt, temperature=0, seed=2).token_ids
     full = _instant(prompt, temperature=1.0, seed=0)
@@ -459,12 +526,23 @@ def test_a_trajectorys_next_turn_joins_before_first_turns_that_wait(model_dir, p
     (which ran before) sends its next turn: it runs right after the long request, ahead of b and
     c; with later_turns_first=false, in arrival order. As the routing client sends turns: a fresh
     request id each time, the trajectory's own id as `trajectory_key`."""
-    engine = HFEngine(EngineSettings(str(model_dir), prompt_length=256, response_length=64, max_batch_size=1, num_threads=2, later_turns_first=later_turns_first))
+    engine = HFEngine(
+        EngineSettings(
+            str(model_dir),
+            prompt_length=256,
+            response_length=64,
+            max_batch_size=1,
+            num_threads=2,
+            later_turns_first=later_turns_first,
+        )
+    )
     short = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
     finished = []
 
     async def turn(trajectory, prompt, params):
-        output = await engine.generate(uuid.uuid4().hex, prompt_ids=prompt, sampling_params=params, trajectory_key=trajectory)
+        output = await engine.generate(
+            uuid.uuid4().hex, prompt_ids=prompt, sampling_params=params, trajectory_key=trajectory
+        )
         finished.append(trajectory)
         return output
 
@@ -477,7 +555,9 @@ def test_a_trajectorys_next_turn_joins_before_first_turns_that_wait(model_dir, p
         tokens_before = engine.stats["generated_tokens"]
         long = asyncio.create_task(turn("long", prompts[1], {"temperature": 0, "max_tokens": 60, "ignore_eos": True}))
         await until(lambda: engine.stats["generated_tokens"] > tokens_before)  # it holds the slot
-        queued = [asyncio.create_task(turn(name, prompt, short)) for name, prompt in (("b", prompts[2]), ("c", prompts[3]))]
+        queued = [
+            asyncio.create_task(turn(name, prompt, short)) for name, prompt in (("b", prompts[2]), ("c", prompts[3]))
+        ]
         await until(lambda: engine._incoming.qsize() == 2)
         queued.append(asyncio.create_task(turn("a", prompts[0] + first.token_ids + prompts[3][-4:], short)))
         await until(lambda: engine._incoming.qsize() == 3)

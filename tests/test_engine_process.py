@@ -24,7 +24,14 @@ def test_two_cpu_replicas_split_the_cores_and_run_at_normal_priority(tmp_path, r
     from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
-    plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.n_gpus_per_node=2", "generation.show_progress=false"])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.n_gpus_per_node=2",
+            "generation.show_progress=false",
+        ]
+    )
 
     async def health():
         pool = await ReplicaPool.boot(plan.cfg)
@@ -60,7 +67,14 @@ def test_the_instant_engines_replica_process_imports_no_verl_torch_or_transforme
     from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
-    plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false"])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "actor_rollout_ref.rollout.name=instant",
+            "generation.show_progress=false",
+        ]
+    )
 
     async def modules_and_answer():
         pool = await ReplicaPool.boot(plan.cfg)
@@ -68,7 +82,9 @@ def test_the_instant_engines_replica_process_imports_no_verl_torch_or_transforme
             (handle,) = pool.manager.server_handles
             loaded = await handle.__ray_call__.remote(_heavy_modules_loaded)
             client = pool.client()
-            answer = await client.generate("r1", prompt_ids=[5, 6, 7], sampling_params={"temperature": 0.0, "logprobs": True})
+            answer = await client.generate(
+                "r1", prompt_ids=[5, 6, 7], sampling_params={"temperature": 0.0, "logprobs": True}
+            )
             await client.aclose()
             return loaded, answer
         finally:

@@ -66,21 +66,31 @@ def _plan_scored_chat_run(base, model_dir, questions, score_expression: str, *ov
     """The plan of a run over `questions` (one chat prompt each, 2 samples, prompts of at most 64
     tokens) under `base`, scored by a reward file returning `score_expression`."""
     rows = [
-        {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        {
+            "data_source": "test/chat",
+            "prompt": [{"role": "user", "content": q}],
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
         for i, q in enumerate(questions)
     ]
     reward = base / "reward.py"
-    reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return {score_expression}\n")
-    return preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
-        f"trainer.default_local_dir={base / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=64",
-        f"reward.custom_reward_function.path={reward}",
-        "generation.show_progress=false",
-        *overrides,
-    ])
+    reward.write_text(
+        f"def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return {score_expression}\n"
+    )
+    return preflight(
+        [
+            f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={base / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.n=2",
+            "data.max_prompt_length=64",
+            f"reward.custom_reward_function.path={reward}",
+            "generation.show_progress=false",
+            *overrides,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +99,14 @@ def sampled_run(tmp_path_factory, model_dir, tokenizer):
     stop, some are cut), scored by the length of their text."""
     base = tmp_path_factory.mktemp("sampled")
     plan = _plan_scored_chat_run(
-        base, model_dir, QUESTIONS, "len(solution_str) / 100",
-        "actor_rollout_ref.rollout.temperature=1.0", "generation.sample_seed=7", "data.max_response_length=20", "generation.save_batch_size=4",
+        base,
+        model_dir,
+        QUESTIONS,
+        "len(solution_str) / 100",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "generation.sample_seed=7",
+        "data.max_response_length=20",
+        "generation.save_batch_size=4",
     )
     engine = HFEngine(EngineSettings(str(model_dir), prompt_length=64, response_length=20, num_threads=2))
     try:
@@ -107,23 +123,30 @@ def tool_run(tmp_path_factory, model_dir, tokenizer):
     samples of 3 prompts, 3 parts; prompt 1's ground truth is wrong (reward 0, the others 1)."""
     base = tmp_path_factory.mktemp("tools")
     rows = [
-        {"data_source": "test/arithmetic", "prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": "13" if index == 1 else str(eval(EXPRESSIONS[word]))}, "extra_info": {"split": "test", "index": index}}
+        {
+            "data_source": "test/arithmetic",
+            "prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "13" if index == 1 else str(eval(EXPRESSIONS[word]))},
+            "extra_info": {"split": "test", "index": index},
+        }
         for index, word in enumerate(EXPRESSIONS)
     ]
-    plan = preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
-        f"trainer.default_local_dir={base / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}",
-        f"reward.custom_reward_function.path={TOOL_REWARD}",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=128",
-        "data.max_response_length=128",
-        "generation.save_batch_size=2",
-        "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={base / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}",
+            f"reward.custom_reward_function.path={TOOL_REWARD}",
+            "actor_rollout_ref.rollout.n=2",
+            "data.max_prompt_length=128",
+            "data.max_response_length=128",
+            "generation.save_batch_size=2",
+            "generation.show_progress=false",
+        ]
+    )
     manifest = _run(plan, tokenizer, ScriptedEngine(tokenizer, EXPRESSIONS))
     assert manifest.num_trajectories == 6
     assert len(committed_parts(plan.folder)) == 3
@@ -135,18 +158,26 @@ def unscored_run(tmp_path_factory, model_dir, tokenizer):
     """The instant engine (no model), no reward function: 3 prompts, one sample each."""
     base = tmp_path_factory.mktemp("unscored")
     rows = [
-        {"data_source": "test/unscored", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        {
+            "data_source": "test/unscored",
+            "prompt": [{"role": "user", "content": q}],
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
         for i, q in enumerate(QUESTIONS[:3])
     ]
-    plan = preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
-        f"trainer.default_local_dir={base / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant",
-        "data.max_prompt_length=64",
-        "data.max_response_length=16",
-        "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={base / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+        ]
+    )
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     assert _run(plan, tokenizer, engine).num_trajectories == 3
     return base / "run"
@@ -158,8 +189,12 @@ def nan_run(tmp_path_factory, model_dir, tokenizer):
     0 (no score) and 1 + the prompt's index for the others."""
     base = tmp_path_factory.mktemp("nan")
     plan = _plan_scored_chat_run(
-        base, model_dir, QUESTIONS[:3], "float('nan') if extra_info['index'] == 0 else 1.0 + extra_info['index']",
-        "actor_rollout_ref.rollout.name=instant", "data.max_response_length=16",
+        base,
+        model_dir,
+        QUESTIONS[:3],
+        "float('nan') if extra_info['index'] == 0 else 1.0 + extra_info['index']",
+        "actor_rollout_ref.rollout.name=instant",
+        "data.max_response_length=16",
     )
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     assert _run(plan, tokenizer, engine).num_trajectories == 6
@@ -205,7 +240,9 @@ def _check_sft_dataset(path, records, tokenizer, tools=None):
     turn's tokens as the model generated them, then the template's end of turn."""
     from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
 
-    dataset = MultiTurnSFTDataset(str(path), tokenizer, OmegaConf.create({"max_length": 1024, "pad_mode": "no_padding"}))
+    dataset = MultiTurnSFTDataset(
+        str(path), tokenizer, OmegaConf.create({"max_length": 1024, "pad_mode": "no_padding"})
+    )
     assert len(dataset) == len(records)
     newline = tokenizer.encode("\n", add_special_tokens=False)
     eos = tokenizer.eos_token_id
@@ -232,16 +269,25 @@ def test_single_turn_messages_give_back_the_token_ids(sampled_run, tokenizer, tm
         # Provenance and the time split travel with the row; the hf engine reports slot wait and prefill.
         assert json.loads(row["provenance"]) == record.provenance and record.provenance["engine"] == "hf"
         assert {k: v for k, v in row["timings"].items() if k != "storage"} == record.timings
-        assert record.timings["slot_wait"] is not None and record.timings["prefill"] is not None and row["timings"]["storage"] is not None
+        assert (
+            record.timings["slot_wait"] is not None
+            and record.timings["prefill"] is not None
+            and row["timings"]["storage"] is not None
+        )
         messages = row["messages"]
         assert messages[0] == {"role": "user", "content": QUESTIONS[row["index"]]}
         assert [m["role"] for m in messages] == ["user", "assistant"]
-        assert _ids(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True)) == record.prompt_ids
+        assert (
+            _ids(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True))
+            == record.prompt_ids
+        )
         rendered = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
         ended = record.response_ids[-1] == tokenizer.eos_token_id
         assert row["truncated"] is (not ended)
         # The template ends the turn with eos and a newline; a cut response lacked the eos.
-        assert rendered == record.prompt_ids + record.response_ids + ([] if ended else [tokenizer.eos_token_id]) + newline
+        assert (
+            rendered == record.prompt_ids + record.response_ids + ([] if ended else [tokenizer.eos_token_id]) + newline
+        )
         truncated += row["truncated"]
     assert 0 < truncated < len(rows), "the run has both kinds (response_length 20)"
     _check_sft_dataset(tmp_path / "sft.parquet", [records[(r["index"], r["rollout_n"])] for r in rows], tokenizer)
@@ -266,16 +312,42 @@ def test_min_reward_and_best_of_n(sampled_run, tmp_path):
     chosen = _export(sampled_run, tmp_path / "best.parquet", "--best-of-n")
     assert sorted((r["index"], r["rollout_n"]) for r in chosen) == sorted(best.items())
     both = _export(sampled_run, tmp_path / "both.parquet", "--best-of-n", f"--min-reward={threshold}")
-    assert sorted((r["index"], r["rollout_n"]) for r in both) == sorted((i, n) for i, n in best.items() if rewards[(i, n)] >= threshold)
+    assert sorted((r["index"], r["rollout_n"]) for r in both) == sorted(
+        (i, n) for i, n in best.items() if rewards[(i, n)] >= threshold
+    )
 
 
 def test_prompt_completion_layout(sampled_run, tmp_path):
     messages = _export(sampled_run, tmp_path / "messages.parquet")
     layout = _export(sampled_run, tmp_path / "pr.parquet", "--layout", "prompt-completion")
-    assert list(layout[0]) == ["prompt", "completion", "index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings"]
-    assert _export(sampled_run, tmp_path / "alias.parquet", "--layout", "prompt-response") == layout, "the earlier layout name still works"
-    assert [{**{k: v for k, v in row.items() if k not in ("prompt", "completion")}, "messages": row["prompt"] + row["completion"]} for row in layout] == [
-        {k: row[k] for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings")} | {"messages": row["messages"]} for row in messages
+    assert list(layout[0]) == [
+        "prompt",
+        "completion",
+        "index",
+        "rollout_n",
+        "data_source",
+        "reward",
+        "num_turns",
+        "truncated",
+        "provenance",
+        "timings",
+    ]
+    assert _export(sampled_run, tmp_path / "alias.parquet", "--layout", "prompt-response") == layout, (
+        "the earlier layout name still works"
+    )
+    assert [
+        {
+            **{k: v for k, v in row.items() if k not in ("prompt", "completion")},
+            "messages": row["prompt"] + row["completion"],
+        }
+        for row in layout
+    ] == [
+        {
+            k: row[k]
+            for k in ("index", "rollout_n", "data_source", "reward", "num_turns", "truncated", "provenance", "timings")
+        }
+        | {"messages": row["messages"]}
+        for row in messages
     ]
     assert all(len(row["prompt"]) == 1 and [m["role"] for m in row["completion"]] == ["assistant"] for row in layout)
 
@@ -299,7 +371,9 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
             {"role": "assistant", "content": f"The answer is {eval(expression)}."},
         ]
         assert row["tools"] == [CALCULATOR_SCHEMA]
-        assert row["reward"] == (0.0 if row["index"] == 1 else 1.0) and row["num_turns"] == 4 and row["truncated"] is False
+        assert (
+            row["reward"] == (0.0 if row["index"] == 1 else 1.0) and row["num_turns"] == 4 and row["truncated"] is False
+        )
         assert row["data_source"] == "test/arithmetic"
         # The one place the token stream and the template's rendering differ: verl's builder
         # starts the tool turn right after the call's <|im_end|>, the template puts a newline there.
@@ -317,7 +391,9 @@ def test_tool_trajectories_become_assistant_and_tool_messages(tool_run, tokenize
 
 def test_tool_run_filters(tool_run, tmp_path):
     def keys(*options):
-        return sorted((r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "out.parquet", "--overwrite", *options))
+        return sorted(
+            (r["index"], r["rollout_n"]) for r in _export(tool_run, tmp_path / "out.parquet", "--overwrite", *options)
+        )
 
     assert keys("--min-reward", "0.5") == [(0, 0), (0, 1), (2, 0), (2, 1)]
     assert keys("--best-of-n") == [(0, 0), (1, 0), (2, 0)], "ties: the lowest rollout_n"
@@ -365,7 +441,9 @@ def test_bad_input_is_one_line_and_exit_2(tool_run, tmp_path, capsys):
     assert "a-file" in _refused(capsys, tool_run, blocker / "out.parquet")
     assert "is a directory" in _refused(capsys, tool_run, tmp_path)
     assert "--min-reward 'high' is not a number" in _refused(capsys, tool_run, out, "--min-reward", "high")
-    assert "--layout 'chat' is not one of messages, prompt-completion" in _refused(capsys, tool_run, out, "--layout=chat")
+    assert "--layout 'chat' is not one of messages, prompt-completion" in _refused(
+        capsys, tool_run, out, "--layout=chat"
+    )
     assert "unknown option '--best'" in _refused(capsys, tool_run, out, "--best")
     assert "usage: genrun export RUN_DIR OUT" in _refused(capsys, tool_run)
     assert "only storage.options.KEY=VALUE may follow" in _refused(capsys, tool_run, out, "storage.bad=1")
@@ -383,7 +461,9 @@ def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
     out_dir.mkdir()
     (out_dir / "sft.parquet").write_bytes(b"the previous export")
     assert "does not match the checksum" in _refused(capsys, damaged, out_dir / "sft.parquet", "--overwrite")
-    assert [p.name for p in out_dir.iterdir()] == ["sft.parquet"] and (out_dir / "sft.parquet").read_bytes() == b"the previous export"
+    assert [p.name for p in out_dir.iterdir()] == ["sft.parquet"] and (
+        out_dir / "sft.parquet"
+    ).read_bytes() == b"the previous export"
 
 
 # ---- another template family: Qwen2.5's tool turns, built by verl's Qwen builder ----------------
@@ -392,9 +472,9 @@ def test_a_failure_half_way_writes_nothing(tool_run, tmp_path, capsys):
 QWEN25_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
-    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
     "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- for message in messages %}"
@@ -450,7 +530,7 @@ def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
     assistant("19")
 
     rebuilder = MessageRebuilder(tokenizer, tools, eos_token_ids={tokenizer.convert_tokens_to_ids("<|im_end|>")})
-    rebuilt = rebuilder.rebuild(prompt, stream[len(prompt_ids):], mask)
+    rebuilt = rebuilder.rebuild(prompt, stream[len(prompt_ids) :], mask)
     assert rebuilt.messages == [
         *prompt,
         {"role": "assistant", "content": call},
@@ -461,8 +541,10 @@ def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
     ]
     assert not rebuilt.truncated and rebuilt.unmatched_turns == 0
 
-    odd = tokenizer.encode("<|im_start|>observation\nsomething<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    ids = stream[len(prompt_ids):][: mask.index(0)] + odd
+    odd = tokenizer.encode(
+        "<|im_start|>observation\nsomething<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    ids = stream[len(prompt_ids) :][: mask.index(0)] + odd
     rebuilt = rebuilder.rebuild(prompt, ids, [1] * mask.index(0) + [0] * len(odd))
     assert rebuilt.messages[-1] == {"role": "user", "content": tokenizer.decode(odd, skip_special_tokens=False)}
     assert rebuilt.unmatched_turns == 1 and rebuilt.truncated is False
@@ -475,9 +557,15 @@ def test_a_run_without_rewards(unscored_run, model_dir, tmp_path, capsys):
     assert "exported 3 of 3 committed trajectories" in capsys.readouterr().out
     # The run's model folder is not needed when --tokenizer names one.
     assert _export(unscored_run, tmp_path / "again.parquet", "--tokenizer", str(model_dir)) == rows
-    assert "does not exist here" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--tokenizer", str(tmp_path / "no-tokenizer"))
-    assert "has a reward, which --min-reward needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--min-reward", "0")
-    assert "has a reward, which --best-of-n needs" in _refused(capsys, unscored_run, tmp_path / "x.parquet", "--best-of-n")
+    assert "does not exist here" in _refused(
+        capsys, unscored_run, tmp_path / "x.parquet", "--tokenizer", str(tmp_path / "no-tokenizer")
+    )
+    assert "has a reward, which --min-reward needs" in _refused(
+        capsys, unscored_run, tmp_path / "x.parquet", "--min-reward", "0"
+    )
+    assert "has a reward, which --best-of-n needs" in _refused(
+        capsys, unscored_run, tmp_path / "x.parquet", "--best-of-n"
+    )
     assert not (tmp_path / "x.parquet").exists()
 
 
@@ -485,7 +573,10 @@ def test_a_nan_reward_is_no_reward_everywhere(nan_run, tmp_path, capsys):
     """One rule (NaN = no score): stored as null, exported as null, no rm_scores in the merge, the
     report's viewer shows no reward, and --best-of-n leaves the unscored prompt out, saying so."""
     folder = StorageFolder(str(nan_run))
-    stored = [table.column("reward_score") for table in (read_part_table(read_verified_part(folder, part)) for part in committed_parts(folder))]
+    stored = [
+        table.column("reward_score")
+        for table in (read_part_table(read_verified_part(folder, part)) for part in committed_parts(folder))
+    ]
     assert sum(column.null_count for column in stored) == 2
     rows = _export(nan_run, tmp_path / "sft.parquet")
     assert {row["index"]: row["reward"] for row in rows} == {0: None, 1: 2.0, 2: 3.0}
@@ -537,14 +628,24 @@ def _folder_naming_code(run, model_dir, base) -> tuple:
     markers = (base / "tokenizer-code-ran", base / "tool-code-ran")
     model = base / "model"
     model.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+    ):
         if (model_dir / name).exists():
             shutil.copy(model_dir / name, model / name)
     tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
-    tokenizer_config.update(tokenizer_class="MarkerTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_marker.MarkerTokenizer"]})
+    tokenizer_config.update(
+        tokenizer_class="MarkerTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_marker.MarkerTokenizer"]}
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     code = MARKER_CODE.replace("BASE_MODULE", "transformers").replace("BASE_CLASS", "PreTrainedTokenizerFast")
-    (model / "tokenization_marker.py").write_text(code.replace("MARKER", repr(str(markers[0]))).replace("CLASS(", "Tokenizer("))
+    (model / "tokenization_marker.py").write_text(
+        code.replace("MARKER", repr(str(markers[0]))).replace("CLASS(", "Tokenizer(")
+    )
     code = MARKER_CODE.replace("BASE_MODULE", "verl.tools.base_tool").replace("BASE_CLASS", "BaseTool")
     (base / "marker_tool.py").write_text(code.replace("MARKER", repr(str(markers[1]))).replace("CLASS(", "Tool("))
     (base / "tools.yaml").write_text(MARKER_TOOLS)
@@ -576,7 +677,9 @@ def test_reading_a_folder_runs_no_code_it_names_unless_asked(unscored_run, model
     assert not [m.name for m in markers if m.exists()], "no code from the folder ran"
 
     assert main(["export", str(folder), str(tmp_path / "trusted.parquet"), "--trust-remote-code"]) == 0
-    assert pq.read_table(tmp_path / "trusted.parquet").to_pylist() == declared, "the declared schemas are the ones the tool classes build"
+    assert pq.read_table(tmp_path / "trusted.parquet").to_pylist() == declared, (
+        "the declared schemas are the ones the tool classes build"
+    )
     assert main(["report", str(folder), "--trust-remote-code"]) == 0
     assert '"decoded":true' in (folder / "report.html").read_text()
     assert all(m.exists() for m in markers), "asked for, the code ran"

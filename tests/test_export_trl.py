@@ -28,8 +28,16 @@ def tiny_chat_model(tmp_path_factory, model_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     path = tmp_path_factory.mktemp("tiny-chat")
     LlamaForCausalLM(config).save_pretrained(path)
@@ -57,13 +65,26 @@ def instant_run(tmp_path_factory, model_dir):
 
     base = tmp_path_factory.mktemp("trl")
     rows = [
-        {"data_source": "test/chat", "prompt": [{"role": "user", "content": q}], "ability": "chat", "reward_model": {"style": "none", "ground_truth": ""}, "extra_info": {"split": "test", "index": i}}
+        {
+            "data_source": "test/chat",
+            "prompt": [{"role": "user", "content": q}],
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
         for i, q in enumerate(QUESTIONS)
     ]
-    plan = preflight([
-        f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}", f"trainer.default_local_dir={base / 'run'}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={base / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+        ]
+    )
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model_dir))
     [shard] = plan.shards
@@ -85,11 +106,23 @@ def _train(data_file, model_dir, tmp_path, columns):
     dataset = datasets.load_dataset("parquet", data_files=str(data_file), split="train")
     assert set(columns) <= set(dataset.column_names)
     config = SFTConfig(
-        output_dir=str(tmp_path / "sft"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-5, max_length=128,
-        report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, dataloader_num_workers=0, bf16=False, fp16=False,
+        output_dir=str(tmp_path / "sft"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-5,
+        max_length=128,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
     )
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(str(model_dir))
+    )
     batch = next(iter(trainer.get_train_dataloader()))
     result = trainer.train()
     return trainer, batch, result

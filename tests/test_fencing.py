@@ -36,7 +36,11 @@ def url_and_options(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "run"), {}
     env = request.getfixturevalue("s3_server")
-    return f"s3://genrun-test/fencing-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+    return f"s3://genrun-test/fencing-{tmp_path.name}", {
+        "endpoint_url": env["AWS_ENDPOINT_URL"],
+        "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+    }
 
 
 def _folder(url_and_options) -> StorageFolder:
@@ -98,7 +102,9 @@ class _TakeoverBeforeWrite:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nth, committed_before", [(1, 0), (2, 2)], ids=["first-commit", "a-later-commit"])
-def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_nothing(url_and_options, monkeypatch, nth, committed_before):
+def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_nothing(
+    url_and_options, monkeypatch, nth, committed_before
+):
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1", "generation.max_failed_fraction=0.5")
     old = RunLease.acquire(folder, seconds=60)
@@ -120,8 +126,14 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         assert _snapshot(folder) == stall.after_takeover, "the old run changed the folder after the new one started"
         assert not read_failure_log(folder, SHARD.name) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
-        manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()))
-        assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [f"{100 + p}:0" for p in range(6)]
+        manifest = asyncio.run(
+            run_shard_with_worker(
+                cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()
+            )
+        )
+        assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [
+            f"{100 + p}:0" for p in range(6)
+        ]
     finally:
         if stall.new_lease is not None:
             stall.new_lease.release()
@@ -158,7 +170,16 @@ def test_a_repair_in_flight_when_another_run_takes_over_writes_no_commit_record(
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 1, monkeypatch)
     try:
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard_with_worker(_cfg("generation.save_batch_size=2"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            asyncio.run(
+                run_shard_with_worker(
+                    _cfg("generation.save_batch_size=2"),
+                    SHARD,
+                    folder,
+                    FakePrompts(SHARD),
+                    ScriptedWorker(),
+                    old.fence(),
+                )
+            )
         # The last record is the new holder's claim, the damaged part still listed: its own
         # verification drops it. (The old run removed the success marker before it stalled,
         # which only makes the new holder verify the shard again.)
@@ -187,7 +208,16 @@ def test_a_conditional_write_over_a_changed_file_is_refused(url_and_options):
 
 @pytest.mark.timeout(60)
 def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_ours(s3_server, tmp_path, monkeypatch):
-    folder = _folder((f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}))
+    folder = _folder(
+        (
+            f"s3://genrun-test/lost-{tmp_path.name}",
+            {
+                "endpoint_url": s3_server["AWS_ENDPOINT_URL"],
+                "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+                "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            },
+        )
+    )
     version = folder.put_if_version("a.json", b"one", None)
     real_pipe, fired = folder.fs.pipe_file, []
 
@@ -206,7 +236,16 @@ def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_ours(s3_serv
 
 
 def _s3_folder(s3_server, tmp_path, name: str) -> StorageFolder:
-    return _folder((f"s3://genrun-test/{name}-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}))
+    return _folder(
+        (
+            f"s3://genrun-test/{name}-{tmp_path.name}",
+            {
+                "endpoint_url": s3_server["AWS_ENDPOINT_URL"],
+                "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+                "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            },
+        )
+    )
 
 
 # The three conditional writes: (folder, name, data, version read before) -> its answer.
@@ -227,7 +266,9 @@ def _refused(write: str, folder: StorageFolder, name: str, data: bytes, version:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("write", list(CONDITIONAL_WRITES))
-def test_a_conditional_write_that_s3fs_retried_on_its_own_is_recognised_as_ours(s3_server, tmp_path, monkeypatch, write):
+def test_a_conditional_write_that_s3fs_retried_on_its_own_is_recognised_as_ours(
+    s3_server, tmp_path, monkeypatch, write
+):
     """The PUT lands and its answer is lost inside s3fs: s3fs's own retry loop (not StorageFolder's)
     sends it again, the condition refuses the retry, and StorageFolder sees a refusal of its first
     attempt. The stored bytes are ours (a token in them says so): the write succeeded."""
@@ -243,7 +284,9 @@ def test_a_conditional_write_that_s3fs_retried_on_its_own_is_recognised_as_ours(
         answer = await real_put(**kwargs)
         if not fired:
             fired.append(kwargs["Key"])
-            raise botocore.exceptions.ReadTimeoutError(endpoint_url=s3_server["AWS_ENDPOINT_URL"])  # s3fs retries this itself
+            raise botocore.exceptions.ReadTimeoutError(
+                endpoint_url=s3_server["AWS_ENDPOINT_URL"]
+            )  # s3fs retries this itself
         return answer
 
     monkeypatch.setattr(client, "put_object", put_object)
@@ -278,7 +321,9 @@ def test_a_conditional_write_of_a_large_body_keeps_its_condition(s3_server, tmp_
     import s3fs
 
     defaults = s3fs.S3FileSystem._pipe_file.__defaults__
-    assert defaults[0] == 50 * 2**20, f"s3fs's _pipe_file defaults changed ({defaults}): revisit storage.SINGLE_PUT_LIMIT and this test"
+    assert defaults[0] == 50 * 2**20, (
+        f"s3fs's _pipe_file defaults changed ({defaults}): revisit storage.SINGLE_PUT_LIMIT and this test"
+    )
     monkeypatch.setattr(s3fs.S3FileSystem._pipe_file, "__defaults__", (5 * 2**20, *defaults[1:]))
     folder = _s3_folder(s3_server, tmp_path, "large")
     stored = b"s" * (11 * 2**20)
@@ -312,7 +357,9 @@ def test_a_commit_record_whose_answer_s3fs_lost_keeps_its_part_and_the_shard_fin
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     assert fired and manifest.num_trajectories == 6 and manifest.failures == 0
-    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "every listed part is there"
+    assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], (
+        "every listed part is there"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -396,7 +443,11 @@ def test_a_marker_in_flight_when_another_run_takes_over_writes_no_done_record(ur
         assert read_marker(folder, SHARD.name) is None
         # The new holder finishes the shard (nothing left to generate) under its own done record.
         worker = ScriptedWorker()
-        manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()))
+        manifest = asyncio.run(
+            run_shard_with_worker(
+                cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()
+            )
+        )
         assert worker.started == [] and manifest.num_trajectories == 6
         assert read_marker(folder, SHARD.name).done_record == _checkpoint(folder).done_seq is not None
     finally:
@@ -429,9 +480,14 @@ def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_record
     legacy.remove(commit_file(SHARD.name, sequences[-1]))
     assert records[-1]["kind"] == "done"
     marker = legacy.read_json(shard_file(SHARD.name, SUCCESS_FILE))
-    legacy.put_json(shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"})
+    legacy.put_json(
+        shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"}
+    )
     untouched = ScriptedWorker()
-    assert asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped and untouched.started == []
+    assert (
+        asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped
+        and untouched.started == []
+    )
 
 
 def _take_over(url_and_options, lease: RunLease, taken: list[RunLease]) -> None:

@@ -52,7 +52,12 @@ def test_an_output_key_change_is_refused_and_an_operational_change_resumes(tmp_p
     )
     assert preflight(_args(prompts_file, out, *operational)).fingerprint == plan.fingerprint
     # Engine settings that shape the trajectories (test_config checks the rest key by key).
-    for output in (f"{ENGINE}.instant.response_tokens=4", f"{ENGINE}.hf.dtype=bfloat16", f"{ENGINE}.hf.ignore_eos=true", f"{ENGINE}.remote.model=another-model"):
+    for output in (
+        f"{ENGINE}.instant.response_tokens=4",
+        f"{ENGINE}.hf.dtype=bfloat16",
+        f"{ENGINE}.hf.ignore_eos=true",
+        f"{ENGINE}.remote.model=another-model",
+    ):
         with pytest.raises(GenrunError, match="holds a different run .*To start fresh") as refused:
             preflight(_args(prompts_file, out, output))
         assert "\n" not in str(refused.value)
@@ -65,8 +70,17 @@ def _tiny_model(path, tokenizer_dir, seed):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -100,14 +114,22 @@ def test_the_models_weights_are_in_the_fingerprint_and_a_copy_is_the_same_model(
 
 def test_agent_loop_yaml_and_tool_config_are_in_the_fingerprint(tmp_path, prompts_file, model_dir):
     loops = tmp_path / "loops.yaml"
-    loops.write_text("- name: my_single_turn\n  _target_: verl.experimental.agent_loop.single_turn_agent_loop.SingleTurnAgentLoop\n")
+    loops.write_text(
+        "- name: my_single_turn\n  _target_: verl.experimental.agent_loop.single_turn_agent_loop.SingleTurnAgentLoop\n"
+    )
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools: []\n")
-    extra = (f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}")
+    extra = (
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+    )
     out = tmp_path / "run"
     plan, _ = _claimed(prompts_file, out, *extra)
     assert preflight(_args(prompts_file, out, *extra)).fingerprint == plan.fingerprint
-    loops.write_text(loops.read_text() + "- name: another_loop\n  _target_: verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop\n")
+    loops.write_text(
+        loops.read_text()
+        + "- name: another_loop\n  _target_: verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop\n"
+    )
     with pytest.raises(GenrunError, match="holds a different run"):
         preflight(_args(prompts_file, out, *extra))
     loops.write_text(loops.read_text().split("- name: another_loop")[0])
@@ -128,7 +150,10 @@ def test_a_folder_of_an_earlier_fingerprint_recipe_says_so(tmp_path, prompts_fil
         preflight(_args(prompts_file, out))
     message = str(refused.value)
     assert "written by an earlier genrun whose fingerprint did not cover engine_kwargs" in message
-    assert "Finish it with that genrun version" in message and "To start fresh, set another trainer.default_local_dir" in message
+    assert (
+        "Finish it with that genrun version" in message
+        and "To start fresh, set another trainer.default_local_dir" in message
+    )
     assert "\n" not in message
     assert json.loads((out / "run.json").read_text()) == earlier, "nothing changed"
 
@@ -142,9 +167,12 @@ def _user_code(root, package):
     src = root / "src"
     (src / package).mkdir(parents=True)
     (src / package / "__init__.py").write_text("")
-    (src / package / "tools.py").write_text("from examples.tool_calling.calculator import CalculatorTool\n\n\nclass MyTool(CalculatorTool):\n    pass\n")
+    (src / package / "tools.py").write_text(
+        "from examples.tool_calling.calculator import CalculatorTool\n\n\nclass MyTool(CalculatorTool):\n    pass\n"
+    )
     (src / package / "loop_helper.py").write_text("TURNS = 1\n")
-    (src / package / "loops.py").write_text(textwrap.dedent("""
+    (src / package / "loops.py").write_text(
+        textwrap.dedent("""
         from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
         from . import loop_helper
@@ -152,8 +180,10 @@ def _user_code(root, package):
 
         class MyLoop(SingleTurnAgentLoop):
             turns = loop_helper.TURNS
-    """))
-    (src / package / "plugin.py").write_text(textwrap.dedent(f"""
+    """)
+    )
+    (src / package / "plugin.py").write_text(
+        textwrap.dedent(f"""
         from verl.experimental.agent_loop.agent_loop import register
         from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
@@ -161,7 +191,8 @@ def _user_code(root, package):
         @register("{package}_plugin")
         class PluginLoop(SingleTurnAgentLoop):
             pass
-    """))
+    """)
+    )
     dist = src / f"{package}_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}-plugin\nVersion: 0.1\n")
@@ -177,10 +208,14 @@ def _user_code(root, package):
     tools.write_text(f"tools:\n  - class_name: {package}.tools.MyTool\n    config:\n      type: native\n")
     loops = root / "loops.yaml"
     loops.write_text(f"- name: {package}_loop\n  _target_: {package}.loops.MyLoop\n")
-    return src, reward, (
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
-        f"reward.custom_reward_function.path={reward / 'reward.py'}",
+    return (
+        src,
+        reward,
+        (
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+            f"reward.custom_reward_function.path={reward / 'reward.py'}",
+        ),
     )
 
 
@@ -211,7 +246,12 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
     first = fingerprint_now()
     assert fingerprint_now() == first, "an unchanged tree"
     assert preflight(_args(prompts_file, tmp_path / "run", *extra)).fingerprint == plan.fingerprint
-    for changed in (src / package / "tools.py", reward / f"{package}_scoring.py", src / package / "plugin.py", src / package / "loop_helper.py"):
+    for changed in (
+        src / package / "tools.py",
+        reward / f"{package}_scoring.py",
+        src / package / "plugin.py",
+        src / package / "loop_helper.py",
+    ):
         source = changed.read_text()
         changed.write_text(source + "# changed\n")
         assert fingerprint_now() != first, f"{changed.name} changed"
@@ -224,9 +264,13 @@ def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
     versioned, and a walk through torch would cost seconds); a local module is, by name, once."""
     from generation_core.inputs.user_code import CodeWalk
 
-    (tmp_path / "helper_for_walk.py").write_text("import os\nimport torch\nfrom generation_core.config.loading import load_config\n")
+    (tmp_path / "helper_for_walk.py").write_text(
+        "import os\nimport torch\nfrom generation_core.config.loading import load_config\n"
+    )
     user_file = tmp_path / "user.py"
-    user_file.write_text("import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core.plan import preflight\n")
+    user_file.write_text(
+        "import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core.plan import preflight\n"
+    )
     walk = CodeWalk()
     walk.add_file(user_file)
     assert sorted(walk.found.sources) == ["helper_for_walk"]
@@ -248,8 +292,17 @@ def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path
 
     folder = StorageFolder(str(tmp_path / "run"))
     older = dict(genrun_build(), commit="0" * 40, dirty=False)
-    folder.put_json("run.json", {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
-                                 "build": older, "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}}})
+    folder.put_json(
+        "run.json",
+        {
+            "fingerprint": "f" * 64,
+            "rollout_n": 1,
+            "pad_token_id": 0,
+            "shards": [{"name": "shard-00000", "range": [0, 3]}],
+            "build": older,
+            "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
+        },
+    )
     ShardCheckpoint.start_attempt(folder, "shard-00000")
     ShardCheckpoint.load(folder, "shard-00000").commit_part(folder, "shard-00000", None, [], failed=["0:0"])
     assert ShardCheckpoint.load(folder, "shard-00000").builds == [genrun_build()]
@@ -257,10 +310,14 @@ def test_each_attempt_records_the_genrun_build_and_status_names_another(tmp_path
     lines = capsys.readouterr().out.splitlines()
     assert f"written by {describe_build(older)}; attempts also by {describe_build(genrun_build())}" in lines
     warnings = [line for line in lines if line.startswith("warning:")]
-    assert len(warnings) == 1 and "commit 000000000000" in warnings[0] and "the output format is the same" in warnings[0]
+    assert (
+        len(warnings) == 1 and "commit 000000000000" in warnings[0] and "the output format is the same" in warnings[0]
+    )
 
 
-def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tmp_path, prompts_file, model_dir, caplog):
+def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(
+    tmp_path, prompts_file, model_dir, caplog
+):
     """A folder genrun wrote before it recorded builds (same fingerprint recipe, no user code)
     still resumes, with one warning line; one whose output format differs is refused naming it."""
     out = tmp_path / "run"
@@ -273,7 +330,9 @@ def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(tm
     warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
     assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]
     # Another output format: another fingerprint, refused with what to do.
-    (out / "run.json").write_text(json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record().build, output_format=0))))
+    (out / "run.json").write_text(
+        json.dumps(dict(earlier, fingerprint="e" * 64, build=dict(plan.run_record().build, output_format=0)))
+    )
     with pytest.raises(GenrunError, match="genrun's output format changed .*To start fresh") as refused:
         preflight(_args(prompts_file, out))
     assert "\n" not in str(refused.value)

@@ -77,7 +77,10 @@ def _flow_runs_of(server, out) -> list[dict]:
 
 
 def _artifacts(server, flow_run_id) -> dict[str, dict]:
-    return {a["key"]: a for a in server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
+    return {
+        a["key"]: a
+        for a in server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    }
 
 
 # CI time: in make test the chaos schedule runs the flow (2 shards on Ray) and compares it with an
@@ -89,12 +92,20 @@ def test_three_shards_on_ray_equal_the_in_process_run(prefect_server, ray_local,
     assert result.returncode == 0, result.stderr[-3000:]
     in_process = run_in_process(preflight([*_instant(prompts, tmp_path / "plain"), "generation.num_shards=3"]))
     assert in_process["num_trajectories"] == 10
-    _assert_same_dataproto(DataProto.load_from_disk(str(tmp_path / "flow" / "trajectories.pkl")), DataProto.load_from_disk(str(tmp_path / "plain" / "trajectories.pkl")))
+    _assert_same_dataproto(
+        DataProto.load_from_disk(str(tmp_path / "flow" / "trajectories.pkl")),
+        DataProto.load_from_disk(str(tmp_path / "plain" / "trajectories.pkl")),
+    )
 
     (flow_run,) = _flow_runs_of(prefect_server, tmp_path / "flow")
     assert flow_run["state"]["type"] == "COMPLETED"
     assert sorted(_task_states(prefect_server, flow_run["id"], 3)) == ["Completed"] * 3
-    artifacts = {a["key"]: a for a in prefect_server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})}
+    artifacts = {
+        a["key"]: a
+        for a in prefect_server.api(
+            "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}
+        )
+    }
     progress = next(a for k, a in artifacts.items() if k.endswith("-progress"))
     assert progress["data"] == 100.0
     table = next(a for k, a in artifacts.items() if k.endswith("-shards"))
@@ -113,11 +124,22 @@ def test_a_shard_failing_once_is_retried_and_resumes_from_its_checkpoint(prefect
     trace = tmp_path / "samples.trace"
     # The worker looks for scheduled flow runs every second (Prefect's default: 10 s), so the
     # tests do not wait on its polling.
-    env = dict(prefect_server.env, PREFECT_WORKER_QUERY_SECONDS="1", GENRUN_TEST_FAIL_FLAG=str(flag), GENRUN_TEST_FAIL_INDEX="5", GENRUN_TEST_FAIL_MODE="once", GENRUN_SAMPLE_TRACE=str(trace))
+    env = dict(
+        prefect_server.env,
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        GENRUN_TEST_FAIL_FLAG=str(flag),
+        GENRUN_TEST_FAIL_INDEX="5",
+        GENRUN_TEST_FAIL_MODE="once",
+        GENRUN_SAMPLE_TRACE=str(trace),
+    )
     args = _instant(
-        prompts, tmp_path / "run",
-        "generation.max_inflight=2", "generation.retries=1", "generation.retry_delay_seconds=0",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENT_LOOPS}", "actor_rollout_ref.rollout.agent.default_agent_loop=flaky_agent",
+        prompts,
+        tmp_path / "run",
+        "generation.max_inflight=2",
+        "generation.retries=1",
+        "generation.retry_delay_seconds=0",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENT_LOOPS}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=flaky_agent",
     )
     result = run_genrun(args, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -163,11 +185,22 @@ def _same_records(actual, expected) -> None:
     """Record by record, every field but the timings (metrics)."""
     assert [r.key for r in actual] == [r.key for r in expected]
     for ours, theirs in zip(actual, expected, strict=True):
-        for name in ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns", "input_fields", "extra_fields"):
+        for name in (
+            "prompt_ids",
+            "response_ids",
+            "response_mask",
+            "response_logprobs",
+            "reward_score",
+            "num_turns",
+            "input_fields",
+            "extra_fields",
+        ):
             assert getattr(ours, name) == getattr(theirs, name), (ours.key, name)
 
 
-def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equals_an_undisturbed_run(prefect_server, ray_local, tmp_path):
+def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equals_an_undisturbed_run(
+    prefect_server, ray_local, tmp_path
+):
     """generation.retries=0 and a shard worker killed (-9, by PID) mid-shard: Ray does not run
     the shard again behind Prefect's back (shard tasks go to Ray with max_retries=0), the shard
     and the flow fail, and the same command resumes from the checkpoint. Sampled at temperature
@@ -181,18 +214,39 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
 
     def args(folder):
         return _instant(
-            prompts, folder, f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.rollout.temperature=1.0", "generation.sample_seed=11",
-            "generation.save_batch_size=3", "generation.retries=0", "generation.retry_delay_seconds=0",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={GATED_LOOPS}", "actor_rollout_ref.rollout.agent.default_agent_loop=gated_agent",
+            prompts,
+            folder,
+            f"actor_rollout_ref.rollout.n={N}",
+            "actor_rollout_ref.rollout.temperature=1.0",
+            "generation.sample_seed=11",
+            "generation.save_batch_size=3",
+            "generation.retries=0",
+            "generation.retry_delay_seconds=0",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={GATED_LOOPS}",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=gated_agent",
         )
 
     # Prompt 0's four samples pass the gate: three commit as the first part, one stays in the
     # buffer; prompts 1 and 2 wait at the gate until the kill.
-    env = dict(os.environ, **prefect_server.env, GENRUN_TEST_GATE=str(gate), GENRUN_TEST_GATE_FROM="1", GENRUN_TIMELINE=str(timeline))
+    env = dict(
+        os.environ,
+        **prefect_server.env,
+        GENRUN_TEST_GATE=str(gate),
+        GENRUN_TEST_GATE_FROM="1",
+        GENRUN_TIMELINE=str(timeline),
+    )
     gate.write_text("")
     log_path = tmp_path / "killed.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(GENRUN + args(out), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        process = subprocess.Popen(
+            GENRUN + args(out),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 300
             while not has_committed_part(out):
@@ -204,17 +258,26 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
             deadline = time.monotonic() + 240
             while process.poll() is None:
                 # A second worker on the shard (held at the gate again) is Ray re-running the task.
-                assert _shard_workers(timeline) == [worker_pid], f"the shard ran again after its worker was killed: {_shard_workers(timeline)}"
-                assert time.monotonic() < deadline, f"genrun did not end after its only shard failed:\n{log_path.read_text()[-3000:]}"
+                assert _shard_workers(timeline) == [worker_pid], (
+                    f"the shard ran again after its worker was killed: {_shard_workers(timeline)}"
+                )
+                assert time.monotonic() < deadline, (
+                    f"genrun did not end after its only shard failed:\n{log_path.read_text()[-3000:]}"
+                )
                 time.sleep(0.2)
         finally:
             kill_group(process)
             gate.unlink()
     output = log_path.read_text()
     assert process.returncode != 0, output[-3000:]
-    assert re.search(r"^genrun: error: 1 of 1 shards failed \(generation.retries=0\): shard-00000 Crashed.*WorkerCrashedError.*run the same command again", output.strip().splitlines()[-1]), output[-3000:]
+    assert re.search(
+        r"^genrun: error: 1 of 1 shards failed \(generation.retries=0\): shard-00000 Crashed.*WorkerCrashedError.*run the same command again",
+        output.strip().splitlines()[-1],
+    ), output[-3000:]
     at_kill = checkpoint_dict(out)
-    assert len(at_kill["completed"]) == 3 and {key.split(":")[0] for key in at_kill["completed"]} == {"0"}, at_kill["completed"]
+    assert len(at_kill["completed"]) == 3 and {key.split(":")[0] for key in at_kill["completed"]} == {"0"}, at_kill[
+        "completed"
+    ]
     # One attempt: no second worker started the shard, the checkpoint counts one, and Prefect's
     # task run ran once (a re-execution by Ray runs the same task run again).
     assert _shard_workers(timeline) == [worker_pid]
@@ -222,7 +285,11 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     assert not (out / "shards" / "shard-00000" / "_SUCCESS.json").exists() and not (out / "trajectories.pkl").exists()
     (flow_run,) = _flow_runs_of(prefect_server, out)
     assert flow_run["state"]["type"] == "FAILED", flow_run["state"]
-    (task_run,) = [r for r in prefect_server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}) if r["name"] == "shard-00000"]
+    (task_run,) = [
+        r
+        for r in prefect_server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+        if r["name"] == "shard-00000"
+    ]
     assert task_run["run_count"] == 1, task_run
     # The worker died before it could report an end: the flow records the crash it saw, so the
     # UI does not show the shard Running forever.
@@ -240,13 +307,22 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
     written = {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
     finished = run_genrun(args(out), env=prefect_server.env)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert f"trajectories:  {total} (every shard finished, merged output current: nothing to generate)" in finished.stdout, finished.stdout
-    assert "running on:" not in finished.stdout + finished.stderr and "inference:" not in finished.stdout + finished.stderr
+    assert (
+        f"trajectories:  {total} (every shard finished, merged output current: nothing to generate)" in finished.stdout
+    ), finished.stdout
+    assert (
+        "running on:" not in finished.stdout + finished.stderr and "inference:" not in finished.stdout + finished.stderr
+    )
     assert {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()} == written
 
     run_in_process(preflight(args(tmp_path / "undisturbed")))
-    resumed, undisturbed = read_committed_records(StorageFolder(str(out))), read_committed_records(StorageFolder(str(tmp_path / "undisturbed")))
-    assert [r.key for r in resumed] == [(i, n) for i in range(PROMPTS) for n in range(N)], "every trajectory exactly once"
+    resumed, undisturbed = (
+        read_committed_records(StorageFolder(str(out))),
+        read_committed_records(StorageFolder(str(tmp_path / "undisturbed"))),
+    )
+    assert [r.key for r in resumed] == [(i, n) for i in range(PROMPTS) for n in range(N)], (
+        "every trajectory exactly once"
+    )
     for index in range(PROMPTS):
         responses = [tuple(r.response_ids) for r in undisturbed if r.index == index]
         assert len(set(responses)) == N, (
@@ -254,7 +330,9 @@ def test_a_killed_shard_worker_fails_the_flow_without_retries_and_the_rerun_equa
             "(generation.sample_seed), so this test cannot see a rollout-number mix-up on resume"
         )
     _same_records(resumed, undisturbed)
-    merged, reference = (DataProto.load_from_disk(str(folder / "trajectories.pkl")) for folder in (out, tmp_path / "undisturbed"))
+    merged, reference = (
+        DataProto.load_from_disk(str(folder / "trajectories.pkl")) for folder in (out, tmp_path / "undisturbed")
+    )
     _assert_same_dataproto(merged, reference)
 
 
@@ -264,12 +342,27 @@ def deployed(prefect_server, tmp_path_factory):
     work = tmp_path_factory.mktemp("deployed")
     # The worker looks for scheduled flow runs every second (Prefect's default: 10 s), so the
     # tests do not wait on its polling.
-    env = dict(prefect_server.env, PREFECT_WORKER_QUERY_SECONDS="1", GENRUN_TEST_FAIL_FLAG=str(work / "fail-always"), GENRUN_TEST_FAIL_INDEX="4", GENRUN_SAMPLE_TRACE=str(work / "samples.trace"))
+    env = dict(
+        prefect_server.env,
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        GENRUN_TEST_FAIL_FLAG=str(work / "fail-always"),
+        GENRUN_TEST_FAIL_INDEX="4",
+        GENRUN_SAMPLE_TRACE=str(work / "samples.trace"),
+    )
     subprocess.run(["bash", "infra/create_pool.sh"], cwd=REPO, env=env, check=True, timeout=120, capture_output=True)
-    deploy = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=REPO, env=env, timeout=300, capture_output=True, text=True)
+    deploy = subprocess.run(
+        [PREFECT, "--no-prompt", "deploy", "--all"], cwd=REPO, env=env, timeout=300, capture_output=True, text=True
+    )
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     log = open(work / "worker.log", "w")
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "genrun-local"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "genrun-local"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield work
     finally:
@@ -286,7 +379,24 @@ def test_prefect_yaml_deploys_both_deployments_and_runs_through_a_worker(prefect
     prompts = write_parquet(deployed / "prompts.parquet", chat_rows(6))
     out = deployed / "on-demand"
     params = json.dumps(_instant(prompts, out))
-    run = subprocess.run([PREFECT, "deployment", "run", "generate/generate", "--param", f"overrides={params}", "--watch", "--watch-timeout", "400"], cwd=REPO, env=prefect_server.env, timeout=500, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            PREFECT,
+            "deployment",
+            "run",
+            "generate/generate",
+            "--param",
+            f"overrides={params}",
+            "--watch",
+            "--watch-timeout",
+            "400",
+        ],
+        cwd=REPO,
+        env=prefect_server.env,
+        timeout=500,
+        capture_output=True,
+        text=True,
+    )
     assert "Completed" in run.stdout, run.stdout[-3000:] + (deployed / "worker.log").read_text()[-3000:]
     assert len(DataProto.load_from_disk(str(out / "trajectories.pkl"))) == 6
 
@@ -297,11 +407,17 @@ def test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard(pr
     flag = deployed / "fail-always"
     flag.write_text("")
     overrides = _instant(
-        prompts, out, "generation.num_shards=3", "generation.retries=0",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENT_LOOPS}", "actor_rollout_ref.rollout.agent.default_agent_loop=flaky_agent",
+        prompts,
+        out,
+        "generation.num_shards=3",
+        "generation.retries=0",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENT_LOOPS}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=flaky_agent",
     )
     deployment = prefect_server.api("GET", "/deployments/name/generate/generate")
-    flow_run = prefect_server.api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"overrides": overrides}})
+    flow_run = prefect_server.api(
+        "POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"overrides": overrides}}
+    )
     failed = prefect_server.wait_for_flow_run(flow_run["id"], {"FAILED", "CRASHED", "COMPLETED"})
     assert failed["state"]["type"] == "FAILED", failed["state"]
     shards = out / "shards"
@@ -311,7 +427,11 @@ def test_exhausted_shard_fails_the_flow_and_a_ui_retry_reruns_only_that_shard(pr
 
     flag.unlink()
     # Exactly what the Retry button of the Prefect UI sends.
-    prefect_server.api("POST", f"/flow_runs/{flow_run['id']}/set_state", json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}})
+    prefect_server.api(
+        "POST",
+        f"/flow_runs/{flow_run['id']}/set_state",
+        json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}},
+    )
     done = prefect_server.wait_for_flow_run(flow_run["id"], {"FAILED", "CRASHED", "COMPLETED"})
     assert done["state"]["type"] == "COMPLETED", done["state"]
     states = sorted(_task_states(prefect_server, flow_run["id"], 6))
@@ -344,11 +464,18 @@ def test_the_nightly_config_names_its_folder_after_the_flow_runs_scheduled_date(
         return preflight(overrides).cfg.trainer.experiment_name
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
-    overrides = [*nightly["parameters"]["overrides"], f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=instant"]
+    overrides = [
+        *nightly["parameters"]["overrides"],
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "actor_rollout_ref.rollout.name=instant",
+    ]
     night = datetime(2024, 3, 5, 2, tzinfo=UTC)
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.env["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
-            flow_run = client.create_flow_run(resolve, parameters={"overrides": overrides}, state=Scheduled(scheduled_time=night))
+            flow_run = client.create_flow_run(
+                resolve, parameters={"overrides": overrides}, state=Scheduled(scheduled_time=night)
+            )
         assert flow_run.expected_start_time.date() == night.date(), flow_run.expected_start_time
         assert run_flow(resolve, flow_run=flow_run, parameters={"overrides": overrides}) == "nightly-2024-03-05"
     # Outside a flow run it is the day's date (read before and after: the test may span midnight).
@@ -371,18 +498,26 @@ def test_the_nightly_deployment_names_its_folder_after_the_scheduled_date(prefec
     project = f"genrun-test-nightly-{os.getpid()}"
     overrides = [
         *nightly["parameters"]["overrides"],
-        f"data.train_files={prompts}", f"trainer.project_name={project}",
-        "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",
+        f"data.train_files={prompts}",
+        f"trainer.project_name={project}",
+        "actor_rollout_ref.rollout.name=instant",
+        "generation.show_progress=false",
     ]
     night = "2024-03-05"
     state = {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": f"{night}T02:00:00+00:00"}}
     try:
-        flow_run = prefect_server.api("POST", f"/deployments/{nightly['id']}/create_flow_run", json={"parameters": {"overrides": overrides}, "state": state})
+        flow_run = prefect_server.api(
+            "POST",
+            f"/deployments/{nightly['id']}/create_flow_run",
+            json={"parameters": {"overrides": overrides}, "state": state},
+        )
         assert flow_run["expected_start_time"].startswith(night), flow_run["expected_start_time"]
         done = prefect_server.wait_for_flow_run(flow_run["id"], {"FAILED", "CRASHED", "COMPLETED"}, timeout=300)
         assert done["state"]["type"] == "COMPLETED", (done["state"], (deployed / "worker.log").read_text()[-3000:])
         folder = REPO / "outputs" / project / f"nightly-{night}"
         assert (folder / "trajectories.pkl").exists(), sorted(p.name for p in (REPO / "outputs" / project).glob("*"))
-        assert json.loads((folder / "run.json").read_text())["config"]["trainer"]["experiment_name"] == f"nightly-{night}"
+        assert (
+            json.loads((folder / "run.json").read_text())["config"]["trainer"]["experiment_name"] == f"nightly-{night}"
+        )
     finally:
         shutil.rmtree(REPO / "outputs" / project, ignore_errors=True)

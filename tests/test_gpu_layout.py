@@ -33,7 +33,9 @@ def _verl_replica(cfg):
             raise AssertionError("not launched in a contract test")
 
     rollout = cfg.actor_rollout_ref.rollout
-    probe = Probe(replica_rank=0, config=rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=rollout.n_gpus_per_node)
+    probe = Probe(
+        replica_rank=0, config=rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=rollout.n_gpus_per_node
+    )
     replicas = rollout.n_gpus_per_node * rollout.nnodes // probe.world_size
     return replicas, probe.world_size, probe.nnodes, probe.gpus_per_replica_node
 
@@ -51,17 +53,19 @@ def _verl_replica(cfg):
     ],
 )
 def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp, replicas):
-    cfg = load_config([
-        f"actor_rollout_ref.rollout.name={engine}",
-        f"trainer.n_gpus_per_node={gpus_per_node}",
-        f"trainer.nnodes={nnodes}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-        f"actor_rollout_ref.rollout.data_parallel_size={dp}",
-        f"actor_rollout_ref.rollout.pipeline_model_parallel_size={pp}",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
-        # The engine's own kwargs (another engine's are refused: config/verl_keys.py).
-        f"actor_rollout_ref.rollout.engine_kwargs.{engine}.attention_backend=fa3",
-    ])
+    cfg = load_config(
+        [
+            f"actor_rollout_ref.rollout.name={engine}",
+            f"trainer.n_gpus_per_node={gpus_per_node}",
+            f"trainer.nnodes={nnodes}",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.rollout.data_parallel_size={dp}",
+            f"actor_rollout_ref.rollout.pipeline_model_parallel_size={pp}",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
+            # The engine's own kwargs (another engine's are refused: config/verl_keys.py).
+            f"actor_rollout_ref.rollout.engine_kwargs.{engine}.attention_backend=fa3",
+        ]
+    )
     layout = resolve_layout(cfg)
     verl_replicas, world, nodes, per_node = _verl_replica(cfg)
     assert layout.replicas == verl_replicas == replicas
@@ -77,20 +81,79 @@ def test_layout_matches_verls_replicas(engine, gpus_per_node, nnodes, tp, dp, pp
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=6", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], "cannot be split into replicas"),
-        (["actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "cannot be split into replicas"),
-        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=8"], "cannot be split into replicas"),
-        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "trainer.nnodes=6", "actor_rollout_ref.rollout.tensor_model_parallel_size=6"], "cannot span nodes of 4 GPUs evenly"),
-        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0"], "gpu_memory_utilization=0"),
+        (
+            [
+                "actor_rollout_ref.rollout.name=sglang",
+                "trainer.n_gpus_per_node=6",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            ],
+            "cannot be split into replicas",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=vllm",
+                "trainer.n_gpus_per_node=1",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            ],
+            "cannot be split into replicas",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=sglang",
+                "trainer.n_gpus_per_node=4",
+                "trainer.nnodes=3",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
+            ],
+            "cannot be split into replicas",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=sglang",
+                "trainer.n_gpus_per_node=4",
+                "trainer.nnodes=6",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=6",
+            ],
+            "cannot span nodes of 4 GPUs evenly",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0"],
+            "gpu_memory_utilization=0",
+        ),
         # verl's own default: random weights, found generating gibberish on the first GPU sitting.
-        (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.load_format=dummy"], "load_format=dummy: sglang would generate from random weights"),
-        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=dummy"], "load_format=dummy: vllm would generate from random weights"),
-        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node=0: must be an integer >= 1"),
-        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.name=hf has no model parallelism"),
+        (
+            ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.load_format=dummy"],
+            "load_format=dummy: sglang would generate from random weights",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=dummy"],
+            "load_format=dummy: vllm would generate from random weights",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=0"],
+            "trainer.n_gpus_per_node=0: must be an integer >= 1",
+        ),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"],
+            "rollout.name=hf has no model parallelism",
+        ),
         (["actor_rollout_ref.rollout.engine_kwargs.hf.device=tpu"], "engine_kwargs.hf.device='tpu': use cpu or cuda"),
         # verl 0.9.1 has no pipeline parallelism for either engine (its RolloutConfig says so).
-        (["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.pipeline_model_parallel_size=2"], "verl refuses this rollout config .*pipeline_model_parallel_size > 1"),
-        (["actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.pipeline_model_parallel_size=2"], "verl refuses this rollout config .*pipeline_model_parallel_size > 1"),
+        (
+            [
+                "actor_rollout_ref.rollout.name=sglang",
+                "trainer.n_gpus_per_node=4",
+                "actor_rollout_ref.rollout.pipeline_model_parallel_size=2",
+            ],
+            "verl refuses this rollout config .*pipeline_model_parallel_size > 1",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=vllm",
+                "trainer.n_gpus_per_node=4",
+                "actor_rollout_ref.rollout.pipeline_model_parallel_size=2",
+            ],
+            "verl refuses this rollout config .*pipeline_model_parallel_size > 1",
+        ),
     ],
 )
 def test_wrong_layouts_are_refused_in_the_config(overrides, message):
@@ -100,7 +163,10 @@ def test_wrong_layouts_are_refused_in_the_config(overrides, message):
 
 @pytest.mark.parametrize(
     "engine, fix",
-    [("sglang", "pip install 'genrun\\[sglang\\]'"), ("vllm", "cannot be installed beside Prefect 3.8.8 .*use rollout.name=remote")],
+    [
+        ("sglang", "pip install 'genrun\\[sglang\\]'"),
+        ("vllm", "cannot be installed beside Prefect 3.8.8 .*use rollout.name=remote"),
+    ],
 )
 def test_missing_engine_package_names_the_fix(engine, fix):
     if __import__("importlib").util.find_spec(engine) is not None:
@@ -121,7 +187,15 @@ def test_gpu_engines_load_the_checkpoint_not_verls_dummy_weights(engine):
 
 
 def test_cluster_without_the_gpus_or_cpus_is_refused_before_placement():
-    layout = resolve_layout(load_config(["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    layout = resolve_layout(
+        load_config(
+            [
+                "actor_rollout_ref.rollout.name=sglang",
+                "trainer.n_gpus_per_node=8",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            ]
+        )
+    )
     with pytest.raises(GenrunError, match="need 8 GPU\\(s\\) but the Ray cluster has 4"):
         check_cluster_resources(layout, {"GPU": 4.0, "CPU": 64.0})
     # verl's bundles hold 2 CPUs per GPU; a shard task needs one more.
@@ -137,23 +211,38 @@ def test_hf_on_cuda_holds_one_gpu_per_replica():
     layout = resolve_layout(cfg)
     assert (layout.replicas, layout.gpus_per_replica, layout.placement_groups) == (2, 1, [])
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.hf.device == "cuda"
-    replica = HFReplica(replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=2)
+    replica = HFReplica(
+        replica_rank=0, config=cfg.actor_rollout_ref.rollout, model_config=cfg.actor_rollout_ref.model, gpus_per_node=2
+    )
     assert replica.gpus() == 1
     cpu = load_config([])
     assert resolve_layout(cpu).gpus_per_replica == 0
-    assert HFReplica(replica_rank=0, config=cpu.actor_rollout_ref.rollout, model_config=cpu.actor_rollout_ref.model).gpus() == 0
+    assert (
+        HFReplica(replica_rank=0, config=cpu.actor_rollout_ref.rollout, model_config=cpu.actor_rollout_ref.model).gpus()
+        == 0
+    )
 
 
 @pytest.mark.slow
 def test_boot_on_logical_gpus_places_replicas_on_their_own_gpus_and_shards_on_none():
     env = dict(os.environ, RAY_AUTH_MODE="disabled", CONTRACT_GPUS="4", CONTRACT_CPUS="10")
     done = subprocess.run(
-        [sys.executable, "-m", "tests.gpu_layout_contract", "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            "-m",
+            "tests.gpu_layout_contract",
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("CONTRACT ")]
     assert lines, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(lines[-1][len("CONTRACT "):])
+    result = json.loads(lines[-1][len("CONTRACT ") :])
     assert result["replicas"] == result["layout"]["replicas"] == 2
     gpus_by_replica: dict[int, list[str]] = {}
     for placement in result["placements"]:

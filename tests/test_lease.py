@@ -17,7 +17,16 @@ import pytest
 
 from generation_core.errors import GenrunError
 from generation_core.store.folder import StorageFolder
-from generation_core.store.lease import LEASE_DIR, LeaseFence, LeaseLost, LeaseRecord, RunLease, check_lease_free, newest_lease, this_machine
+from generation_core.store.lease import (
+    LEASE_DIR,
+    LeaseFence,
+    LeaseLost,
+    LeaseRecord,
+    RunLease,
+    check_lease_free,
+    newest_lease,
+    this_machine,
+)
 from tests.conftest import REPO, S3_ENV
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,12 +37,22 @@ def folder(request, tmp_path):
     if request.param == "local":
         return StorageFolder(str(tmp_path / "run"))
     env = request.getfixturevalue("s3_server")
-    return StorageFolder(f"s3://genrun-test/lease-{tmp_path.name}", {"endpoint_url": env["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
+    return StorageFolder(
+        f"s3://genrun-test/lease-{tmp_path.name}",
+        {
+            "endpoint_url": env["AWS_ENDPOINT_URL"],
+            "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+            "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        },
+    )
 
 
 def test_a_second_run_is_refused_until_the_first_releases(folder):
     first = RunLease.acquire(folder, seconds=60)
-    with pytest.raises(GenrunError, match=rf"output folder {folder.display()} is in use by another genrun run \(pid {os.getpid()} on host .*Wait for it to finish"):
+    with pytest.raises(
+        GenrunError,
+        match=rf"output folder {folder.display()} is in use by another genrun run \(pid {os.getpid()} on host .*Wait for it to finish",
+    ):
         RunLease.acquire(folder, seconds=60)
     with pytest.raises(GenrunError, match="in use by another genrun run"):
         check_lease_free(folder)
@@ -72,9 +91,16 @@ def test_of_runs_racing_for_a_free_folder_exactly_one_wins(folder):
 def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
     folder = StorageFolder(str(tmp_path / "run"))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom generation_core.store.lease import RunLease\nfrom generation_core.store.folder import StorageFolder\n"
-         "RunLease.acquire(StorageFolder(sys.argv[1]), seconds=3600)\nprint('held', flush=True)\ntime.sleep(600)", folder.url],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom generation_core.store.lease import RunLease\nfrom generation_core.store.folder import StorageFolder\n"
+            "RunLease.acquire(StorageFolder(sys.argv[1]), seconds=3600)\nprint('held', flush=True)\ntime.sleep(600)",
+            folder.url,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -92,13 +118,24 @@ def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_pa
 
 def _plant(folder: StorageFolder, *, host: str, renewed_ago: float, seconds: float = 60) -> None:
     now = time.time()
-    record = {"generation": 1, "owner": "x", "host": host, "pid": 1, "seconds": seconds, "acquired": now - renewed_ago, "renewed": now - renewed_ago, "released": False}
+    record = {
+        "generation": 1,
+        "owner": "x",
+        "host": host,
+        "pid": 1,
+        "seconds": seconds,
+        "acquired": now - renewed_ago,
+        "renewed": now - renewed_ago,
+        "released": False,
+    }
     folder.put_atomic(f"{LEASE_DIR}/00000001.json", json.dumps(record).encode())
 
 
 def test_a_lease_from_another_host_holds_until_it_expires(folder):
     _plant(folder, host="another-host", renewed_ago=5)
-    with pytest.raises(GenrunError, match="another-host.*heartbeat 5 s ago; if that run was killed, its lease expires at"):
+    with pytest.raises(
+        GenrunError, match="another-host.*heartbeat 5 s ago; if that run was killed, its lease expires at"
+    ):
         RunLease.acquire(folder)
     _plant(folder, host="another-host", renewed_ago=61)
     with RunLease.acquire(folder) as lease:
@@ -140,7 +177,11 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     with RunLease.acquire(folder, seconds=60):
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard_with_worker(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence))
+            asyncio.run(
+                run_shard_with_worker(
+                    cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence
+                )
+            )
     assert not folder.list("shards/shard-00000/commits"), "nothing committed after the takeover"
     assert LeaseFence(2).check(folder) is None
 
@@ -169,7 +210,14 @@ class _LostAnswer:
 
 @pytest.fixture
 def s3_folder(s3_server, tmp_path):
-    folder = StorageFolder(f"s3://genrun-test/lost-{tmp_path.name}", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"], "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]})
+    folder = StorageFolder(
+        f"s3://genrun-test/lost-{tmp_path.name}",
+        {
+            "endpoint_url": s3_server["AWS_ENDPOINT_URL"],
+            "key": S3_ENV["AWS_ACCESS_KEY_ID"],
+            "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        },
+    )
     folder.retry_delays = (0.05, 0.05)
     return folder
 
@@ -187,7 +235,16 @@ def test_a_lease_whose_create_answer_was_lost_is_recognised_as_ours(s3_folder, m
 @pytest.mark.timeout(60)
 def test_a_lost_answer_does_not_make_another_runs_lease_ours(s3_folder, monkeypatch):
     now = time.time()
-    theirs = {"generation": 1, "owner": "theirs", "host": "another-host", "pid": 7, "seconds": 60.0, "acquired": now, "renewed": now, "released": False}
+    theirs = {
+        "generation": 1,
+        "owner": "theirs",
+        "host": "another-host",
+        "pid": 7,
+        "seconds": 60.0,
+        "acquired": now,
+        "renewed": now,
+        "released": False,
+    }
     lost = _LostAnswer(s3_folder, store=False, planted=json.dumps(theirs).encode())
     monkeypatch.setattr(s3_folder.fs, "pipe_file", lost)
     with pytest.raises(GenrunError, match="in use by another genrun run \\(pid 7 on host another-host"):
@@ -207,15 +264,32 @@ def _dead_pid() -> int:
 def _plant_on_this_host(folder: StorageFolder, *, renewed_ago: float, **identity) -> None:
     """A lease of a process that no longer exists here, under this hostname."""
     now = time.time()
-    record = {"generation": 1, "owner": "x", "host": socket.gethostname(), "pid": _dead_pid(), "seconds": 60.0, "acquired": now - renewed_ago, "renewed": now - renewed_ago, "released": False, **identity}
+    record = {
+        "generation": 1,
+        "owner": "x",
+        "host": socket.gethostname(),
+        "pid": _dead_pid(),
+        "seconds": 60.0,
+        "acquired": now - renewed_ago,
+        "renewed": now - renewed_ago,
+        "released": False,
+        **identity,
+    }
     folder.put_atomic(f"{LEASE_DIR}/00000001.json", json.dumps(record).encode())
 
 
 OTHER_MACHINES = {
-    "another-machine-same-hostname": lambda boot, namespace: {"boot_id": "6f1c9a3e-0000-4000-8000-another-boot", "pid_namespace": namespace},
+    "another-machine-same-hostname": lambda boot, namespace: {
+        "boot_id": "6f1c9a3e-0000-4000-8000-another-boot",
+        "pid_namespace": namespace,
+    },
     "another-container-on-this-machine": lambda boot, namespace: {"boot_id": boot, "pid_namespace": "pid:[4026530000]"},
     "a-lease-file-of-an-earlier-version": lambda boot, namespace: {},
-    "a-lease-file-of-a-later-version": lambda boot, namespace: {"boot_id": "another-boot", "pid_namespace": namespace, "written_by": "genrun 9"},
+    "a-lease-file-of-a-later-version": lambda boot, namespace: {
+        "boot_id": "another-boot",
+        "pid_namespace": namespace,
+        "written_by": "genrun 9",
+    },
 }
 
 
@@ -271,7 +345,11 @@ def test_a_folder_whose_lease_files_were_removed_resumes_exactly(tmp_path):
     for generation in (1, 2):
         with RunLease.acquire(folder, seconds=60) as lease:
             assert lease.record.generation == generation
-            asyncio.run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()))
+            asyncio.run(
+                run_shard_with_worker(
+                    cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()
+                )
+            )
     shutil.rmtree(run_dir / LEASE_DIR)
     worker = ScriptedWorker()
     with RunLease.acquire(folder, seconds=60) as lease:

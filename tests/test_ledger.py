@@ -28,19 +28,23 @@ def finished_run(ray_local, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ledger")
     prompts = write_parquet(tmp / "prompts.parquet", chat_rows(PROMPTS))
     out = tmp / "run"
-    summary = run_in_process(preflight([
-        f"data.train_files={prompts}",
-        f"trainer.default_local_dir={out}",
-        "actor_rollout_ref.rollout.name=instant",
-        "trainer.n_gpus_per_node=2",
-        "generation.sample_seed=11",
-        "generation.gpu_hour_price=3.0",
-        "generation.save_batch_size=5",
-        "generation.show_progress=false",
-        # A few seconds of generation, so that the progress line shows an ETA (it needs 2 s of rate).
-        "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=0.4",
-        "generation.max_inflight=1",
-    ]))
+    summary = run_in_process(
+        preflight(
+            [
+                f"data.train_files={prompts}",
+                f"trainer.default_local_dir={out}",
+                "actor_rollout_ref.rollout.name=instant",
+                "trainer.n_gpus_per_node=2",
+                "generation.sample_seed=11",
+                "generation.gpu_hour_price=3.0",
+                "generation.save_batch_size=5",
+                "generation.show_progress=false",
+                # A few seconds of generation, so that the progress line shows an ETA (it needs 2 s of rate).
+                "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=0.4",
+                "generation.max_inflight=1",
+            ]
+        )
+    )
     return out, summary
 
 
@@ -57,7 +61,11 @@ def test_each_trajectory_carries_its_provenance_and_time_split_into_parts_and_th
         assert len(p["sampling_digest"]) == 16 and p["model_digest"] and p["engine_version"] != "unknown"
         seeds.add(p["seed"])
         (turn,) = p["turns"]  # single-turn agent loop: one request
-        assert turn["replica"] is not None and turn["stop_reason"] == "stop" and turn["tokens"] == sum(record.response_mask)
+        assert (
+            turn["replica"] is not None
+            and turn["stop_reason"] == "stop"
+            and turn["tokens"] == sum(record.response_mask)
+        )
         # The instant engine reports no slot wait or prefill: null, and the request's time is decode.
         assert record.timings["slot_wait"] is None and record.timings["prefill"] is None
         assert record.timings["decode"] == pytest.approx(turn["seconds"], abs=1e-6)
@@ -87,13 +95,19 @@ def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
     assert ledger["replicas"] == 2
     assert set(ledger["per_replica"]) == {t["replica"] for t in turns}
     assert sum(row["requests"] for row in ledger["per_replica"].values()) == len(turns) == PROMPTS
-    assert sum(row["output_tokens"] for row in ledger["per_replica"].values()) == ledger["output_tokens"] == summary["generated_tokens"]
+    assert (
+        sum(row["output_tokens"] for row in ledger["per_replica"].values())
+        == ledger["output_tokens"]
+        == summary["generated_tokens"]
+    )
     assert all(0 <= row["idle_fraction"] <= 1 for row in ledger["per_replica"].values())
     assert ledger["time_split_seconds"]["decode"] == pytest.approx(sum(r.timings["decode"] for r in records), abs=1e-3)
     assert ledger["replica_seconds"] == pytest.approx(2 * ledger["wall_seconds"], abs=1e-2)
     # A CPU replica counts as one device: 3.0 per device-hour.
     assert ledger["cost"] == pytest.approx(ledger["replica_seconds"] / 3600 * 3.0, rel=1e-3)
-    assert ledger["cost_per_million_output_tokens"] == pytest.approx(ledger["cost"] / ledger["output_tokens"] * 1e6, rel=1e-3)
+    assert ledger["cost_per_million_output_tokens"] == pytest.approx(
+        ledger["cost"] / ledger["output_tokens"] * 1e6, rel=1e-3
+    )
     assert ledger["prefix_cache_hit_rate"] is None, "the instant engine reports no prefix cache"
     # The run's lease said what it generated on and at what price: `genrun status`'s cost to go.
     from generation_core.store.lease import newest_lease
@@ -104,7 +118,9 @@ def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
     eta = ledger["eta"]
     assert 12 * 0.4 <= eta["generation_seconds"] < ledger["wall_seconds"]
     shown = [point for point in eta["points"] if point[3] is not None]
-    assert shown and all(0 <= seconds < eta["generation_seconds"] and done < total == PROMPTS for seconds, done, total, _ in shown)
+    assert shown and all(
+        0 <= seconds < eta["generation_seconds"] and done < total == PROMPTS for seconds, done, total, _ in shown
+    )
     assert 0 <= eta["median_error"] <= eta["max_error"], "the ETA was shown from 10% done on"
 
 
@@ -139,12 +155,23 @@ def test_the_report_shows_the_ledger_and_the_viewer_knows_each_trajectorys_repli
     assert {"replica-timeline", "time-split", "eta"} <= {plot.name for plot in report.plots}
     page = (out / REPORT_FILE).read_text()
     eta = summary["ledger"]["eta"]
-    assert f"<dt>ETA error from 10% done</dt><dd>median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation</dd>" in page
+    assert (
+        f"<dt>ETA error from 10% done</dt><dd>median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation</dd>"
+        in page
+    )
     table = re.search(r'<table id="replica-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
-    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(summary["ledger"]["per_replica"])
-    payload = json.loads(re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page, re.S).group(1))
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", row)[0] for row in re.findall(r"<tr>(.*?)</tr>", table)] == sorted(
+        summary["ledger"]["per_replica"]
+    )
+    payload = json.loads(
+        re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page, re.S).group(1)
+    )
     folder = StorageFolder(str(out))
-    records = {f"{r.index}:{r.rollout_n}": r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))}
+    records = {
+        f"{r.index}:{r.rollout_n}": r
+        for part in committed_parts(folder)
+        for r in records_from_parquet(folder.read_bytes(part.path))
+    }
     assert len(payload["trajectories"]) == PROMPTS
     for shown in payload["trajectories"]:
         record = records[shown["id"]]

@@ -40,13 +40,27 @@ def command_loads(arguments: list[str], expected_code: int = 0) -> set[str]:
     """The top-level packages that `genrun ARGUMENTS` has imported by its end (it must exit with
     `expected_code`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", _RUN_AND_LIST, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_AND_LIST, *arguments],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     result = json.loads(done.stderr.strip().splitlines()[-1])
     assert result["code"] == expected_code, done.stderr
     return set(result["loaded"])
 
 
-@pytest.mark.parametrize("override", ["actor_rollout_ref.rollout.temprature=0", "data.train_files=/no/such/prompts.parquet", "data.prompt_key=no_such_column"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor_rollout_ref.rollout.temprature=0",
+        "data.train_files=/no/such/prompts.parquet",
+        "data.prompt_key=no_such_column",
+    ],
+)
 def test_a_refused_input_loads_no_engine_stack(tmp_path, override):
     """Issue 45 item 3: a typo'd key, a missing data file or a missing column is refused before
     verl, torch, Ray, transformers or Prefect are imported (they cost ~9 s of CPU on 2 cores), so
@@ -60,16 +74,31 @@ def finished_shards_folder(path, shards: int, rows: int = 3) -> StorageFolder:
     """run.json and, per shard, a committed part's record, its done record and its marker, as a
     finished shard leaves them (the part files themselves are not written: status reads none)."""
     folder = StorageFolder(str(path))
-    folder.put_json("run.json", {
-        "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
-        "shards": [{"name": shard_name(i), "range": [i * rows, (i + 1) * rows]} for i in range(shards)],
-        "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
-    })
+    folder.put_json(
+        "run.json",
+        {
+            "fingerprint": "f" * 64,
+            "rollout_n": 1,
+            "pad_token_id": 0,
+            "shards": [{"name": shard_name(i), "range": [i * rows, (i + 1) * rows]} for i in range(shards)],
+            "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
+        },
+    )
     for i in range(shards):
         name, keys = shard_name(i), [f"{i * rows + row}:0" for row in range(rows)]
         part = PartEntry(name="part-00000.parquet", count=rows, bytes=1, sha256="0" * 64)
         ShardCheckpoint.start_attempt(folder, name).commit_part(folder, name, part, keys)
-        write_marker(folder, SuccessMarker(shard=name, shard_id=i, range=[i * rows, (i + 1) * rows], num_trajectories=rows, expected_trajectories=rows, parts=[part]))
+        write_marker(
+            folder,
+            SuccessMarker(
+                shard=name,
+                shard_id=i,
+                range=[i * rows, (i + 1) * rows],
+                num_trajectories=rows,
+                expected_trajectories=rows,
+                parts=[part],
+            ),
+        )
     return folder
 
 
@@ -89,5 +118,9 @@ def test_the_plan_vocabulary_is_light_to_import():
     omegaconf (the plan's config) and fsspec (its StorageFolder), no engine stack."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     listing = "import sys, generation_core.run_plan; print(' '.join(sorted({name.partition('.')[0] for name in sys.modules})))"
-    loaded = set(subprocess.run([sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60).stdout.split())
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    )
     assert "omegaconf" in loaded and sorted(loaded & set(ENGINE_STACK)) == []

@@ -41,7 +41,12 @@ def _outputs(with_logprobs: bool, with_rewards: bool) -> list[AgentLoopOutput]:
                 reward_score=reward if (with_rewards or i % 2 == 0) else None,
                 num_turns=2 + 2 * (i % 2),
                 metrics=AgentLoopMetrics(generate_sequences=0.1 * i),
-                extra_fields={"turn_scores": [], "tool_rewards": [0.5] if i == 1 else [], "min_global_steps": None, "max_global_steps": None},
+                extra_fields={
+                    "turn_scores": [],
+                    "tool_rewards": [0.5] if i == 1 else [],
+                    "min_global_steps": None,
+                    "max_global_steps": None,
+                },
             )
         )
     return outputs
@@ -83,15 +88,23 @@ def test_merge_equals_verl_postprocess(worker, with_logprobs, with_rewards):
     kwargs = [_kwargs(i) for i in range(4)]
 
     async def verl_side():
-        return [await verl_worker._agent_loop_postprocess(o, False, **kw) for o, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)]
+        return [
+            await verl_worker._agent_loop_postprocess(o, False, **kw)
+            for o, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)
+        ]
 
     padded = asyncio.run(verl_side())
     non_tensor_input = {key: np.fromiter([kw[key] for kw in kwargs], dtype=object, count=4) for key in kwargs[0]}
     expected = verl_worker._postprocess(padded, input_non_tensor_batch=non_tensor_input)
 
     # Our path: the same agent-loop outputs as unpadded records (as streamed to disk), merged.
-    records = [worker.record_from_output((kw["index"], 0), out, kw) for out, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)]
-    merged = build_dataproto(records, prompt_length=16, response_length=12, pad_token_id=verl_worker.tokenizer.pad_token_id)
+    records = [
+        worker.record_from_output((kw["index"], 0), out, kw)
+        for out, kw in zip(_outputs(with_logprobs, with_rewards), kwargs, strict=True)
+    ]
+    merged = build_dataproto(
+        records, prompt_length=16, response_length=12, pad_token_id=verl_worker.tokenizer.pad_token_id
+    )
 
     assert sorted(merged.batch.keys()) == sorted(expected.batch.keys())
     assert ("rm_scores" in merged.batch.keys()) == with_rewards
@@ -103,8 +116,32 @@ def test_reward_extra_keys_that_vary_per_sample_become_columns_with_gaps():
     from generation_core.store.trajectory_record import TrajectoryRecord
 
     records = [
-        TrajectoryRecord(0, 0, [1, 2], [3, 2], [1, 1], None, 1.0, 2, {"index": 0}, {"reward_extra_info": {"score": 1.0, "acc": True}}, {}),
-        TrajectoryRecord(1, 0, [1, 2], [4, 2], [1, 1], None, 0.0, 2, {"index": 1}, {"reward_extra_info": {"score": 0.0, "format_error": "no answer"}}, {}),
+        TrajectoryRecord(
+            0,
+            0,
+            [1, 2],
+            [3, 2],
+            [1, 1],
+            None,
+            1.0,
+            2,
+            {"index": 0},
+            {"reward_extra_info": {"score": 1.0, "acc": True}},
+            {},
+        ),
+        TrajectoryRecord(
+            1,
+            0,
+            [1, 2],
+            [4, 2],
+            [1, 1],
+            None,
+            0.0,
+            2,
+            {"index": 1},
+            {"reward_extra_info": {"score": 0.0, "format_error": "no answer"}},
+            {},
+        ),
     ]
     data = build_dataproto(records, prompt_length=4, response_length=4, pad_token_id=2)
     assert data.meta_info["reward_extra_keys"] == ["score", "acc", "format_error"]
@@ -147,11 +184,25 @@ def _random_records(count: int, seed: int = 0, with_logprobs: bool = True) -> li
                 prompt_ids=[int(t) for t in rng.integers(3, 50000, p)],
                 response_ids=[int(t) for t in rng.integers(3, 50000, r)],
                 response_mask=mask,
-                response_logprobs=[float(v) if m else 0.0 for v, m in zip(rng.normal(-1, 2, r).astype(np.float32), mask, strict=True)] if with_logprobs else None,
+                response_logprobs=[
+                    float(v) if m else 0.0 for v, m in zip(rng.normal(-1, 2, r).astype(np.float32), mask, strict=True)
+                ]
+                if with_logprobs
+                else None,
                 reward_score=float(rng.normal()),
                 num_turns=2 + 2 * (i % 2),
-                input_fields={"data_source": "test", "index": 1000 + i // 2, "raw_prompt": messages, "extra_info": {"index": 1000 + i // 2}},
-                extra_fields={"raw_prompt": messages, "turn_scores": [], "tool_rewards": [0.5] if i % 4 == 1 else [], "reward_extra_info": info},
+                input_fields={
+                    "data_source": "test",
+                    "index": 1000 + i // 2,
+                    "raw_prompt": messages,
+                    "extra_info": {"index": 1000 + i // 2},
+                },
+                extra_fields={
+                    "raw_prompt": messages,
+                    "turn_scores": [],
+                    "tool_rewards": [0.5] if i % 4 == 1 else [],
+                    "reward_extra_info": info,
+                },
                 metrics={"generate_sequences": float(rng.uniform(0, 3)), "tool_calls": 0.0, "num_preempted": -1},
             )
         )
@@ -173,8 +224,15 @@ def _write_run(folder: StorageFolder, records: list[TrajectoryRecord], parts_of:
             data = records_to_parquet(mine[start : start + parts_of])
             name = f"batch-{len(checkpoint.parts):05d}-test.parquet"
             folder.put_atomic(f"shards/{spec.name}/{name}", data)
-            part = PartEntry(name=name, count=len(mine[start : start + parts_of]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-            checkpoint.commit_part(folder, spec.name, part, [f"{r.index}:{r.rollout_n}" for r in mine[start : start + parts_of]])
+            part = PartEntry(
+                name=name,
+                count=len(mine[start : start + parts_of]),
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+            )
+            checkpoint.commit_part(
+                folder, spec.name, part, [f"{r.index}:{r.rollout_n}" for r in mine[start : start + parts_of]]
+            )
 
 
 def _assert_same_dataproto(actual, expected, metrics_as_lists=False):
@@ -239,8 +297,13 @@ def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypa
     assert b"generation_core" not in written
     if length_field.startswith("8"):
         return  # the rest does not depend on the length field: once is enough (a fresh process takes 10 s)
-    loader = f"import pickle, sys; sys.modules['generation_core'] = None; print(len(pickle.load(open({str(path)!r}, 'rb'))))"
-    assert subprocess.run([sys.executable, "-c", loader], capture_output=True, text=True, check=True).stdout.split()[-1] == "9"
+    loader = (
+        f"import pickle, sys; sys.modules['generation_core'] = None; print(len(pickle.load(open({str(path)!r}, 'rb'))))"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", loader], capture_output=True, text=True, check=True).stdout.split()[-1]
+        == "9"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -253,7 +316,9 @@ def test_chunks_concatenate_to_the_unchunked_dataproto_and_remerging_leaves_no_s
     merged = merge_run_chunked(folder, chunk_size=4, **_lengths())
     index = folder.read_json(CHUNK_INDEX_FILE)
     assert merged.rows == index["rows"] == 23
-    assert [(c["name"], c["rows"], c["first_row"]) for c in index["chunks"]] == [(f"trajectories-{i:05d}.pkl", 4 if i < 5 else 3, 4 * i) for i in range(6)]
+    assert [(c["name"], c["rows"], c["first_row"]) for c in index["chunks"]] == [
+        (f"trajectories-{i:05d}.pkl", 4 if i < 5 else 3, 4 * i) for i in range(6)
+    ]
     assert not folder.exists(MERGED_FILE), "the single-file output of the earlier merge is gone"
     _assert_same_dataproto(load_chunks(folder), whole, metrics_as_lists=True)
     # Each chunk is a plain pickle of its rows.
@@ -262,7 +327,12 @@ def test_chunks_concatenate_to_the_unchunked_dataproto_and_remerging_leaves_no_s
     assert second.non_tensor_batch["index"].tolist() == whole.non_tensor_batch["index"].tolist()[4:8]
 
     merge_run_chunked(folder, chunk_size=10, **_lengths())
-    assert sorted(n for n in folder.list("") if n.startswith("trajectories")) == ["trajectories-00000.pkl", "trajectories-00001.pkl", "trajectories-00002.pkl", CHUNK_INDEX_FILE]
+    assert sorted(n for n in folder.list("") if n.startswith("trajectories")) == [
+        "trajectories-00000.pkl",
+        "trajectories-00001.pkl",
+        "trajectories-00002.pkl",
+        CHUNK_INDEX_FILE,
+    ]
     assert [c["rows"] for c in folder.read_json(CHUNK_INDEX_FILE)["chunks"]] == [10, 10, 3]
     _assert_same_dataproto(load_chunks(folder), whole, metrics_as_lists=True)
 
@@ -284,10 +354,21 @@ def test_the_zip_holds_the_chunk_files_and_their_index(tmp_path):
     merge_run_chunked(folder, chunk_size=3, **_lengths())
     write_zip(folder)
     names = zipfile.ZipFile(tmp_path / "run" / "trajectories.zip").namelist()
-    assert names == [CHUNK_INDEX_FILE, "trajectories-00000.pkl", "trajectories-00001.pkl", "trajectories-00002.pkl", "run.json", "manifest.json"]
+    assert names == [
+        CHUNK_INDEX_FILE,
+        "trajectories-00000.pkl",
+        "trajectories-00001.pkl",
+        "trajectories-00002.pkl",
+        "run.json",
+        "manifest.json",
+    ]
     merge_run(folder, **_lengths())
     write_zip(folder)
-    assert zipfile.ZipFile(tmp_path / "run" / "trajectories.zip").namelist() == [MERGED_FILE, "run.json", "manifest.json"]
+    assert zipfile.ZipFile(tmp_path / "run" / "trajectories.zip").namelist() == [
+        MERGED_FILE,
+        "run.json",
+        "manifest.json",
+    ]
 
 
 @pytest.mark.timeout(30)
@@ -296,7 +377,10 @@ def test_a_trajectory_longer_than_the_run_allows_is_named():
 
     records = _random_records(3)
     records[2].response_ids.extend([5] * RESPONSE_LENGTH)
-    with pytest.raises(GenrunError, match=r"sample 1001:0 has \d+ prompt / \d+ response tokens, beyond prompt_length=12 / response_length=10"):
+    with pytest.raises(
+        GenrunError,
+        match=r"sample 1001:0 has \d+ prompt / \d+ response tokens, beyond prompt_length=12 / response_length=10",
+    ):
         build_dataproto(records, **_lengths())
 
 
@@ -310,7 +394,14 @@ def test_finish_run_merges_in_chunks_when_configured(tmp_path):
     records = _random_records(9)
     _write_run(folder, records)
     for chunk_size, entry in (("4", CHUNK_INDEX_FILE), ("null", MERGED_FILE)):
-        cfg = load_config([f"generation.merge_chunk_size={chunk_size}", f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+        cfg = load_config(
+            [
+                f"generation.merge_chunk_size={chunk_size}",
+                f"data.max_prompt_length={PROMPT_LENGTH}",
+                f"data.max_response_length={RESPONSE_LENGTH}",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+            ]
+        )
         # Only the merge is under test: no shards, no dataset.
         summary = finish_run(RunPlan(cfg, "fingerprint", [], PAD), [], 1.0)
         assert summary["artifact"] == folder.display(entry) and summary["merged_rows"] == 9
@@ -386,18 +477,20 @@ def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, 
     monkeypatch.setattr(StreamingWorker, "record_from_output", staticmethod(capture))
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(4))
     out = tmp_path / "run"
-    plan = preflight([
-        f"data.train_files={prompts}",
-        f"trainer.default_local_dir={out}",
-        "actor_rollout_ref.rollout.name=hf",
-        "actor_rollout_ref.rollout.temperature=1.0",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=48",
-        "data.max_response_length=10",
-        "generation.save_batch_size=3",
-        "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={out}",
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.temperature=1.0",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "actor_rollout_ref.rollout.n=2",
+            "data.max_prompt_length=48",
+            "data.max_response_length=10",
+            "generation.save_batch_size=3",
+            "generation.show_progress=false",
+        ]
+    )
     assert run_in_process(plan)["num_trajectories"] == 8
     merged = DataProto.load_from_disk(str(out / "trajectories.pkl"))
 
@@ -410,7 +503,9 @@ def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, 
 
     padded = asyncio.run(verl_side())
     rows = [captured[key][1] for key in keys]
-    non_tensor_input = {name: np.fromiter([row[name] for row in rows], dtype=object, count=len(rows)) for name in rows[0]}
+    non_tensor_input = {
+        name: np.fromiter([row[name] for row in rows], dtype=object, count=len(rows)) for name in rows[0]
+    }
     expected = verl_worker._postprocess(padded, input_non_tensor_batch=non_tensor_input)
 
     # Real outputs, not shaped by hand: prompts of several lengths, logprobs from the model.

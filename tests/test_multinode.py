@@ -41,8 +41,18 @@ class RayNode:
     def __init__(self, args: list[str], log_path: Path, env: dict):
         self.log_path = log_path
         with open(log_path, "w") as log:
-            command = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--num-cpus=1", *args]
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            command = [
+                RAY,
+                "start",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--disable-usage-stats",
+                "--num-cpus=1",
+                *args,
+            ]
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_started(self, deadline: float) -> None:
         while "Ray runtime started" not in self.log_path.read_text():
@@ -70,8 +80,12 @@ class RayNode:
 
 
 def _alive_nodes(address: str, env: dict) -> int:
-    probe = f"import ray; ray.init(address={address!r}, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
-    result = subprocess.run([sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120)
+    probe = (
+        f"import ray; ray.init(address={address!r}, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return int(result.stdout.strip().splitlines()[-1])
 
@@ -91,7 +105,14 @@ def ray_cluster(tmp_path, s3_server):
     nodes: list[RayNode] = []
     try:
         deadline = time.monotonic() + 120
-        head_args = ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp_dir}", "--object-store-memory=100000000", '--resources={"node_head": 1}']
+        head_args = [
+            "--head",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            "--object-store-memory=100000000",
+            '--resources={"node_head": 1}',
+        ]
         nodes.append(RayNode(head_args, tmp_path / "ray-head.log", env))
         nodes[0].wait_started(deadline)
         # One at a time: two raylets of one IP that register at once can miss their own node info.
@@ -130,8 +151,16 @@ def _load(fs, url: str):
 # Extended (make test-all): a three-node cluster costs CI over a minute; make test holds the shards' spread over
 # Ray workers and S3 input and output on one node (tests/test_many_shards.py, tests/test_s3.py).
 @pytest.mark.extended
-def test_shards_spread_over_a_three_node_cluster_with_s3_input_and_output(ray_cluster, s3_server, prefect_server, ray_local, tmp_path, monkeypatch):
-    fs = fsspec.filesystem("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], key=s3_server["AWS_ACCESS_KEY_ID"], secret=s3_server["AWS_SECRET_ACCESS_KEY"], use_listings_cache=False)
+def test_shards_spread_over_a_three_node_cluster_with_s3_input_and_output(
+    ray_cluster, s3_server, prefect_server, ray_local, tmp_path, monkeypatch
+):
+    fs = fsspec.filesystem(
+        "s3",
+        endpoint_url=s3_server["AWS_ENDPOINT_URL"],
+        key=s3_server["AWS_ACCESS_KEY_ID"],
+        secret=s3_server["AWS_SECRET_ACCESS_KEY"],
+        use_listings_cache=False,
+    )
     local_prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
     prompts = "s3://genrun-test/inputs/multinode/prompts.parquet"
     fs.put_file(str(local_prompts), prompts)
@@ -159,4 +188,7 @@ def test_shards_spread_over_a_three_node_cluster_with_s3_input_and_output(ray_cl
     clock = time.monotonic()
     run_in_process(preflight(_args(prompts, str(tmp_path / "one-node"))))
     print(f"on one node: {time.monotonic() - clock:.1f} s")
-    _assert_same_dataproto(_load(fs, f"{on_cluster}/trajectories.pkl"), DataProto.load_from_disk(str(tmp_path / "one-node" / "trajectories.pkl")))
+    _assert_same_dataproto(
+        _load(fs, f"{on_cluster}/trajectories.pkl"),
+        DataProto.load_from_disk(str(tmp_path / "one-node" / "trajectories.pkl")),
+    )

@@ -22,11 +22,21 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _chat(custom_id, text, **body):
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-x", "messages": [{"role": "user", "content": text}], **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "gpt-x", "messages": [{"role": "user", "content": text}], **body},
+    }
 
 
 def _completion(custom_id, text, **body):
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-x", "prompt": text, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "gpt-x", "prompt": text, **body},
+    }
 
 
 def _jsonl(lines) -> bytes:
@@ -37,7 +47,9 @@ def _write_batch(path, count: int):
     """`count` requests alternating chat (with their own temperature and max_tokens, asking for
     logprobs) and completions (with a seed)."""
     lines = [
-        _chat(f"chat-{i}", f"Question {i}?", temperature=0.5, max_tokens=6, logprobs=True) if i % 2 else _completion(f"text-{i}", f"Once upon a time {i}", seed=i)
+        _chat(f"chat-{i}", f"Question {i}?", temperature=0.5, max_tokens=6, logprobs=True)
+        if i % 2
+        else _completion(f"text-{i}", f"Once upon a time {i}", seed=i)
         for i in range(count)
     ]
     path.write_bytes(_jsonl(lines))
@@ -45,40 +57,73 @@ def _write_batch(path, count: int):
 
 
 def test_batch_lines_become_rows_in_verls_layout():
-    content = _jsonl([
-        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [
-            {"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
-            "temperature": 0.2, "top_p": 0.9, "max_completion_tokens": 5, "n": 2, "seed": 7, "stop": []}},
-        "",
-        _completion("b", "The sky is"),
-    ])
+    content = _jsonl(
+        [
+            {
+                "custom_id": "a",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [
+                        {"role": "developer", "content": "Be brief."},
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                        },
+                    ],
+                    "temperature": 0.2,
+                    "top_p": 0.9,
+                    "max_completion_tokens": 5,
+                    "n": 2,
+                    "seed": 7,
+                    "stop": [],
+                },
+            },
+            "",
+            _completion("b", "The sky is"),
+        ]
+    )
     assert is_batch_file(content) and not is_batch_file(b'{"prompt": [], "extra_info": {"index": 0}}\n')
     rows = batch_table("f.jsonl", content, BatchLimits(n=2, response_length=16, calculate_log_probs=False)).to_pylist()
     assert [row["prompt"] for row in rows] == [
-        [{"role": "system", "content": "Be brief.", "name": None}, {"role": "user", "content": "Hi there", "name": None}],
+        [
+            {"role": "system", "content": "Be brief.", "name": None},
+            {"role": "user", "content": "Hi there", "name": None},
+        ],
         [{"role": "user", "content": "The sky is", "name": None}],
     ]
-    assert [(r["extra_info"]["index"], r["extra_info"]["custom_id"], r["extra_info"]["url"]) for r in rows] == [(0, "a", "/v1/chat/completions"), (1, "b", "/v1/completions")]
+    assert [(r["extra_info"]["index"], r["extra_info"]["custom_id"], r["extra_info"]["url"]) for r in rows] == [
+        (0, "a", "/v1/chat/completions"),
+        (1, "b", "/v1/completions"),
+    ]
     assert line_sampling_params(rows[0]) == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 5, "seed": 7}
     assert line_sampling_params(rows[1]) == {}
 
 
 def test_bad_lines_are_refused_with_their_line_numbers():
-    content = _jsonl([
-        "{broken",
-        _chat("a", "one"),
-        "{not json",
-        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
-        _chat("a", "repeated"),
-        {**_chat("c", "x"), "url": "/v1/embeddings"},
-        _chat("d", "fine"),
-    ])
+    content = _jsonl(
+        [
+            "{broken",
+            _chat("a", "one"),
+            "{not json",
+            {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+            _chat("a", "repeated"),
+            {**_chat("c", "x"), "url": "/v1/embeddings"},
+            _chat("d", "fine"),
+        ]
+    )
     with pytest.raises(GenrunError) as refused:
         batch_table("in.jsonl", content)
     message = str(refused.value)
     assert is_batch_file(content), "a broken first line does not hide the file's kind"
     assert "\n" not in message and "5 bad line(s)" in message
-    for expected in ("line 1: not JSON", "line 3: not JSON", "line 4: no custom_id", "line 5: custom_id 'a' repeats (first on line 2)", "line 6 (custom_id 'c'): url '/v1/embeddings'"):
+    for expected in (
+        "line 1: not JSON",
+        "line 3: not JSON",
+        "line 4: no custom_id",
+        "line 5: custom_id 'a' repeats (first on line 2)",
+        "line 6 (custom_id 'c'): url '/v1/embeddings'",
+    ):
         assert expected in message, message
 
 
@@ -87,7 +132,10 @@ def test_bad_lines_are_refused_with_their_line_numbers():
     [
         ({"n": 3}, "line 1 (custom_id 'a'): body.n=3 differs from actor_rollout_ref.rollout.n=2"),
         ({"max_tokens": 64}, "line 1 (custom_id 'a'): max_tokens 64 is above the run's response length 16"),
-        ({"logprobs": True}, "line 1 (custom_id 'a'): body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true"),
+        (
+            {"logprobs": True},
+            "line 1 (custom_id 'a'): body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true",
+        ),
         ({"presence_penalty": 0.5}, "line 1 (custom_id 'a'): body.presence_penalty=0.5 is not applied"),
         ({"temperature": "hot"}, "line 1 (custom_id 'a'): body.temperature=\"hot\" is not a number"),
         ({"seed": 3}, "line 1 (custom_id 'a'): body.seed: rollout.name=sglang does not honour per-request seeds"),
@@ -95,7 +143,11 @@ def test_bad_lines_are_refused_with_their_line_numbers():
 )
 def test_line_parameters_that_contradict_the_run_are_refused(body, message):
     with pytest.raises(GenrunError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        batch_table("in.jsonl", _jsonl([_chat("a", "x", **body)]), BatchLimits(n=2, response_length=16, calculate_log_probs=False, engine="sglang"))
+        batch_table(
+            "in.jsonl",
+            _jsonl([_chat("a", "x", **body)]),
+            BatchLimits(n=2, response_length=16, calculate_log_probs=False, engine="sglang"),
+        )
 
 
 def test_a_bad_batch_file_stops_genrun_in_one_line_before_any_work(tmp_path, model_dir, capsys):
@@ -103,7 +155,14 @@ def test_a_bad_batch_file_stops_genrun_in_one_line_before_any_work(tmp_path, mod
 
     batch = tmp_path / "requests.jsonl"
     batch.write_bytes(_jsonl([_chat("a", "x"), _chat("a", "y", n=4)]))
-    code = main([f"data.train_files={batch}", f"trainer.default_local_dir={tmp_path / 'out'}", f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=instant"])
+    code = main(
+        [
+            f"data.train_files={batch}",
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+        ]
+    )
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("genrun: error:")]
     assert code == 2 and len(errors) == 1, errors
     assert "line 2: custom_id 'a' repeats (first on line 1)" in errors[0]
@@ -116,10 +175,19 @@ class _Killed(BaseException):
 
 def _run_args(batch, out, model_dir):
     return [
-        f"data.train_files={batch}", f"trainer.default_local_dir={out}", f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "data.max_prompt_length=64", "data.max_response_length=16",
-        "generation.save_batch_size=4", "generation.num_shards=2", "generation.max_inflight=4", "generation.show_progress=false", "generation.final_merge=false",
+        f"data.train_files={batch}",
+        f"trainer.default_local_dir={out}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.save_batch_size=4",
+        "generation.num_shards=2",
+        "generation.max_inflight=4",
+        "generation.show_progress=false",
+        "generation.final_merge=false",
     ]
 
 
@@ -166,8 +234,12 @@ def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, m
     summary, resumed = _export(tmp_path / "crashed", tmp_path / "partial.jsonl")
     assert _but_created(resumed) == _but_created(expected) and resumed != _but_created(resumed)
     started = read_run_record(StorageFolder(str(tmp_path / "crashed"))).created
-    assert {json.loads(line)["response"]["body"]["created"] for line in resumed.splitlines()} == {int(datetime.fromisoformat(started).timestamp())}
-    assert not (tmp_path / "partial_errors.jsonl").exists(), "the earlier export's error file is gone once every request is complete"
+    assert {json.loads(line)["response"]["body"]["created"] for line in resumed.splitlines()} == {
+        int(datetime.fromisoformat(started).timestamp())
+    }
+    assert not (tmp_path / "partial_errors.jsonl").exists(), (
+        "the earlier export's error file is gone once every request is complete"
+    )
     assert (summary.requests, summary.errors) == (expected_summary.requests, expected_summary.errors) == (24, 0)
 
     lines = [json.loads(line) for line in expected.decode().splitlines()]
@@ -187,7 +259,11 @@ def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, m
             assert usage["completion_tokens"] <= 2 * 6
             # It asked for logprobs: one per generated token.
             assert sum(len(choice["logprobs"]["content"]) for choice in body["choices"]) == usage["completion_tokens"]
-            assert all(isinstance(t["logprob"], float) and t["top_logprobs"] == [] for c in body["choices"] for t in c["logprobs"]["content"])
+            assert all(
+                isinstance(t["logprob"], float) and t["top_logprobs"] == []
+                for c in body["choices"]
+                for t in c["logprobs"]["content"]
+            )
         else:
             assert all(choice["logprobs"] is None for choice in body["choices"]), "not asked for"
 
@@ -199,7 +275,9 @@ def test_the_fingerprint_covers_every_byte_of_a_batch_file(tmp_path):
     from generation_core.inputs.dataset_files import inspect_dataset
 
     def digest(path):
-        return inspect_dataset(load_config([f"data.train_files={path}", "actor_rollout_ref.rollout.name=instant"])).digest
+        return inspect_dataset(
+            load_config([f"data.train_files={path}", "actor_rollout_ref.rollout.name=instant"])
+        ).digest
 
     lines = [_chat(f"c{i}", f"Question {i}?") for i in range(50)]
     first = tmp_path / "a.jsonl"
@@ -241,12 +319,21 @@ def test_a_lone_surrogate_stops_genrun_in_one_line(tmp_path, model_dir, capsys):
 
     batch = tmp_path / "surrogate.jsonl"
     batch.write_bytes(_jsonl([_chat("ok", "fine"), SURROGATE_LINE]))
-    code = main([f"data.train_files={batch}", f"trainer.default_local_dir={tmp_path / 'out'}", f"actor_rollout_ref.model.path={model_dir}",
-                 "actor_rollout_ref.rollout.name=instant"])
+    code = main(
+        [
+            f"data.train_files={batch}",
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+        ]
+    )
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("genrun: error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
-    assert f"OpenAI batch file {batch}: 1 bad line(s): line 2 (custom_id 's1'): body.messages[0].content holds a lone surrogate" in errors[0]
+    assert (
+        f"OpenAI batch file {batch}: 1 bad line(s): line 2 (custom_id 's1'): body.messages[0].content holds a lone surrogate"
+        in errors[0]
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -259,7 +346,9 @@ def test_roles_a_chat_template_cannot_render_are_refused_alike(role):
     """Issue 43 item 9 / audit #16: "tool" was refused but the legacy "function" role and "banana"
     went through to the chat template. One rule: system, developer (read as system), user and
     assistant; any other role is refused naming the line, the custom_id and the roles allowed."""
-    content = _jsonl([_chat("a", "fine"), _with_messages("q7", [{"role": "user", "content": "x"}, {"role": role, "content": "y"}])])
+    content = _jsonl(
+        [_chat("a", "fine"), _with_messages("q7", [{"role": "user", "content": "x"}, {"role": role, "content": "y"}])]
+    )
     with pytest.raises(GenrunError) as refused:
         batch_table("in.jsonl", content)
     assert str(refused.value) == (
@@ -272,8 +361,18 @@ def test_a_message_name_is_kept():
     """Issue 43 item 9 / audit #16: a message's `name` (who speaks, in a multi-party prompt) was
     dropped; it is carried into the prompt's message (null where a message has none), and a name
     that is not text is refused."""
-    content = _jsonl([_with_messages("a", [{"role": "system", "content": "Referee."}, {"role": "user", "name": "alice", "content": "Hi"},
-                                           {"role": "developer", "name": "ops", "content": "Be fair."}])])
+    content = _jsonl(
+        [
+            _with_messages(
+                "a",
+                [
+                    {"role": "system", "content": "Referee."},
+                    {"role": "user", "name": "alice", "content": "Hi"},
+                    {"role": "developer", "name": "ops", "content": "Be fair."},
+                ],
+            )
+        ]
+    )
     (row,) = batch_table("in.jsonl", content).to_pylist()
     assert row["prompt"] == [
         {"role": "system", "content": "Referee.", "name": None},
@@ -308,7 +407,11 @@ def test_several_batch_files_number_their_requests_one_after_another(tmp_path):
     assert inspection.row_indices.tolist() == [0, 1, 2, 3, 4]
     assert [(f.rows, f.first_row) for f in inspection.files.files] == [(3, 0), (2, 3)]
     table = read_rows(inspection.files, 2, 5, {})
-    assert [(info["index"], info["custom_id"]) for info in table.column("extra_info").to_pylist()] == [(2, "a2"), (3, "b0"), (4, "b1")]
+    assert [(info["index"], info["custom_id"]) for info in table.column("extra_info").to_pylist()] == [
+        (2, "a2"),
+        (3, "b0"),
+        (4, "b1"),
+    ]
     # A plan's JSON form keeps where each file starts.
     from generation_core.run_plan import DatasetFiles
 
@@ -329,7 +432,9 @@ def test_a_custom_id_repeated_in_another_batch_file_is_refused_naming_both(tmp_p
         f"OpenAI batch file {second}: 1 bad line(s): line 3: custom_id 'shared' repeats (first in {first} line 2); "
         "custom_ids must be unique across the run's batch files; fix or remove them"
     )
-    with pytest.raises(GenrunError, match=r"line 1: custom_id 'a0': this file is listed twice in data\.train_files; list it once"):
+    with pytest.raises(
+        GenrunError, match=r"line 1: custom_id 'a0': this file is listed twice in data\.train_files; list it once"
+    ):
         _inspect(first, first)
 
 
@@ -342,17 +447,28 @@ def test_two_batch_files_run_end_to_end_through_the_cli(tmp_path, prefect_server
     from tests.conftest import run_genrun
 
     first = tmp_path / "requests-1.jsonl"
-    first.write_bytes(_jsonl([_chat("q-0", "One?"), _completion("q-1", "Two"), _chat("q-2", "Three?", temperature=0.5)]))
+    first.write_bytes(
+        _jsonl([_chat("q-0", "One?"), _completion("q-1", "Two"), _chat("q-2", "Three?", temperature=0.5)])
+    )
     second = tmp_path / "requests-2.jsonl"
     second.write_bytes(_jsonl([_completion("r-0", "Four"), _chat("r-1", "Five?", max_tokens=4)]))
     out = tmp_path / "run"
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    result = run_genrun([
-        f"data.train_files=[{first},{second}]", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        "actor_rollout_ref.rollout.n=2", "generation.num_shards=2", "generation.save_batch_size=2", "generation.show_progress=false",
-        "generation.final_merge=false", f"reward.custom_reward_function.path={reward}",
-    ], env=prefect_server.env)
+    result = run_genrun(
+        [
+            f"data.train_files=[{first},{second}]",
+            f"trainer.default_local_dir={out}",
+            "actor_rollout_ref.rollout.name=instant",
+            "actor_rollout_ref.rollout.n=2",
+            "generation.num_shards=2",
+            "generation.save_batch_size=2",
+            "generation.show_progress=false",
+            "generation.final_merge=false",
+            f"reward.custom_reward_function.path={reward}",
+        ],
+        env=prefect_server.env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trajectories:  10 (10 generated by this invocation)" in result.stdout
 
@@ -360,7 +476,13 @@ def test_two_batch_files_run_end_to_end_through_the_cli(tmp_path, prefect_server
     lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == ["q-0", "q-1", "q-2", "r-0", "r-1"]
     assert [[choice["index"] for choice in line["response"]["body"]["choices"]] for line in lines] == [[0, 1]] * 5
-    assert [line["response"]["body"]["object"] for line in lines] == ["chat.completion", "text_completion", "chat.completion", "text_completion", "chat.completion"]
+    assert [line["response"]["body"]["object"] for line in lines] == [
+        "chat.completion",
+        "text_completion",
+        "chat.completion",
+        "text_completion",
+        "chat.completion",
+    ]
     assert not (tmp_path / "results_errors.jsonl").exists()
     # The rl-prompts layout reads the input rows as the run numbered them: request r-0 (the
     # second file's first line) is index 3, not a second index 0.

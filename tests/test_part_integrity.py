@@ -43,7 +43,14 @@ def _damage(tmp_path, part, how):
         path.unlink()
 
 
-@pytest.mark.parametrize("how, reason", [("truncated", "size .* bytes, checkpoint recorded"), ("bit flip", "sha256 does not match"), ("deleted", "missing")])
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("truncated", "size .* bytes, checkpoint recorded"),
+        ("bit flip", "sha256 does not match"),
+        ("deleted", "missing"),
+    ],
+)
 def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path, how, reason):
     cfg, folder, before = _finished_run(tmp_path)
     damaged = before["parts"][1]
@@ -59,7 +66,10 @@ def test_a_damaged_part_is_dropped_and_exactly_its_samples_regenerated(tmp_path,
     assert __import__("re").search(reason, repair["reason"])
     after = checkpoint_dict(tmp_path)
     assert sorted(after["completed"]) == OWED and len(after["completed"]) == len(set(after["completed"]))
-    assert after["response_tokens"] == before["response_tokens"] and after["generated_tokens"] == before["generated_tokens"]
+    assert (
+        after["response_tokens"] == before["response_tokens"]
+        and after["generated_tokens"] == before["generated_tokens"]
+    )
     records = read_committed_records(folder)
     assert [f"{r.index}:{r.rollout_n}" for r in records] == sorted(OWED, key=lambda k: tuple(map(int, k.split(":"))))
 
@@ -79,7 +89,10 @@ def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_n
 
     cfg, folder, before = _finished_run(tmp_path)
     _damage(tmp_path, before["parts"][0], "bit flip")
-    with pytest.raises(GenrunError, match=rf"part .*{before['parts'][0]['name']} does not match the checksum .*run the same command again"):
+    with pytest.raises(
+        GenrunError,
+        match=rf"part .*{before['parts'][0]['name']} does not match the checksum .*run the same command again",
+    ):
         merge_repairing(folder, lambda: merge_run(folder, prompt_length=4, response_length=4, pad_token_id=0))
     worker = ScriptedWorker()
     asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker))
@@ -88,7 +101,9 @@ def test_a_part_damaged_after_the_shard_finished_is_named_by_the_merge_and_the_n
     assert len(data) == 12
 
 
-def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_only_when_finished(tmp_path, monkeypatch):
+def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_only_when_finished(
+    tmp_path, monkeypatch
+):
     """`finished_shard`, the one answer to "is this shard finished?": one fold of the shard's
     commit records serves the repair, the marker and the rows check; the digest of the rows is
     asked only for a finished shard that recorded one, and a changed digest refuses it (an error
@@ -106,7 +121,11 @@ def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_o
 
     folds, asked = [], []
     load = commit_log.ShardCheckpoint.load.__func__
-    monkeypatch.setattr(commit_log.ShardCheckpoint, "load", classmethod(lambda cls, *args, **kwargs: folds.append(args[1]) or load(cls, *args, **kwargs)))
+    monkeypatch.setattr(
+        commit_log.ShardCheckpoint,
+        "load",
+        classmethod(lambda cls, *args, **kwargs: folds.append(args[1]) or load(cls, *args, **kwargs)),
+    )
 
     def digest_now():
         asked.append(SHARD.name)
@@ -118,10 +137,17 @@ def test_the_finished_shard_decision_folds_the_records_once_and_reads_the_rows_o
         assert folds == [SHARD.name]
     assert asked == [SHARD.name, SHARD.name]
     assert finished_shard(folder, SHARD, rows_digest_now=None) is not None, "the check given up (or done already)"
-    with pytest.raises(FinishedRowsChanged, match="the dataset rows of finished shard-00000 changed since it was generated") as refused:
+    with pytest.raises(
+        FinishedRowsChanged, match="the dataset rows of finished shard-00000 changed since it was generated"
+    ) as refused:
         finished_shard(folder, SHARD, rows_digest_now=lambda: "b" * 64)
     again = pickle.loads(pickle.dumps(refused.value))
     assert str(again) == str(refused.value) and again.shard == SHARD and isinstance(again, GenrunError)
 
     (tmp_path / "shards" / SHARD.name / "_SUCCESS.json").unlink()
-    assert finished_shard(folder, SHARD, rows_digest_now=lambda: pytest.fail("the rows of an unfinished shard are not read")) is None
+    assert (
+        finished_shard(
+            folder, SHARD, rows_digest_now=lambda: pytest.fail("the rows of an unfinished shard are not read")
+        )
+        is None
+    )

@@ -15,13 +15,25 @@ pytestmark = pytest.mark.timeout(300)
 
 # The tool turn as the bundled tokenizer's ChatML template renders it after a call.
 TOOL_TURN = "<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
-QUESTIONS = ["What is 2 + 2?", "Name a color.", "Describe rain in one line.", "What is the capital of Italy?", "Say hi.", "Count to three."]
+QUESTIONS = [
+    "What is 2 + 2?",
+    "Name a color.",
+    "Describe rain in one line.",
+    "What is the capital of Italy?",
+    "Say hi.",
+    "Count to three.",
+]
 
 
 def _engine(model_dir, prefix_cache_bytes, max_batch_size=4):
     return HFEngine(
         EngineSettings(
-            str(model_dir), prompt_length=1024, response_length=32, max_batch_size=max_batch_size, num_threads=2, prefix_cache_bytes=prefix_cache_bytes
+            str(model_dir),
+            prompt_length=1024,
+            response_length=32,
+            max_batch_size=max_batch_size,
+            num_threads=2,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
     )
 
@@ -78,7 +90,12 @@ def test_a_second_turn_prefills_only_its_new_tokens_and_answers_the_same(reuse, 
     # (The first turn may reuse the chat header it shares with prompts the module ran before.)
     reused = len(first) + len(turn1.token_ids) - 1
     shared = _delta(reuse, before, ("shared_prefix_tokens",))["shared_prefix_tokens"]
-    assert _delta(reuse, before) == {"prefix_hits": 1, "prefix_misses": 1, "prefix_reused_tokens": reused, "prefill_tokens": len(first) - shared + len(second) - reused}
+    assert _delta(reuse, before) == {
+        "prefix_hits": 1,
+        "prefix_misses": 1,
+        "prefix_reused_tokens": reused,
+        "prefill_tokens": len(first) - shared + len(second) - reused,
+    }
 
     plain_turn1 = _run(plain, first, max_tokens=10, ignore_eos=True)
     _assert_same(turn1, plain_turn1)
@@ -86,7 +103,13 @@ def test_a_second_turn_prefills_only_its_new_tokens_and_answers_the_same(reuse, 
     # And the model itself, the whole conversation in one forward.
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([second]), attention_mask=torch.ones(1, len(second), dtype=torch.long), max_new_tokens=16, do_sample=False, pad_token_id=2)
+        expected = reference.generate(
+            torch.tensor([second]),
+            attention_mask=torch.ones(1, len(second), dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=2,
+        )
     expected = expected[0, len(second) :].tolist()
     # generate stops at the end of turn, where ignore_eos goes on.
     assert turn2.token_ids[: len(expected)] == expected and (len(expected) == 16 or expected[-1] == 2)
@@ -162,7 +185,9 @@ def test_the_byte_budget_evicts_and_nothing_larger_is_kept(model_dir, plain, tok
     try:
         out = _run(engine, a2_prompt, max_tokens=8, ignore_eos=True)
         again = _run(engine, a2_prompt + out.token_ids, max_tokens=8, ignore_eos=True)
-        assert len(engine._prefix_cache) == 0 and engine.stats["prefix_hits"] == 0 and engine.stats["prefix_misses"] == 2
+        assert (
+            len(engine._prefix_cache) == 0 and engine.stats["prefix_hits"] == 0 and engine.stats["prefix_misses"] == 2
+        )
         _assert_same(out, a2)
         _assert_same(again, _run(plain, a2_prompt + out.token_ids, max_tokens=8, ignore_eos=True))
     finally:
@@ -181,12 +206,19 @@ def test_a_prompt_that_only_shares_part_of_a_sequence_reuses_that_part_and_leave
         before = dict(reuse.stats)
         _assert_same(_run(reuse, prompt), _run(plain, prompt))
         delta = _delta(reuse, before, ("prefix_hits", "shared_prefix_hits", "shared_prefix_tokens", "prefill_tokens"))
-        assert delta == {"prefix_hits": 0, "shared_prefix_hits": 1, "shared_prefix_tokens": common, "prefill_tokens": len(prompt) - common}
+        assert delta == {
+            "prefix_hits": 0,
+            "shared_prefix_hits": 1,
+            "shared_prefix_tokens": common,
+            "prefill_tokens": len(prompt) - common,
+        }
     # Exactly the cached sequence: all of it but the last token is reused (that one gives the logits).
     before = dict(reuse.stats)
     _assert_same(_run(reuse, cached), _run(plain, cached))
     delta = _delta(reuse, before)
-    assert delta["prefix_hits"] == 1 and delta["prefix_reused_tokens"] == len(cached) - 1 and delta["prefill_tokens"] == 1
+    assert (
+        delta["prefix_hits"] == 1 and delta["prefix_reused_tokens"] == len(cached) - 1 and delta["prefill_tokens"] == 1
+    )
 
 
 def test_prompts_that_start_alike_prefill_the_common_start_once(model_dir, plain, tokenizer):
@@ -195,14 +227,20 @@ def test_prompts_that_start_alike_prefill_the_common_start_once(model_dir, plain
     system = "You are a calculator assistant. Think step by step, then answer with one number. " * 3
     prompts = []
     for q in QUESTIONS[:4] * 2:
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         prompts.append(ids if isinstance(ids, list) else list(ids["input_ids"]))
     engine = _engine(model_dir, 512 * 1024 * 1024, max_batch_size=8)
     try:
         params = {"temperature": 0, "logprobs": True, "max_tokens": 6, "ignore_eos": True}
 
         async def main(target):
-            return await asyncio.gather(*[target.generate(f"p{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[target.generate(f"p{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+            )
 
         shared = asyncio.run(main(engine))
         alone = asyncio.run(main(plain))

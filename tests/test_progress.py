@@ -31,7 +31,14 @@ def _shards():
 
 
 def _report(shard_id, *, start=0, generated=0, failed=0, owed=100, attempt="a"):
-    return ShardReport(shard_id=shard_id, attempt=f"{attempt}{shard_id}", committed_at_start=start, owed=owed, generated=generated, failed=failed)
+    return ShardReport(
+        shard_id=shard_id,
+        attempt=f"{attempt}{shard_id}",
+        committed_at_start=start,
+        owed=owed,
+        generated=generated,
+        failed=failed,
+    )
 
 
 def test_done_total_rate_and_eta_across_shards():
@@ -138,10 +145,7 @@ def test_on_a_terminal_the_line_is_redrawn_in_place_and_log_lines_go_above_it(mo
     finally:
         root.removeHandler(handler)
     assert stream.getvalue() == (
-        "trajectories 1/10"
-        "\r\x1b[Ktrajectories 2/10"
-        "\r\x1b[Ka warning\ntrajectories 2/10"
-        "\r\x1b[Ktrajectories 10/10\n"
+        "trajectories 1/10\r\x1b[Ktrajectories 2/10\r\x1b[Ka warning\ntrajectories 2/10\r\x1b[Ktrajectories 10/10\n"
     )
     assert handler.stream is stream
 
@@ -169,7 +173,9 @@ def test_while_replicas_start_the_line_says_so_and_for_how_long(caplog):
                 time.sleep(0.01)
         shown = len(caplog.records)
         time.sleep(0.05)
-    assert shown >= 2 and all(re.fullmatch(r"starting 1 hf replica\(s\) on the CPU \(\d+ s\)", r.getMessage()) for r in caplog.records)
+    assert shown >= 2 and all(
+        re.fullmatch(r"starting 1 hf replica\(s\) on the CPU \(\d+ s\)", r.getMessage()) for r in caplog.records
+    )
     assert len(caplog.records) == shown, "the line stops with the body"
 
 
@@ -196,7 +202,9 @@ def test_a_library_logging_a_genrun_error_prints_no_traceback_on_the_terminal():
             raise error
         except BaseException as raised:
             exc_info = (type(raised), raised, raised.__traceback__)
-        return logging.LogRecord(name, logging.ERROR, __file__, 1, "Encountered exception during execution", None, exc_info)
+        return logging.LogRecord(
+            name, logging.ERROR, __file__, 1, "Encountered exception during execution", None, exc_info
+        )
 
     wrapped = RuntimeError("task failed")
     wrapped.__cause__ = GenrunError("the Ray cluster has 0 GPUs")
@@ -209,7 +217,9 @@ def test_a_library_logging_a_genrun_error_prints_no_traceback_on_the_terminal():
 
 def test_the_eta_shown_is_traced_and_judged_against_when_the_run_really_ended_with_the_cost_to_go():
     clock = Clock()
-    progress = RunProgress([ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock, devices=4, gpu_hour_price=2.0)
+    progress = RunProgress(
+        [ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock, devices=4, gpu_hour_price=2.0
+    )
     board = ProgressBoard()
     board.report(vars(_report(0, owed=100)))
     progress.update(board.snapshot())
@@ -221,7 +231,10 @@ def test_the_eta_shown_is_traced_and_judged_against_when_the_run_really_ended_wi
         if second == 5:
             # 4/s since the first report: 80 left take 20 s, 4 devices x 20 s at 2.0 per device-hour.
             assert totals.eta == pytest.approx(20.0) and totals.cost_to_go == pytest.approx(4 * 20 / 3600 * 2.0)
-            assert totals.line() == "trajectories 20/100 (20.0%), 4.0/s, ETA 20s (~0.0444 to go), 0 failed, shards 0/1 done"
+            assert (
+                totals.line()
+                == "trajectories 20/100 (20.0%), 4.0/s, ETA 20s (~0.0444 to go), 0 failed, shards 0/1 done"
+            )
     assert totals.cost_to_go is None and "to go" not in totals.line()
     progress.totals()  # ticks after the end add nothing
     summary = trace_summary(progress.trace)
@@ -234,14 +247,22 @@ def test_the_eta_shown_is_traced_and_judged_against_when_the_run_really_ended_wi
 
 def test_an_eta_trace_judges_from_ten_percent_done_and_thins_itself_to_a_bounded_size():
     trace = EtaTrace()
-    for point in [(0.0, 0, 100, None), (5.0, 5, 100, 30.0), (10.0, 20, 100, 12.0), (15.0, 60, 100, 4.0), (20.0, 100, 100, 0.0)]:
+    for point in [
+        (0.0, 0, 100, None),
+        (5.0, 5, 100, 30.0),
+        (10.0, 20, 100, 12.0),
+        (15.0, 60, 100, 4.0),
+        (20.0, 100, 100, 0.0),
+    ]:
         trace.add(*point)
     assert trace.ended == 20.0 and len(trace.points) == 4
     # 5% done is not judged; at 10 s 10 s were left (12 predicted), at 15 s 5 (4 predicted).
     assert eta_errors(trace.points, trace.ended) == [pytest.approx(2 / 20), pytest.approx(1 / 20)]
     summary = trace_summary(trace)
     assert (summary["median_error"], summary["max_error"]) == (0.075, 0.1)
-    assert trace_summary(EtaTrace(points=[(1.0, 1, 10, 5.0)])) is None, "a run that never ended (stopped) has no judged trace"
+    assert trace_summary(EtaTrace(points=[(1.0, 1, 10, 5.0)])) is None, (
+        "a run that never ended (stopped) has no judged trace"
+    )
 
     long = EtaTrace()
     for second in range(100_000):

@@ -64,7 +64,13 @@ def runs(prefect_server, tmp_path_factory):
     command = shlex.split(re.sub(r"\\\n\s*", " ", re.search(r"```bash\n(.*?)```", example, re.S).group(1)))
     assert command[0] == ".venv/bin/genrun", command
     done = run_genrun(
-        [*command[1:], "actor_rollout_ref.rollout.n=4", INSTANT, "data.train_max_samples=6", f"trainer.default_local_dir={tools}"],
+        [
+            *command[1:],
+            "actor_rollout_ref.rollout.n=4",
+            INSTANT,
+            "data.train_max_samples=6",
+            f"trainer.default_local_dir={tools}",
+        ],
         env=prefect_server.env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -103,7 +109,11 @@ def _run_generation(arguments: list[str], tmp: Path, env: dict[str, str]) -> Non
     done = run_genrun([*arguments, INSTANT, f"trainer.default_local_dir={out}"], env=env)
     if any(path in argument for argument in arguments for path in PLACEHOLDER_PATHS):
         # Paths that stand for the user's own: refused in one line, before anything is written.
-        assert done.returncode == 2 and done.stderr.strip().startswith("genrun: error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert (
+            done.returncode == 2
+            and done.stderr.strip().startswith("genrun: error: ")
+            and len(done.stderr.strip().splitlines()) == 1
+        ), done.stderr
         assert not out.exists()
         return
     assert done.returncode == 0, done.stderr[-3000:]

@@ -30,13 +30,15 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty":
 
 
 def _cfg(urls, *extra):
-    return load_config([
-        "actor_rollout_ref.rollout.name=remote",
-        f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(urls)}]",
-        "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=0.2",
-        "data.max_response_length=4",
-        *extra,
-    ])
+    return load_config(
+        [
+            "actor_rollout_ref.rollout.name=remote",
+            f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(urls)}]",
+            "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=0.2",
+            "data.max_response_length=4",
+            *extra,
+        ]
+    )
 
 
 def _free_port() -> int:
@@ -60,12 +62,24 @@ def _client(cfg):
 
 
 def test_request_is_token_ids_in_and_out():
-    body = completion_request("m", [5, 6, 7], SamplingParams.from_request(SAMPLING | {"top_k": 20, "seed": 3}), max_tokens=9)
+    body = completion_request(
+        "m", [5, 6, 7], SamplingParams.from_request(SAMPLING | {"top_k": 20, "seed": 3}), max_tokens=9
+    )
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 9 and body["top_k"] == 20 and body["seed"] == 3
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
     assert "repetition_penalty" not in body  # 1.0 is every server's default
-    vllm_shape = {"choices": [{"token_ids": [8, 9], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1, -0.2]}}]}
-    sglang_shape = {"choices": [{"text": "x", "finish_reason": "length", "logprobs": {"tokens": ["token_id:8", "token_id:9"], "token_logprobs": [-0.1, None]}}]}
+    vllm_shape = {
+        "choices": [{"token_ids": [8, 9], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1, -0.2]}}]
+    }
+    sglang_shape = {
+        "choices": [
+            {
+                "text": "x",
+                "finish_reason": "length",
+                "logprobs": {"tokens": ["token_id:8", "token_id:9"], "token_logprobs": [-0.1, None]},
+            }
+        ]
+    }
     assert parse_completion(vllm_shape, True).token_ids == [8, 9]
     out = parse_completion(sglang_shape, True)
     assert out.token_ids == [8, 9] and out.log_probs[0] == -0.1 and out.log_probs[1] == float("-inf")
@@ -73,7 +87,9 @@ def test_request_is_token_ids_in_and_out():
 
 
 def test_sampling_params_are_parsed_once_and_forwarded():
-    params = SamplingParams.from_request(SAMPLING | {"repetition_penalty": 1.1, "stop_token_ids": [2, 7], "ignore_eos": True})
+    params = SamplingParams.from_request(
+        SAMPLING | {"repetition_penalty": 1.1, "stop_token_ids": [2, 7], "ignore_eos": True}
+    )
     body = completion_request("m", [1], params, max_tokens=3)
     assert body["repetition_penalty"] == 1.1 and body["stop_token_ids"] == [2, 7] and body["ignore_eos"] is True
     assert "top_k" not in body and "seed" not in body  # top_k=-1 and no seed: the servers' defaults
@@ -111,7 +127,9 @@ def test_least_outstanding_and_sticky(servers):
     async def scenario():
         client = _client(cfg)
         try:
-            outs = await asyncio.gather(*[client.generate(f"r{i}", prompt_ids=[100 + i, 1], sampling_params=SAMPLING) for i in range(8)])
+            outs = await asyncio.gather(
+                *[client.generate(f"r{i}", prompt_ids=[100 + i, 1], sampling_params=SAMPLING) for i in range(8)]
+            )
             # A second turn of r0 goes where r0 went (the server's prefix cache has it).
             first = client.server_of("r0")
             await client.generate("r0", prompt_ids=[100, 1, 2], sampling_params=SAMPLING)
@@ -142,7 +160,9 @@ def test_4xx_fails_the_sample_and_keeps_the_server(servers):
             rejected = len(servers[0].requests) + len(servers[1].requests)
             for server in servers:
                 server.fail_next.clear()
-            await asyncio.gather(*[retrying.generate(f"ok{i}", prompt_ids=[10 + i], sampling_params=SAMPLING) for i in range(4)])
+            await asyncio.gather(
+                *[retrying.generate(f"ok{i}", prompt_ids=[10 + i], sampling_params=SAMPLING) for i in range(4)]
+            )
             return retrying.stats, client.replica_failures, rejected
         finally:
             await client.aclose()
@@ -164,7 +184,9 @@ def test_dead_server_is_retried_elsewhere_and_rejoins_when_back():
         client = _client(cfg)
         retrying = RetryingClient(client, retries=3, backoff_seconds=0.01, timeout=None)
         try:
-            outs = await asyncio.gather(*[retrying.generate(f"r{i}", prompt_ids=[10 * i + 1], sampling_params=SAMPLING) for i in range(6)])
+            outs = await asyncio.gather(
+                *[retrying.generate(f"r{i}", prompt_ids=[10 * i + 1], sampling_params=SAMPLING) for i in range(6)]
+            )
             assert f"http://127.0.0.1:{dead_port}" in client.down
             revived = ScriptedServer(port=dead_port)
             for _ in range(100):
@@ -172,7 +194,9 @@ def test_dead_server_is_retried_elsewhere_and_rejoins_when_back():
                     break
                 await asyncio.sleep(0.1)
             assert not client.down, "the server that came back was not put back in rotation"
-            await asyncio.gather(*[retrying.generate(f"s{i}", prompt_ids=[20 + i], sampling_params=SAMPLING) for i in range(6)])
+            await asyncio.gather(
+                *[retrying.generate(f"s{i}", prompt_ids=[20 + i], sampling_params=SAMPLING) for i in range(6)]
+            )
             return outs, client.replica_failures
         finally:
             await client.aclose()
@@ -199,7 +223,9 @@ def test_5xx_takes_the_server_out_and_the_request_goes_elsewhere(servers):
         try:
             # Distinct prompts: the default routing keeps one prompt's requests on one server,
             # which half the time would be the healthy one and leave nothing to fail over.
-            outs = await asyncio.gather(*[retrying.generate(f"r{i}", prompt_ids=[30 + i], sampling_params=SAMPLING) for i in range(6)])
+            outs = await asyncio.gather(
+                *[retrying.generate(f"r{i}", prompt_ids=[30 + i], sampling_params=SAMPLING) for i in range(6)]
+            )
             return outs, client.replica_failures, retrying.stats
         finally:
             await client.aclose()
@@ -255,7 +281,9 @@ def test_api_key_is_sent_as_a_bearer_header_on_every_request():
     for method, path, headers in keyed.received:
         assert headers.get("authorization") == "Bearer sekrit", (method, path, headers)
     assert {path for _, path, _ in open_server.received} == paths
-    assert all("authorization" not in headers for _, _, headers in open_server.received), "no api_key: no Authorization header"
+    assert all("authorization" not in headers for _, _, headers in open_server.received), (
+        "no api_key: no Authorization header"
+    )
 
 
 def test_preflight_refuses_when_no_server_answers_and_names_them():

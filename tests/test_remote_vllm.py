@@ -37,13 +37,17 @@ def _free_port() -> int:
 def vllm_server(model_dir, tmp_path_factory):
     """A vLLM server on 127.0.0.1 for this module; its log is kept for a failure message."""
     if not VLLM_PYTHON.exists():
-        pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `make test-remote` (or infra/vllm_cpu/setup.sh) first")
+        pytest.fail(
+            f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `make test-remote` (or infra/vllm_cpu/setup.sh) first"
+        )
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [str(SERVE), str(model_dir), str(port), "--max-model-len", str(MAX_MODEL_LEN)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_SECONDS
@@ -71,11 +75,13 @@ def vllm_server(model_dir, tmp_path_factory):
 def _cfg(urls, *extra):
     from generation_core.config.loading import load_config
 
-    return load_config([
-        "actor_rollout_ref.rollout.name=remote",
-        f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(urls)}]",
-        *extra,
-    ])
+    return load_config(
+        [
+            "actor_rollout_ref.rollout.name=remote",
+            f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(urls)}]",
+            *extra,
+        ]
+    )
 
 
 def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, model_dir):
@@ -88,7 +94,9 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
     from generation_core.serving.routing import RoutingClient
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True) for row in chat_rows(4)]
+    prompts = [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True) for row in chat_rows(4)
+    ]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 24}
     cfg = _cfg([vllm_server], "data.max_response_length=24")
@@ -96,14 +104,20 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
     async def remote():
         client = RoutingClient(cfg, CompletionsServers(cfg))
         try:
-            return await asyncio.gather(*[client.generate(f"r{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[client.generate(f"r{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+            )
         finally:
             await client.aclose()
 
     async def local():
-        engine = HFEngine(EngineSettings(model_path=str(model_dir), prompt_length=256, response_length=24, num_threads=2))
+        engine = HFEngine(
+            EngineSettings(model_path=str(model_dir), prompt_length=256, response_length=24, num_threads=2)
+        )
         try:
-            return await asyncio.gather(*[engine.generate(f"l{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[engine.generate(f"l{i}", prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+            )
         finally:
             engine.shutdown()
 
@@ -127,7 +141,9 @@ def test_context_overflow_is_a_sample_failure_and_the_server_stays(vllm_server):
         retrying = RetryingClient(client, retries=3, backoff_seconds=0.01, timeout=None)
         try:
             with pytest.raises(RemoteRequestRejected, match="400"):
-                await retrying.generate("long", prompt_ids=[42] * (MAX_MODEL_LEN + 100), sampling_params={"temperature": 0.0})
+                await retrying.generate(
+                    "long", prompt_ids=[42] * (MAX_MODEL_LEN + 100), sampling_params={"temperature": 0.0}
+                )
             after = await retrying.generate("short", prompt_ids=[1, 2, 3], sampling_params={"temperature": 0.0})
             return retrying.stats, client.replica_failures, after
         finally:
@@ -149,20 +165,23 @@ def test_genrun_end_to_end_with_a_live_and_a_dead_server(vllm_server, tmp_path):
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     out = tmp_path / "run"
-    done = run_genrun([
-        f"data.train_files={prompts}",
-        f"trainer.default_local_dir={out}",
-        "actor_rollout_ref.rollout.name=remote",
-        f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{vllm_server},http://127.0.0.1:{dead}]",
-        "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=1",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "data.max_response_length=16",
-        "generation.num_shards=2",
-        "generation.save_batch_size=4",
-        "generation.request_backoff_seconds=0.1",
-        "generation.show_progress=false",
-    ], timeout=600)
+    done = run_genrun(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={out}",
+            "actor_rollout_ref.rollout.name=remote",
+            f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{vllm_server},http://127.0.0.1:{dead}]",
+            "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=1",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "data.max_response_length=16",
+            "generation.num_shards=2",
+            "generation.save_batch_size=4",
+            "generation.request_backoff_seconds=0.1",
+            "generation.show_progress=false",
+        ],
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
     assert len(data) == 24
@@ -182,13 +201,24 @@ def test_bench_drives_the_server_directly_then_through_genrun(vllm_server, tmp_p
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(6))
     out = tmp_path / "bench.json"
-    done = run_genrun([
-        "bench", "--sittings", "1", "--prompts", "6", "--tokens", "6", "--json", str(out),
-        f"data.train_files={prompts}",
-        "actor_rollout_ref.rollout.name=remote",
-        f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{vllm_server}]",
-        "actor_rollout_ref.rollout.n=2",
-    ], timeout=600)
+    done = run_genrun(
+        [
+            "bench",
+            "--sittings",
+            "1",
+            "--prompts",
+            "6",
+            "--tokens",
+            "6",
+            "--json",
+            str(out),
+            f"data.train_files={prompts}",
+            "actor_rollout_ref.rollout.name=remote",
+            f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{vllm_server}]",
+            "actor_rollout_ref.rollout.n=2",
+        ],
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bench = json.loads(out.read_text())
     [sitting] = bench["sittings"]

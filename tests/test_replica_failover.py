@@ -40,19 +40,21 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
     from generation_core.shard.job import build_streaming_worker, run_shard_with_worker
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
-    plan = preflight([
-        f"data.train_files={prompts}",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-        "trainer.n_gpus_per_node=2",
-        "actor_rollout_ref.rollout.temperature=0",
-        "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
-        "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads=1",
-        "data.max_response_length=32",
-        "generation.save_batch_size=2",
-        "generation.max_inflight=6",
-        "generation.request_backoff_seconds=0.2",
-        "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.temperature=0",
+            "actor_rollout_ref.rollout.engine_kwargs.hf.ignore_eos=true",
+            "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads=1",
+            "data.max_response_length=32",
+            "generation.save_batch_size=2",
+            "generation.max_inflight=6",
+            "generation.request_backoff_seconds=0.2",
+            "generation.show_progress=false",
+        ]
+    )
 
     async def scenario():
         pool = await ReplicaPool.boot(plan.cfg)
@@ -63,7 +65,9 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             routing = pool.client()
             shard_prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
             worker = build_streaming_worker(plan.cfg, routing, shard_prompts)
-            shard = asyncio.ensure_future(run_shard_with_worker(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker))
+            shard = asyncio.ensure_future(
+                run_shard_with_worker(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker)
+            )
             while not has_committed_part(tmp_path / "run"):
                 assert not shard.done(), shard.exception()
                 await asyncio.sleep(0.05)
@@ -89,7 +93,9 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
     assert sorted(completed) == sorted(f"{i}:0" for i in range(12)), "every sample exactly once"
     assert marker.num_trajectories == 12 and marker.failures == 0
     engine = marker.last_attempt.engine
-    print(f"requests {engine['requests']}, resent {engine['request_retries']}, replica failures {engine['replica_failures']}")
+    print(
+        f"requests {engine['requests']}, resent {engine['request_retries']}, replica failures {engine['replica_failures']}"
+    )
     assert engine["replica_failures"] == 1, "counted once, however many requests it took down"
     assert engine["request_retries"] >= 1, "the killed replica's requests in flight were sent again"
     assert any("failed under a request" in r.getMessage() for r in caplog.records)

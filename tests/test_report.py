@@ -29,7 +29,14 @@ pytestmark = pytest.mark.timeout(300)
 TOOL_TURN = "<|im_start|>tool\nRESULT<|im_end|>\n<|im_start|>assistant\n"
 # The scripted engine is the shard's client itself (no routing): no replica ids, so no replica
 # timeline; the time split is drawn in the Capacity section, after the others.
-PLOTS = ["Response length", "Reward per data source", "Turns per trajectory", "Why responses stopped", "Throughput over time", "Where the time went"]
+PLOTS = [
+    "Response length",
+    "Reward per data source",
+    "Turns per trajectory",
+    "Why responses stopped",
+    "Throughput over time",
+    "Where the time went",
+]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +102,13 @@ def test_viewer_data_holding_html_markup_stays_valid_json_inside_its_script_elem
     from generation_core.report.html import _viewer_section
 
     nasty = "a <!-- comment --> then </script><script>alert(1)</script> & &amp; <\\!-- -->"
-    payload = {"total": 1, "trajectories": [{"id": "0:0", "text": nasty}], "pieces": {"7": "</SCRIPT>"}, "stop_reasons": {}, "decoded": True}
+    payload = {
+        "total": 1,
+        "trajectories": [{"id": "0:0", "text": nasty}],
+        "pieces": {"7": "</SCRIPT>"},
+        "stop_reasons": {},
+        "decoded": True,
+    }
     section = _viewer_section(payload, 500)
     script = re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', section, re.S).group(1)
     assert json.loads(script) == payload
@@ -132,13 +145,20 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
     # Failures: both samples of the failing row, with the engine's error.
     failures = re.search(r'<table id="failure-table">.*?<tbody>(.*?)</tbody>', page, re.S).group(1)
     # In the order the failure log has them (the order they failed in).
-    assert sorted(re.findall(r"<td class=mono>(\d+:\d+)</td><td>([^<]+)</td>", failures)) == [(f"{FAILING_ROW}:{n}", "not generated") for n in range(ROLLOUT_N)]
-    assert failures.count("<code>EngineCrashed: injected engine failure for a prompt with &#x27;carefully&#x27;</code>") == ROLLOUT_N
+    assert sorted(re.findall(r"<td class=mono>(\d+:\d+)</td><td>([^<]+)</td>", failures)) == [
+        (f"{FAILING_ROW}:{n}", "not generated") for n in range(ROLLOUT_N)
+    ]
+    assert (
+        failures.count("<code>EngineCrashed: injected engine failure for a prompt with &#x27;carefully&#x27;</code>")
+        == ROLLOUT_N
+    )
 
     # The viewer: every committed trajectory, exactly as stored, turn by turn.
     data = viewer_data(page)
     records = committed_records(StorageFolder(str(run_dir)))
-    assert data["total"] == COMMITTED and [t["id"] for t in data["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in records]
+    assert data["total"] == COMMITTED and [t["id"] for t in data["trajectories"]] == [
+        f"{r.index}:{r.rollout_n}" for r in records
+    ]
     engine = ScriptedEngine(tokenizer)
     for shown, record in zip(data["trajectories"], records, strict=True):
         word, source = ROWS[record.index]
@@ -148,7 +168,9 @@ def test_report_of_a_tool_calling_run(run_dir, tokenizer, capsys):
         mask = record.response_mask
         call, tool = mask.index(0), len(mask) - mask[::-1].index(0)
         assert shown["runs"] == [[1, call], [0, tool - call], [1, len(mask) - tool]]
-        assert shown["logprobs"] == pytest.approx(engine.logprobs(call) + [0.0] * (tool - call) + engine.logprobs(len(mask) - tool), abs=1e-3)
+        assert shown["logprobs"] == pytest.approx(
+            engine.logprobs(call) + [0.0] * (tool - call) + engine.logprobs(len(mask) - tool), abs=1e-3
+        )
         text = [shown["fix"].get(str(i), data["pieces"][str(token)]) for i, token in enumerate(shown["ids"])]
         answer = str(eval({"seven": "3+4", "twelve": "3*4", "nine": "(2+1)**2"}[word]))  # noqa: S307
         assert "".join(text[call:tool]) == TOOL_TURN.replace("RESULT", answer)
@@ -190,22 +212,34 @@ def test_report_of_an_unfinished_run(run_dir, capsys, tmp_path):
         ["shard-00000", "0–3", "done", "6", "6", "0", "3"],
         ["shard-00001", "3–6", "pending", "0", "6", "0", "0"],
     ]
-    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [f"{i}:{n}" for i in range(3) for n in range(ROLLOUT_N)]
+    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [
+        f"{i}:{n}" for i in range(3) for n in range(ROLLOUT_N)
+    ]
     assert "No sample failed." in page
 
 
 def test_refusals_are_one_line_with_exit_2(run_dir, capsys, tmp_path):
     code, out, err = report(tmp_path / "nothing-here", capsys)
-    assert (code, out) == (2, "") and err == f"genrun: error: {tmp_path / 'nothing-here'} is not a genrun run folder (no run.json)\n"
+    assert (code, out) == (
+        2,
+        "",
+    ) and err == f"genrun: error: {tmp_path / 'nothing-here'} is not a genrun run folder (no run.json)\n"
     # A run that has committed nothing yet: its run.json only.
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(run_dir / "run.json", empty / "run.json")
     code, out, err = report(empty, capsys)
     assert (code, out) == (2, "")
-    assert err == f"genrun: error: {empty} has no committed trajectories yet: nothing to report (`genrun status {empty}` shows its shards)\n"
+    assert (
+        err
+        == f"genrun: error: {empty} has no committed trajectories yet: nothing to report (`genrun status {empty}` shows its shards)\n"
+    )
     assert not (empty / REPORT_FILE).exists()
-    assert main(["report"]) == 2 and capsys.readouterr().err == "genrun: error: usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]\n"
+    assert (
+        main(["report"]) == 2
+        and capsys.readouterr().err
+        == "genrun: error: usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]\n"
+    )
     assert main(["report", str(run_dir), "--sample", "-1"]) == 2
     assert capsys.readouterr().err == "genrun: error: --sample takes a positive number of trajectories (got '-1')\n"
 
@@ -214,7 +248,11 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
     import fsspec
 
     endpoint = s3_server["AWS_ENDPOINT_URL"]
-    options = {"endpoint_url": endpoint, "key": s3_server["AWS_ACCESS_KEY_ID"], "secret": s3_server["AWS_SECRET_ACCESS_KEY"]}
+    options = {
+        "endpoint_url": endpoint,
+        "key": s3_server["AWS_ACCESS_KEY_ID"],
+        "secret": s3_server["AWS_SECRET_ACCESS_KEY"],
+    }
     url = "s3://genrun-test/runs/report"
     fs = fsspec.filesystem("s3", use_listings_cache=False, **options)
     fs.put(f"{run_dir}/", url, recursive=True)
@@ -223,11 +261,19 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    code, out, err = report(url, capsys, f"storage.options.endpoint_url={endpoint}", f"storage.options.key={options['key']}", f"storage.options.secret={options['secret']}")
+    code, out, err = report(
+        url,
+        capsys,
+        f"storage.options.endpoint_url={endpoint}",
+        f"storage.options.key={options['key']}",
+        f"storage.options.secret={options['secret']}",
+    )
     assert code == 0, err
     assert out == f"report: {url}/{REPORT_FILE} ({COMMITTED} trajectories; the viewer holds {COMMITTED})\n"
     page = fs.cat_file(f"{url}/{REPORT_FILE}").decode()
-    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [f"{r.index}:{r.rollout_n}" for r in committed_records(StorageFolder(str(run_dir)))]
+    assert [t["id"] for t in viewer_data(page)["trajectories"]] == [
+        f"{r.index}:{r.rollout_n}" for r in committed_records(StorageFolder(str(run_dir)))
+    ]
     assert options["secret"] not in page + out
 
 
@@ -239,20 +285,36 @@ def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
     out = tmp_path / "run"
-    summary = run_in_process(preflight([
-        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        "generation.show_progress=false", "trainer.logger=[console,wandb]",
-    ]))
+    summary = run_in_process(
+        preflight(
+            [
+                f"data.train_files={prompts}",
+                f"trainer.default_local_dir={out}",
+                "actor_rollout_ref.rollout.name=instant",
+                "generation.show_progress=false",
+                "trainer.logger=[console,wandb]",
+            ]
+        )
+    )
     assert summary["published"]["report"] == f"{out}/{REPORT_FILE}"
     data = viewer_data((out / REPORT_FILE).read_text())
     assert data["total"] == 5 and [t["id"] for t in data["trajectories"]] == [f"{i}:0" for i in range(5)]
-    assert all(t["logprobs"] is None and t["runs"] == [[1, t["length"]]] for t in data["trajectories"]), "single-turn, no logprobs asked for"
+    assert all(t["logprobs"] is None and t["runs"] == [[1, t["length"]]] for t in data["trajectories"]), (
+        "single-turn, no logprobs asked for"
+    )
     (run_file,) = offline_run_files(wandb_offline_dir)
     # An image is logged as nested keys (report/<plot>/format, .../width, ...; the PNG is a media file).
-    images = {key.rsplit("/", 1)[0] for key in history_keys(run_file) if key.startswith("report/") and key.endswith("/format")}
-    assert images == {"report/response-length", "report/turns", "report/stop-reasons", "report/throughput", "report/replica-timeline", "report/time-split"}, (
-        "no reward in this run: no reward plot"
-    )
+    images = {
+        key.rsplit("/", 1)[0] for key in history_keys(run_file) if key.startswith("report/") and key.endswith("/format")
+    }
+    assert images == {
+        "report/response-length",
+        "report/turns",
+        "report/stop-reasons",
+        "report/throughput",
+        "report/replica-timeline",
+        "report/time-split",
+    }, "no reward in this run: no reward plot"
     assert artifacts(run_file) == [], "images in the run's history, no artifact beside the trajectories' own"
 
 
@@ -276,7 +338,12 @@ def test_the_plots_become_prefect_artifacts(run_dir, prefect_server, tmp_path):
 
     with temporary_settings({PREFECT_API_URL: prefect_server.url}):
         flow_run_id = show(str(copy))
-    artifacts = {a["key"]: a for a in prefect_server.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
+    artifacts = {
+        a["key"]: a
+        for a in prefect_server.api(
+            "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+        )
+    }
     names = ["response-length", "reward", "turns", "stop-reasons", "throughput", "time-split"]
     assert sorted(artifacts) == sorted([f"report-test-{name}" for name in names] + ["report-test-report"])
     for name in names:

@@ -21,8 +21,16 @@ from tests.report_runs import COMMITTED, ROWS, committed_records, tool_run
 pytestmark = pytest.mark.timeout(300)
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,9 @@ def runs(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def browser():
-    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (make test does it first)"
+    assert CHROMIUM.exists(), (
+        f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (make test does it first)"
+    )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -92,7 +102,9 @@ def test_the_page_renders_its_plots_and_lists_every_trajectory(runs, open_report
     full, _ = runs
     page = open_report(full)
     assert not_blank(page.screenshot(full_page=True)) > 20
-    sizes = page.locator("figure img").evaluate_all("images => images.map(image => [image.complete, image.naturalWidth, image.naturalHeight])")
+    sizes = page.locator("figure img").evaluate_all(
+        "images => images.map(image => [image.complete, image.naturalWidth, image.naturalHeight])"
+    )
     assert sizes == [[True, 700, 360]] * 6, "five plots, and the time split in the Capacity section"
     assert page.locator("#shard-table tbody tr").count() == 2
     assert page.locator("#failure-table tbody tr").count() == 2
@@ -139,11 +151,18 @@ def test_a_trajectory_shows_its_turns_mask_and_logprobs(runs, open_report, model
     record = next(r for r in committed_records(StorageFolder(str(full))) if (r.index, r.rollout_n) == (1, 1))
     page.click('.traj-row[data-id="1:1"]')
     assert page.locator(".traj-row.selected").evaluate_all("rows => rows.map(row => row.dataset.id)") == ["1:1"]
-    assert page.locator("#traj-detail .turn").evaluate_all("turns => turns.map(turn => turn.className)") == ["turn prompt", "turn model", "turn tool", "turn model"]
+    assert page.locator("#traj-detail .turn").evaluate_all("turns => turns.map(turn => turn.className)") == [
+        "turn prompt",
+        "turn model",
+        "turn tool",
+        "turn model",
+    ]
     mask = record.response_mask
     assert page.locator(".tok.model").count() == sum(mask)
     assert page.locator(".tok.tool").count() == len(mask) - sum(mask)
-    tokens = page.locator(".tok").evaluate_all("spans => spans.map(span => [span.textContent, span.className, span.dataset.logprob ?? null, getComputedStyle(span).backgroundColor])")
+    tokens = page.locator(".tok").evaluate_all(
+        "spans => spans.map(span => [span.textContent, span.className, span.dataset.logprob ?? null, getComputedStyle(span).backgroundColor])"
+    )
     tokenizer = hf_tokenizer(str(model_dir))
     assert "".join(text for text, *_ in tokens) == tokenizer.decode(record.response_ids)
     assert page.locator(".turn.prompt pre").text_content() == tokenizer.decode(record.prompt_ids)
@@ -152,7 +171,10 @@ def test_a_trajectory_shows_its_turns_mask_and_logprobs(runs, open_report, model
             assert css == "tok model" and float(logprob) == pytest.approx(expected, abs=1e-3)
             # hsl(120 p, 75%, 80%): the colour follows the token's probability.
             hue = round(120 * math.exp(round(expected, 3)))
-            probe = page.evaluate("hue => { const s = document.createElement('span'); s.style.background = `hsl(${hue}, 75%, 80%)`; document.body.append(s); const c = getComputedStyle(s).backgroundColor; s.remove(); return c; }", hue)
+            probe = page.evaluate(
+                "hue => { const s = document.createElement('span'); s.style.background = `hsl(${hue}, 75%, 80%)`; document.body.append(s); const c = getComputedStyle(s).backgroundColor; s.remove(); return c; }",
+                hue,
+            )
             assert colour == probe
         else:
             assert css == "tok tool" and logprob is None and colour == "rgb(226, 232, 240)"
@@ -181,7 +203,10 @@ def test_the_viewer_sorts_by_a_timing_keeps_the_slowest_and_shows_the_time_split
     assert shown(page) == list(totals), "back to sample id order"
     page.click('.traj-row[data-id="1:1"]')
     split = page.inner_text("#traj-detail .time-split")
-    assert all(label in split for label in ("slot wait:", "prefill:", "decode:", "tool calls:", "reward fn:", "total:", "replica(s):"))
+    assert all(
+        label in split
+        for label in ("slot wait:", "prefill:", "decode:", "tool calls:", "reward fn:", "total:", "replica(s):")
+    )
 
 
 def test_a_capped_viewer_says_how_many_of_how_many(runs, open_report):
@@ -189,4 +214,6 @@ def test_a_capped_viewer_says_how_many_of_how_many(runs, open_report):
     page = open_report(capped)
     assert len(shown(page)) == 3
     assert page.inner_text("#shown-count") == "3 of 3 shown"
-    assert page.inner_text("#viewer-sample").startswith(f"Showing 3 of {COMMITTED} trajectories: a uniform sample by sample id")
+    assert page.inner_text("#viewer-sample").startswith(
+        f"Showing 3 of {COMMITTED} trajectories: a uniform sample by sample id"
+    )

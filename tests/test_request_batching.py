@@ -67,10 +67,14 @@ def test_many_requests_go_in_few_calls_and_each_gets_its_own_answer(server):
     prompts = [[3, i, i + 1] for i in range(300)]
 
     async def scenario():
-        return await asyncio.gather(*(backend.generate(f"r{i}", prompt_ids=p, sampling_params=SAMPLING) for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(backend.generate(f"r{i}", prompt_ids=p, sampling_params=SAMPLING) for i, p in enumerate(prompts))
+        )
 
     outputs = asyncio.run(scenario())
-    direct = [ray.get(server.generate.remote(f"d{i}", prompt_ids=p, sampling_params=SAMPLING)) for i, p in enumerate(prompts)]
+    direct = [
+        ray.get(server.generate.remote(f"d{i}", prompt_ids=p, sampling_params=SAMPLING)) for i, p in enumerate(prompts)
+    ]
     assert [o.token_ids for o in outputs] == [d.token_ids for d in direct]
     assert [o.log_probs for o in outputs] == [d.log_probs for d in direct]
     assert all(len(o.token_ids) == 8 for o in outputs)
@@ -89,7 +93,9 @@ def test_the_replica_sends_its_load_with_its_answers_and_tells_it_when_asked(ser
     async def scenario():
         # One request held 0.3 s ([9, 3]) and four at once: the fast ones' report counts it.
         slow = asyncio.ensure_future(backend.generate("slow", prompt_ids=[9, 3], sampling_params=SAMPLING))
-        await asyncio.gather(*(backend.generate(f"f{i}", prompt_ids=[3, i], sampling_params=SAMPLING) for i in range(4)))
+        await asyncio.gather(
+            *(backend.generate(f"f{i}", prompt_ids=[3, i], sampling_params=SAMPLING) for i in range(4))
+        )
         held = await backend.read_load()
         await slow
         return held, await backend.read_load()

@@ -93,7 +93,14 @@ def test_ray_keeps_the_type_of_an_engine_exception(ray_local):
 
 @pytest.mark.parametrize(
     "error",
-    [KeyError("prompt_ids"), AttributeError("'NoneType' object has no attribute 'token_ids'"), AssertionError("broken invariant"), IndexError("list index out of range"), NotImplementedError("todo"), GenrunError("every inference replica of the pool died")],
+    [
+        KeyError("prompt_ids"),
+        AttributeError("'NoneType' object has no attribute 'token_ids'"),
+        AssertionError("broken invariant"),
+        IndexError("list index out of range"),
+        NotImplementedError("todo"),
+        GenrunError("every inference replica of the pool died"),
+    ],
     ids=lambda e: type(e).__name__,
 )
 def test_programming_errors_and_final_verdicts_are_not_retried(error):
@@ -117,8 +124,17 @@ def test_only_errors_that_may_pass_are_transient():
         EngineStepFailed("transformers engine: a batch step failed with RuntimeError: CUDA error"),
     ]
     permanent = [
-        KeyError("x"), AttributeError("x"), AssertionError("x"), NameError("x"), ZeroDivisionError("x"), RecursionError("x"),
-        ValueError("x"), TypeError("x"), RemoteRequestRejected("400: prompt too long"), GenrunError("x"), FileNotFoundError("x"),
+        KeyError("x"),
+        AttributeError("x"),
+        AssertionError("x"),
+        NameError("x"),
+        ZeroDivisionError("x"),
+        RecursionError("x"),
+        ValueError("x"),
+        TypeError("x"),
+        RemoteRequestRejected("400: prompt too long"),
+        GenrunError("x"),
+        FileNotFoundError("x"),
     ]
     assert [type(e).__name__ for e in transient if not is_transient(e)] == []
     assert [type(e).__name__ for e in permanent if is_transient(e)] == []

@@ -108,11 +108,20 @@ def test_without_a_reward_function_verls_default_scorer_scores_by_data_source(to
     scorer = RewardScorer.from_config(load_config([]), tokenizer)
 
     def score(text: str, data_source: str, ground_truth: str | None):
-        sample = {"data_source": data_source, "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": 0}}
-        return asyncio.run(scorer.score(tokenizer.encode(text, add_special_tokens=False), sample, num_turns=2, extra_fields={}))
+        sample = {
+            "data_source": data_source,
+            "reward_model": {"ground_truth": ground_truth},
+            "extra_info": {"index": 0},
+        }
+        return asyncio.run(
+            scorer.score(tokenizer.encode(text, add_special_tokens=False), sample, num_turns=2, extra_fields={})
+        )
 
     try:
-        right, wrong = score("So she has #### 72", "openai/gsm8k", "72"), score("So she has #### 71", "openai/gsm8k", "72")
+        right, wrong = (
+            score("So she has #### 72", "openai/gsm8k", "72"),
+            score("So she has #### 71", "openai/gsm8k", "72"),
+        )
         assert (right.score, wrong.score) == (1.0, 0.0)
         assert right.score == default_compute_score("openai/gsm8k", "So she has #### 72", "72")
         assert score("#### 72", "genrun/instructions", "72") is NO_SCORE

@@ -44,7 +44,9 @@ class FakeBackend:
         """What the next probes answer, in order; then True."""
         self.probes = 0
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput:
         self.requests.append(request_id)
         if self.delay:
             await asyncio.sleep(self.delay)
@@ -79,7 +81,12 @@ class FakeSource:
 def _config(name: str = "hf", full_determinism: bool = False, routing: str = "least_loaded"):
     """`least_loaded`: these tests send one prompt many times (prefix affinity would group them;
     tests/test_scheduling.py pins the groups)."""
-    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "full_determinism": full_determinism}}, "generation": {"routing": routing}})
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"name": name, "full_determinism": full_determinism}},
+            "generation": {"routing": routing},
+        }
+    )
 
 
 def _client(*backends: FakeBackend, unanswered=None, **config) -> tuple[RoutingClient, FakeSource]:
@@ -140,17 +147,27 @@ def test_an_engine_output_reads_as_verls_token_output_and_reaches_the_agent_loop
     fields = {f.name: f for f in dataclasses.fields(EngineOutput)}
     assert list(fields) == list(TokenOutput.model_fields)
     bare = EngineOutput(token_ids=[1])
-    assert all(getattr(bare, name) == info.get_default(call_default_factory=True) for name, info in TokenOutput.model_fields.items() if name != "token_ids")
+    assert all(
+        getattr(bare, name) == info.get_default(call_default_factory=True)
+        for name, info in TokenOutput.model_fields.items()
+        if name != "token_ids"
+    )
 
     class EngineBackend(FakeBackend):
         async def generate(self, request_id, **kwargs):
-            return EngineOutput(token_ids=[4, 5], log_probs=[-0.5, -0.25], stop_reason="length", num_preempted=0, extra_fields={"k": 1})
+            return EngineOutput(
+                token_ids=[4, 5], log_probs=[-0.5, -0.25], stop_reason="length", num_preempted=0, extra_fields={"k": 1}
+            )
 
     client, _ = _client(EngineBackend("a"))
     out = asyncio.run(_generate(client, "r"))
     assert isinstance(out, TokenOutput)
     assert out.model_dump() == {
-        "token_ids": [4, 5], "log_probs": [-0.5, -0.25], "routed_experts": None, "stop_reason": "length", "num_preempted": 0,
+        "token_ids": [4, 5],
+        "log_probs": [-0.5, -0.25],
+        "routed_experts": None,
+        "stop_reason": "length",
+        "num_preempted": 0,
         "extra_fields": {"k": 1, "min_global_steps": None, "max_global_steps": None},
     }
 
@@ -188,8 +205,16 @@ def test_full_determinism_routes_an_id_to_the_same_replica_in_every_process():
     ours = os.environ.get("PYTHONHASHSEED", "")
     seed = str(int(ours) + 1) if ours.isdigit() else "1"  # another salt than this process's
     child = subprocess.run(
-        [sys.executable, "-c", "import json; from tests.test_routing import _deterministic_routes; print(json.dumps(_deterministic_routes()))"],
-        cwd=REPO, env=dict(os.environ, PYTHONHASHSEED=seed), capture_output=True, text=True, timeout=170,
+        [
+            sys.executable,
+            "-c",
+            "import json; from tests.test_routing import _deterministic_routes; print(json.dumps(_deterministic_routes()))",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONHASHSEED=seed),
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert json.loads(child.stdout.splitlines()[-1]) == _deterministic_routes()
@@ -353,8 +378,23 @@ class _VerlClientOn(LLMServerClient):
     "extra",
     [
         {},
-        {"image_data": ["img"], "audio_data": ["aud"], "video_data": ["frames"], "mm_processor_output": {"pixel": 1}, "mm_processor_kwargs": {"fps": 2}, "priority": 3},
-        {"image_data": None, "audio_data": None, "video_data": None, "mm_processor_output": None, "mm_processor_kwargs": {}, "priority": 0, "custom": "x"},
+        {
+            "image_data": ["img"],
+            "audio_data": ["aud"],
+            "video_data": ["frames"],
+            "mm_processor_output": {"pixel": 1},
+            "mm_processor_kwargs": {"fps": 2},
+            "priority": 3,
+        },
+        {
+            "image_data": None,
+            "audio_data": None,
+            "video_data": None,
+            "mm_processor_output": None,
+            "mm_processor_kwargs": {},
+            "priority": 0,
+            "custom": "x",
+        },
     ],
 )
 def test_ray_backend_makes_the_call_verls_client_makes(engine, full_determinism, extra):
@@ -388,4 +428,6 @@ def test_ray_backend_probe_restarting_back_and_dead():
 
     gone = asyncio.run(scenario())
     assert isinstance(gone.__cause__, ActorDiedError)
-    assert issubclass(ActorUnavailableError, RayReplicaBackend.server_failures), "a call to a restarting replica is a server failure"
+    assert issubclass(ActorUnavailableError, RayReplicaBackend.server_failures), (
+        "a call to a restarting replica is a server failure"
+    )

@@ -1,6 +1,5 @@
 """The whole run in one process with the real model and a real local Ray: outputs, resume, refusal."""
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -73,7 +72,9 @@ def test_end_to_end_then_resume_is_a_no_op(ray_local, prompts_file, model_dir, t
     # An orphan part (written, never checkpointed) is ignored by the merge.
     orphan = TrajectoryRecord(999, 0, [1, 2], [3], [1], [-1.0], None, 2, {}, {}, {})
     (out / "shards" / "shard-00000" / "batch-00099-deadbeef.parquet").write_bytes(records_to_parquet([orphan]))
-    merged = merge_run(plan.folder, prompt_length=prompt_len, response_length=response_len, pad_token_id=plan.pad_token_id)
+    merged = merge_run(
+        plan.folder, prompt_length=prompt_len, response_length=response_len, pad_token_id=plan.pad_token_id
+    )
     assert len(merged) == 12 and 999 not in merged.non_tensor_batch["index"].tolist()
 
 

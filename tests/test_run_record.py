@@ -36,8 +36,15 @@ def test_a_full_run_json_reads_and_writes_back_byte_for_byte():
 
 def test_an_earlier_run_json_reads_with_its_absent_keys_as_none(tmp_path):
     folder = StorageFolder(str(tmp_path))
-    folder.put_json(RUN_FILE, {"fingerprint": "e" * 64, "pad_token_id": 0, "shards": [{"name": "shard-00000", "range": [0, 3]}],
-                               "config": {"actor_rollout_ref": {"rollout": {"n": 2}}}})
+    folder.put_json(
+        RUN_FILE,
+        {
+            "fingerprint": "e" * 64,
+            "pad_token_id": 0,
+            "shards": [{"name": "shard-00000", "range": [0, 3]}],
+            "config": {"actor_rollout_ref": {"rollout": {"n": 2}}},
+        },
+    )
     record = read_run_record(folder)
     assert record.fingerprint_version == 1, "no fingerprint_version: recipe 1"
     assert (record.build, record.created, record.rollout_n, record.versions) == (None, None, None, {})

@@ -60,17 +60,35 @@ def _assert_same(actual: DataProto, expected: DataProto, logprob_tolerance: floa
 
 
 def _instant(prompts, out, *extra):
-    return [f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-            "actor_rollout_ref.rollout.calculate_log_probs=true", "generation.show_progress=false", "generation.save_batch_size=3", *extra]
+    return [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "generation.show_progress=false",
+        "generation.save_batch_size=3",
+        *extra,
+    ]
 
 
 def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_server, ray_local, tmp_path):
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(10))
     url = "s3://genrun-test/runs/full"
     # Credentials given as overrides go to the environment, never to Prefect parameters or run.json.
-    env = {k: v for k, v in dict(prefect_server.env, **s3_env).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env = {
+        k: v
+        for k, v in dict(prefect_server.env, **s3_env).items()
+        if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }
     secret = s3_env["AWS_SECRET_ACCESS_KEY"]
-    result = run_genrun([*_instant(prompts, url, "generation.num_shards=3"), f"storage.options.key={s3_env['AWS_ACCESS_KEY_ID']}", f"storage.options.secret={secret}"], env=env)
+    result = run_genrun(
+        [
+            *_instant(prompts, url, "generation.num_shards=3"),
+            f"storage.options.key={s3_env['AWS_ACCESS_KEY_ID']}",
+            f"storage.options.secret={secret}",
+        ],
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert secret not in result.stdout + result.stderr
     fs = _s3()
@@ -90,7 +108,10 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
     # An orphan part (a PUT no commit record lists, as a crash leaves it) is ignored on S3 too.
     from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 
-    fs.pipe_file(f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet", records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]))
+    fs.pipe_file(
+        f"{url}/shards/shard-00001/batch-00099-deadbeef.parquet",
+        records_to_parquet([TrajectoryRecord(999, 0, [1], [2], [1], [-1.0], None, 2, {}, {}, {})]),
+    )
     merged = run_genrun(["merge", url], env=dict(os.environ, **s3_env), timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]
     # Issue 45 item 6: the command's answer once, not also as a log line.
@@ -106,16 +127,28 @@ def test_full_run_on_s3_equals_local_and_status_merge_work(s3_env, prefect_serve
 def test_kill_9_then_resume_on_s3_is_exactly_once(s3_env, ray_local, model_dir, tmp_path):
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
     url = "s3://genrun-test/runs/crash"
-    args = [f"data.train_files={prompts}", f"trainer.default_local_dir={url}", "actor_rollout_ref.rollout.temperature=0",
-            "data.max_prompt_length=64", "data.max_response_length=16", "generation.save_batch_size=4", "generation.max_inflight=4", "generation.show_progress=false"]
+    args = [
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={url}",
+        "actor_rollout_ref.rollout.temperature=0",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.save_batch_size=4",
+        "generation.max_inflight=4",
+        "generation.show_progress=false",
+    ]
     fs = _s3()
     folder = StorageFolder(url)
     with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(GENRUN + args, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log, start_new_session=True)
+        process = subprocess.Popen(
+            GENRUN + args, cwd=REPO, env=dict(os.environ), stdout=log, stderr=log, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 400
             while not has_committed_part(folder):
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[
+                    -3000:
+                ]
                 time.sleep(0.1)
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
@@ -138,7 +171,9 @@ def _s3_answer(code: str, status: int, message: str) -> Exception:
     """An S3 error answer as the S3 client raises it (botocore's ClientError)."""
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
 
 
 class _FailOnce:
@@ -177,7 +212,9 @@ def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
     fault = _FailOnce(folder, marker, _s3_answer("SlowDown", 503, "Please reduce your request rate."))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     try:
-        manifest = asyncio_run(run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker()))
+        manifest = asyncio_run(
+            run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker())
+        )
     finally:
         fault.restore()
     assert fault.fired == 1 and manifest.num_trajectories == 6
@@ -188,7 +225,9 @@ def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
 def test_a_failed_put_fails_the_shard_and_resume_loses_nothing(s3_env, tmp_path, marker):
     folder = StorageFolder(f"s3://genrun-test/faults/permanent-{marker.strip('./-')}")
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    asyncio_run(run_shard_with_worker(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker()))  # a first committed part
+    asyncio_run(
+        run_shard_with_worker(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker())
+    )  # a first committed part
     folder.remove("shards/shard-00000/_SUCCESS.json")
     shard = ShardSpec(0, 0, 6)
     fault = _FailOnce(folder, marker, _s3_answer("AccessDenied", 403, "Access Denied"))
@@ -216,20 +255,40 @@ def test_preflight_names_the_bucket_and_what_to_fix(s3_server, tmp_path, model_d
     assert missing.returncode == 2
     assert "genrun: error: bucket 'no-such-bucket' does not exist" in missing.stderr
 
-    no_credentials = {k: v for k, v in s3_server.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    no_credentials = {
+        k: v for k, v in s3_server.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(no_credentials, AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
-    result = subprocess.run(GENRUN + [*base, "trainer.default_local_dir=s3://genrun-test/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "genrun: error: no credentials for s3://genrun-test/run" in result.stderr, result.stderr[-2000:]
+    env.update(
+        no_credentials, AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none")
+    )
+    result = subprocess.run(
+        GENRUN + [*base, "trainer.default_local_dir=s3://genrun-test/run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "genrun: error: no credentials for s3://genrun-test/run" in result.stderr, (
+        result.stderr[-2000:]
+    )
 
     process, endpoint, log = start_moto(tmp_path / "moto-auth.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
     try:
-        rejected = run_genrun([*base, "trainer.default_local_dir=s3://genrun-test/run"], env=dict(s3_server, AWS_ENDPOINT_URL=endpoint), timeout=120)
+        rejected = run_genrun(
+            [*base, "trainer.default_local_dir=s3://genrun-test/run"],
+            env=dict(s3_server, AWS_ENDPOINT_URL=endpoint),
+            timeout=120,
+        )
     finally:
         kill_group(process)
         log.close()
     assert rejected.returncode == 2
-    assert re.search(r"genrun: error: bucket 'genrun-test' refused the write to s3://genrun-test/run .*check the credentials", rejected.stderr), rejected.stderr[-2000:]
+    assert re.search(
+        r"genrun: error: bucket 'genrun-test' refused the write to s3://genrun-test/run .*check the credentials",
+        rejected.stderr,
+    ), rejected.stderr[-2000:]
     for result in (missing, rejected):
         assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
 
@@ -237,7 +296,11 @@ def test_preflight_names_the_bucket_and_what_to_fix(s3_server, tmp_path, model_d
 def test_wandb_offline_artifact_and_metrics(s3_env, ray_local, tmp_path, wandb_offline_dir):
     wandb_dir = wandb_offline_dir
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))
-    summary = run_in_process(preflight(_instant(prompts, tmp_path / "run", "trainer.logger=[console,wandb]", "generation.upload_artifact=true")))
+    summary = run_in_process(
+        preflight(
+            _instant(prompts, tmp_path / "run", "trainer.logger=[console,wandb]", "generation.upload_artifact=true")
+        )
+    )
     (run_file,) = offline_run_files(wandb_dir)
     (artifact,) = artifacts(run_file)
     assert artifact.type == "trajectories"
@@ -248,7 +311,17 @@ def test_wandb_offline_artifact_and_metrics(s3_env, ray_local, tmp_path, wandb_o
     assert "generation/request_latency_p95_s" in history_keys(run_file)
 
     url = "s3://genrun-test/runs/reference"
-    run_in_process(preflight(_instant(prompts, url, "trainer.logger=[console,wandb]", "generation.upload_artifact=true", "generation.artifact_mode=reference")))
+    run_in_process(
+        preflight(
+            _instant(
+                prompts,
+                url,
+                "trainer.logger=[console,wandb]",
+                "generation.upload_artifact=true",
+                "generation.artifact_mode=reference",
+            )
+        )
+    )
     first, second = offline_run_files(wandb_dir)
     assert first == run_file
     (reference,) = artifacts(second)

@@ -27,11 +27,17 @@ class Recording:
 
 
 def _responses(model_dir, *overrides):
-    cfg = load_config(["actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.temperature=1.0", *overrides])
+    cfg = load_config(
+        ["actor_rollout_ref.rollout.name=instant", "actor_rollout_ref.rollout.temperature=1.0", *overrides]
+    )
     cfg.actor_rollout_ref.model.path = str(model_dir)
     engine = Recording()
     worker = StreamingWorker(cfg, engine)
-    sample = {"raw_prompt": [{"role": "user", "content": "Say something."}], "agent_name": "single_turn_agent", "index": 7}
+    sample = {
+        "raw_prompt": [{"role": "user", "content": "Say something."}],
+        "agent_name": "single_turn_agent",
+        "index": 7,
+    }
     records = [asyncio.run(worker.run_one((7, n), dict(sample))) for n in range(4)]
     return [r.response_ids for r in records], engine.seen
 

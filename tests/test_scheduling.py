@@ -23,7 +23,15 @@ SAMPLING = {"temperature": 1.0}
 
 
 def _engine(**kwargs: Any) -> SimulatedEngine:
-    settings = dict(prompt_length=64, response_length=64, eos_token_id=2, max_num_seqs=2, decode_seconds_per_step=0.02, prefill_seconds_per_token=0.001, time_scale=1.0)
+    settings = dict(
+        prompt_length=64,
+        response_length=64,
+        eos_token_id=2,
+        max_num_seqs=2,
+        decode_seconds_per_step=0.02,
+        prefill_seconds_per_token=0.001,
+        time_scale=1.0,
+    )
     return SimulatedEngine(SimulatedSettings(**{**settings, **kwargs}))
 
 
@@ -46,18 +54,24 @@ def test_requests_past_max_num_seqs_queue_and_every_one_is_answered_once():
     engine = _engine(response_tokens_median=4)
 
     async def scenario():
-        answers = asyncio.gather(*[engine.generate(f"r{i}", prompt_ids=[10 + i] * 5, sampling_params=SAMPLING) for i in range(5)])
+        answers = asyncio.gather(
+            *[engine.generate(f"r{i}", prompt_ids=[10 + i] * 5, sampling_params=SAMPLING) for i in range(5)]
+        )
         await asyncio.sleep(0.001)
         seen = (engine.stats["running"], engine.stats["waiting"])
         return seen, await answers, asyncio.get_running_loop().time()
 
     (running, waiting), answers, elapsed = _in_simulated_time(scenario())
     assert (running, waiting) == (2, 3), "two slots, three requests queue"
-    assert [len(a.token_ids) for a in answers] == [4] * 5 and all(a.token_ids[-1] == 2 and a.stop_reason == "stop" for a in answers)
+    assert [len(a.token_ids) for a in answers] == [4] * 5 and all(
+        a.token_ids[-1] == 2 and a.stop_reason == "stop" for a in answers
+    )
     # Three rounds of 4 steps (2 + 2 + 1 sequences), each first step with its joiners' prefill.
     assert engine.stats["steps"] == 12 and engine.stats["requests"] == 5 and engine.stats["generated_tokens"] == 20
     assert elapsed == pytest.approx(12 * 0.02 + 25 * 0.001)
-    assert engine.stats["busy_slot_seconds"] == pytest.approx((2 * 4 + 2 * 4 + 4) * 0.02 + (2 * 10 + 2 * 10 + 5) * 0.001)
+    assert engine.stats["busy_slot_seconds"] == pytest.approx(
+        (2 * 4 + 2 * 4 + 4) * 0.02 + (2 * 10 + 2 * 10 + 5) * 0.001
+    )
 
 
 def test_a_prefix_in_the_cache_costs_nothing_and_is_counted():
@@ -91,10 +105,17 @@ def test_the_prefix_cache_is_bounded():
 
 def test_lengths_are_seeded_long_tailed_and_capped_by_the_budget():
     def lengths(engine_seed: int) -> list[int]:
-        engine = _engine(response_tokens_median=8, response_tokens_sigma=1.0, seed=engine_seed, max_num_seqs=64, response_length=40)
+        engine = _engine(
+            response_tokens_median=8, response_tokens_sigma=1.0, seed=engine_seed, max_num_seqs=64, response_length=40
+        )
 
         async def scenario():
-            outs = await asyncio.gather(*[engine.generate("r", prompt_ids=[5, 6], sampling_params={"temperature": 1.0, "seed": k}) for k in range(64)])
+            outs = await asyncio.gather(
+                *[
+                    engine.generate("r", prompt_ids=[5, 6], sampling_params={"temperature": 1.0, "seed": k})
+                    for k in range(64)
+                ]
+            )
             return [len(o.token_ids) for o in outs], [o.stop_reason for o in outs]
 
         got, reasons = _in_simulated_time(scenario())
@@ -202,15 +223,25 @@ def test_a_second_shard_worker_routes_around_the_first_ones_load(routing, second
     """Worker 1's four samples of one prompt sit on one replica; worker 2's four new prompts go
     to the other with the shared load, and two and two with `local` (it sees only its own)."""
     backends = {"x": CountingBackend("x"), "y": CountingBackend("y")}
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": routing}})
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": routing}}
+    )
 
     async def scenario():
-        first = RoutingClient(config, SharedSource(backends), chooser=ReplicaChooser("prefix_affinity", random.Random(1)))
-        one = [asyncio.ensure_future(first.generate(f"w1-{k}", prompt_ids=[7, 7, 7], sampling_params=SAMPLING)) for k in range(4)]
+        first = RoutingClient(
+            config, SharedSource(backends), chooser=ReplicaChooser("prefix_affinity", random.Random(1))
+        )
+        one = [
+            asyncio.ensure_future(first.generate(f"w1-{k}", prompt_ids=[7, 7, 7], sampling_params=SAMPLING))
+            for k in range(4)
+        ]
         await asyncio.sleep(0.01)
         loaded = next(sid for sid, b in backends.items() if b.outstanding == 4)
         second = RoutingClient(config, SharedSource(backends), chooser=ReplicaChooser(routing, random.Random(2)))
-        two = [asyncio.ensure_future(second.generate(f"w2-{k}", prompt_ids=[k, 9], sampling_params=SAMPLING)) for k in range(4)]
+        two = [
+            asyncio.ensure_future(second.generate(f"w2-{k}", prompt_ids=[k, 9], sampling_params=SAMPLING))
+            for k in range(4)
+        ]
         await asyncio.sleep(0.01)
         placed = {sid: sum(r.startswith("w2") for r in b.served) for sid, b in backends.items()}
         for b in backends.values():
@@ -232,7 +263,9 @@ def test_the_turns_of_a_trajectory_follow_its_first_turn():
     backends = {"x": CountingBackend("x"), "y": CountingBackend("y")}
     for b in backends.values():
         b.release.set()
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": "prefix_affinity"}})
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": "prefix_affinity"}}
+    )
 
     async def scenario():
         client = RoutingClient(config, SharedSource(backends))
@@ -256,19 +289,32 @@ def test_a_run_on_the_simulated_engine_has_every_trajectory_once_and_reports_its
     from generation_core.plan.preflight import preflight
 
     engine = "actor_rollout_ref.rollout.engine_kwargs.simulated"
-    plan = preflight([
-        f"trainer.default_local_dir={tmp_path / 'out'}", "actor_rollout_ref.rollout.name=simulated", "actor_rollout_ref.rollout.n=4",
-        "trainer.n_gpus_per_node=2", "generation.num_shards=2", "generation.show_progress=false", "generation.sample_seed=7",
-        "actor_rollout_ref.rollout.max_num_seqs=8", f"{engine}.time_scale=0.01", f"{engine}.response_tokens_sigma=1.0", f"{engine}.response_tokens_median=16",
-        f"{engine}.cache_block_tokens=4", "data.train_max_samples=16",
-    ])
+    plan = preflight(
+        [
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+            "actor_rollout_ref.rollout.name=simulated",
+            "actor_rollout_ref.rollout.n=4",
+            "trainer.n_gpus_per_node=2",
+            "generation.num_shards=2",
+            "generation.show_progress=false",
+            "generation.sample_seed=7",
+            "actor_rollout_ref.rollout.max_num_seqs=8",
+            f"{engine}.time_scale=0.01",
+            f"{engine}.response_tokens_sigma=1.0",
+            f"{engine}.response_tokens_median=16",
+            f"{engine}.cache_block_tokens=4",
+            "data.train_max_samples=16",
+        ]
+    )
     summary = run_in_process(plan)
     rows = sum(len(shard) for shard in plan.shards) - summary.get("filtered_overlong_prompts", 0)
     assert rows == 16
     assert summary["num_trajectories"] == 4 * rows
     with open(tmp_path / "out" / "trajectories.pkl", "rb") as f:
         data = pickle.load(f)
-    assert data.non_tensor_batch["index"].tolist() == [i for i in range(rows) for _ in range(4)], "every sample of every row once"
+    assert data.non_tensor_batch["index"].tolist() == [i for i in range(rows) for _ in range(4)], (
+        "every sample of every row once"
+    )
     report = summary["prefix_cache"]
     assert len(report["replicas"]) == 2
     # Each prompt prefilled once, its other three samples reuse its whole blocks (most of it).

@@ -12,18 +12,58 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_the_config_secrets_rule():
-    from generation_core.secrets import PLACEHOLDER, is_secret_name, overrides_without_secrets, split_secrets, with_secrets
+    from generation_core.secrets import (
+        PLACEHOLDER,
+        is_secret_name,
+        overrides_without_secrets,
+        split_secrets,
+        with_secrets,
+    )
 
-    secret = ["key", "secret", "token", "api_key", "aws_secret_access_key", "aws_access_key_id", "awsSessionToken", "hf_token", "password", "Authorization", "credentials"]
-    not_secret = ["prompt_key", "image_key", "endpoint_url", "profile", "anon", "tokenizer", "max_token_len_per_gpu", "num_key_value_heads", "profile_token_start"]
+    secret = [
+        "key",
+        "secret",
+        "token",
+        "api_key",
+        "aws_secret_access_key",
+        "aws_access_key_id",
+        "awsSessionToken",
+        "hf_token",
+        "password",
+        "Authorization",
+        "credentials",
+    ]
+    not_secret = [
+        "prompt_key",
+        "image_key",
+        "endpoint_url",
+        "profile",
+        "anon",
+        "tokenizer",
+        "max_token_len_per_gpu",
+        "num_key_value_heads",
+        "profile_token_start",
+    ]
     assert [name for name in secret if not is_secret_name(name)] == []
     assert [name for name in not_secret if is_secret_name(name)] == []
-    config = {"a": {"api_key": "K", "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": "E"}}, "data": {"prompt_key": "prompt"}}
+    config = {
+        "a": {"api_key": "K", "url": "u", "n": None},
+        "ray": {"env_vars": {"ANY_NAME": "E"}},
+        "data": {"prompt_key": "prompt"},
+    }
     masked, secrets = split_secrets(config)
-    assert masked == {"a": {"api_key": PLACEHOLDER, "url": "u", "n": None}, "ray": {"env_vars": {"ANY_NAME": PLACEHOLDER}}, "data": {"prompt_key": "prompt"}}
+    assert masked == {
+        "a": {"api_key": PLACEHOLDER, "url": "u", "n": None},
+        "ray": {"env_vars": {"ANY_NAME": PLACEHOLDER}},
+        "data": {"prompt_key": "prompt"},
+    }
     assert with_secrets(masked, secrets) == config
     assert overrides_without_secrets(["x.api_key=K", "+ray.env_vars.A=E", "data.storage_options={key: K}", "n=2"]) == [
-        f"x.api_key='{PLACEHOLDER}'", f"+ray.env_vars.A='{PLACEHOLDER}'", f"data.storage_options={{key:'{PLACEHOLDER}'}}", "n=2"]
+        f"x.api_key='{PLACEHOLDER}'",
+        f"+ray.env_vars.A='{PLACEHOLDER}'",
+        f"data.storage_options={{key:'{PLACEHOLDER}'}}",
+        "n=2",
+    ]
 
 
 def test_a_secret_at_any_depth_of_an_override_is_masked_and_the_override_still_reads():
@@ -37,8 +77,10 @@ def test_a_secret_at_any_depth_of_an_override_is_masked_and_the_override_still_r
     from generation_core.errors import GenrunError
     from generation_core.secrets import PLACEHOLDER, overrides_without_secrets
 
-    tasks = ('data.train_tasks=[{loading_params: {path: json, data_files: /d/t.jsonl, token: hf_AUDITSECRET123}, '
-             'prompt_format: {type: template, prompt_template: "Q: {question}"}, data_source: sec}]')
+    tasks = (
+        "data.train_tasks=[{loading_params: {path: json, data_files: /d/t.jsonl, token: hf_AUDITSECRET123}, "
+        'prompt_format: {type: template, prompt_template: "Q: {question}"}, data_source: sec}]'
+    )
     given = [
         tasks,
         "+ray_kwargs.ray_init.runtime_env=[{env_vars: {ANY: ray-secret}}]",
@@ -67,7 +109,8 @@ def test_a_secret_at_any_depth_of_an_override_is_masked_and_the_override_still_r
     parser = OverridesParser.create()
     assert parser.parse_override(masked[0]).value()[0] == {
         "loading_params": {"path": "json", "data_files": "/d/t.jsonl", "token": PLACEHOLDER},
-        "prompt_format": {"type": "template", "prompt_template": "Q: {question}"}, "data_source": "sec",
+        "prompt_format": {"type": "template", "prompt_template": "Q: {question}"},
+        "data_source": "sec",
     }, "the masked override reads back as the same value, the secret replaced"
     assert all(parser.parse_override(text) for text in masked)
     mask = r": <redacted> is the mask genrun stores in place of a secret"
@@ -90,10 +133,12 @@ def test_credentials_inside_urls_are_masked_and_the_url_stays_readable():
         without_url_credentials,
     )
 
-    presigned = ("https://bucket.s3.amazonaws.com/p.parquet?X-Amz-Algorithm=AWS4-HMAC-SHA256"
-                 "&X-Amz-Credential=AKIAEXAMPLE%2F20261127"
-                 "&X-Amz-Date=20261127T000000Z&X-Amz-Expires=3600&X-Amz-SignedHeaders=host&X-Amz-Security-Token=FwoGZX"
-                 "&X-Amz-Signature=d1e2f3")
+    presigned = (
+        "https://bucket.s3.amazonaws.com/p.parquet?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+        "&X-Amz-Credential=AKIAEXAMPLE%2F20261127"
+        "&X-Amz-Date=20261127T000000Z&X-Amz-Expires=3600&X-Amz-SignedHeaders=host&X-Amz-Security-Token=FwoGZX"
+        "&X-Amz-Signature=d1e2f3"
+    )
     config = {
         "remote": {"base_urls": ["https://user:pass@host.example:8443/v1", "http://127.0.0.1:8000"]},
         "data": {"train_files": [presigned, "s3://bucket/plain.parquet?versionId=7"]},
@@ -109,18 +154,20 @@ def test_credentials_inside_urls_are_masked_and_the_url_stays_readable():
     masked, secrets = split_secrets(config)
     assert masked == {
         "remote": {"base_urls": [f"https://{PLACEHOLDER}@host.example:8443/v1", "http://127.0.0.1:8000"]},
-        "data": {"train_files": [
-            f"https://bucket.s3.amazonaws.com/p.parquet?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={PLACEHOLDER}"
-            f"&X-Amz-Date=20261127T000000Z&X-Amz-Expires=3600&X-Amz-SignedHeaders=host"
-            f"&X-Amz-Security-Token={PLACEHOLDER}"
-            f"&X-Amz-Signature={PLACEHOLDER}",
-            "s3://bucket/plain.parquet?versionId=7",
-        ]},
+        "data": {
+            "train_files": [
+                f"https://bucket.s3.amazonaws.com/p.parquet?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={PLACEHOLDER}"
+                f"&X-Amz-Date=20261127T000000Z&X-Amz-Expires=3600&X-Amz-SignedHeaders=host"
+                f"&X-Amz-Security-Token={PLACEHOLDER}"
+                f"&X-Amz-Signature={PLACEHOLDER}",
+                "s3://bucket/plain.parquet?versionId=7",
+            ]
+        },
         "links": {
             "sas": f"https://acct.blob.core.windows.net/c/f.json?sv=2022-11-02&sp=r&sig={PLACEHOLDER}",
             "oauth": f"https://app.example/cb?code={PLACEHOLDER}&state=s1#access_token={PLACEHOLDER}&token_type=bearer",
             "params": f"https://api.example/x?token={PLACEHOLDER}&access_token={PLACEHOLDER}&key={PLACEHOLDER}"
-                      f"&api_key={PLACEHOLDER}&page=3",
+            f"&api_key={PLACEHOLDER}&page=3",
             "git": f"https://{PLACEHOLDER}@github.com/org/repo.git",
             # The user part names a container here, not a user.
             "azure": "abfs://container@account.dfs.core.windows.net/data",
@@ -130,7 +177,13 @@ def test_credentials_inside_urls_are_masked_and_the_url_stays_readable():
     assert with_secrets(masked, secrets) == config, "the workers get the URLs back"
     assert masked_paths(config) == []
     assert masked_paths(masked) == [
-        "remote.base_urls.0", "data.train_files.0", "links.sas", "links.oauth", "links.params", "links.git", "links.db",
+        "remote.base_urls.0",
+        "data.train_files.0",
+        "links.sas",
+        "links.oauth",
+        "links.params",
+        "links.git",
+        "links.db",
     ]
     assert without_secrets(masked) == masked, "masking a masked copy changes nothing"
     # A URL under a secret's name is masked whole, and comes back whole.
@@ -138,7 +191,8 @@ def test_credentials_inside_urls_are_masked_and_the_url_stays_readable():
     assert without_secrets(named) == {"webhook_url": PLACEHOLDER} and with_secrets(*split_secrets(named)) == named
     message = "http://u:pw@10.0.0.5:8000: ConnectError: refused (see 'https://h/x?sig=S&a=1')"
     assert without_url_credentials(message) == (
-        f"http://{PLACEHOLDER}@10.0.0.5:8000: ConnectError: refused (see 'https://h/x?sig={PLACEHOLDER}&a=1')")
+        f"http://{PLACEHOLDER}@10.0.0.5:8000: ConnectError: refused (see 'https://h/x?sig={PLACEHOLDER}&a=1')"
+    )
 
 
 def test_secret_names_beyond_key_token_and_password():
@@ -147,10 +201,25 @@ def test_secret_names_beyond_key_token_and_password():
     from generation_core.secrets import is_secret_name
 
     secret = [
-        "connection_string", "connectionString", "AZURE_STORAGE_CONNECTION_STRING", "conn_str", "dsn", "sentry_dsn",
+        "connection_string",
+        "connectionString",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "conn_str",
+        "dsn",
+        "sentry_dsn",
         "auth",
-        "basic_auth", "auth_header", "webhook_url", "slack_webhook", "passkey", "private_key", "private_key_pem",
-        "private_key_path", "client_secret", "refresh_token", "sas_token", "account_key",
+        "basic_auth",
+        "auth_header",
+        "webhook_url",
+        "slack_webhook",
+        "passkey",
+        "private_key",
+        "private_key_pem",
+        "private_key_path",
+        "client_secret",
+        "refresh_token",
+        "sas_token",
+        "account_key",
     ]
     not_secret = ["author", "prefill_seconds_per_token", "authority_url", "keyword", "tokens_per_second", "teacher_key"]
     assert [name for name in secret if not is_secret_name(name)] == []
@@ -185,11 +254,13 @@ def test_remote_server_messages_and_replica_names_hold_no_url_credentials():
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
 
     def cfg(*urls):
-        return load_config([
-            "actor_rollout_ref.rollout.name=remote",
-            "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=0.2",
-            f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(repr(url) for url in urls)}]",
-        ])
+        return load_config(
+            [
+                "actor_rollout_ref.rollout.name=remote",
+                "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval=0.2",
+                f"actor_rollout_ref.rollout.engine_kwargs.remote.base_urls=[{','.join(repr(url) for url in urls)}]",
+            ]
+        )
 
     async def scenario():
         client = RoutingClient(cfg(live), CompletionsServers(cfg(live)))
@@ -251,7 +322,10 @@ def test_a_refusal_that_quotes_a_url_masks_its_credentials(tmp_path, capsys):
     the user gave, with the URL's credentials masked; nothing is written."""
     from flows.cli import main
 
-    for url in ("https://alice:s3cr3tpw@127.0.0.1:9/prompts.parquet", "https://127.0.0.1:9/prompts.parquet?X-Amz-Signature=s3cr3tpw"):
+    for url in (
+        "https://alice:s3cr3tpw@127.0.0.1:9/prompts.parquet",
+        "https://127.0.0.1:9/prompts.parquet?X-Amz-Signature=s3cr3tpw",
+    ):
         code = main([f"data.train_files='{url}'", f"trainer.default_local_dir={tmp_path / 'run'}"])
         error = capsys.readouterr().err
         # Refused before anything stores the URL (run.json, the plan Prefect keeps), naming it masked.

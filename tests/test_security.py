@@ -41,7 +41,9 @@ def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkey
     assert calls and all(call.get("trust_remote_code") is False for call in calls), calls
 
 
-@pytest.mark.parametrize("override, expected", [(None, False), ("actor_rollout_ref.model.trust_remote_code=true", True)])
+@pytest.mark.parametrize(
+    "override, expected", [(None, False), ("actor_rollout_ref.model.trust_remote_code=true", True)]
+)
 def test_the_engine_loads_the_model_with_remote_code_only_when_asked(override, expected, monkeypatch):
     import generation_core.engines.hf as hf
     from generation_core.engines.replicas import HFReplica
@@ -63,9 +65,13 @@ def test_credential_overrides_move_to_the_environment(monkeypatch):
 
     for variable in CREDENTIAL_OVERRIDES.values():
         monkeypatch.delenv(variable, raising=False)
-    kept = move_credentials_to_environment([f"storage.options.{name}={value}" for name, value in SECRETS.items()] + ["generation.num_shards=2"])
+    kept = move_credentials_to_environment(
+        [f"storage.options.{name}={value}" for name, value in SECRETS.items()] + ["generation.num_shards=2"]
+    )
     assert kept == ["generation.num_shards=2"]
-    assert {CREDENTIAL_OVERRIDES[f"storage.options.{name}"]: value for name, value in SECRETS.items()}.items() <= dict(os.environ).items()
+    assert {CREDENTIAL_OVERRIDES[f"storage.options.{name}"]: value for name, value in SECRETS.items()}.items() <= dict(
+        os.environ
+    ).items()
 
 
 def test_run_json_holds_no_credentials(tmp_path):
@@ -76,7 +82,10 @@ def test_run_json_holds_no_credentials(tmp_path):
     from generation_core.store.run_folder import RUN_FILE
 
     overrides = [f"storage.options.{name}={value}" for name, value in SECRETS.items()]
-    overrides += ["+storage.options.client_kwargs.aws_secret_access_key=nested-secret-789", "storage.options.endpoint_url=http://127.0.0.1:9000"]
+    overrides += [
+        "+storage.options.client_kwargs.aws_secret_access_key=nested-secret-789",
+        "storage.options.endpoint_url=http://127.0.0.1:9000",
+    ]
     cfg = load_config(overrides)
     cfg.trainer.default_local_dir = str(tmp_path / "run")
     RunPlan(cfg, "0" * 64, plan_shards(4, 1), 0).claim_folder()
@@ -104,8 +113,15 @@ CONFIG_SECRETS = {
     "+reward.custom_reward_function.reward_kwargs.webhook_url": "https://hooks.example/services/webhook-path-31f0aa",
 }
 SECRET_TEXTS = [
-    "sk-remote-5e1f0c8a", "s3-client-secret-77d2b1", "judge-key-a93c44", "ray-env-token-0b6e21", "input-token-c4d5e6",
-    "list-key-9d8e7f", "url-pass-8c1d2e", "url-sig-4f5a6b", "webhook-path-31f0aa",
+    "sk-remote-5e1f0c8a",
+    "s3-client-secret-77d2b1",
+    "judge-key-a93c44",
+    "ray-env-token-0b6e21",
+    "input-token-c4d5e6",
+    "list-key-9d8e7f",
+    "url-pass-8c1d2e",
+    "url-sig-4f5a6b",
+    "webhook-path-31f0aa",
 ]
 # The three of them as the flow run's `overrides` parameter holds them: masked, still overrides.
 MASKED_OVERRIDES = [
@@ -126,8 +142,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, judg
     return 1.0 if seen == "EXPECTED" else 0.0
 """
 GIVEN_TO_THE_JUDGE = [
-    "judge-key-a93c44", "ray-env-token-0b6e21", "list-key-9d8e7f",
-    "https://judge:url-pass-8c1d2e@judge.example/v1?sig=url-sig-4f5a6b&model=m", "https://hooks.example/services/webhook-path-31f0aa",
+    "judge-key-a93c44",
+    "ray-env-token-0b6e21",
+    "list-key-9d8e7f",
+    "https://judge:url-pass-8c1d2e@judge.example/v1?sig=url-sig-4f5a6b&model=m",
+    "https://hooks.example/services/webhook-path-31f0aa",
 ]
 
 
@@ -137,7 +156,9 @@ def _secret_overrides(tmp_path) -> list[str]:
     expected = hashlib.sha256("|".join(GIVEN_TO_THE_JUDGE).encode()).hexdigest()
     reward = tmp_path / "judge_reward.py"
     reward.write_text(SECRET_CHECKING_REWARD.replace("EXPECTED", expected))
-    return [f"{key}={value}" for key, value in CONFIG_SECRETS.items()] + [f"reward.custom_reward_function.path={reward}"]
+    return [f"{key}={value}" for key, value in CONFIG_SECRETS.items()] + [
+        f"reward.custom_reward_function.path={reward}"
+    ]
 
 
 def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(tmp_path, model_dir, monkeypatch):
@@ -153,13 +174,19 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     from tests.conftest import chat_rows, write_parquet
 
     prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
-    plan = preflight([f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}", *_secret_overrides(tmp_path)])
+    plan = preflight(
+        [f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}", *_secret_overrides(tmp_path)]
+    )
     sent = json.dumps(plan.to_dict(with_shards=False))
     assert not [text for text in SECRET_TEXTS if text in sent]
-    assert SECRETS_ENV in ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)["runtime_env"]["env_vars"], "the run's workers get them"
+    assert SECRETS_ENV in ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)["runtime_env"]["env_vars"], (
+        "the run's workers get them"
+    )
     worker_env = os.environ[SECRETS_ENV]
     monkeypatch.delenv(SECRETS_ENV)
-    with pytest.raises(GenrunError, match=r"not given the run's secrets \(actor_rollout_ref.rollout.engine_kwargs.remote.api_key, "):
+    with pytest.raises(
+        GenrunError, match=r"not given the run's secrets \(actor_rollout_ref.rollout.engine_kwargs.remote.api_key, "
+    ):
         RunPlan.from_dict(json.loads(sent))  # rather than send the placeholder as the key
     monkeypatch.setenv(SECRETS_ENV, worker_env)
     assert OmegaConf.to_container(RunPlan.from_dict(json.loads(sent)).cfg) == OmegaConf.to_container(plan.cfg)
@@ -191,28 +218,57 @@ def test_no_file_a_run_writes_holds_a_config_secret(tmp_path, model_dir, wandb_o
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), RAY_TMPDIR=ray_tmp)
     args = [
-        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        "generation.show_progress=false", "trainer.logger=[console,wandb]", *_secret_overrides(tmp_path),
+        f"data.train_files={prompts}",
+        f"trainer.default_local_dir={out}",
+        "actor_rollout_ref.rollout.name=instant",
+        "generation.show_progress=false",
+        "trainer.logger=[console,wandb]",
+        *_secret_overrides(tmp_path),
     ]
     try:
         result = _run_without_inherited_env(run_genrun, args, env)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert [r.reward_score for r in committed_records(StorageFolder(str(out)))] == [1.0, 1.0], "the worker got the secrets back"
-        written = [p for root in (tmp_path, ray_tmp) for p in Path(root).rglob("*") if p.is_file() and p.name != "judge_reward.py"]
+        assert [r.reward_score for r in committed_records(StorageFolder(str(out)))] == [1.0, 1.0], (
+            "the worker got the secrets back"
+        )
+        written = [
+            p
+            for root in (tmp_path, ray_tmp)
+            for p in Path(root).rglob("*")
+            if p.is_file() and p.name != "judge_reward.py"
+        ]
         names = {p.name for p in written}
         assert {"run.json", "manifest.json", "trajectories.zip", "report.html", "prefect.db"} <= names, sorted(names)
-        leaks = {f"{p}: {text}" for p in written for text in SECRET_TEXTS if any(text.encode() in data for data in _contents(p))}
+        leaks = {
+            f"{p}: {text}"
+            for p in written
+            for text in SECRET_TEXTS
+            if any(text.encode() in data for data in _contents(p))
+        }
         leaks |= {f"terminal: {text}" for text in SECRET_TEXTS if text in result.stdout + result.stderr}
         assert not leaks, sorted(leaks)
         # The places that would hold the secrets were searched: they hold the masked config.
         database = next(p for p in written if p.name == "prefect.db").read_bytes()
-        assert f"trainer.default_local_dir={out}".encode() in database and b"<redacted>" in database, "the flow run's parameters are in it"
+        assert f"trainer.default_local_dir={out}".encode() in database and b"<redacted>" in database, (
+            "the flow run's parameters are in it"
+        )
         overrides = _flow_run_overrides(next(p for p in written if p.name == "prefect.db"))
-        assert [o for o in overrides if o.startswith(("+reward.custom_reward_function.reward_kwargs.j", "+reward.custom_reward_function.reward_kwargs.w"))] == [
-            "+reward.custom_reward_function.reward_kwargs.judge_api_key='<redacted>'", *MASKED_OVERRIDES]
-        assert any(p.suffix == ".wandb" and b"<redacted>" in p.read_bytes() for p in written), "the W&B run's config is in it"
-        assert any(str(p).startswith(ray_tmp) and p.suffix == ".log" for p in written), "Ray's session logs are searched"
-        assert any(b"<redacted>" in member for p in written if p.suffix == ".zip" for member in _contents(p)[1:]), "the zip's run.json is searched"
+        assert [
+            o
+            for o in overrides
+            if o.startswith(
+                ("+reward.custom_reward_function.reward_kwargs.j", "+reward.custom_reward_function.reward_kwargs.w")
+            )
+        ] == ["+reward.custom_reward_function.reward_kwargs.judge_api_key='<redacted>'", *MASKED_OVERRIDES]
+        assert any(p.suffix == ".wandb" and b"<redacted>" in p.read_bytes() for p in written), (
+            "the W&B run's config is in it"
+        )
+        assert any(str(p).startswith(ray_tmp) and p.suffix == ".log" for p in written), (
+            "Ray's session logs are searched"
+        )
+        assert any(b"<redacted>" in member for p in written if p.suffix == ".zip" for member in _contents(p)[1:]), (
+            "the zip's run.json is searched"
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -257,7 +313,16 @@ def test_parts_are_parquet_and_a_pickle_in_their_place_is_never_loaded(tmp_path)
 
     from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet, records_to_parquet
 
-    record = TrajectoryRecord(index=0, rollout_n=0, prompt_ids=[1, 2], response_ids=[3], response_mask=[1], response_logprobs=None, reward_score=None, num_turns=2)
+    record = TrajectoryRecord(
+        index=0,
+        rollout_n=0,
+        prompt_ids=[1, 2],
+        response_ids=[3],
+        response_mask=[1],
+        response_logprobs=None,
+        reward_score=None,
+        num_turns=2,
+    )
     data = records_to_parquet([record])
     assert data[:4] == b"PAR1" and data[-4:] == b"PAR1"
     assert records_from_parquet(data) == [record]
@@ -336,7 +401,9 @@ def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr(prefect_server.SubprocessASGIServer, "_instances", {})
     monkeypatch.setattr(prefect_server.SubprocessASGIServer, "start", start)
-    monkeypatch.setattr(prefect_server.subprocess, "Popen", lambda args, **kwargs: launched.append(args) or NotStarted())
+    monkeypatch.setattr(
+        prefect_server.subprocess, "Popen", lambda args, **kwargs: launched.append(args) or NotStarted()
+    )
     monkeypatch.setattr("flows.prefect_api._drain_prefect_clients", lambda: None)
     with prefect_api() as url:
         assert url.startswith("http://127.0.0.1:")
@@ -374,7 +441,14 @@ def test_ray_processes_listen_on_no_other_interface():
     from tests.conftest import REPO
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    result = subprocess.run([sys.executable, "-c", _LISTENING_SOCKETS_OF_GENRUN_RAY], cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    result = subprocess.run(
+        [sys.executable, "-c", _LISTENING_SOCKETS_OF_GENRUN_RAY],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     addresses = json.loads(result.stdout.strip().splitlines()[-1])
     assert addresses and set(addresses) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, addresses

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.timeout(120)
 
 GENRUN_YAML = Path(generation_core.__file__).parent / "config" / "genrun.yaml"
 
-SECTIONS = {"generation": GenerationSettings, **{f"actor_rollout_ref.rollout.engine_kwargs.{engine}": cls for engine, cls in ENGINE_KWARGS.items()}}
+SECTIONS = {
+    "generation": GenerationSettings,
+    **{f"actor_rollout_ref.rollout.engine_kwargs.{engine}": cls for engine, cls in ENGINE_KWARGS.items()},
+}
 
 
 def _default(field: dataclasses.Field):
@@ -36,14 +39,22 @@ def test_every_default_in_genrun_yaml_is_the_settings_default(section):
     yaml_section = OmegaConf.to_container(OmegaConf.select(OmegaConf.load(GENRUN_YAML), section))
     assert isinstance(yaml_section, dict)
     settings_fields = {field.name: field for field in dataclasses.fields(SECTIONS[section])}
-    assert sorted(yaml_section) == sorted(settings_fields), f"{section}: genrun.yaml's keys and {SECTIONS[section].__name__}'s fields differ"
-    disagree = {key: (value, _default(settings_fields[key])) for key, value in yaml_section.items() if value != _default(settings_fields[key])}
+    assert sorted(yaml_section) == sorted(settings_fields), (
+        f"{section}: genrun.yaml's keys and {SECTIONS[section].__name__}'s fields differ"
+    )
+    disagree = {
+        key: (value, _default(settings_fields[key]))
+        for key, value in yaml_section.items()
+        if value != _default(settings_fields[key])
+    }
     assert disagree == {}, f"{section}: genrun.yaml vs settings.py (key: (yaml, code))"
 
 
 def test_a_run_record_written_before_a_key_existed_reads_with_the_default():
     """run.json of an older genrun lacks keys added since; `of` reads what is there."""
-    settings = GenerationSettings.of({"generation": {"lease_seconds": 30, "no_longer_a_key": 1}, "actor_rollout_ref": {"rollout": {}}})
+    settings = GenerationSettings.of(
+        {"generation": {"lease_seconds": 30, "no_longer_a_key": 1}, "actor_rollout_ref": {"rollout": {}}}
+    )
     assert settings.lease_seconds == 30
     assert settings.merge_max_file_bytes == GenerationSettings.merge_max_file_bytes
     assert settings.max_inflight is None and settings.request_timeout is None, "nothing to derive them from"
@@ -56,7 +67,9 @@ def test_derived_defaults_are_computed_from_the_rollout_config():
     assert settings.request_timeout == 600 + 2 * 100
     assert settings.sample_timeout_seconds == 3 * (1 + 2) * 800
     assert settings.systematic_failure_margin == 32, "twice the samples in flight"
-    chosen = GenerationSettings.of({"generation": {"max_inflight": 5, "request_timeout": 10}, "actor_rollout_ref": {"rollout": rollout}})
+    chosen = GenerationSettings.of(
+        {"generation": {"max_inflight": 5, "request_timeout": 10}, "actor_rollout_ref": {"rollout": rollout}}
+    )
     assert (chosen.max_inflight, chosen.request_timeout, chosen.sample_timeout_seconds) == (5, 10, 3 * 5 * 10)
 
 

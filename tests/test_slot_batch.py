@@ -131,7 +131,9 @@ def test_cascade_attention_equals_attention_over_each_rows_whole_columns():
     query = torch.randn(rows, kv_heads * group, 1, dim)
     cols = torch.arange(columns)
     whole = cols.unsqueeze(0) >= torch.tensor(starts).unsqueeze(1)
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=whole.view(rows, 1, 1, -1), enable_gqa=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=whole.view(rows, 1, 1, -1), enable_gqa=True
+    )
     own = cols.unsqueeze(0) >= torch.tensor([s + prefix * r for s, r in zip(starts, reads, strict=True)]).unsqueeze(1)
     mask = torch.zeros(rows, 1, 1, columns).masked_fill_(~own.view(rows, 1, 1, -1), float("-inf"))
     bias = torch.tensor([0.0 if r else float("-inf") for r in reads]).view(rows, 1, 1)

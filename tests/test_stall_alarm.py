@@ -49,7 +49,9 @@ def test_the_alarm_goes_off_once_per_stall_and_names_the_running_shards():
         if alarm is not None:
             alarms.append((clock.now, alarm))
     # Once, at 60 s without progress, naming the shards running.
-    assert [(when - last_progress, alarm.since, alarm.shards) for when, alarm in alarms] == [(60.0, last_progress, ("shard-00000", "shard-00001"))]
+    assert [(when - last_progress, alarm.since, alarm.shards) for when, alarm in alarms] == [
+        (60.0, last_progress, ("shard-00000", "shard-00001"))
+    ]
     assert "stalled: no trajectory committed and no token generated for 1m00s" in alarms[0][1].message()
 
     # Tokens generated count as progress (a long request still decoding): the alarm re-arms...
@@ -100,7 +102,15 @@ def test_the_eta_is_the_later_of_the_runs_bound_and_each_shards_own():
     assert estimate_eta(100, 0, 10.0) is None
     # 300 left at the run's 10/s: 30 s, unless a shard's own rows take longer.
     assert estimate_eta(300, 100, 10.0, [ShardPace(remaining=150, done=50, seconds=10.0)]) == 30.0
-    assert estimate_eta(300, 100, 10.0, [ShardPace(remaining=250, done=50, seconds=10.0), ShardPace(remaining=50, done=50, seconds=10.0)]) == 50.0
+    assert (
+        estimate_eta(
+            300,
+            100,
+            10.0,
+            [ShardPace(remaining=250, done=50, seconds=10.0), ShardPace(remaining=50, done=50, seconds=10.0)],
+        )
+        == 50.0
+    )
 
 
 def test_with_the_durations_the_eta_adds_the_drain_of_the_trajectories_still_open():
@@ -120,7 +130,9 @@ def test_with_the_durations_the_eta_adds_the_drain_of_the_trajectories_still_ope
     pace = ShardPace(remaining=300, done=100, seconds=10.0, open_now=16)
     assert estimate_eta(300, 100, 10.0, [pace], durations) == pytest.approx(28.4 + d * 16 / 17)
     # The end: 5 left, all open: the longest of the 5 (not 5 at the rate).
-    assert estimate_eta(5, 395, 40.0, [ShardPace(remaining=5, done=395, seconds=40.0, open_now=8)], durations) == pytest.approx(d * 5 / 6)
+    assert estimate_eta(
+        5, 395, 40.0, [ShardPace(remaining=5, done=395, seconds=40.0, open_now=8)], durations
+    ) == pytest.approx(d * 5 / 6)
     # Exponential times (mean 1): the longest residual of n is the n-th harmonic number.
     rng, exponential = random.Random(7), Durations()
     for _ in range(50_000):
@@ -154,10 +166,16 @@ def test_a_run_whose_engine_stops_answering_raises_the_alarm_and_status_says_sin
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(4))
     out = tmp_path / "run"
-    plan = preflight([
-        f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "actor_rollout_ref.rollout.name=instant",
-        "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=3600", "generation.stall_seconds=3", "generation.show_progress=false",
-    ])
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={out}",
+            "actor_rollout_ref.rollout.name=instant",
+            "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=3600",
+            "generation.stall_seconds=3",
+            "generation.show_progress=false",
+        ]
+    )
     alarms, status_out = [], io.StringIO()
 
     def on_stall(stall: Stall) -> None:
@@ -190,16 +208,30 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
     from generation_core.store.run_folder import PartEntry, lease_file, read_run_record, shard_name
 
     folder = StorageFolder(str(tmp_path / "run"))
-    folder.put_json("run.json", {
-        "fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0,
-        "shards": [{"name": shard_name(i), "range": [i * 10, (i + 1) * 10]} for i in range(3)],
-        "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {"stall_seconds": 5}},
-    })
+    folder.put_json(
+        "run.json",
+        {
+            "fingerprint": "f" * 64,
+            "rollout_n": 1,
+            "pad_token_id": 0,
+            "shards": [{"name": shard_name(i), "range": [i * 10, (i + 1) * 10]} for i in range(3)],
+            "config": {
+                "actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}},
+                "generation": {"stall_seconds": 5},
+            },
+        },
+    )
     with RunLease.acquire(folder, 60.0) as lease:
         fence = lease.fence()
         started = time.time()
         first = ShardCheckpoint.start_attempt(folder, shard_name(0), fence)
-        first.commit_part(folder, shard_name(0), PartEntry(name="part-00000.parquet", count=6, bytes=1, sha256="0" * 64), [f"{i}:0" for i in range(6)], fence=fence)
+        first.commit_part(
+            folder,
+            shard_name(0),
+            PartEntry(name="part-00000.parquet", count=6, bytes=1, sha256="0" * 64),
+            [f"{i}:0" for i in range(6)],
+            fence=fence,
+        )
         ShardCheckpoint.start_attempt(folder, shard_name(1), fence)
         run = read_run_record(folder)
         states = shard_states(folder, run)
@@ -208,19 +240,29 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
         now = started + 10.0
         lines = pace_lines(folder, run, states, now=now)
         assert lines[0] == "ETA 40s for 24 trajectories left (from the commits of this run)"
-        assert len(lines) == 2 and lines[1].startswith("stalled since ") and lines[1].endswith("without a commit): shard-00000, shard-00001")
+        assert (
+            len(lines) == 2
+            and lines[1].startswith("stalled since ")
+            and lines[1].endswith("without a commit): shard-00000, shard-00001")
+        )
         # Within stall_seconds of their commits: an ETA, no stall line.
         assert [line for line in pace_lines(folder, run, states, now=started + 3.0) if line.startswith("stalled")] == []
         # With a GPU-hour price: what the rest costs, 8 GPUs held for the 40 s left at 2.0 per GPU-hour.
         run.config["generation"]["gpu_hour_price"] = 2.0
         run.config["trainer"] = {"n_gpus_per_node": 8, "nnodes": 1}
-        assert pace_lines(folder, run, states, now=now)[0] == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.178 to go at 2/GPU-hour"
+        assert (
+            pace_lines(folder, run, states, now=now)[0]
+            == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.178 to go at 2/GPU-hour"
+        )
         # That was run.json's (the first invocation's) config, which a lease of an older genrun
         # leaves to go by. A lease that says what its run generates on and at what price wins:
         # a resume may hold other devices and set another price. 2 devices x 40 s at 9.0.
         lease.record.devices, lease.record.gpu_hour_price = 2, 9.0
         folder.put_json(lease_file(lease.record.generation), asdict(lease.record))
-        assert pace_lines(folder, run, states, now=now)[0] == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.2 to go at 9/GPU-hour"
+        assert (
+            pace_lines(folder, run, states, now=now)[0]
+            == "ETA 40s for 24 trajectories left (from the commits of this run); ~0.2 to go at 9/GPU-hour"
+        )
     # No genrun holds the folder: an interrupted run is not a stalled one.
     assert pace_lines(folder, run, states, now=time.time()) == []
 
@@ -231,14 +273,22 @@ def test_the_flow_puts_the_alarm_in_the_flow_runs_log_and_an_artifact(monkeypatc
     import flows.generate as generate
 
     logged, artifacts = [], []
-    monkeypatch.setattr(generate, "get_run_logger", lambda: types.SimpleNamespace(warning=lambda fmt, *args: logged.append(fmt % args)))
+    monkeypatch.setattr(
+        generate, "get_run_logger", lambda: types.SimpleNamespace(warning=lambda fmt, *args: logged.append(fmt % args))
+    )
     monkeypatch.setattr(generate, "create_markdown_artifact", lambda **kwargs: artifacts.append(kwargs))
     stall = Stall(since=1_000_000.0, seconds=240.0, shards=("shard-00001",))
-    tasks = types.SimpleNamespace(artifact_key="gen-abc", plan=types.SimpleNamespace(folder=types.SimpleNamespace(display=lambda: "/runs/x")))
+    tasks = types.SimpleNamespace(
+        artifact_key="gen-abc", plan=types.SimpleNamespace(folder=types.SimpleNamespace(display=lambda: "/runs/x"))
+    )
     generate.ShardTasksOnRay.stall_alarm(tasks, stall)  # type: ignore[arg-type]
     assert logged == [stall.message()]
     (artifact,) = artifacts
-    assert artifact["key"] == "gen-abc-stall" and stall.message() in artifact["markdown"] and "genrun status /runs/x" in artifact["markdown"]
+    assert (
+        artifact["key"] == "gen-abc-stall"
+        and stall.message() in artifact["markdown"]
+        and "genrun status /runs/x" in artifact["markdown"]
+    )
 
 
 def test_the_instant_engines_long_tail_is_seeded_by_the_request():
@@ -248,11 +298,15 @@ def test_the_instant_engines_long_tail_is_seeded_by_the_request():
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
 
-    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=4096, eos_token_id=2, response_tokens=16, delay_sigma=1.0))
+    engine = InstantEngine(
+        InstantSettings(prompt_length=64, response_length=4096, eos_token_id=2, response_tokens=16, delay_sigma=1.0)
+    )
 
     def lengths() -> list[int]:
         async def all_of() -> list[int]:
-            outputs = [await engine.generate("r", prompt_ids=[5, 6, i], sampling_params={"temperature": 0}) for i in range(400)]
+            outputs = [
+                await engine.generate("r", prompt_ids=[5, 6, i], sampling_params={"temperature": 0}) for i in range(400)
+            ]
             return [len(output.token_ids) for output in outputs]
 
         return asyncio.run(all_of())

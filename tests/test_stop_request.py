@@ -75,8 +75,14 @@ def test_quitting_at_once_kills_every_process_genrun_started_and_theirs_but_noth
         "print(json.dumps({'killed': sorted(killed), 'expected': sorted([tree.pid, grandchild]), 'grandchild': grandchild, 'child_status': tree.returncode}))\n"
     )
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=str(tmp_path.parent),
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=str(tmp_path.parent),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert done.returncode == 0, done.stderr
         outcome = json.loads(done.stdout.strip().splitlines()[-1])
         assert outcome["killed"] == outcome["expected"] and outcome["child_status"] == -9

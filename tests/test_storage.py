@@ -4,7 +4,13 @@ import os
 import threading
 
 import pytest
-from botocore.exceptions import ClientError, ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 from s3fs.errors import translate_boto_error
 
 from generation_core.store.folder import StorageFolder
@@ -41,7 +47,19 @@ def test_streaming_writer_commits_only_on_success(tmp_path):
 
 def test_records_round_trip_through_parquet():
     records = [
-        TrajectoryRecord(3, 1, [1, 2, 3], [4, 5], [1, 0], [-0.5, 0.0], 1.5, 2, {"data_source": "x", "index": 3}, {"turn_scores": []}, {"generate_sequences": 0.1}),
+        TrajectoryRecord(
+            3,
+            1,
+            [1, 2, 3],
+            [4, 5],
+            [1, 0],
+            [-0.5, 0.0],
+            1.5,
+            2,
+            {"data_source": "x", "index": 3},
+            {"turn_scores": []},
+            {"generate_sequences": 0.1},
+        ),
         TrajectoryRecord(4, 0, [7], [], [], None, None, 2, {}, {}, {}),
     ]
     back = records_from_parquet(records_to_parquet(records))
@@ -71,7 +89,9 @@ def test_a_streamed_write_whose_finishing_fails_leaves_the_previous_file_and_no_
 
 
 def _client_error(code: str, status: int, message: str = "", operation: str = "PutObject") -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": message or code}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+    return ClientError(
+        {"Error": {"Code": code, "Message": message or code}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation
+    )
 
 
 TRANSIENT_ANSWERS = [
@@ -80,7 +100,11 @@ TRANSIENT_ANSWERS = [
     ("InternalError", 500, "We encountered an internal error. Please try again."),
     ("Throttling", 400, "Rate exceeded"),
     ("ThrottlingException", 400, "Rate exceeded"),
-    ("RequestTimeout", 400, "Your socket connection to the server was not read from or written to within the timeout period."),
+    (
+        "RequestTimeout",
+        400,
+        "Your socket connection to the server was not read from or written to within the timeout period.",
+    ),
     ("BadGateway", 502, "Bad Gateway"),
     ("GatewayTimeout", 504, "Gateway Timeout"),
     ("TooManyRequests", 429, "Too Many Requests"),
@@ -116,10 +140,18 @@ PERMANENT = [
     # A message that names a path with 500 or InternalError in it says nothing about the error.
     OSError(errno.EIO, "cannot write s3://bucket/run/shards/shard-00500/batch-00000-1a2b3c4d.parquet"),
     OSError(errno.EINVAL, "s3://bucket/runs/InternalError-503/shards/shard-00502/checkpoint.json: invalid"),
-    translate_boto_error(_client_error("InvalidArgument", 400, "Invalid argument: s3://bucket/run/shards/shard-00500/checkpoint.json")),
-    translate_boto_error(_client_error("AccessDenied", 403, "Access Denied for shards/shard-00500 (InternalError-503)")),
+    translate_boto_error(
+        _client_error("InvalidArgument", 400, "Invalid argument: s3://bucket/run/shards/shard-00500/checkpoint.json")
+    ),
+    translate_boto_error(
+        _client_error("AccessDenied", 403, "Access Denied for shards/shard-00500 (InternalError-503)")
+    ),
     translate_boto_error(_client_error("NoSuchKey", 404, "shards/shard-00500/checkpoint.json")),
-    translate_boto_error(_client_error("PreconditionFailed", 412, "At least one of the pre-conditions you specified did not hold: shard-00500")),
+    translate_boto_error(
+        _client_error(
+            "PreconditionFailed", 412, "At least one of the pre-conditions you specified did not hold: shard-00500"
+        )
+    ),
     KeyError("shard-00500"),
     ValueError("500 InternalError SlowDown"),
 ]
@@ -180,8 +212,11 @@ def test_a_real_s3_error_answer_is_retried_only_when_transient(scripted_s3, stat
     """The whole path: an HTTP answer, botocore's parsing, s3fs's translation, StorageFolder's retry
     (botocore's and s3fs's own retries off, so every request counted is one of ours)."""
     options = {
-        "endpoint_url": scripted_s3, "key": "k", "secret": "s",
-        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}}, "client_kwargs": {"region_name": "us-east-1"},
+        "endpoint_url": scripted_s3,
+        "key": "k",
+        "secret": "s",
+        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}},
+        "client_kwargs": {"region_name": "us-east-1"},
     }
     folder = StorageFolder("s3://genrun-test/run", options)
     folder.fs.retries = 1  # s3fs's own retry loop (an attribute, not an option): one attempt

@@ -46,6 +46,7 @@ class _DiskFullAfter:
     def _open_write(self, relative):
         writer = self.open_write(relative)
         if not self._room():
+
             def full(data):
                 raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -60,7 +61,12 @@ class _DiskFullAfter:
 def small_disk(tmp_path):
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount_point)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount_point)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root); the injected disk-full case covers the same path")
     try:
         yield mount_point
@@ -91,7 +97,9 @@ def test_a_real_full_disk_fails_the_shard_cleanly_and_the_retry_resumes(small_di
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=4")
     run_dir = small_disk / "run"
     folder = StorageFolder(str(run_dir))
-    with pytest.raises(OSError, match="no space left on the device of .*free space there or choose another trainer.default_local_dir"):
+    with pytest.raises(
+        OSError, match="no space left on the device of .*free space there or choose another trainer.default_local_dir"
+    ):
         asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60

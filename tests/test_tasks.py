@@ -50,7 +50,7 @@ class WithAnswer(Task):
 '''
 # "yes" passes every sample, "no" none; "half" by one bit of the response's hash (a seed per
 # sample makes the instant engine's responses differ; the test reads those prompts' rewards).
-REWARD = '''
+REWARD = """
 import hashlib
 
 
@@ -60,7 +60,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     if ground_truth == "no":
         return 0.0
     return float(hashlib.sha256(solution_str.encode()).digest()[0] % 2)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +68,27 @@ def task_inputs(tmp_path_factory):
     import datasets
 
     base = tmp_path_factory.mktemp("task-inputs")
-    write_parquet(base / "questions.parquet", [{"question": f"What is {i} + {i}?", "answer": f"#### {'yes' if i % 3 == 0 else 'no' if i % 3 == 1 else 'half'}"} for i in range(6)])
-    saved = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": f"Say {word}."}] for word in ("hi", "bye")], "topic": ["a", "b"]}),
-        "test": datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "unused"}]], "topic": ["c"]}),
-    })
+    write_parquet(
+        base / "questions.parquet",
+        [
+            {
+                "question": f"What is {i} + {i}?",
+                "answer": f"#### {'yes' if i % 3 == 0 else 'no' if i % 3 == 1 else 'half'}",
+            }
+            for i in range(6)
+        ],
+    )
+    saved = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(
+                {
+                    "messages": [[{"role": "user", "content": f"Say {word}."}] for word in ("hi", "bye")],
+                    "topic": ["a", "b"],
+                }
+            ),
+            "test": datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "unused"}]], "topic": ["c"]}),
+        }
+    )
     saved.save_to_disk(str(base / "saved"))
     (base / "custom_task.py").write_text(CUSTOM_TASK)
     (base / "reward.py").write_text(REWARD)
@@ -91,10 +107,18 @@ def _tasks(base, template="Q: {question}", split="train", custom_name="WithAnswe
 
 def _overrides(base, tmp_path, model_dir, *extra):
     return [
-        _tasks(base), f"data.task_cache_dir={tmp_path / 'cache'}", f"trainer.default_local_dir={tmp_path / 'run'}",
-        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=instant", f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-        "data.max_prompt_length=64", "data.max_response_length=16", "generation.show_progress=false",
-        "generation.sample_seed=7", f"reward.custom_reward_function.path={base / 'reward.py'}", *extra,
+        _tasks(base),
+        f"data.task_cache_dir={tmp_path / 'cache'}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
+        f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "generation.show_progress=false",
+        "generation.sample_seed=7",
+        f"reward.custom_reward_function.path={base / 'reward.py'}",
+        *extra,
     ]
 
 
@@ -128,15 +152,28 @@ def test_tasks_build_into_cached_train_files_that_enter_the_fingerprint(task_inp
     # built files enter by content).
     listed = OmegaConf.to_container(OmegaConf.select(plan.cfg, "data.train_tasks"))
     OmegaConf.save(OmegaConf.create(listed), tmp_path / "tasks.yaml")
-    moved = preflight([f"data.train_tasks={tmp_path / 'tasks.yaml'}", *_overrides(task_inputs, tmp_path, model_dir, f"data.task_cache_dir={tmp_path / 'cache2'}", f"trainer.default_local_dir={tmp_path / 'run2'}")[1:]])
+    moved = preflight(
+        [
+            f"data.train_tasks={tmp_path / 'tasks.yaml'}",
+            *_overrides(
+                task_inputs,
+                tmp_path,
+                model_dir,
+                f"data.task_cache_dir={tmp_path / 'cache2'}",
+                f"trainer.default_local_dir={tmp_path / 'run2'}",
+            )[1:],
+        ]
+    )
     assert moved.fingerprint == plan.fingerprint and list(moved.cfg.data.train_files) != files
 
     # The task class's source is in the key and the fingerprint: an edit rebuilds, another run.
     custom = task_inputs / "custom_task.py"
     original = custom.read_text()
     try:
-        custom.write_text(original.replace('.strip()}', '.strip().upper()}'))
-        edited = preflight(_overrides(task_inputs, tmp_path, model_dir, f"trainer.default_local_dir={tmp_path / 'run3'}"))
+        custom.write_text(original.replace(".strip()}", ".strip().upper()}"))
+        edited = preflight(
+            _overrides(task_inputs, tmp_path, model_dir, f"trainer.default_local_dir={tmp_path / 'run3'}")
+        )
     finally:
         custom.write_text(original)
     assert edited.fingerprint != plan.fingerprint and list(edited.cfg.data.train_files)[0] != files[0]
@@ -146,7 +183,10 @@ def test_tasks_build_into_cached_train_files_that_enter_the_fingerprint(task_inp
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"template": "Q: {questoin}"}, "data.train_tasks[0].prompt_format.prompt_template: unknown column 'questoin'; the dataset's columns: question, answer"),
+        (
+            {"template": "Q: {questoin}"},
+            "data.train_tasks[0].prompt_format.prompt_template: unknown column 'questoin'; the dataset's columns: question, answer",
+        ),
         ({"split": "validation"}, "data.train_tasks[1].loading_params.split='validation' is not in"),
         ({"custom_name": "Missing"}, "data.train_tasks[0].custom_cls.name='Missing': "),
     ],
@@ -167,7 +207,9 @@ def test_a_task_class_that_fails_to_import_and_tasks_beside_train_files_are_refu
     with pytest.raises(GenrunError, match=r"custom_cls.path=.*fails to import: ModuleNotFoundError"):
         preflight(overrides)
     with pytest.raises(GenrunError, match="data.train_tasks and data.train_files=.* are both set"):
-        preflight([*_overrides(task_inputs, tmp_path, model_dir), f"data.train_files={task_inputs / 'questions.parquet'}"])
+        preflight(
+            [*_overrides(task_inputs, tmp_path, model_dir), f"data.train_files={task_inputs / 'questions.parquet'}"]
+        )
 
 
 def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs, tmp_path, model_dir, capsys):
@@ -182,13 +224,19 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     tokenizer = hf_tokenizer(str(model_dir))
     [shard] = plan.shards
     prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
-    worker = StreamingWorker(plan.cfg, InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)), RewardScorer.from_config(plan.cfg, tokenizer))
+    worker = StreamingWorker(
+        plan.cfg,
+        InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
+        RewardScorer.from_config(plan.cfg, tokenizer),
+    )
     try:
         manifest = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker))
     finally:
         worker.shutdown()
     assert manifest.num_trajectories == 8 * ROLLOUT_N
-    committed = {index: rewards.rewards for index, rewards in prompt_rewards(plan.folder, committed_parts(plan.folder)).items()}
+    committed = {
+        index: rewards.rewards for index, rewards in prompt_rewards(plan.folder, committed_parts(plan.folder)).items()
+    }
     rates = {index: sum(r > 0 for r in rewards) / len(rewards) for index, rewards in committed.items()}
     assert [rates[i] for i in (0, 3)] == [1.0, 1.0] and [rates[i] for i in (1, 4)] == [0.0, 0.0]
     assert any(0 < rate < 1 for rate in rates.values()), "the band below keeps something"
@@ -201,14 +249,26 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     assert "layout `rl-prompts`" in card and "| exported prompts (rows) | 8 |" in card and "- pass rate: mean" in card
     for row in rows:
         info, rewards = row["extra_info"], committed[row["extra_info"]["index"]]
-        assert (info["pass_rate"], info["num_samples"], info["num_passed"]) == (rates[info["index"]], ROLLOUT_N, sum(r > 0 for r in rewards))
-        assert (info["reward_min"], info["reward_max"], info["reward_mean"]) == (min(rewards), max(rewards), sum(rewards) / ROLLOUT_N)
+        assert (info["pass_rate"], info["num_samples"], info["num_passed"]) == (
+            rates[info["index"]],
+            ROLLOUT_N,
+            sum(r > 0 for r in rewards),
+        )
+        assert (info["reward_min"], info["reward_max"], info["reward_mean"]) == (
+            min(rewards),
+            max(rewards),
+            sum(rewards) / ROLLOUT_N,
+        )
     # The original rows, unchanged but for extra_info.
     source = pq.read_table(list(plan.cfg.data.train_files)[0]).to_pylist()
-    assert {k: v for k, v in rows[0].items() if k != "extra_info"} == {k: v for k, v in source[0].items() if k != "extra_info"}
+    assert {k: v for k, v in rows[0].items() if k != "extra_info"} == {
+        k: v for k, v in source[0].items() if k != "extra_info"
+    }
 
     band = tmp_path / "band.parquet"
-    assert main(["export", str(tmp_path / "run"), str(band), "--layout", "rl-prompts", "--pass-rate", "0.01", "0.99"]) == 0
+    assert (
+        main(["export", str(tmp_path / "run"), str(band), "--layout", "rl-prompts", "--pass-rate", "0.01", "0.99"]) == 0
+    )
     kept = sorted(index for index, rate in rates.items() if 0.01 <= rate <= 0.99)
     assert [row["extra_info"]["index"] for row in pq.read_table(band).to_pylist()] == kept
     assert f"exported {len(kept)} of 8 prompts" in capsys.readouterr().out
@@ -220,7 +280,9 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     assert len(dataset) == 8
     assert dataset[1]["extra_info"]["pass_rate"] == 0.0 and dataset[0]["reward_model"]["ground_truth"] == "yes"
 
-    assert main(["export", str(tmp_path / "run"), str(band), "--layout", "rl-prompts", "--pass-rate", "0.9", "0.1"]) == 2
+    assert (
+        main(["export", str(tmp_path / "run"), str(band), "--layout", "rl-prompts", "--pass-rate", "0.9", "0.1"]) == 2
+    )
     assert main(["export", str(tmp_path / "run"), str(band), "--pass-rate", "0", "1"]) == 2
 
 
@@ -255,7 +317,7 @@ def _questions(built):
     return [row["prompt"][-1]["content"] for row in built[0][0]]
 
 
-HELPER_TASK = '''
+HELPER_TASK = """
 from generation_core.inputs.tasks import Task
 from helper_gt43 import gt
 
@@ -265,7 +327,7 @@ class WithHelper(Task):
         built = super().build_row(row, index)
         built["reward_model"] = {"style": "rule", "ground_truth": gt(row)}
         return built
-'''
+"""
 
 
 @pytest.mark.timeout(120)
@@ -431,7 +493,7 @@ def test_a_null_template_field_is_refused_naming_task_and_row(tmp_path):
     )
 
 
-BROKEN_TASK = '''
+BROKEN_TASK = """
 from generation_core.inputs.tasks import Task
 
 
@@ -440,7 +502,7 @@ class Fragile(Task):
         built = super().build_row(row, index)
         built["reward_model"] = {"style": "rule", "ground_truth": row["answer"].split("####")[1]}
         return built
-'''
+"""
 
 
 @pytest.mark.timeout(300)
@@ -458,8 +520,11 @@ def test_a_build_row_error_is_one_line_exit_2_and_nothing_written(tmp_path, mode
     )
     out = tmp_path / "run"
     argv = [
-        tasks, f"data.task_cache_dir={tmp_path / 'cache'}", f"trainer.default_local_dir={out}",
-        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=instant",
+        tasks,
+        f"data.task_cache_dir={tmp_path / 'cache'}",
+        f"trainer.default_local_dir={out}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.name=instant",
         "generation.show_progress=false",
     ]
     assert main(argv) == 2

@@ -53,20 +53,24 @@ def tool_rows(words=("seven", "twelve", "nine")):
 
 
 def tool_config(model_dir, *extra, tools=TOOLS):
-    cfg = load_config([
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"data.tool_config_path={tools}",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "generation.show_progress=false",
-        "generation.request_backoff_seconds=0",
-        *extra,
-    ])
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"data.tool_config_path={tools}",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "generation.show_progress=false",
+            "generation.request_backoff_seconds=0",
+            *extra,
+        ]
+    )
     cfg.actor_rollout_ref.model.path = str(model_dir)
     return cfg
 
 
 def expected_trajectory(tokenizer, engine, expression):
-    call = tokenizer.encode(engine.turn_text("").replace("2+3", expression), add_special_tokens=False) + [tokenizer.eos_token_id]
+    call = tokenizer.encode(engine.turn_text("").replace("2+3", expression), add_special_tokens=False) + [
+        tokenizer.eos_token_id
+    ]
     tool = tokenizer.encode(TOOL_TURN.replace("RESULT", str(eval(expression))), add_special_tokens=False)
     answer = tokenizer.encode(f"The answer is {eval(expression)}.", add_special_tokens=False) + [tokenizer.eos_token_id]
     return (
@@ -78,10 +82,17 @@ def expected_trajectory(tokenizer, engine, expression):
 
 def test_tool_loop_interleaves_model_and_tool_tokens(model_dir, tokenizer):
     cfg = tool_config(model_dir)
-    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent", "multi_turn.enable selects verl's tool loop"
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent", (
+        "multi_turn.enable selects verl's tool loop"
+    )
     engine = ScriptedEngine(tokenizer, EXPRESSIONS)
     worker = StreamingWorker(cfg, engine)
-    sample = {"raw_prompt": [{"role": "user", "content": "Compute seven with the calculator."}], "agent_name": "tool_agent", "index": 0, "extra_info": {"index": 0}}
+    sample = {
+        "raw_prompt": [{"role": "user", "content": "Compute seven with the calculator."}],
+        "agent_name": "tool_agent",
+        "index": 0,
+        "extra_info": {"index": 0},
+    }
     record = asyncio.run(worker.run_one((0, 0), sample))
 
     ids, mask, logprobs = expected_trajectory(tokenizer, engine, "3+4")
@@ -110,7 +121,9 @@ def _run_shard(cfg, tokenizer, data_file, folder, engine, reward=True):
 
 def _merge(cfg, folder):
     rollout = cfg.actor_rollout_ref.rollout
-    return merge_run(folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=2)
+    return merge_run(
+        folder, prompt_length=rollout.prompt_length, response_length=rollout.response_length, pad_token_id=2
+    )
 
 
 def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, tmp_path):
@@ -122,7 +135,9 @@ def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, t
     assert manifest.num_trajectories == 6 and manifest.failures == 0
 
     data = _merge(cfg, folder)
-    assert data.non_tensor_batch["index"].tolist() == [0, 0, 1, 1, 2, 2], "interleaved like verl's repeat(interleave=True)"
+    assert data.non_tensor_batch["index"].tolist() == [0, 0, 1, 1, 2, 2], (
+        "interleaved like verl's repeat(interleave=True)"
+    )
     assert "rm_scores" not in data.batch.keys(), "no reward function, no rm_scores"
     for row, expression in enumerate(["3+4", "3+4", "3*4", "3*4", "(2+1)**2", "(2+1)**2"]):
         ids, mask, logprobs = expected_trajectory(tokenizer, engine, expression)
@@ -132,7 +147,9 @@ def test_tool_trajectories_through_a_shard_and_the_merge(model_dir, tokenizer, t
         assert data.batch["response_mask"][row, :width].tolist() == mask
         assert data.batch["response_mask"][row, width:].eq(0).all()
         assert torch.allclose(data.batch["rollout_log_probs"][row, :width], torch.tensor(logprobs))
-        assert data.batch["rollout_log_probs"][row][data.batch["response_mask"][row] == 0].eq(0).all(), "logprob 0 on tool tokens"
+        assert data.batch["rollout_log_probs"][row][data.batch["response_mask"][row] == 0].eq(0).all(), (
+            "logprob 0 on tool tokens"
+        )
     assert data.non_tensor_batch["__num_turns__"].tolist() == [4] * 6
     assert [list(v) for v in data.non_tensor_batch["tool_rewards"]] == [[1.0]] * 6
 
@@ -168,7 +185,9 @@ def test_a_raising_reward_function_is_a_recorded_sample_failure(model_dir, token
         "        raise ZeroDivisionError('scorer bug')\n"
         "    return 1.0\n"
     )
-    cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", "generation.max_failed_fraction=0.5")
+    cfg = tool_config(
+        model_dir, f"reward.custom_reward_function.path={reward_file}", "generation.max_failed_fraction=0.5"
+    )
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
     folder = StorageFolder(str(tmp_path / "run"))
     manifest = _run_shard(cfg, tokenizer, data_file, folder, ScriptedEngine(tokenizer, EXPRESSIONS))
@@ -197,7 +216,14 @@ def test_engine_failures_are_retried_then_recorded(model_dir, tokenizer, tmp_pat
     strict = tool_config(model_dir, "generation.request_retries=1")
     other = StorageFolder(str(tmp_path / "strict"))
     with pytest.raises(TooManyFailedSamples, match="1 of 3 trajectories failed"):
-        _run_shard(strict, tokenizer, data_file, other, ScriptedEngine(tokenizer, EXPRESSIONS, failures={"twelve": None}), reward=False)
+        _run_shard(
+            strict,
+            tokenizer,
+            data_file,
+            other,
+            ScriptedEngine(tokenizer, EXPRESSIONS, failures={"twelve": None}),
+            reward=False,
+        )
     healthy = ScriptedEngine(tokenizer, EXPRESSIONS)
     manifest = _run_shard(strict, tokenizer, data_file, other, healthy, reward=False)
     assert manifest.num_trajectories == 3 and manifest.failures == 0
@@ -242,32 +268,51 @@ def hang_until_the_end():
 
 
 def _the_deadline_failed_sample_1(manifest, folder_path, where: str) -> None:
-    assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"], "the other samples commit, the shard finishes"
+    assert manifest.num_trajectories == 2 and manifest.failed_samples == ["1:0"], (
+        "the other samples commit, the shard finishes"
+    )
     [failure] = sample_deadline.failure_log(folder_path / "shards" / "shard-00000")
-    assert failure["error"].startswith("SampleTimedOut: sample 1:0 did not finish within generation.sample_timeout_seconds=3 s"), failure["error"]
+    assert failure["error"].startswith(
+        "SampleTimedOut: sample 1:0 did not finish within generation.sample_timeout_seconds=3 s"
+    ), failure["error"]
     assert where in failure["traceback"], "the failure shows where the sample was waiting"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("reward", list(HANGING_REWARDS))
-def test_a_reward_function_that_never_returns_fails_its_sample_at_the_deadline(model_dir, tokenizer, tmp_path, hang_until_the_end, reward):
+def test_a_reward_function_that_never_returns_fails_its_sample_at_the_deadline(
+    model_dir, tokenizer, tmp_path, hang_until_the_end, reward
+):
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(HANGING_REWARDS[reward])
     cfg = tool_config(model_dir, f"reward.custom_reward_function.path={reward_file}", *DEADLINE, ONE_AT_A_TIME)
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
-    manifest = _run_shard(cfg, tokenizer, data_file, StorageFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS))
+    manifest = _run_shard(
+        cfg, tokenizer, data_file, StorageFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS)
+    )
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "in score")
 
 
 @pytest.mark.timeout(120)
-def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(model_dir, tokenizer, tmp_path, hang_until_the_end):
+def test_a_tool_hung_in_a_thread_fails_its_sample_and_the_shard_finishes(
+    model_dir, tokenizer, tmp_path, hang_until_the_end
+):
     """The tool's thread never returns: its sample fails at the deadline, the event loop goes on
     with the others, and the shard's asyncio.run returns without waiting for that thread."""
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: tests.sample_deadline.CalculatorThatHangsInAThread\n    config:\n      type: native\n")
+    tools.write_text(
+        "tools:\n  - class_name: tests.sample_deadline.CalculatorThatHangsInAThread\n    config:\n      type: native\n"
+    )
     cfg = tool_config(model_dir, *DEADLINE, ONE_AT_A_TIME, tools=tools)
     data_file = write_parquet(tmp_path / "tools.parquet", tool_rows())
-    manifest = _run_shard(cfg, tokenizer, data_file, StorageFolder(str(tmp_path / "run")), ScriptedEngine(tokenizer, EXPRESSIONS), reward=False)
+    manifest = _run_shard(
+        cfg,
+        tokenizer,
+        data_file,
+        StorageFolder(str(tmp_path / "run")),
+        ScriptedEngine(tokenizer, EXPRESSIONS),
+        reward=False,
+    )
     _the_deadline_failed_sample_1(manifest, tmp_path / "run", "tool_agent_loop.py")
     assert not sample_deadline.RELEASE.is_set(), "the tool's thread was still waiting when the shard finished"
 
@@ -327,7 +372,12 @@ def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajector
     client = RoutingClient(cfg, _OneBackend(RayReplicaBackend(_InProcessEngineHandle(engine), cfg)))
     worker = StreamingWorker(cfg, client)
     samples = [
-        {"raw_prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}], "agent_name": "tool_agent", "index": i, "extra_info": {"index": i}}
+        {
+            "raw_prompt": [{"role": "user", "content": f"Compute {word} with the calculator."}],
+            "agent_name": "tool_agent",
+            "index": i,
+            "extra_info": {"index": i},
+        }
         for i, word in enumerate(("seven", "twelve"))
     ]
 
@@ -342,4 +392,6 @@ def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajector
     assert len(set(request_ids)) == 4, "a fresh request id per turn (verl's servers need unique ids)"
     assert None not in keys and len(set(keys)) == 2 and sorted(keys.count(k) for k in set(keys)) == [2, 2]
     admission = RequestIds()
-    assert [admission.seen_before(key) for key in keys].count(True) == 2, "each trajectory's second turn is a later turn"
+    assert [admission.seen_before(key) for key in keys].count(True) == 2, (
+        "each trajectory's second turn is a later turn"
+    )

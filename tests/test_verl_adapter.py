@@ -74,7 +74,9 @@ def _assigned_self_attributes(function) -> set[str]:
     """`self.X` names that `function` assigns."""
     names = set()
     for node in ast.walk(ast.parse(_source(function))):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for target in targets:
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                 names.add(target.attr)
@@ -103,7 +105,9 @@ def _names_in_code(path: Path) -> set[str]:
     """Identifiers the module's code uses (names, attributes, imports, definitions) and its
     string constants other than docstrings: prose may name verl's internals, code may not."""
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    docstrings = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
@@ -136,7 +140,11 @@ def test_importing_the_adapter_imports_no_verl():
     """data.py and agent_loops.py import it; verl's submodules come only when a function needs them."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     listing = "import sys, generation_core.verl_adapter; print(' '.join(sorted({name.partition('.')[0] for name in sys.modules})))"
-    loaded = set(subprocess.run([sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60).stdout.split())
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", listing], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    )
     assert loaded.isdisjoint({"verl", "torch", "ray"})
 
 
@@ -145,7 +153,9 @@ def test_importing_the_adapter_imports_no_verl():
 
 def test_the_base_trainer_config_is_verls_generated_ppo_trainer():
     path = verl_adapter.base_trainer_config_file()
-    assert path.is_file(), f"verl no longer ships {path}: find the generated ppo_trainer config genrun loads its config over"
+    assert path.is_file(), (
+        f"verl no longer ships {path}: find the generated ppo_trainer config genrun loads its config over"
+    )
     config = OmegaConf.load(path)
     assert "rollout" in config.actor_rollout_ref and "max_prompt_length" in config.data
 
@@ -163,7 +173,9 @@ def test_the_logger_console_quiets_is_verls():
 
     for name in QUIET_AT_ANY_LEVEL:
         spec = importlib.util.find_spec(name)
-        assert spec is not None and spec.origin is not None, f"verl has no module {name} any more (console.QUIET_AT_ANY_LEVEL)"
+        assert spec is not None and spec.origin is not None, (
+            f"verl has no module {name} any more (console.QUIET_AT_ANY_LEVEL)"
+        )
         assert "getLogger(__name__)" in Path(spec.origin).read_text()
 
 
@@ -183,7 +195,9 @@ def test_registering_writes_what_run_agent_loop_reads():
             raise NotImplementedError
 
     try:
-        assert verl_adapter.agent_loop_entry("genrun_pinned_loop") == {"_target_": f"{__name__}.{PinnedLoop.__qualname__}"}
+        assert verl_adapter.agent_loop_entry("genrun_pinned_loop") == {
+            "_target_": f"{__name__}.{PinnedLoop.__qualname__}"
+        }
         entry = OmegaConf.create({"name": "genrun_pinned_yaml", "_target_": "x.Y"})
         verl_adapter.register_agent_loop("genrun_pinned_yaml", entry)
         assert verl_agent_loop._agent_loop_registry["genrun_pinned_yaml"] is entry
@@ -202,21 +216,44 @@ def test_agent_loop_arguments_are_the_ones_run_agent_loop_passes():
     ours = {keyword.arg: ast.unparse(keyword.value).replace("worker.", "self.") for keyword in ours_call.keywords}
     assert ours == verls
     # Every attribute read there is one AgentLoopWorker.__init__ sets.
-    assert {"config", "llm_client", "tokenizer", "processor", "hf_model_type", "dataset_cls", "tools", "rollout_config"} <= _assigned_self_attributes(AgentLoopWorker.__init__)
-    worker = SimpleNamespace(config=OmegaConf.create({"data": {"k": 1}}), llm_client="c", tokenizer="t", processor=None, hf_model_type=None, dataset_cls=RLHFDataset, tools=["tool"])
+    assert {
+        "config",
+        "llm_client",
+        "tokenizer",
+        "processor",
+        "hf_model_type",
+        "dataset_cls",
+        "tools",
+        "rollout_config",
+    } <= _assigned_self_attributes(AgentLoopWorker.__init__)
+    worker = SimpleNamespace(
+        config=OmegaConf.create({"data": {"k": 1}}),
+        llm_client="c",
+        tokenizer="t",
+        processor=None,
+        hf_model_type=None,
+        dataset_cls=RLHFDataset,
+        tools=["tool"],
+    )
     arguments = verl_adapter.agent_loop_arguments(worker)
     assert arguments["trainer_config"].config is worker.config and arguments["data_config"].config == worker.config.data
     assert arguments["tools"].tools == ["tool"]
     # AgentLoopBase takes each of them (tools through its **kwargs).
     parameters = inspect.signature(verl_agent_loop.AgentLoopBase.__init__).parameters
-    assert set(arguments) - {"tools"} <= set(parameters) and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    assert set(arguments) - {"tools"} <= set(parameters) and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
 
 
 def test_rebinding_a_worker_client_is_what_its_init_does_with_one():
     source = _source(AgentLoopWorker.__init__)
     assert "self.llm_client = llm_client" in source
-    assert 'if trace_config.get("token2text", False):' in source and "self.llm_client.tokenizer = self.tokenizer" in source
-    worker = SimpleNamespace(llm_client=None, tokenizer="tok", rollout_config=SimpleNamespace(trace={"token2text": True}))
+    assert (
+        'if trace_config.get("token2text", False):' in source and "self.llm_client.tokenizer = self.tokenizer" in source
+    )
+    worker = SimpleNamespace(
+        llm_client=None, tokenizer="tok", rollout_config=SimpleNamespace(trace={"token2text": True})
+    )
     client = SimpleNamespace()
     verl_adapter.rebind_worker_client(worker, client)
     assert worker.llm_client is client and client.tokenizer == "tok"
@@ -227,8 +264,15 @@ def test_rebinding_a_worker_client_is_what_its_init_does_with_one():
 
 def test_agent_loops_build_their_token_builder_through_the_module_global():
     (call,) = _calls(verl_agent_loop.AgentLoopBase.__init__, "create_continuous_token_builder")
-    assert isinstance(call.func, ast.Name), "AgentLoopBase no longer calls the module global create_continuous_token_builder"
-    assert {keyword.arg for keyword in call.keywords} == {"hf_model_type", "chat_template_kwargs", "mm_processor_kwargs", "processor"}
+    assert isinstance(call.func, ast.Name), (
+        "AgentLoopBase no longer calls the module global create_continuous_token_builder"
+    )
+    assert {keyword.arg for keyword in call.keywords} == {
+        "hf_model_type",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+        "processor",
+    }
 
 
 def test_shared_token_builders_are_built_once_per_tokenizer_and_settings(tokenizer):
@@ -256,7 +300,9 @@ def test_the_replica_registry_is_a_dict_of_loaders():
 
 
 def test_a_standalone_replica_is_recorded_where_the_manager_reads_it():
-    assert {"rollout_mode", "servers", "_server_handle", "_server_address"} <= _assigned_self_attributes(RolloutReplica.__init__)
+    assert {"rollout_mode", "servers", "_server_handle", "_server_address"} <= _assigned_self_attributes(
+        RolloutReplica.__init__
+    )
     initialize = _source(LLMServerManager._initialize_llm_servers)
     assert "server._server_handle for server in self.rollout_replicas" in initialize
     assert "server._server_address for server in self.rollout_replicas" in initialize
@@ -305,7 +351,9 @@ def test_a_rows_dataset_reads_the_rows_it_is_handed(tokenizer):
 
     dataset = verl_adapter.rows_dataset(_data_config(), tokenizer)
     assert isinstance(dataset, RLHFDataset)
-    rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}], "data_source": "d", "extra_info": {"index": 7}}])
+    rows = datasets.Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": "hi"}], "data_source": "d", "extra_info": {"index": 7}}]
+    )
     verl_adapter.hand_rows(dataset, rows)
     assert len(dataset) == 1
     assert dataset[0]["raw_prompt"] == [{"role": "user", "content": "hi"}] and dataset[0]["index"] == 7
@@ -317,9 +365,16 @@ def test_the_overlong_rule_is_verls_predicate(tokenizer):
     assert [keyword.arg for keyword in filter_call.keywords] == ["num_proc", "desc"]
     short = {"prompt": [{"role": "user", "content": "hi"}]}
     long = {"prompt": [{"role": "user", "content": "hello " * 200}]}
-    rule = verl_adapter.overlong_prompt_rule(verl_adapter.rows_dataset(_data_config(filter_overlong_prompts=True, max_prompt_length=64), tokenizer))
+    rule = verl_adapter.overlong_prompt_rule(
+        verl_adapter.rows_dataset(_data_config(filter_overlong_prompts=True, max_prompt_length=64), tokenizer)
+    )
     assert rule is not None and rule(short) and not rule(long)
-    assert verl_adapter.overlong_prompt_rule(verl_adapter.rows_dataset(_data_config(filter_overlong_prompts=False), tokenizer)) is None
+    assert (
+        verl_adapter.overlong_prompt_rule(
+            verl_adapter.rows_dataset(_data_config(filter_overlong_prompts=False), tokenizer)
+        )
+        is None
+    )
 
 
 def test_prompt_length_settings_are_what_verls_text_doc2len_reads(tokenizer):
@@ -333,24 +388,36 @@ def test_prompt_length_settings_are_what_verls_text_doc2len_reads(tokenizer):
         "doc[prompt_key], add_generation_prompt=True, tokenize=True, **apply_kwargs",
         "doc2len(doc) <= self.max_prompt_length",
     ):
-        assert line in source, f"verl's doc2len changed: {line!r} is gone (generation_core/inputs/shard_rows.py's _BatchedLengths replays it)"
+        assert line in source, (
+            f"verl's doc2len changed: {line!r} is gone (generation_core/inputs/shard_rows.py's _BatchedLengths replays it)"
+        )
     data = _data_config(max_prompt_length=99, apply_chat_template_kwargs={"enable_thinking": False, "tokenize": True})
     settings = verl_adapter.prompt_length_settings(verl_adapter.rows_dataset(data, tokenizer))
-    assert settings == verl_adapter.PromptLengthSettings(prompt_key="prompt", max_prompt_length=99, template_kwargs={"enable_thinking": False}, has_processor=False)
+    assert settings == verl_adapter.PromptLengthSettings(
+        prompt_key="prompt", max_prompt_length=99, template_kwargs={"enable_thinking": False}, has_processor=False
+    )
 
 
 # ---- the pickled DataProto ----
 
 
 def test_a_dataproto_pickles_as_the_state_the_adapter_writes():
-    data = DataProto.from_dict(tensors={"ids": torch.arange(6).reshape(2, 3)}, non_tensors={"tag": np.array(["a", "b"], dtype=object)}, meta_info={"m": 1})
+    data = DataProto.from_dict(
+        tensors={"ids": torch.arange(6).reshape(2, 3)},
+        non_tensors={"tag": np.array(["a", "b"], dtype=object)},
+        meta_info={"m": 1},
+    )
     os.environ.pop("VERL_DATAPROTO_SERIALIZATION_METHOD", None)
     state = data.__getstate__()
     assert isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], bytes)
     assert state[1] is data.non_tensor_batch and state[2] is data.meta_info
     loaded = object.__new__(DataProto)
     loaded.__setstate__(verl_adapter.dataproto_state(state[0], data.non_tensor_batch, data.meta_info))
-    assert torch.equal(loaded.batch["ids"], data.batch["ids"]) and list(loaded.non_tensor_batch["tag"]) == ["a", "b"] and loaded.meta_info == {"m": 1}
+    assert (
+        torch.equal(loaded.batch["ids"], data.batch["ids"])
+        and list(loaded.non_tensor_batch["tag"]) == ["a", "b"]
+        and loaded.meta_info == {"m": 1}
+    )
 
 
 def test_building_the_rows_dataset_prints_no_tool_schema(model_dir, capsys):

@@ -43,4 +43,9 @@ def artifacts(run_file: Path) -> list:
 
 
 def history_keys(run_file: Path) -> set[str]:
-    return {item.key or "/".join(item.nested_key) for r in read_records(run_file) if r.WhichOneof("record_type") == "history" for item in r.history.item}
+    return {
+        item.key or "/".join(item.nested_key)
+        for r in read_records(run_file)
+        if r.WhichOneof("record_type") == "history"
+        for item in r.history.item
+    }

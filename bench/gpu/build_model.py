@@ -43,4 +43,6 @@ model.save_pretrained(str(out_dir))
 GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(out_dir))
 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(tokenizer_dir / name, out_dir / name)
-print(f"built {out_dir}: {params / 1e9:.3f}B parameters, vocab {config.vocab_size}, bf16, {time.perf_counter() - started:.1f} s")
+print(
+    f"built {out_dir}: {params / 1e9:.3f}B parameters, vocab {config.vocab_size}, bf16, {time.perf_counter() - started:.1f} s"
+)

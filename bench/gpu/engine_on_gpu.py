@@ -45,7 +45,9 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
 async def engine_run(engine: HFEngine, prompts: list[list[int]], tokens: int, temperature: float) -> tuple[int, float]:
     params = {"temperature": temperature, "max_tokens": tokens, "ignore_eos": True}
     started = time.perf_counter()
-    outs = await asyncio.gather(*[engine.generate(str(i), prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)])
+    outs = await asyncio.gather(
+        *[engine.generate(str(i), prompt_ids=p, sampling_params=params) for i, p in enumerate(prompts)]
+    )
     seconds = time.perf_counter() - started
     assert all(len(o.token_ids) == tokens for o in outs), "ignore_eos: every response has the fixed length"
     return sum(len(o.token_ids) for o in outs), seconds
@@ -55,11 +57,17 @@ def static_run(model, prompts: list[list[int]], tokens: int, temperature: float,
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-    sample = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    sample = (
+        {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=pad, **sample)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=pad, **sample
+        )
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     return (out.shape[1] - width) * len(prompts), seconds
@@ -79,20 +87,39 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False) for the whole process (engine and static)")
+    parser.add_argument(
+        "--no-cudnn-sdp",
+        action="store_true",
+        help="torch.backends.cuda.enable_cudnn_sdp(False) for the whole process (engine and static)",
+    )
     args = parser.parse_args()
     if args.no_cudnn_sdp:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, cuDNN SDPA {'off' if args.no_cudnn_sdp else 'on (default)'}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, cuDNN SDPA {'off' if args.no_cudnn_sdp else 'on (default)'}"
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     started = time.perf_counter()
-    engine = HFEngine(EngineSettings(args.model_dir, prompt_length=256, response_length=args.tokens, max_batch_size=max(args.batches), device="cuda", dtype="bfloat16"))
+    engine = HFEngine(
+        EngineSettings(
+            args.model_dir,
+            prompt_length=256,
+            response_length=args.tokens,
+            max_batch_size=max(args.batches),
+            device="cuda",
+            dtype="bfloat16",
+        )
+    )
     model = engine.model
-    print(f"engine loaded in {time.perf_counter() - started:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters on {next(model.parameters()).device}, {next(model.parameters()).dtype}, attn {model.config._attn_implementation}")
+    print(
+        f"engine loaded in {time.perf_counter() - started:.1f} s: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters on {next(model.parameters()).device}, {next(model.parameters()).dtype}, attn {model.config._attn_implementation}"
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
     prompts = prompt_ids(tokenizer, max(args.batches))
     lengths = [len(p) for p in prompts]
-    print(f"prompts: {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}); responses: {args.tokens} tokens each (ignore_eos)")
+    print(
+        f"prompts: {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}); responses: {args.tokens} tokens each (ignore_eos)"
+    )
     # Warm-up of both paths (CUDA kernels, allocator, cuBLAS handles).
     asyncio.run(engine_run(engine, prompts[:8], 8, 0.0))
     static_run(model, prompts[:8], 8, 0.0, pad)
@@ -102,11 +129,19 @@ def main() -> None:
             chunk = prompts[:batch]
             steps_before = engine.stats["forward_steps"]
             torch.cuda.reset_peak_memory_stats()
-            eng_rate, eng_s = best(lambda chunk=chunk, temperature=temperature: asyncio.run(engine_run(engine, chunk, args.tokens, temperature)), args.repeats)
+            eng_rate, eng_s = best(
+                lambda chunk=chunk, temperature=temperature: asyncio.run(
+                    engine_run(engine, chunk, args.tokens, temperature)
+                ),
+                args.repeats,
+            )
             eng_mem = torch.cuda.max_memory_allocated() / 2**30
             steps = (engine.stats["forward_steps"] - steps_before) / args.repeats
             torch.cuda.reset_peak_memory_stats()
-            st_rate, st_s = best(lambda chunk=chunk, temperature=temperature: static_run(model, chunk, args.tokens, temperature, pad), args.repeats)
+            st_rate, st_s = best(
+                lambda chunk=chunk, temperature=temperature: static_run(model, chunk, args.tokens, temperature, pad),
+                args.repeats,
+            )
             st_mem = torch.cuda.max_memory_allocated() / 2**30
             rows.append((temperature, batch, eng_rate, eng_s, steps, eng_mem, st_rate, st_s, st_mem))
             print(
@@ -115,12 +150,18 @@ def main() -> None:
                 flush=True,
             )
     engine.shutdown()
-    print("\n| sampling | batch | engine tokens/s | model.generate tokens/s | engine / static | engine wall s | static wall s | peak GiB engine / static |")
+    print(
+        "\n| sampling | batch | engine tokens/s | model.generate tokens/s | engine / static | engine wall s | static wall s | peak GiB engine / static |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for t, b, er, es, _steps, em, sr, ss, sm in rows:
         label = "greedy" if t == 0 else f"T={t:g}"
         print(f"| {label} | {b} | {er:.1f} | {sr:.1f} | {er / sr:.2f} | {es:.2f} | {ss:.2f} | {em:.2f} / {sm:.2f} |")
-    print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv"], capture_output=True, text=True).stdout)
+    print(
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv"], capture_output=True, text=True
+        ).stdout
+    )
 
 
 if __name__ == "__main__":

@@ -25,22 +25,32 @@ def manual(steps):
     for i in range(steps):
         m = torch.ones(batch, ctx + i + 1, dtype=torch.long, device="cuda")
         pos = torch.full((batch, 1), ctx + i, device="cuda")
-        out = model(input_ids=tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
     torch.cuda.synchronize()
 
 
 def generate(steps):
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=2)
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=2
+    )
     torch.cuda.synchronize()
 
 
 with torch.inference_mode():
     for name, fn in (("manual", manual), ("generate", generate)):
         fn(2)
-        t = time.perf_counter(); fn(1); one = time.perf_counter() - t
-        t = time.perf_counter(); fn(33); many = time.perf_counter() - t
+        t = time.perf_counter()
+        fn(1)
+        one = time.perf_counter() - t
+        t = time.perf_counter()
+        fn(33)
+        many = time.perf_counter() - t
         print(f"{name}: {(many - one) / 32 * 1000:.1f} ms per decode step (batch {batch})", flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn(5)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True
+        )

@@ -58,7 +58,11 @@ def semantics(vocab: int) -> None:
 
 
 def engine_check(model_dir: str) -> None:
-    engine = HFEngine(EngineSettings(model_dir, prompt_length=64, response_length=16, max_batch_size=8, device="cuda", dtype="bfloat16"))
+    engine = HFEngine(
+        EngineSettings(
+            model_dir, prompt_length=64, response_length=16, max_batch_size=8, device="cuda", dtype="bfloat16"
+        )
+    )
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     params = {"temperature": 1.0, "top_k": 50, "seed": 11, "logprobs": True, "max_tokens": 16, "ignore_eos": True}
 
@@ -77,7 +81,9 @@ def engine_check(model_dir: str) -> None:
         rescored = raw.gather(1, torch.tensor(a.token_ids, device="cuda").unsqueeze(1)).squeeze(1).tolist()
     diff = max(abs(x - y) for x, y in zip(a.log_probs, rescored, strict=True))
     engine.shutdown()
-    print(f"engine on cuda: {same} {len(a.token_ids)} tokens; logprobs vs re-score max |diff| {diff:.4f} (bf16 cached vs full forward)")
+    print(
+        f"engine on cuda: {same} {len(a.token_ids)} tokens; logprobs vs re-score max |diff| {diff:.4f} (bf16 cached vs full forward)"
+    )
 
 
 def timing(vocab: int) -> None:

@@ -39,9 +39,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--mem-fraction", type=float, default=0.8)
-    parser.add_argument("--max-running", type=int, default=512, help="as actor_rollout_ref.rollout.max_num_seqs of the genrun run")
-    parser.add_argument("--no-piecewise-cuda-graph", action="store_true",
-                        help="as engine_kwargs.sglang.disable_piecewise_cuda_graph=true of the genrun run (a shorter boot)")
+    parser.add_argument(
+        "--max-running", type=int, default=512, help="as actor_rollout_ref.rollout.max_num_seqs of the genrun run"
+    )
+    parser.add_argument(
+        "--no-piecewise-cuda-graph",
+        action="store_true",
+        help="as engine_kwargs.sglang.disable_piecewise_cuda_graph=true of the genrun run (a shorter boot)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--make-prompts")
     parser.add_argument("--repeat", type=int, default=11)
@@ -56,15 +61,26 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     messages = pq.read_table(args.prompts, columns=["prompt"]).column("prompt").to_pylist()
-    prompt_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages]
+    prompt_ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages
+    ]
     requests = [ids for ids in prompt_ids for _ in range(args.n)]
     params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
     started = time.perf_counter()
     # bfloat16 and max_running_requests as verl's server gets them (rollout.dtype, max_num_seqs): the
     # bundled SmolLM2 directory is float32, and with dtype auto the first sitting's run did not finish in 120 s.
-    engine = sglang.Engine(model_path=args.model, dtype="bfloat16", attention_backend="triton", sampling_backend="pytorch",
-                           skip_tokenizer_init=True, mem_fraction_static=args.mem_fraction, max_running_requests=args.max_running,
-                           disable_piecewise_cuda_graph=args.no_piecewise_cuda_graph, random_seed=0, log_level="error")
+    engine = sglang.Engine(
+        model_path=args.model,
+        dtype="bfloat16",
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        skip_tokenizer_init=True,
+        mem_fraction_static=args.mem_fraction,
+        max_running_requests=args.max_running,
+        disable_piecewise_cuda_graph=args.no_piecewise_cuda_graph,
+        random_seed=0,
+        log_level="error",
+    )
     boot = time.perf_counter() - started
     engine.generate(input_ids=requests[:16], sampling_params=dict(params, max_new_tokens=8), return_logprob=True)
     started = time.perf_counter()
@@ -73,10 +89,19 @@ def main() -> None:
     engine.shutdown()
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outputs)
-    result = {"engine": f"sglang {sglang.__version__}", "model": args.model, "requests": len(requests),
-              "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids), "max_new_tokens": args.max_new_tokens,
-              "ignore_eos": args.ignore_eos, "generated_tokens": tokens, "logprobs_returned": logprobs,
-              "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "boot_s": round(boot, 1)}
+    result = {
+        "engine": f"sglang {sglang.__version__}",
+        "model": args.model,
+        "requests": len(requests),
+        "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids),
+        "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
+        "generated_tokens": tokens,
+        "logprobs_returned": logprobs,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "boot_s": round(boot, 1),
+    }
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as out:

@@ -49,7 +49,14 @@ def breakdown(batch: int) -> None:
             mask = torch.ones(batch, columns[0] + 1, dtype=torch.long, device="cuda")
             pos = torch.full((batch, 1), columns[0], device="cuda")
             columns[0] += 1
-            return model(input_ids=step, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return model(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
 
         forward()  # warm-up; the context then grows by one column per timed step (161 -> 181)
         fwd = timed(forward, 20)
@@ -89,7 +96,17 @@ import asyncio  # noqa: E402
 
 from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
 
-engine = HFEngine(EngineSettings(sys.argv[1], prompt_length=256, response_length=128, max_batch_size=256, device="cuda", dtype="bfloat16", ignore_eos=True))
+engine = HFEngine(
+    EngineSettings(
+        sys.argv[1],
+        prompt_length=256,
+        response_length=128,
+        max_batch_size=256,
+        device="cuda",
+        dtype="bfloat16",
+        ignore_eos=True,
+    )
+)
 inner, spent = engine.model.forward, [0.0, 0]
 
 
@@ -109,12 +126,19 @@ engine.model.forward = timed_forward
 async def one_batch(n, tokens):
     params = {"temperature": 0.0, "max_tokens": tokens}
     t = time.perf_counter()
-    await asyncio.gather(*[engine.generate(str(i), prompt_ids=[1, 9, 8, 7, 6] * 8 + [i % 100 + 10], sampling_params=params) for i in range(n)])
+    await asyncio.gather(
+        *[
+            engine.generate(str(i), prompt_ids=[1, 9, 8, 7, 6] * 8 + [i % 100 + 10], sampling_params=params)
+            for i in range(n)
+        ]
+    )
     return time.perf_counter() - t
 
 
 asyncio.run(one_batch(8, 4))
 spent[:] = [0.0, 0]
 wall = asyncio.run(one_batch(256, 128))
-print(f"engine, greedy batch 256 x 128 tokens: wall {wall:.2f} s, of which model forward {spent[0]:.2f} s over {spent[1]} calls ({spent[0] / spent[1] * 1000:.1f} ms each); the rest ({wall - spent[0]:.2f} s) is logits copy, sampling and batch bookkeeping on the host")
+print(
+    f"engine, greedy batch 256 x 128 tokens: wall {wall:.2f} s, of which model forward {spent[0]:.2f} s over {spent[1]} calls ({spent[0] / spent[1] * 1000:.1f} ms each); the rest ({wall - spent[0]:.2f} s) is logits copy, sampling and batch bookkeeping on the host"
+)
 engine.shutdown()

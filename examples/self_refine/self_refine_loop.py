@@ -90,17 +90,23 @@ class SelfRefineAgentLoop(AgentLoopBase):
             num_turns=1 + trajectory.user_turns + trajectory.model_turns,
             metrics=trajectory.metrics,
         )
-        output.extra_fields.update({"turn_scores": [], "tool_rewards": [], "self_refine_turns": trajectory.turn_lengths})
+        output.extra_fields.update(
+            {"turn_scores": [], "tool_rewards": [], "self_refine_turns": trajectory.turn_lengths}
+        )
         return output
 
-    async def _generate(self, trajectory: _Trajectory, request: tuple[dict[str, Any], str], turns_left: int, next_state: State) -> State:
+    async def _generate(
+        self, trajectory: _Trajectory, request: tuple[dict[str, Any], str], turns_left: int, next_state: State
+    ) -> State:
         sampling_params, request_id = request
         # Share what is left of response_length among the remaining model turns, so the first
         # answer cannot use it all (max_tokens is honoured by verl's SGLang/vLLM servers too).
         budget = max(1, (self.response_length - len(trajectory.response_mask)) // turns_left)
         sampling_params = {**sampling_params, "max_tokens": min(budget, sampling_params.get("max_tokens") or budget)}
         with simple_timer("generate_sequences", trajectory.metrics):
-            output = await self.server_manager.generate(request_id=request_id, prompt_ids=trajectory.token_ids, sampling_params=sampling_params)
+            output = await self.server_manager.generate(
+                request_id=request_id, prompt_ids=trajectory.token_ids, sampling_params=sampling_params
+            )
         before = len(trajectory.response_mask)
         wants_logprobs = trajectory.response_logprobs is not None or bool(output.log_probs)
         merged, trajectory.response_mask, logprobs = await self.ct_merge_assistant_token(

@@ -8,6 +8,9 @@ from generation_core.inputs.tasks import Task
 class GSM8KTask(Task):
     def build_row(self, row, index):
         built = super().build_row(row, index)
-        built["reward_model"] = {"style": "rule", "ground_truth": row["answer"].split("####")[-1].strip().replace(",", "")}
+        built["reward_model"] = {
+            "style": "rule",
+            "ground_truth": row["answer"].split("####")[-1].strip().replace(",", ""),
+        }
         built["ability"] = "math"
         return built

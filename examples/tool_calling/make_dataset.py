@@ -29,7 +29,10 @@ SYSTEM = (
 
 DEMONSTRATION = [
     {"role": "user", "content": "What is (15 + 27) * 2?"},
-    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(15 + 27) * 2"}}\n</tool_call>'},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(15 + 27) * 2"}}\n</tool_call>',
+    },
     {"role": "tool", "content": "84"},
     {"role": "assistant", "content": "The answer is 84."},
 ]
@@ -47,7 +50,11 @@ def make_rows(count: int = 24, seed: int = 7) -> list[dict]:
             {
                 "data_source": "genrun/arithmetic",
                 "agent_name": "tool_agent",
-                "prompt": [{"role": "system", "content": SYSTEM}, *DEMONSTRATION, {"role": "user", "content": f"What is {expression}?"}],
+                "prompt": [
+                    {"role": "system", "content": SYSTEM},
+                    *DEMONSTRATION,
+                    {"role": "user", "content": f"What is {expression}?"},
+                ],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {"split": "example", "index": index, "expression": expression},

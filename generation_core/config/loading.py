@@ -31,6 +31,7 @@ from generation_core.verl_adapter import base_trainer_config_file
 VERL_BASE_CONFIG = base_trainer_config_file()
 GENRUN_DEFAULTS = Path(__file__).parent / "genrun.yaml"
 
+
 def _scheduled_date() -> str:
     """The scheduled date of the Prefect flow run this config belongs to (UTC), else today's:
     a nightly deployment names its output folder after the night it stands for, even when it
@@ -62,7 +63,9 @@ FREE_FORM_SECTIONS = (
     "actor_rollout_ref.rollout.custom",
 )
 # genrun's own engines read exactly the keys genrun.yaml lists.
-CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant", "simulated"))
+CLOSED_SECTIONS = tuple(
+    f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant", "simulated")
+)
 # data.* keys verl's RLHFDataset (which each shard builds) reads with a default, absent from the defaults.
 ADDED_DATA_KEYS = ("data.cache_dir", "data.chat_template_func", "data.filter_prompts", "data.need_tools_kwargs")
 
@@ -86,7 +89,9 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     """Defaults + Hydra-style overrides -> a resolved, validated config (no fingerprint yet)."""
     overrides = () if overrides is None else overrides
     _check_override_list(overrides)
-    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS)))  # two mappings
+    cfg = cast(
+        DictConfig, OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
+    )  # two mappings
     known_keys = _flat_keys(cfg)
     verl_defaults = verl_key_values(cfg)
     for override in _parse_overrides(list(overrides)):
@@ -162,7 +167,9 @@ def _check_override_list(overrides: Any) -> None:
     characters or crash in Hydra's parser."""
     how = "in prefect.yaml write parameters: {overrides: ['data.train_files=...', 'generation.num_shards=4']}"
     if isinstance(overrides, str | bytes) or not isinstance(overrides, list | tuple | ListConfig):
-        raise GenrunError(f"overrides must be a list of 'key=value' strings, got {type(overrides).__name__} {overrides!r:.80}; {how}")
+        raise GenrunError(
+            f"overrides must be a list of 'key=value' strings, got {type(overrides).__name__} {overrides!r:.80}; {how}"
+        )
     for position, item in enumerate(overrides):
         if not isinstance(item, str):
             raise GenrunError(
@@ -242,7 +249,15 @@ def _read_when_added(cfg: DictConfig, key: str) -> bool:
 
 
 # Sections a user sets, preferred when a name matches keys in several (e.g. tiled_mlp.num_shards).
-_USER_SECTIONS = ("generation.", "data.", "trainer.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.", "reward.", "storage.")
+_USER_SECTIONS = (
+    "generation.",
+    "data.",
+    "trainer.",
+    "actor_rollout_ref.rollout.",
+    "actor_rollout_ref.model.",
+    "reward.",
+    "storage.",
+)
 
 
 def _user_rank(key: str) -> tuple[int, int]:

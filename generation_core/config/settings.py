@@ -158,7 +158,11 @@ class GenerationSettings:
         if stall_seconds is None and request_timeout is not None:
             stall_seconds = default_stall_seconds(request_timeout)
         return dataclasses.replace(
-            self, max_inflight=max_inflight, max_open_trajectories=max_open, request_timeout=request_timeout, sample_timeout_seconds=sample_timeout,
+            self,
+            max_inflight=max_inflight,
+            max_open_trajectories=max_open,
+            request_timeout=request_timeout,
+            sample_timeout_seconds=sample_timeout,
             stall_seconds=stall_seconds,
         )
 
@@ -166,7 +170,9 @@ class GenerationSettings:
     def inflight_limit(self) -> int:
         """max_inflight, decided (`of` fills it in from max_num_seqs)."""
         if self.max_inflight is None:
-            raise ValueError("generation.max_inflight is undecided: build the settings with GenerationSettings.of(config)")
+            raise ValueError(
+                "generation.max_inflight is undecided: build the settings with GenerationSettings.of(config)"
+            )
         return self.max_inflight
 
     @property
@@ -331,5 +337,10 @@ class SimulatedEngineKwargs:
         return cls(**_section((engine_kwargs or {}).get("simulated"), cls))
 
 
-ENGINE_KWARGS: dict[str, type] = {"hf": HfEngineKwargs, "instant": InstantEngineKwargs, "remote": RemoteEngineKwargs, "simulated": SimulatedEngineKwargs}
+ENGINE_KWARGS: dict[str, type] = {
+    "hf": HfEngineKwargs,
+    "instant": InstantEngineKwargs,
+    "remote": RemoteEngineKwargs,
+    "simulated": SimulatedEngineKwargs,
+}
 """engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""

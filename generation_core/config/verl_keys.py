@@ -37,7 +37,7 @@ def honoured_by(*engines: str) -> str:
 
 def engines_of(status: str) -> tuple[str, ...] | None:
     """The engines an `honoured_by` status names; None for any other status."""
-    return tuple(status[len(_BY):].split(", ")) if status.startswith(_BY) else None
+    return tuple(status[len(_BY) :].split(", ")) if status.startswith(_BY) else None
 
 
 SECTIONS = ("data", "actor_rollout_ref.rollout", "reward", "reward_model", "custom_reward_function")
@@ -312,7 +312,8 @@ VERL_KEYS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.rollout.multi_stage_wake_up": (IRRELEVANT, _SLEEP),
     "actor_rollout_ref.rollout.enable_sleep_mode": (IRRELEVANT, _SLEEP),
     "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": (
-        IRRELEVANT, "verl's fully-async trainer's; genrun's servers take gpu_memory_utilization",
+        IRRELEVANT,
+        "verl's fully-async trainer's; genrun's servers take gpu_memory_utilization",
     ),
     "actor_rollout_ref.rollout.sglang_engine_mode": (IRRELEVANT, _UNREAD),
     "actor_rollout_ref.rollout.server": (IRRELEVANT, "TensorRT-LLM's HTTP client; genrun has no TensorRT-LLM engine"),

@@ -78,7 +78,11 @@ def parse_bench_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the runs' folders and logs)")
-    parser.add_argument("--report", action="store_true", help="the figures into the last sitting's run report (keeps the scratch folder)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="the figures into the last sitting's run report (keeps the scratch folder)",
+    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [item for item in overrides if item.startswith("-")]
     if unknown:
@@ -118,9 +122,14 @@ def prompt_ids(cfg, prompts_file: Path) -> list[list[int]]:
     from verl.utils import hf_tokenizer
 
     model = cfg.actor_rollout_ref.model
-    tokenizer = hf_tokenizer(os.path.expanduser(model.get("tokenizer_path") or model.path), trust_remote_code=model.trust_remote_code)
+    tokenizer = hf_tokenizer(
+        os.path.expanduser(model.get("tokenizer_path") or model.path), trust_remote_code=model.trust_remote_code
+    )
     chats = pq.read_table(prompts_file, columns=[cfg.data.prompt_key]).column(0).to_pylist()
-    return [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)) for chat in chats]
+    return [
+        list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for chat in chats
+    ]
 
 
 # ---- the engines' own benchmarks: (generated tokens, seconds) -------------------------------
@@ -141,19 +150,32 @@ def hf_static_batch(cfg, requests: list[list[int]], tokens: int) -> tuple[int, f
         torch.set_num_threads(hf.num_threads or os.cpu_count() or 1)
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.expanduser(cfg.actor_rollout_ref.model.path), dtype=dtype, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
+        os.path.expanduser(cfg.actor_rollout_ref.model.path),
+        dtype=dtype,
+        trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
     ).to(device)  # type: ignore[arg-type]  # transformers types `to` as @wraps(nn.Module.to), whose first parameter is self
     model.eval()
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else pad[0] if isinstance(pad, list) else pad
     sample = rollout.temperature > 0
-    options: dict[str, Any] = {"do_sample": sample, "max_new_tokens": tokens, "min_new_tokens": tokens, "pad_token_id": pad}
+    options: dict[str, Any] = {
+        "do_sample": sample,
+        "max_new_tokens": tokens,
+        "min_new_tokens": tokens,
+        "pad_token_id": pad,
+    }
     if sample:
-        options.update(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k if rollout.top_k > 0 else None)
+        options.update(
+            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k if rollout.top_k > 0 else None
+        )
     batch = rollout.max_num_seqs
     with torch.inference_mode():  # one untimed batch: first-call allocations, kernels
         warmup = torch.tensor([requests[0]], device=device)
-        model.generate(input_ids=warmup, attention_mask=torch.ones_like(warmup), **dict(options, max_new_tokens=2, min_new_tokens=2))
+        model.generate(
+            input_ids=warmup,
+            attention_mask=torch.ones_like(warmup),
+            **dict(options, max_new_tokens=2, min_new_tokens=2),
+        )
     started, generated = time.perf_counter(), 0
     for first in range(0, len(requests), batch):
         group = requests[first : first + batch]
@@ -177,7 +199,13 @@ def remote_direct(cfg, requests: list[list[int]], tokens: int) -> tuple[int, flo
     settings = remote_settings(cfg)
     urls = remote_urls(cfg)
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, logprobs=rollout.calculate_log_probs, ignore_eos=True)
+    params = SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        logprobs=rollout.calculate_log_probs,
+        ignore_eos=True,
+    )
 
     async def drive() -> int:
         async with httpx.AsyncClient(timeout=None, headers=headers) as client:
@@ -186,7 +214,9 @@ def remote_direct(cfg, requests: list[list[int]], tokens: int) -> tuple[int, flo
 
             async def one(i: int, ids: list[int]) -> int:
                 async with gate:
-                    response = await client.post(f"{urls[i % len(urls)]}/v1/completions", json=completion_request(model, ids, params, tokens))
+                    response = await client.post(
+                        f"{urls[i % len(urls)]}/v1/completions", json=completion_request(model, ids, params, tokens)
+                    )
                     response.raise_for_status()
                     return int(response.json()["usage"]["completion_tokens"])
 
@@ -202,14 +232,29 @@ def sglang_offline(cfg, requests: list[list[int]], tokens: int) -> tuple[int, fl
 
     rollout = cfg.actor_rollout_ref.rollout
     extra = dict(rollout.engine_kwargs.get("sglang") or {})
-    engine = sglang.Engine(model_path=os.path.expanduser(cfg.actor_rollout_ref.model.path), dtype=rollout.dtype, skip_tokenizer_init=True,
-                           mem_fraction_static=rollout.gpu_memory_utilization, max_running_requests=rollout.max_num_seqs,
-                           tp_size=rollout.tensor_model_parallel_size, log_level="error", **extra)
-    params = {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k, "max_new_tokens": tokens, "ignore_eos": True}
+    engine = sglang.Engine(
+        model_path=os.path.expanduser(cfg.actor_rollout_ref.model.path),
+        dtype=rollout.dtype,
+        skip_tokenizer_init=True,
+        mem_fraction_static=rollout.gpu_memory_utilization,
+        max_running_requests=rollout.max_num_seqs,
+        tp_size=rollout.tensor_model_parallel_size,
+        log_level="error",
+        **extra,
+    )
+    params = {
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "top_k": rollout.top_k,
+        "max_new_tokens": tokens,
+        "ignore_eos": True,
+    }
     try:
         engine.generate(input_ids=requests[:8], sampling_params=dict(params, max_new_tokens=4))
         started = time.perf_counter()
-        outputs = engine.generate(input_ids=requests, sampling_params=params, return_logprob=rollout.calculate_log_probs)
+        outputs = engine.generate(
+            input_ids=requests, sampling_params=params, return_logprob=rollout.calculate_log_probs
+        )
         seconds = time.perf_counter() - started
     finally:
         engine.shutdown()
@@ -220,10 +265,22 @@ def vllm_offline(cfg, requests: list[list[int]], tokens: int) -> tuple[int, floa
     import vllm
 
     rollout = cfg.actor_rollout_ref.rollout
-    llm = vllm.LLM(model=os.path.expanduser(cfg.actor_rollout_ref.model.path), dtype=rollout.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
-                   max_num_seqs=rollout.max_num_seqs, tensor_parallel_size=rollout.tensor_model_parallel_size, **dict(rollout.engine_kwargs.get("vllm") or {}))
-    params = vllm.SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, max_tokens=tokens, ignore_eos=True,
-                                 logprobs=0 if rollout.calculate_log_probs else None)
+    llm = vllm.LLM(
+        model=os.path.expanduser(cfg.actor_rollout_ref.model.path),
+        dtype=rollout.dtype,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_num_seqs=rollout.max_num_seqs,
+        tensor_parallel_size=rollout.tensor_model_parallel_size,
+        **dict(rollout.engine_kwargs.get("vllm") or {}),
+    )
+    params = vllm.SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_tokens=tokens,
+        ignore_eos=True,
+        logprobs=0 if rollout.calculate_log_probs else None,
+    )
     prompts = [{"prompt_token_ids": ids} for ids in requests]
     llm.generate(prompts[:8], vllm.SamplingParams(max_tokens=4))
     started = time.perf_counter()
@@ -243,7 +300,9 @@ ENGINE_SIDE = {
 # ---- genrun's side -------------------------------------------------------------------------
 
 
-def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Path, engine: str) -> tuple[int, float, float]:
+def genrun_run(
+    overrides: list[str], prompts_file: Path, tokens: int, folder: Path, engine: str
+) -> tuple[int, float, float]:
     """(generated tokens, generation-phase seconds, wall seconds) of one whole `genrun` run."""
     from generation_core.instrumentation import TIMELINE_ENV, generation_phase_seconds, read_timeline
 
@@ -252,13 +311,20 @@ def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Pa
     env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run
     # The bench's subset of the dataset stands in for data.train_files (the source of its prompts).
     overrides = [item for item in overrides if _key(item) != "data.train_files"]
-    fixed = [f"data.train_files={prompts_file}", f"data.max_response_length={tokens}", f"trainer.default_local_dir={folder}", "generation.show_progress=false"]
+    fixed = [
+        f"data.train_files={prompts_file}",
+        f"data.max_response_length={tokens}",
+        f"trainer.default_local_dir={folder}",
+        "generation.show_progress=false",
+    ]
     # Every response runs to --tokens, as on the engine side (every engine honours it).
     fixed.append("actor_rollout_ref.rollout.ignore_eos=true")
     log = folder.with_suffix(".log")
     started = time.perf_counter()
     with log.open("w") as out:
-        finished = subprocess.run([sys.executable, "-m", "flows.cli", *overrides, *fixed], env=env, stdout=out, stderr=subprocess.STDOUT)
+        finished = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *overrides, *fixed], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     wall = time.perf_counter() - started
     if finished.returncode != 0:
         tail = log.read_text()[-2000:]
@@ -279,34 +345,59 @@ def bench_command(argv: list[str]) -> int:
     cfg = plan.cfg
     engine = cfg.actor_rollout_ref.rollout.name
     if engine not in ENGINE_BENCHMARKS:
-        raise GenrunError(f"genrun bench has no engine-side benchmark for rollout.name={engine}; it measures {', '.join(ENGINE_BENCHMARKS)}")
+        raise GenrunError(
+            f"genrun bench has no engine-side benchmark for rollout.name={engine}; it measures {', '.join(ENGINE_BENCHMARKS)}"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="genrun-bench-"))
     prompts_file = scratch / "prompts.parquet"
     from generation_core.config.loading import train_files
 
     write_prompts(train_files(cfg), prompts_file, args.prompts, cfg.data.prompt_key)
     requests = [ids for ids in prompt_ids(cfg, prompts_file) for _ in range(cfg.actor_rollout_ref.rollout.n)]
-    print(f"genrun bench: {engine}, {args.prompts} prompts x n={cfg.actor_rollout_ref.rollout.n} = {len(requests)} requests, "
-          f"{args.tokens} tokens each, {args.sittings} sitting(s); engine side: {ENGINE_SIDE[engine]}; scratch: {scratch}", flush=True)
+    print(
+        f"genrun bench: {engine}, {args.prompts} prompts x n={cfg.actor_rollout_ref.rollout.n} = {len(requests)} requests, "
+        f"{args.tokens} tokens each, {args.sittings} sitting(s); engine side: {ENGINE_SIDE[engine]}; scratch: {scratch}",
+        flush=True,
+    )
     sittings = []
     for number in range(1, args.sittings + 1):
         engine_tokens, engine_seconds = ENGINE_BENCHMARKS[engine](cfg, requests, args.tokens)
-        tokens, generation_seconds, wall = genrun_run(overrides, prompts_file, args.tokens, scratch / f"sitting-{number}", engine)
+        tokens, generation_seconds, wall = genrun_run(
+            overrides, prompts_file, args.tokens, scratch / f"sitting-{number}", engine
+        )
         sitting = Sitting(engine_tokens, engine_seconds, tokens, generation_seconds, wall)
         sittings.append(sitting)
-        print(f"  sitting {number}: engine {sitting.engine_rate:.1f} tokens/s ({engine_tokens} tokens in {engine_seconds:.1f} s); "
-              f"genrun {sitting.genrun_rate:.1f} tokens/s ({tokens} tokens in a {generation_seconds:.1f} s generation phase, "
-              f"{wall:.1f} s whole command); genrun/engine {sitting.ratio:.2f}", flush=True)
+        print(
+            f"  sitting {number}: engine {sitting.engine_rate:.1f} tokens/s ({engine_tokens} tokens in {engine_seconds:.1f} s); "
+            f"genrun {sitting.genrun_rate:.1f} tokens/s ({tokens} tokens in a {generation_seconds:.1f} s generation phase, "
+            f"{wall:.1f} s whole command); genrun/engine {sitting.ratio:.2f}",
+            flush=True,
+        )
     ratios = [s.ratio for s in sittings]
     result = {
-        "engine": engine, "engine_side": ENGINE_SIDE[engine], "model": cfg.actor_rollout_ref.model.path,
-        "prompts": args.prompts, "n": cfg.actor_rollout_ref.rollout.n, "tokens": args.tokens, "requests": len(requests),
-        "sittings": [dict(asdict(s), engine_tokens_per_s=round(s.engine_rate, 2), genrun_tokens_per_s=round(s.genrun_rate, 2), ratio=round(s.ratio, 4)) for s in sittings],
+        "engine": engine,
+        "engine_side": ENGINE_SIDE[engine],
+        "model": cfg.actor_rollout_ref.model.path,
+        "prompts": args.prompts,
+        "n": cfg.actor_rollout_ref.rollout.n,
+        "tokens": args.tokens,
+        "requests": len(requests),
+        "sittings": [
+            dict(
+                asdict(s),
+                engine_tokens_per_s=round(s.engine_rate, 2),
+                genrun_tokens_per_s=round(s.genrun_rate, 2),
+                ratio=round(s.ratio, 4),
+            )
+            for s in sittings
+        ],
         "ratio": spread(ratios),
         "engine_tokens_per_s": spread([s.engine_rate for s in sittings]),
         "genrun_tokens_per_s": spread([s.genrun_rate for s in sittings]),
     }
-    print(f"genrun/engine: median {result['ratio']['median']:.2f} (min {result['ratio']['min']:.2f}, max {result['ratio']['max']:.2f}) over {len(sittings)} sitting(s)")
+    print(
+        f"genrun/engine: median {result['ratio']['median']:.2f} (min {result['ratio']['min']:.2f}, max {result['ratio']['max']:.2f}) over {len(sittings)} sitting(s)"
+    )
     _write_figures(args, result, scratch)
     return 0
 

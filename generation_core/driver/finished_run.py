@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> dict[str, Any] | None:
     """The run's manifest.json (with `report`: where report.html is) when the run in cfg's folder
     has nothing left to do, else None."""
-    folder = StorageFolder(cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options)))
+    folder = StorageFolder(
+        cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options))
+    )
     try:
         finished_before = folder.exists(RUN_FILE) and folder.exists(MANIFEST_FILE)
     except Exception as exc:  # noqa: BLE001 - no credentials, a missing bucket: the planned run's folder check says which, in one line
@@ -52,7 +54,9 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
     record = check_run_folder(folder, fingerprint)
     if record is None or record.pad_token_id is None or _logs_to_a_tracker(cfg):
         return None
-    plan = RunPlan(cfg, fingerprint, plan_shards(dataset.num_rows, cfg.generation.num_shards), record.pad_token_id, dataset)
+    plan = RunPlan(
+        cfg, fingerprint, plan_shards(dataset.num_rows, cfg.generation.num_shards), record.pad_token_id, dataset
+    )
     markers, recorded_digests = [], {}
     for shard in plan.shards:
         checkpoint = ShardCheckpoint.load(folder, shard.name)
@@ -62,12 +66,16 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
         markers.append(marker)
         recorded_digests[shard.shard_id] = checkpoint.rows_digest
     manifest = folder.read_json(MANIFEST_FILE)
-    if manifest.get("fingerprint") != fingerprint or manifest.get("num_trajectories") != sum(m.num_trajectories for m in markers):
+    if manifest.get("fingerprint") != fingerprint or manifest.get("num_trajectories") != sum(
+        m.num_trajectories for m in markers
+    ):
         return None
     if not folder.exists(REPORT_FILE):
         return None
     if cfg.generation.final_merge and not (
-        "artifact" in manifest and (folder.exists(MERGED_FILE) or folder.exists(CHUNK_INDEX_FILE)) and folder.exists(ZIP_FILE)
+        "artifact" in manifest
+        and (folder.exists(MERGED_FILE) or folder.exists(CHUNK_INDEX_FILE))
+        and folder.exists(ZIP_FILE)
     ):
         return None
     _check_rows_unchanged(plan, recorded_digests)

@@ -102,7 +102,11 @@ class ShardsInThisProcess:
                 shard = self.waiting.popleft()
             try:
                 manifest = run_shard_job(
-                    self.plan, shard, registry_name=job.registry_name, lease_generation=job.lease_generation, progress_board=job.progress_board,
+                    self.plan,
+                    shard,
+                    registry_name=job.registry_name,
+                    lease_generation=job.lease_generation,
+                    progress_board=job.progress_board,
                 )
             except ShardStopped as stopped:
                 self.ended.put(ShardEnded(shard, None, str(stopped)))

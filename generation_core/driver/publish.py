@@ -37,7 +37,9 @@ def zip_members(folder: StorageFolder) -> list[str]:
     members = [*(merged or [MERGED_FILE]), *RUN_MEMBERS]
     missing = [name for name in members if not folder.exists(name)]
     if missing:
-        raise GenrunError(f"cannot build {ZIP_FILE} in {folder.display()}: {', '.join(missing)} missing (was the run merged?)")
+        raise GenrunError(
+            f"cannot build {ZIP_FILE} in {folder.display()}: {', '.join(missing)} missing (was the run merged?)"
+        )
     return members
 
 
@@ -45,7 +47,10 @@ def write_zip(folder: StorageFolder) -> str:
     """Stream the merged output, run.json and manifest.json into trajectories.zip, a chunk at a
     time (memory stays flat however large the pickles are); works to local disk and S3 alike."""
     members = zip_members(folder)
-    with folder.open_write(ZIP_FILE) as raw, zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+    with (
+        folder.open_write(ZIP_FILE) as raw,
+        zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive,
+    ):
         for name in members:
             with folder.open_read(name) as source, archive.open(name, "w", force_zip64=True) as target:
                 shutil.copyfileobj(source, target, _CHUNK)
@@ -53,7 +58,11 @@ def write_zip(folder: StorageFolder) -> str:
 
 
 def publish_run(
-    cfg: DictConfig, folder: StorageFolder, summary: dict[str, Any], on_report: Callable[[Report], None] | None = None, fence: Fence | None = None
+    cfg: DictConfig,
+    folder: StorageFolder,
+    summary: dict[str, Any],
+    on_report: Callable[[Report], None] | None = None,
+    fence: Fence | None = None,
 ) -> dict[str, Any]:
     """Zip (when merged), write the run report, log metrics (and the report's plots) on every
     configured backend, upload the W&B artifact. `on_report` is handed the report (the flow
@@ -113,24 +122,46 @@ def _log_wandb_plots(report: Report) -> None:
     import wandb
     from PIL import Image
 
-    wandb.log({f"report/{plot.name}": wandb.Image(Image.open(io.BytesIO(plot.png)), caption=plot.title) for plot in report.plots}, step=0)
+    wandb.log(
+        {
+            f"report/{plot.name}": wandb.Image(Image.open(io.BytesIO(plot.png)), caption=plot.title)
+            for plot in report.plots
+        },
+        step=0,
+    )
 
 
 def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
     """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
     rollout = cast(dict[str, Any], OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))
-    keep = ("name", "temperature", "top_p", "top_k", "n", "prompt_length", "response_length", "calculate_log_probs", "max_num_seqs")
-    return without_secrets({
-        "model": cfg.actor_rollout_ref.model.path,
-        "rollout": {key: rollout[key] for key in keep},
-        "agent_loop": rollout["agent"]["default_agent_loop"],
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "generation": OmegaConf.to_container(cfg.generation, resolve=True),
-        "storage_options": OmegaConf.to_container(cfg.storage.options, resolve=True),
-        "output": cfg.trainer.default_local_dir,
-        # verl's Tracking reads trainer.wandb_proxy from here.
-        "trainer": {key: cfg.trainer.get(key) for key in ("project_name", "experiment_name", "wandb_proxy") if key in cfg.trainer},
-    })
+    keep = (
+        "name",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "prompt_length",
+        "response_length",
+        "calculate_log_probs",
+        "max_num_seqs",
+    )
+    return without_secrets(
+        {
+            "model": cfg.actor_rollout_ref.model.path,
+            "rollout": {key: rollout[key] for key in keep},
+            "agent_loop": rollout["agent"]["default_agent_loop"],
+            "data": OmegaConf.to_container(cfg.data, resolve=True),
+            "generation": OmegaConf.to_container(cfg.generation, resolve=True),
+            "storage_options": OmegaConf.to_container(cfg.storage.options, resolve=True),
+            "output": cfg.trainer.default_local_dir,
+            # verl's Tracking reads trainer.wandb_proxy from here.
+            "trainer": {
+                key: cfg.trainer.get(key)
+                for key in ("project_name", "experiment_name", "wandb_proxy")
+                if key in cfg.trainer
+            },
+        }
+    )
 
 
 def _log_wandb_artifact(cfg: DictConfig, folder: StorageFolder, summary: dict[str, Any]) -> str:
@@ -150,7 +181,9 @@ def _log_wandb_artifact(cfg: DictConfig, folder: StorageFolder, summary: dict[st
     artifact = wandb.Artifact(name=name, type="trajectories", metadata=metadata)
     if mode == "reference":
         if folder.is_local:
-            raise GenrunError("generation.artifact_mode=reference needs an s3:// output folder; use artifact_mode=upload for local runs")
+            raise GenrunError(
+                "generation.artifact_mode=reference needs an s3:// output folder; use artifact_mode=upload for local runs"
+            )
         # checksum=False: W&B records the URIs without reading the objects (no second copy, no
         # S3 access from W&B); our own checksums are in the run folder.
         for member in (ZIP_FILE, *zip_members(folder)):

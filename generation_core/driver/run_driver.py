@@ -107,7 +107,9 @@ Publish = Callable[[RunPlan, dict[str, Any], list[SuccessMarker], LeaseFence], d
 """Publish: (plan, summary, manifests, fence) -> the summary with what was published."""
 
 
-def publish_summary(plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarker], fence: LeaseFence) -> dict[str, Any]:
+def publish_summary(
+    plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarker], fence: LeaseFence
+) -> dict[str, Any]:
     """The library's publish (no Prefect UI to fill): zip, report, metrics, W&B artifact."""
     return dict(summary, published=publish_run(plan.cfg, plan.folder, summary, fence=fence))
 
@@ -133,13 +135,21 @@ def _prefix_cache_report(pool: ReplicaPool) -> dict[str, Any] | None:
         return None
     if report is not None:
         replicas = ", ".join("-" if rate is None else f"{rate:.0%}" for rate in report["replicas"])
-        logger.info("prefix cache: %.0f%% of prompt tokens reused (per replica: %s)", 100 * (report["run"] or 0.0), replicas)
+        logger.info(
+            "prefix cache: %.0f%% of prompt tokens reused (per replica: %s)", 100 * (report["run"] or 0.0), replicas
+        )
     return report
 
 
 def drive_run(
-    plan: RunPlan, submitter: ShardSubmitter, *, started: float, finish: Finish = finish_run, publish: Publish = publish_summary,
-    on_progress: Callable[[ProgressTotals], None] | None = None, on_stall: Callable[[Stall], None] | None = None,
+    plan: RunPlan,
+    submitter: ShardSubmitter,
+    *,
+    started: float,
+    finish: Finish = finish_run,
+    publish: Publish = publish_summary,
+    on_progress: Callable[[ProgressTotals], None] | None = None,
+    on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
     """Generate every missing trajectory, merge, publish: the run's summary, or None when a
     Ctrl-C stopped the run (what is committed stays; the lease is released). `started`: when the
@@ -151,7 +161,9 @@ def drive_run(
         # The lease says what this invocation generates on and at what price: `genrun status`'s
         # cost to go reads them there (run.json has the first invocation's config only).
         held = RunLease.acquire(
-            plan.folder, plan.cfg.generation.lease_seconds, devices=resolve_layout(plan.cfg).devices_held,
+            plan.folder,
+            plan.cfg.generation.lease_seconds,
+            devices=resolve_layout(plan.cfg).devices_held,
             gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
         )
         with held as lease:
@@ -164,8 +176,14 @@ def drive_run(
 
 
 def _drive_holding(
-    plan: RunPlan, submitter: ShardSubmitter, fence: LeaseFence, started: float, finish: Finish, publish: Publish,
-    on_progress: Callable[[ProgressTotals], None] | None, on_stall: Callable[[Stall], None] | None = None,
+    plan: RunPlan,
+    submitter: ShardSubmitter,
+    fence: LeaseFence,
+    started: float,
+    finish: Finish,
+    publish: Publish,
+    on_progress: Callable[[ProgressTotals], None] | None,
+    on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
     manifests: list[SuccessMarker] = []
     failures: list[str] = []
@@ -174,7 +192,9 @@ def _drive_holding(
         # Shard jobs first: where they run beside the driver, their workers start (imports,
         # tokenizer, prompts) while the replicas load, and each waits for the pool by name.
         registry_name = new_registry_name()
-        job = ShardJobArgs(registry_name=registry_name, lease_generation=fence.generation, progress_board=watch.board_name)
+        job = ShardJobArgs(
+            registry_name=registry_name, lease_generation=fence.generation, progress_board=watch.board_name
+        )
         for manifest in submitter.submit(job):
             watch.shard_finished(manifest)
         try:
@@ -211,7 +231,9 @@ def _drive_holding(
         return publish(plan, summary, manifests, fence)
 
 
-def _until_every_shard_ended(submitter: ShardSubmitter, watch: RunWatch, manifests: list[SuccessMarker], failures: list[str]) -> bool:
+def _until_every_shard_ended(
+    submitter: ShardSubmitter, watch: RunWatch, manifests: list[SuccessMarker], failures: list[str]
+) -> bool:
     """Watch the shard jobs until every one ended (or, after a first Ctrl-C, until they stopped
     or STOP_GRACE_SECONDS passed), collecting their success markers and failures; whether the
     run is stopping."""
@@ -232,5 +254,9 @@ def _until_every_shard_ended(submitter: ShardSubmitter, watch: RunWatch, manifes
         elif ended.failure is not None and not stopping:
             failures.append(ended.failure)
     if submitter.pending():
-        logger.warning("%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them", submitter.pending(), STOP_GRACE_SECONDS)
+        logger.warning(
+            "%d shard job(s) did not stop within %.0f s; Ray's shutdown stops them",
+            submitter.pending(),
+            STOP_GRACE_SECONDS,
+        )
     return stopping

@@ -38,14 +38,20 @@ ENGINE_POLL_SECONDS = 5.0
 
 class RunWatch:
     def __init__(
-        self, plan: RunPlan, *, on_update: Callable[[ProgressTotals], None] | None = None, update_seconds: float = UPDATE_SECONDS,
+        self,
+        plan: RunPlan,
+        *,
+        on_update: Callable[[ProgressTotals], None] | None = None,
+        update_seconds: float = UPDATE_SECONDS,
         on_stall: Callable[[Stall], None] | None = None,
     ):
         gen = plan.cfg.generation
         trainer = plan.cfg.trainer
         self.stall_watch = StallWatch(float(GenerationSettings.of(plan.cfg).stall_seconds or float("inf")))
         self.on_stall = on_stall
-        self.wandb_run = (str(trainer.project_name), str(trainer.experiment_name)) if "wandb" in list(trainer.logger) else None
+        self.wandb_run = (
+            (str(trainer.project_name), str(trainer.experiment_name)) if "wandb" in list(trainer.logger) else None
+        )
         self._pool: Any = None
         self._health_refs: list[Any] | None = None
         self._last_poll = float("-inf")
@@ -55,7 +61,9 @@ class RunWatch:
         self.plan = plan
         layout = resolve_layout(plan.cfg)
         self.progress = RunProgress(
-            plan.shards, plan.cfg.actor_rollout_ref.rollout.n, devices=layout.devices_held,
+            plan.shards,
+            plan.cfg.actor_rollout_ref.rollout.n,
+            devices=layout.devices_held,
             gpu_hour_price=gen.get("gpu_hour_price"),
         )
         self.display = ProgressDisplay(enabled=bool(gen.show_progress), interval=float(gen.progress_seconds))
@@ -83,7 +91,9 @@ class RunWatch:
             logger.debug("could not count committed trajectories for the progress display: %s", exc)
 
     def shard_finished(self, manifest: SuccessMarker) -> None:
-        self.progress.shard_finished(manifest.shard_id, manifest.num_trajectories, manifest.failures, manifest.expected_trajectories)
+        self.progress.shard_finished(
+            manifest.shard_id, manifest.num_trajectories, manifest.failures, manifest.expected_trajectories
+        )
 
     def reported_shards(self) -> set[int]:
         """Shards whose job has started generating (and so will see a stop request itself)."""
@@ -182,4 +192,3 @@ class RunWatch:
         except Exception as exc:  # noqa: BLE001 - it goes with the Ray job anyway
             logger.debug("could not stop the progress board: %s", exc)
         return totals
-

@@ -68,7 +68,9 @@ class StallWatch:
             self._tokens = engine_tokens  # the first count known is no progress, only a baseline
         if self._last_change is None or counters != self._run_signal or tokens_moved:
             if self.alarm is not None:
-                logger.warning("progress again after %s without any: the stall is over", format_seconds(now - self.alarm.since))
+                logger.warning(
+                    "progress again after %s without any: the stall is over", format_seconds(now - self.alarm.since)
+                )
             self._run_signal, self._last_change, self.alarm = counters, now, None
         if self.alarm is not None or now - self._last_change < self.stall_seconds:
             return None
@@ -91,7 +93,9 @@ def wandb_alert(project: str, experiment: str, stall: Stall) -> None:
             run.finish()
 
 
-def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_run: tuple[str, str] | None) -> threading.Thread | None:
+def raise_alarm(
+    stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_run: tuple[str, str] | None
+) -> threading.Thread | None:
     """Every place the alarm goes: the terminal, the dispatcher's `on_stall`, W&B (`wandb_run`:
     (project, experiment) when wandb is in trainer.logger; answers the thread that sends it).
     None of them may fail the run."""
@@ -103,7 +107,9 @@ def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_ru
             logger.warning("could not pass on the stall alarm (%s: %s)", type(exc).__name__, exc)
     if wandb_run is not None:
         # In a thread: wandb.init may take long (or time out) and the driver's loop must go on.
-        alert = threading.Thread(target=_wandb_alert_logged, args=(*wandb_run, stall), name="genrun-stall-wandb", daemon=True)
+        alert = threading.Thread(
+            target=_wandb_alert_logged, args=(*wandb_run, stall), name="genrun-stall-wandb", daemon=True
+        )
         alert.start()
         return alert
     return None

@@ -66,7 +66,9 @@ def watch(watched: int, mark: str) -> None:
     _end_what_it_started(noted, mark, group=watched_entry.pgid, since=own_entry.started)
 
 
-def _what_it_started(table: dict[int, ProcessEntry], noted: dict[int, int], mark: str, group: int, since: int) -> dict[int, int]:
+def _what_it_started(
+    table: dict[int, ProcessEntry], noted: dict[int, int], mark: str, group: int, since: int
+) -> dict[int, int]:
     """pid -> start time of every running process the watched process started, by any mark.
     `since`: the watchdog's own start (everything the run started came after it)."""
     found = {pid for pid, started in noted.items() if pid in table and table[pid].started == started}
@@ -107,8 +109,12 @@ class Watchdog:
         # The watchdog itself carries no mark of this run (a watchdog of an enclosing run may end it).
         environment = {name: value for name, value in os.environ.items() if name != RUN_MARK}
         process = subprocess.Popen(
-            [sys.executable, "-c", WATCH, str(os.getpid()), mark], env=environment,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [sys.executable, "-c", WATCH, str(os.getpid()), mark],
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         previous = os.environ.get(RUN_MARK)
         os.environ[RUN_MARK] = mark

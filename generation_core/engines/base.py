@@ -69,7 +69,9 @@ class Engine(Protocol):
     stats: dict[str, Any]
     """Counters since the engine started (a replica's `health()` reports them)."""
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> EngineOutput:
         """One model turn (an engine may answer with verl's TokenOutput as well). `kwargs` carry what verl adds for other engines (multimodal data,
         priority) and, from the routing client, `trajectory_key` (the same for every turn of one
         trajectory; `request_id` is fresh per turn); an engine takes what it serves and ignores the rest."""

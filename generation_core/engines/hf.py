@@ -37,7 +37,16 @@ from transformers.cache_utils import CacheLayerMixin
 from generation_core.config.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 from generation_core.engines import packed_step
 from generation_core.engines.admission import AdmissionQueue, RequestIds
-from generation_core.engines.base import STOP_EOS, STOP_LENGTH, TURN_TIMING_KEY, EngineOutput, EngineStepFailed, EngineStopped, SamplingParams, response_budget
+from generation_core.engines.base import (
+    STOP_EOS,
+    STOP_LENGTH,
+    TURN_TIMING_KEY,
+    EngineOutput,
+    EngineStepFailed,
+    EngineStopped,
+    SamplingParams,
+    response_budget,
+)
 from generation_core.engines.cpu_linear import use_weight_first_linears
 from generation_core.engines.packed_step import PackedStep
 from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
@@ -109,22 +118,34 @@ class _Sequence:
         """The request's own account (engines/base.TURN_TIMING_KEY)."""
         admitted = self.queued if self.admitted is None else self.admitted
         first = admitted if self.first_token is None else self.first_token
-        return {"slot_wait": round(admitted - self.queued, 6), "prefill": round(first - admitted, 6), "prefix_hit": self.prefix_hit}
+        return {
+            "slot_wait": round(admitted - self.queued, 6),
+            "prefill": round(first - admitted, 6),
+            "prefix_hit": self.prefix_hit,
+        }
 
 
 def _new_stats() -> dict[str, Any]:
     """The engine's counters, all zero (`genrun status`, the report and the bench read them)."""
     return {
-        "forward_steps": 0, "generated_tokens": 0, "finished": 0, "busy_seconds": 0.0,
+        "forward_steps": 0,
+        "generated_tokens": 0,
+        "finished": 0,
+        "busy_seconds": 0.0,
         # prefill_tokens: prompt tokens run through the model (padding and reused tokens not counted).
         # prefix_hits: prompts that extend their trajectory's previous turn (its KV reused);
         # shared_prefix_hits: prompts that reuse a prefix they share with another (a system
         # prompt, another sample of the same prompt); prefix_misses: all but prefix_hits.
-        "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
-        "shared_prefix_hits": 0, "shared_prefix_tokens": 0,
+        "prefill_tokens": 0,
+        "prefix_hits": 0,
+        "prefix_misses": 0,
+        "prefix_reused_tokens": 0,
+        "shared_prefix_hits": 0,
+        "shared_prefix_tokens": 0,
         # Mixed steps: passes that decoded the batch and prefilled joiners at once; the most
         # tokens one pass ran.
-        "mixed_steps": 0, "largest_step_tokens": 0,
+        "mixed_steps": 0,
+        "largest_step_tokens": 0,
         # Requests that continued a trajectory and went ahead of queued first turns.
         "later_turns": 0,
         # Sequences moved down into slots that others left (SlotBatch.compact).
@@ -185,7 +206,13 @@ class HFEngine:
     # ---- public contract --------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], trajectory_key: str | None = None, **_unused: Any
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        trajectory_key: str | None = None,
+        **_unused: Any,
     ) -> EngineOutput:
         """`trajectory_key`: the same for every turn of one trajectory (the routing client sends
         the agent loop's id; `request_id` is fresh per turn there); without it, `request_id`."""
@@ -244,7 +271,10 @@ class HFEngine:
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         s = self.settings
-        return min(response_budget(s.prompt_length, s.response_length, prompt_len, params.max_tokens), self.max_model_len - prompt_len)
+        return min(
+            response_budget(s.prompt_length, s.response_length, prompt_len, params.max_tokens),
+            self.max_model_len - prompt_len,
+        )
 
     # ---- decode loop (background thread) ---------------------------------------------------
 
@@ -301,14 +331,27 @@ class HFEngine:
             self.model.set_attn_implementation(packed_step.PACKED_ATTENTION)
             with torch.inference_mode():
                 for share in (True, False) if wants_shared else (False,):
-                    if packed_step.agrees_with_plain_forwards(self.model, self._kv_shape, self.settings.device, bool(self._last_logits_only), share):
+                    if packed_step.agrees_with_plain_forwards(
+                        self.model, self._kv_shape, self.settings.device, bool(self._last_logits_only), share
+                    ):
                         self._share_prefixes = share
                         return True
                     if share:
-                        logger.warning("%s: mixed steps that read a shared prefix once disagree with plain forwards; each sequence reads its own", self.name)
-            logger.warning("%s: mixed prefill+decode steps disagree with plain forwards for this model; using plain steps", self.name)
+                        logger.warning(
+                            "%s: mixed steps that read a shared prefix once disagree with plain forwards; each sequence reads its own",
+                            self.name,
+                        )
+            logger.warning(
+                "%s: mixed prefill+decode steps disagree with plain forwards for this model; using plain steps",
+                self.name,
+            )
         except Exception as exc:  # noqa: BLE001 - any model the packed attention cannot drive runs plain steps
-            logger.warning("%s: mixed prefill+decode steps unavailable for this model (%s: %s); using plain steps", self.name, type(exc).__name__, exc)
+            logger.warning(
+                "%s: mixed prefill+decode steps unavailable for this model (%s: %s); using plain steps",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
         self.model.set_attn_implementation(previous)
         return False
 
@@ -346,7 +389,12 @@ class HFEngine:
         else:
             joiner_slots = []
             batch.make_room(1, self._kv_shape)
-        packed = PackedStep.build(batch, decoding, [(slot, seq.prompt_ids, reused) for slot, (seq, reused, _) in zip(joiner_slots, joiners, strict=True)], device)
+        packed = PackedStep.build(
+            batch,
+            decoding,
+            [(slot, seq.prompt_ids, reused) for slot, (seq, reused, _) in zip(joiner_slots, joiners, strict=True)],
+            device,
+        )
         self.stats["prefill_tokens"] += sum(len(seq.prompt_ids) - reused for seq, reused, _ in joiners)
         if packed.step.cascade is not None:
             self.stats["shared_prefix_reads"] += packed.step.cascade.reading
@@ -391,7 +439,9 @@ class HFEngine:
             return False
         least = self._prefix_cache.min_shared_tokens
         head = seq.prompt_ids[:least]
-        return len(head) == least and any(not reused and other.prompt_ids[:least] == head for other, reused, _ in joiners)
+        return len(head) == least and any(
+            not reused and other.prompt_ids[:least] == head for other, reused, _ in joiners
+        )
 
     def _admit(self, batch: SlotBatch) -> None:
         free = batch.free_slots()
@@ -489,7 +539,12 @@ class HFEngine:
         if not batch.live_slots():
             return
         slots = batch.live_slots()
-        out = self.model(**batch.step_inputs(self.settings.device), past_key_values=batch.cache, use_cache=True, **self._last_logits_only)
+        out = self.model(
+            **batch.step_inputs(self.settings.device),
+            past_key_values=batch.cache,
+            use_cache=True,
+            **self._last_logits_only,
+        )
         batch.advance()
         self.stats["forward_steps"] += 1
         logits = out.logits[slots, -1, :].float()
@@ -534,13 +589,18 @@ def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> HFEn
     """The engine as its replica's server actor builds it (replicas.HFReplica): unless the
     settings name a thread count, it takes its share of the CPUs of the node it runs on, which
     need not be the driver's."""
-    return HFEngine(dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)))
+    return HFEngine(
+        dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node))
+    )
 
 
 def _cache_kv(cache: DynamicCache) -> KV:
     """Each layer's keys and values after a forward filled them: full-attention layers (the
     cache's types also admit linear-attention layers and unfilled ones, which these models have not)."""
-    return [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in cast(list[CacheLayerMixin], cache.layers)]
+    return [
+        (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+        for layer in cast(list[CacheLayerMixin], cache.layers)
+    ]
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

@@ -75,23 +75,35 @@ class InstantEngine:
         self.settings = settings
         self.stats = {"requests": 0, "generated_tokens": 0}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any
+    ) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         s = self.settings
         factor = tail_factor(prompt_ids, params, s.delay_sigma) if s.delay_sigma > 0 else 1.0
         if s.delay_seconds:
             await asyncio.sleep(s.delay_seconds * factor)
         budget = response_budget(s.prompt_length, s.response_length, len(prompt_ids), params.max_tokens)
-        response_tokens = max(1, round(s.response_tokens * factor)) if factor != 1.0 and s.response_tokens else s.response_tokens
+        response_tokens = (
+            max(1, round(s.response_tokens * factor)) if factor != 1.0 and s.response_tokens else s.response_tokens
+        )
         if params.ignore_eos or budget < response_tokens:
             tokens, stop_reason = answer_tokens(prompt_ids, params, max(budget, 0), s.vocab_size), STOP_LENGTH
         else:
             # response_tokens tokens, the last one EOS (none at all for response_tokens=0).
-            tokens = answer_tokens(prompt_ids, params, max(response_tokens - 1, 0), s.vocab_size) + [s.eos_token_id][:response_tokens]
+            tokens = (
+                answer_tokens(prompt_ids, params, max(response_tokens - 1, 0), s.vocab_size)
+                + [s.eos_token_id][:response_tokens]
+            )
             stop_reason = STOP_EOS
         self.stats["requests"] += 1
         self.stats["generated_tokens"] += len(tokens)
-        return EngineOutput(token_ids=tokens, log_probs=[-1.0] * len(tokens) if params.logprobs else None, stop_reason=stop_reason, num_preempted=0)
+        return EngineOutput(
+            token_ids=tokens,
+            log_probs=[-1.0] * len(tokens) if params.logprobs else None,
+            stop_reason=stop_reason,
+            num_preempted=0,
+        )
 
     def shutdown(self) -> None:
         return None

@@ -61,7 +61,9 @@ class PackedStep:
     ones, ending at column `batch.end`."""
 
     @classmethod
-    def build(cls, batch: SlotBatch, decoding: list[int], joiners: list[tuple[int, list[int], int]], device: str) -> PackedInput:
+    def build(
+        cls, batch: SlotBatch, decoding: list[int], joiners: list[tuple[int, list[int], int]], device: str
+    ) -> PackedInput:
         """Lay out one step: every slot in `decoding` feeds its last sampled token; each joiner
         (slot, prompt ids, tokens reused from a cached prefix) feeds its prompt after the reused
         part. Joiners must already be placed in `batch` (SlotBatch.place)."""
@@ -135,10 +137,22 @@ class _PackedLayer(DynamicLayer):
         return self.step.batch.end - self.step.batch.start
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, packed_step: PackedStep | None = None, **kwargs):
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_step: PackedStep | None = None,
+    **kwargs,
+):
     """transformers' attention contract: query [1, heads, tokens, dim] -> ([1, tokens, heads, dim], None)."""
     if packed_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     step, b = packed_step, packed_step.batch
     keys, values = b.keys[module.layer_idx], b.values[module.layer_idx]
     heads, dim = query.shape[1], query.shape[3]
@@ -168,7 +182,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             # After a reused prefix: new token i sees the prefix and new tokens 0..i.
-            mask = torch.arange(prompt, device=q.device).unsqueeze(0) <= torch.arange(prompt - count, prompt, device=q.device).unsqueeze(1)
+            mask = torch.arange(prompt, device=q.device).unsqueeze(0) <= torch.arange(
+                prompt - count, prompt, device=q.device
+            ).unsqueeze(1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[0, offset : offset + count] = o[0].transpose(0, 1)
         offset += count
@@ -199,7 +215,9 @@ class _Probe:
     token_ids: list[int]
 
 
-def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logits_to_keep: bool, share_prefixes: bool = False) -> bool:
+def agrees_with_plain_forwards(
+    model, shape: KVShape, device: str, accepts_logits_to_keep: bool, share_prefixes: bool = False
+) -> bool:
     """Two mixed steps on a scratch batch (two prompts joining; then both decoding while a third
     joins) give the last-position logits of plain forwards over the same tokens. The first two
     prompts start with the same MIN_SHARED_TOKENS + 8 tokens: with `share_prefixes`, the decode
@@ -217,7 +235,9 @@ def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logit
 
     def step(decoding: list[int], joining: list[_Probe]) -> torch.Tensor:
         slots = batch.place([(probe, 0, None) for probe in joining], shape)
-        packed = PackedStep.build(batch, decoding, [(slot, probe.prompt_ids, 0) for slot, probe in zip(slots, joining, strict=True)], device)
+        packed = PackedStep.build(
+            batch, decoding, [(slot, probe.prompt_ids, 0) for slot, probe in zip(slots, joining, strict=True)], device
+        )
         logits = forward(model, packed, device, accepts_logits_to_keep)
         batch.advance()
         return logits
@@ -232,7 +252,9 @@ def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logit
     for n, probe in enumerate(probes[:2]):
         probe.token_ids.append(int(first[n].argmax()))
     second = step(decoding, probes[2:])
-    if share_prefixes and not (batch.prefix is not None and len(batch.prefix) == len(common) and all(batch.shares[s] for s in decoding)):
+    if share_prefixes and not (
+        batch.prefix is not None and len(batch.prefix) == len(common) and all(batch.shares[s] for s in decoding)
+    ):
         return False
     wanted = [plain(probe.prompt_ids + probe.token_ids) for probe in probes[:2]] + [plain(probes[2].prompt_ids)]
     return all(close(second[n], wanted[n]) for n in range(3))

@@ -37,7 +37,6 @@ from generation_core.secrets import without_url_credentials
 logger = logging.getLogger(__name__)
 
 
-
 class RemoteRequestRejected(ValueError):
     """The server answered 4xx: this request cannot succeed as sent (never retried)."""
 
@@ -97,11 +96,15 @@ def parse_completion(payload: dict[str, Any], want_logprobs: bool) -> EngineOutp
     if want_logprobs:
         values = logprobs.get("token_logprobs")
         if values is None or len(values) != len(token_ids):
-            raise RemoteServerUnavailable(f"the server returned {len(token_ids)} tokens but {0 if values is None else len(values)} logprobs")
+            raise RemoteServerUnavailable(
+                f"the server returned {len(token_ids)} tokens but {0 if values is None else len(values)} logprobs"
+            )
         # A logprob of -inf comes back as null from some servers.
         log_probs = [-math.inf if v is None else float(v) for v in values]
     # The server's finish_reason as it is: "stop" / "length" (engines/base.py's names), or its own.
-    return EngineOutput(token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason=choice.get("finish_reason"))
+    return EngineOutput(
+        token_ids=[int(t) for t in token_ids], log_probs=log_probs, stop_reason=choice.get("finish_reason")
+    )
 
 
 class CompletionsServer:
@@ -132,7 +135,9 @@ class CompletionsServer:
         self.probe_interval = probe_interval
         self.stats = {"requests": 0, "generated_tokens": 0}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any
+    ) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         max_tokens = response_budget(self.prompt_length, self.response_length, len(prompt_ids), params.max_tokens)
         if max_tokens <= 0:
@@ -143,15 +148,21 @@ class CompletionsServer:
         try:
             answer = await self.http.post(self.base_url + "/v1/completions", json=body)
         except httpx.HTTPError as exc:
-            raise RemoteServerUnavailable(f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}") from None
+            raise RemoteServerUnavailable(
+                f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}"
+            ) from None
         if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
-            raise RemoteRequestRejected(f"{self.name} refused request {request_id} ({answer.status_code}): {_error_message(answer)}")
+            raise RemoteRequestRejected(
+                f"{self.name} refused request {request_id} ({answer.status_code}): {_error_message(answer)}"
+            )
         if answer.status_code >= 400:
             raise RemoteServerUnavailable(f"{self.name} answered {answer.status_code}: {_error_message(answer)}")
         try:
             payload = answer.json()
         except ValueError:
-            raise RemoteServerUnavailable(f"{self.name} answered with something that is not JSON: {without_url_credentials(answer.text[:200])!r}") from None
+            raise RemoteServerUnavailable(
+                f"{self.name} answered with something that is not JSON: {without_url_credentials(answer.text[:200])!r}"
+            ) from None
         output = parse_completion(payload, params.logprobs)
         self.stats["requests"] += 1
         self.stats["generated_tokens"] += len(output.token_ids)
@@ -188,7 +199,9 @@ class CompletionsServer:
         try:
             answer = await self.http.get(self.base_url + path)
         except httpx.HTTPError as exc:
-            raise RemoteServerUnavailable(f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}") from None
+            raise RemoteServerUnavailable(
+                f"{self.name}: {type(exc).__name__}: {without_url_credentials(str(exc))}"
+            ) from None
         if answer.status_code >= 400:
             raise RemoteServerUnavailable(f"{self.name}{path} answered {answer.status_code}")
         return answer
@@ -218,13 +231,21 @@ def open_servers(cfg: DictConfig) -> dict[str, CompletionsServer]:
         # No read timeout: a long generation is not a dead server (generation.request_timeout
         # bounds a request when set).
         timeout=httpx.Timeout(None, connect=float(settings.connect_timeout or RemoteEngineKwargs.connect_timeout)),
-        limits=httpx.Limits(max_connections=int(settings.max_connections or RemoteEngineKwargs.max_connections) * len(urls), max_keepalive_connections=None),
+        limits=httpx.Limits(
+            max_connections=int(settings.max_connections or RemoteEngineKwargs.max_connections) * len(urls),
+            max_keepalive_connections=None,
+        ),
     )
     interval = float(settings.health_interval or RemoteEngineKwargs.health_interval)
     servers: dict[str, CompletionsServer] = {}
     for position, url in enumerate(urls):
         server = CompletionsServer(
-            url, http, model=settings.model, prompt_length=rollout.prompt_length, response_length=rollout.response_length, probe_interval=interval
+            url,
+            http,
+            model=settings.model,
+            prompt_length=rollout.prompt_length,
+            response_length=rollout.response_length,
+            probe_interval=interval,
         )
         # Two URLs that differ only in their credentials stay two servers.
         servers[server.name if server.name not in servers else f"{server.name} [{position}]"] = server
@@ -250,10 +271,16 @@ class CompletionsServers:
                 break
             if time.monotonic() >= deadline:
                 await next(iter(servers.values())).http.aclose()
-                raise GenrunError(f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})")
+                raise GenrunError(
+                    f"none of the {len(servers)} remote inference server(s) answers ({', '.join(servers)})"
+                )
             await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.1)))
         self._servers = servers
-        unanswered: dict[str, BaseException] = {url: RemoteServerUnavailable(f"{url} did not answer at connect") for url, ok in zip(servers, answered, strict=True) if not ok}
+        unanswered: dict[str, BaseException] = {
+            url: RemoteServerUnavailable(f"{url} did not answer at connect")
+            for url, ok in zip(servers, answered, strict=True)
+            if not ok
+        }
         return servers, unanswered
 
     async def aclose(self) -> None:
@@ -269,8 +296,14 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
         results = await asyncio.gather(*[server.models() for server in servers.values()], return_exceptions=True)
     finally:
         await next(iter(servers.values())).http.aclose()
-    answering = {url: models for url, models in zip(servers, results, strict=True) if not isinstance(models, BaseException)}
-    down = {url: without_url_credentials(str(err)) for url, err in zip(servers, results, strict=True) if isinstance(err, BaseException)}
+    answering = {
+        url: models for url, models in zip(servers, results, strict=True) if not isinstance(models, BaseException)
+    }
+    down = {
+        url: without_url_credentials(str(err))
+        for url, err in zip(servers, results, strict=True)
+        if isinstance(err, BaseException)
+    }
     if not answering:
         raise GenrunError(
             f"none of the {len(servers)} remote inference server(s) answered: "
@@ -278,12 +311,16 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
             + "; start them (docs/engines.md: External inference servers) or fix actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
         )
     for url, why in down.items():
-        logger.warning("remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why)
+        logger.warning(
+            "remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why
+        )
     wanted = remote_settings(cfg).model
     chosen = {}
     for url, models in answering.items():
         if wanted and wanted not in models:
-            raise GenrunError(f"remote server {url} serves {models}, not engine_kwargs.remote.model={wanted!r}; set it to the served model name")
+            raise GenrunError(
+                f"remote server {url} serves {models}, not engine_kwargs.remote.model={wanted!r}; set it to the served model name"
+            )
         if not models:
             raise GenrunError(f"remote server {url} lists no model at /v1/models")
         chosen[url] = wanted or models[0]

@@ -52,7 +52,14 @@ class _EngineReplica(RolloutReplica):
         server = cast(
             ActorHandle,  # what it is; ray types it as the handle or the class
             ray.remote(EngineServer)
-            .options(name=name, num_cpus=0, num_gpus=self.gpus(), max_concurrency=self.max_concurrency, max_restarts=ENGINE_RESTARTS, max_task_retries=0)
+            .options(
+                name=name,
+                num_cpus=0,
+                num_gpus=self.gpus(),
+                max_concurrency=self.max_concurrency,
+                max_restarts=ENGINE_RESTARTS,
+                max_task_retries=0,
+            )
             .remote(self.build_engine()),
         )
         await server.health.remote()
@@ -139,7 +146,11 @@ def _model_tokens(model_path: str) -> tuple[int, int]:
     return (eos[0] if isinstance(eos, list) else eos), int(model_config.get("vocab_size", 1000))
 
 
-GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {"hf": HFReplica, "instant": InstantReplica, "simulated": SimulatedReplica}
+GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {
+    "hf": HFReplica,
+    "instant": InstantReplica,
+    "simulated": SimulatedReplica,
+}
 
 for _name, _replica in GENRUN_ENGINES.items():
     register_replica_class(_name, _replica)

@@ -82,7 +82,14 @@ def _sendable(error: BaseException | None) -> BaseException | None:
 class RequestBatcher:
     """The client side, one per replica handle and event loop: `call(request)` -> that request's output."""
 
-    def __init__(self, handle: Any, *, linger_seconds: float = LINGER_SECONDS, max_batch: int = MAX_BATCH, on_load: LoadReport | None = None):
+    def __init__(
+        self,
+        handle: Any,
+        *,
+        linger_seconds: float = LINGER_SECONDS,
+        max_batch: int = MAX_BATCH,
+        on_load: LoadReport | None = None,
+    ):
         self._method = getattr(handle, BATCH_METHOD).options(num_returns="streaming")
         self._on_load = on_load
         self._linger_seconds = linger_seconds
@@ -138,4 +145,6 @@ class RequestBatcher:
             return
         for _, answer in batch:
             if not answer.done():
-                answer.set_exception(EngineCallFailed("the replica ended a batched call without answering this request"))
+                answer.set_exception(
+                    EngineCallFailed("the replica ended a batched call without answering this request")
+                )

@@ -41,9 +41,13 @@ def sample_next_tokens(
     else:
         sampled_index = None
         rows = logits.float()
-    temperature = torch.tensor([params[i].temperature for i in sampled_rows], dtype=rows.dtype, device=device).unsqueeze(1)
+    temperature = torch.tensor(
+        [params[i].temperature for i in sampled_rows], dtype=rows.dtype, device=device
+    ).unsqueeze(1)
     rows = rows / temperature
-    if all(params[i].top_k <= 0 or params[i].top_k >= vocab for i in sampled_rows) and all(params[i].top_p >= 1.0 for i in sampled_rows):
+    if all(params[i].top_k <= 0 or params[i].top_k >= vocab for i in sampled_rows) and all(
+        params[i].top_p >= 1.0 for i in sampled_rows
+    ):
         # Nothing to filter (the default sampling): no sort over the vocabulary, which costs
         # several times the draw itself on a CPU.
         tokens = _draw(rows.softmax(dim=-1), [generators[i] for i in sampled_rows])
@@ -55,7 +59,9 @@ def sample_next_tokens(
     return chosen
 
 
-def _filtered_draw(rows: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def _filtered_draw(
+    rows: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """One token per row of tempered logits `rows`, after that row's top-k and top-p."""
     device, vocab = rows.device, rows.shape[1]
     sorted_logits, sorted_ids = rows.sort(dim=-1, descending=True)

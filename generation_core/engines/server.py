@@ -59,7 +59,12 @@ class EngineServer:
     def health(self) -> dict:
         # torch's threads where the engine runs on torch; an engine without it never imports it.
         torch = sys.modules.get("torch")
-        return dict(self.engine.stats, pid=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0), torch_threads=torch.get_num_threads() if torch else None)
+        return dict(
+            self.engine.stats,
+            pid=os.getpid(),
+            nice=os.getpriority(os.PRIO_PROCESS, 0),
+            torch_threads=torch.get_num_threads() if torch else None,
+        )
 
     # verl's replica API: weights never change during generation, so these are no-ops.
     async def wake_up(self):
@@ -84,7 +89,10 @@ def _run_at_normal_priority() -> None:
         if os.getpriority(os.PRIO_PROCESS, 0) > 0:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
     except (PermissionError, AttributeError):  # AttributeError: no setpriority on this platform
-        logger.info("the engine process keeps nice %d (raising its priority needs CAP_SYS_NICE)", os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0)
+        logger.info(
+            "the engine process keeps nice %d (raising its priority needs CAP_SYS_NICE)",
+            os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0,
+        )
 
 
 def cpu_threads_per_replica(replicas_on_node: int) -> int:

@@ -50,7 +50,9 @@ class SharedPrefix:
     values: list[torch.Tensor]
 
     @classmethod
-    def copy_of(cls, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], slot: int, first_column: int) -> SharedPrefix:
+    def copy_of(
+        cls, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], slot: int, first_column: int
+    ) -> SharedPrefix:
         """The prefix `tokens` as `slot` holds it at columns [first_column, + len(tokens))."""
         span = slice(first_column, first_column + len(tokens))
         return cls(tuple(tokens), [k[slot, :, span].clone() for k in keys], [v[slot, :, span].clone() for v in values])
@@ -82,7 +84,13 @@ class CascadeStep:
 
 
 def cascade_decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cascade: CascadeStep | None, layer: int, scale: float | None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cascade: CascadeStep | None,
+    layer: int,
+    scale: float | None,
 ) -> torch.Tensor:
     """query [rows, heads, 1, dim]; keys/values [rows, kv_heads, window, dim], the rows' own
     columns (after the shared prefix for the rows that share it); mask [rows, 1, 1, window],
@@ -94,7 +102,9 @@ def cascade_decode_attention(
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     grouped = query.reshape(rows, kv_heads, group, dim)
-    own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, keys, values, attn_mask=mask, scale=scale)
+    own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        grouped, keys, values, attn_mask=mask, scale=scale
+    )
     if cascade is None:
         return own.reshape(rows, heads, 1, dim)
     prefix_keys, prefix_values = cascade.prefix.keys[layer], cascade.prefix.values[layer]

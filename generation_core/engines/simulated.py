@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from generation_core.config.settings import SimulatedEngineKwargs
-from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, EngineStopped, SamplingParams, response_budget
+from generation_core.engines.base import (
+    STOP_EOS,
+    STOP_LENGTH,
+    EngineOutput,
+    EngineStopped,
+    SamplingParams,
+    response_budget,
+)
 from generation_core.engines.instant import answer_tokens
 
 
@@ -97,7 +104,7 @@ def block_keys(token_ids: list[int], block_tokens: int) -> list[int]:
     """Chained hashes of `token_ids`' whole blocks of `block_tokens` (a key names its whole prefix)."""
     keys, key = [], 0
     for end in range(block_tokens, len(token_ids) + 1, block_tokens):
-        key = hash((key, tuple(token_ids[end - block_tokens:end])))
+        key = hash((key, tuple(token_ids[end - block_tokens : end])))
         keys.append(key)
     return keys
 
@@ -120,9 +127,17 @@ class SimulatedEngine:
     def __init__(self, settings: SimulatedSettings):
         self.settings = settings
         self.stats: dict[str, Any] = {
-            "requests": 0, "generated_tokens": 0, "running": 0, "waiting": 0, "steps": 0,
-            "busy_slot_seconds": 0.0, "simulated_seconds": 0.0,
-            "prefill_tokens": 0, "prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0,
+            "requests": 0,
+            "generated_tokens": 0,
+            "running": 0,
+            "waiting": 0,
+            "steps": 0,
+            "busy_slot_seconds": 0.0,
+            "simulated_seconds": 0.0,
+            "prefill_tokens": 0,
+            "prefix_hits": 0,
+            "prefix_misses": 0,
+            "prefix_reused_tokens": 0,
         }
         self.cache = BlockPrefixCache(settings.prefix_cache_tokens, settings.cache_block_tokens)
         self._draws = random.Random(settings.seed)
@@ -137,12 +152,16 @@ class SimulatedEngine:
         """Requests in the engine: running and waiting for a slot."""
         return len(self._running) + len(self._waiting)
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any) -> EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_unused: Any
+    ) -> EngineOutput:
         if self._stopped:
             raise EngineStopped("the simulated engine is shut down")
         params = SamplingParams.from_request(sampling_params)
         tokens, stop_reason = self._response(prompt_ids, params)
-        seq = _Sequence(list(prompt_ids), tokens, stop_reason, asyncio.get_running_loop().create_future(), params.logprobs)
+        seq = _Sequence(
+            list(prompt_ids), tokens, stop_reason, asyncio.get_running_loop().create_future(), params.logprobs
+        )
         self._waiting.append(seq)
         self.stats["requests"] += 1
         self._start()
@@ -174,14 +193,21 @@ class SimulatedEngine:
             return max(1, s.response_tokens_median)
         draw = self._draws
         if params.seed is not None:
-            digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids), digest_size=16)
+            digest = hashlib.blake2b(
+                struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids), digest_size=16
+            )
             draw = random.Random(digest.digest())
         normal = draw.gauss(0.0, 1.0)
         share = min(max(s.response_tokens_prompt_share, 0.0), 1.0)
         if share > 0:
             # The prompt's part is keyed by the prompt alone: every replica and every run agree on it.
-            prompt_digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16, person=b"prompt-length")
-            normal = math.sqrt(share) * random.Random(prompt_digest.digest()).gauss(0.0, 1.0) + math.sqrt(1.0 - share) * normal
+            prompt_digest = hashlib.blake2b(
+                struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16, person=b"prompt-length"
+            )
+            normal = (
+                math.sqrt(share) * random.Random(prompt_digest.digest()).gauss(0.0, 1.0)
+                + math.sqrt(1.0 - share) * normal
+            )
         return max(1, round(math.exp(math.log(max(1, s.response_tokens_median)) + s.response_tokens_sigma * normal)))
 
     # ---- the batch ---------------------------------------------------------------------------
@@ -239,7 +265,9 @@ class SimulatedEngine:
             self.stats["generated_tokens"] += len(seq.tokens)
             if not seq.answer.done():
                 logprobs = [-1.0] * len(seq.tokens) if seq.logprobs else None
-                seq.answer.set_result(EngineOutput(token_ids=seq.tokens, log_probs=logprobs, stop_reason=seq.stop_reason, num_preempted=0))
+                seq.answer.set_result(
+                    EngineOutput(token_ids=seq.tokens, log_probs=logprobs, stop_reason=seq.stop_reason, num_preempted=0)
+                )
         self._running = still
         self.stats["running"], self.stats["waiting"] = len(self._running), len(self._waiting)
 

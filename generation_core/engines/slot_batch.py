@@ -133,7 +133,10 @@ class SlotBatch:
     def kv_of(self, slot: int) -> KV:
         """What `slot` holds, as views into the store: columns [row_start, end) of each layer."""
         lo, hi = self.row_start[slot], self.end
-        return [(k[slot : slot + 1, :, lo:hi], v[slot : slot + 1, :, lo:hi]) for k, v in zip(self.keys, self.values, strict=True)]
+        return [
+            (k[slot : slot + 1, :, lo:hi], v[slot : slot + 1, :, lo:hi])
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
 
     def leave(self, slot: int) -> None:
         self.sequences[slot] = None
@@ -203,7 +206,9 @@ class SlotBatch:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def decode_mask(self, rows: int, decoding: list[int], first_column: int, device: str, additive: torch.dtype | None = None) -> torch.Tensor:
+    def decode_mask(
+        self, rows: int, decoding: list[int], first_column: int, device: str, additive: torch.dtype | None = None
+    ) -> torch.Tensor:
         """[rows, 1, 1, end - first_column + 1]: a decoding slot attends to its own columns
         (`own_start` on); any other slot (free, or joining this step) to the column being
         written only, so that no row's softmax is empty. bool (True: attend), or with `additive`

@@ -35,7 +35,11 @@ def plugin_entry_points() -> list[EntryPoint]:
     if policy == "none":
         return []
     allowed = None if policy == "auto" else {name.strip() for name in policy.split(",") if name.strip()}
-    return [entry_point for entry_point in entry_points(group=PLUGIN_GROUP) if allowed is None or entry_point.name in allowed]
+    return [
+        entry_point
+        for entry_point in entry_points(group=PLUGIN_GROUP)
+        if allowed is None or entry_point.name in allowed
+    ]
 
 
 def load_plugin_entry_points() -> None:
@@ -84,7 +88,9 @@ def load_agent_loop_config(path: str) -> list[str]:
         try:
             hydra.utils.get_class(entry._target_)
         except Exception as exc:  # noqa: BLE001 - hydra wraps import errors of user code in several types
-            raise GenrunError(f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {' '.join(str(exc).split())[:300]}") from None
+            raise GenrunError(
+                f"{key}={path!r}: agent loop {entry.name!r} names {entry._target_!r}, which cannot be imported: {' '.join(str(exc).split())[:300]}"
+            ) from None
         register_agent_loop(entry.name, entry)
         names.append(entry.name)
     return names
@@ -130,8 +136,12 @@ def check_tools(cfg: DictConfig, agent_names: Iterable[str]) -> int:
     try:
         # verl's BaseTool prints every schema it builds; a preflight check should not.
         with contextlib.redirect_stdout(io.StringIO()):
-            tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
+            tools = load_all_tools(
+                tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"]
+            )
     except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
         shown = next(f"{name}={path!r}" for name, path in paths.items() if path)
-        raise GenrunError(f"tool config actor_rollout_ref.rollout.multi_turn.{shown} does not load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise GenrunError(
+            f"tool config actor_rollout_ref.rollout.multi_turn.{shown} does not load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     return len(tools)

@@ -80,7 +80,11 @@ def data_storage_options(cfg: DictConfig) -> dict[str, Any]:
     options = cfg.data.get("storage_options")
     if options is None:
         options = cfg.storage.options
-    return dict(options) if isinstance(options, dict) else dict(cast(dict[str, Any], OmegaConf.to_container(options, resolve=True)))
+    return (
+        dict(options)
+        if isinstance(options, dict)
+        else dict(cast(dict[str, Any], OmegaConf.to_container(options, resolve=True)))
+    )
 
 
 def _filesystem(url: str, options: dict[str, Any]):
@@ -108,7 +112,9 @@ def resolve_train_files(cfg: DictConfig) -> list[str]:
             if any(char in path for char in _GLOB_CHARS):
                 matches = sorted(p for p in fs.glob(path) if not fs.isdir(p))
                 if not matches:
-                    raise GenrunError(f"data.train_files pattern {entry} matches no file; check the path and the bucket, or list the files")
+                    raise GenrunError(
+                        f"data.train_files pattern {entry} matches no file; check the path and the bucket, or list the files"
+                    )
             elif fs.isdir(path):
                 matches = sorted(p for p in fs.glob(path.rstrip("/") + "/*.parquet") if not fs.isdir(p))
                 if not matches:
@@ -130,9 +136,13 @@ def storage_errors(url: str):
     except GenrunError:
         raise
     except FileNotFoundError:
-        raise GenrunError(f"data file {url} does not exist (or its bucket does not); set data.train_files to an existing file, directory or pattern") from None
+        raise GenrunError(
+            f"data file {url} does not exist (or its bucket does not); set data.train_files to an existing file, directory or pattern"
+        ) from None
     except IsADirectoryError:
-        raise GenrunError(f"data file {url} is a directory, not a file; list the files in it in data.train_files, e.g. data.train_files=[{url}/part-0.parquet]") from None
+        raise GenrunError(
+            f"data file {url} is a directory, not a file; list the files in it in data.train_files, e.g. data.train_files=[{url}/part-0.parquet]"
+        ) from None
     except PermissionError:
         raise GenrunError(
             f"data file {url} is not readable (permission denied); make it readable by this user, copy it to a readable place, "
@@ -150,9 +160,15 @@ def open_input(url: str, options: dict[str, Any]):
     return fs.open(path, "rb")
 
 
-def read_json_table(url: str, options: dict[str, Any], planned: DataFile | None = None,
-                    batch_limits: BatchLimits | None = None, *, first_row: int = 0,
-                    custom_ids: FirstSeen | None = None) -> pa.Table:
+def read_json_table(
+    url: str,
+    options: dict[str, Any],
+    planned: DataFile | None = None,
+    batch_limits: BatchLimits | None = None,
+    *,
+    first_row: int = 0,
+    custom_ids: FirstSeen | None = None,
+) -> pa.Table:
     """A JSON/JSONL input file, whole (refused above JSON_MAX_BYTES); with `planned`, refused
     when it is not the file the run was planned from (check_planned). An OpenAI batch file
     becomes rows in verl's layout (openai_batch.py), its lines checked against `batch_limits`
@@ -212,7 +228,9 @@ def check_index_field(url: str, schema: pa.Schema) -> None:
         raise GenrunError(f"data file {url}: extra_info.index is missing (extra_info is {info}); {_INDEX_RULE}")
     kind = info.field("index").type
     if not pa.types.is_integer(kind):
-        raise GenrunError(f"data file {url}: extra_info.index is missing or not an integer (it is {kind}); {_INDEX_RULE}")
+        raise GenrunError(
+            f"data file {url}: extra_info.index is missing or not an integer (it is {kind}); {_INDEX_RULE}"
+        )
 
 
 def _read_indices(url: str, source: pq.ParquetFile | pa.Table, rows: int) -> np.ndarray:
@@ -251,7 +269,9 @@ def check_unique_indices(files: list[DataFile], indices: list[np.ndarray]) -> No
         number = int(np.searchsorted(starts, row, side="right") - 1)
         return f"{files[number].url} row {row - int(starts[number])}"
 
-    raise GenrunError(f"data file {where(position)}: extra_info.index {value} repeats (also in {where(first)}); ids must be unique")
+    raise GenrunError(
+        f"data file {where(position)}: extra_info.index {value} repeats (also in {where(first)}); ids must be unique"
+    )
 
 
 def planned_digest(footer_or_content: bytes) -> str:
@@ -322,7 +342,9 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
     for url in resolve_train_files(cfg):
         first_row = sum(f.rows for f in files)
         if not url.endswith(SUPPORTED_SUFFIXES):
-            raise GenrunError(f"data file {url}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})")
+            raise GenrunError(
+                f"data file {url}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})"
+            )
         with storage_errors(url):
             fs, path = _filesystem(url, options)
             size = fs.size(path)
@@ -334,14 +356,17 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     check_text_only(cfg, url, schema, parquet)
                     take = rows if cap is None else max(min(rows, cap - used), 0)
                     indices.append(_read_indices(url, parquet, take))
-                    names = _agent_names(parquet.read(columns=["agent_name"]) if take and "agent_name" in schema.names else None, take)
+                    names = _agent_names(
+                        parquet.read(columns=["agent_name"]) if take and "agent_name" in schema.names else None, take
+                    )
                     footer = footer_bytes(handle, size)
                     content = footer + _sampled_content(fs, path, size)
                     file_digest = planned_digest(footer)
             else:
                 # Several OpenAI batch files: custom_ids unique across them, requests numbered on.
-                table = read_json_table(url, options, batch_limits=BatchLimits.of(cfg), first_row=first_row,
-                                        custom_ids=custom_ids)
+                table = read_json_table(
+                    url, options, batch_limits=BatchLimits.of(cfg), first_row=first_row, custom_ids=custom_ids
+                )
                 schema, rows = table.schema, table.num_rows
                 _check_schema(url, schema, cfg.data.prompt_key, reference)
                 check_text_only(cfg, url, schema, table)
@@ -377,9 +402,11 @@ def _check_schema(url: str, schema: pa.Schema, prompt_key: str, reference: tuple
     if reference is None or schema.remove_metadata().equals(reference[1].remove_metadata()):
         return
     first_url, first = reference
-    differing = sorted(set(schema.names) ^ set(first.names)) or [
-        name for name in first.names if not schema.field(name).type.equals(first.field(name).type)
-    ] or list(first.names)
+    differing = (
+        sorted(set(schema.names) ^ set(first.names))
+        or [name for name in first.names if not schema.field(name).type.equals(first.field(name).type)]
+        or list(first.names)
+    )
     name = differing[0]
     here = str(schema.field(name).type) if name in schema.names else "absent"
     there = str(first.field(name).type) if name in first.names else "absent"
@@ -387,4 +414,3 @@ def _check_schema(url: str, schema: pa.Schema, prompt_key: str, reference: tuple
         f"data file {url} has another schema than {first_url} (column {name!r}: {here} here, {there} there); "
         "every file of data.train_files must have the same columns and types: rewrite them with one schema"
     )
-

@@ -47,7 +47,14 @@ DATA_SOURCE = "openai-batch"
 SHOWN_PROBLEMS = 5
 DETECT_LINES = 100
 
-SAMPLING_TYPES = {"temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(), "seed": pa.int64(), "max_tokens": pa.int64(), "logprobs": pa.bool_()}
+SAMPLING_TYPES = {
+    "temperature": pa.float64(),
+    "top_p": pa.float64(),
+    "top_k": pa.int64(),
+    "seed": pa.int64(),
+    "max_tokens": pa.int64(),
+    "logprobs": pa.bool_(),
+}
 SAMPLING = pa.struct([pa.field(name, kind) for name, kind in SAMPLING_TYPES.items()])
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string()), pa.field("name", pa.string())])
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -58,12 +65,38 @@ SCHEMA = pa.schema(
     [
         pa.field("data_source", pa.string()),
         pa.field("prompt", pa.list_(MESSAGE)),
-        pa.field("extra_info", pa.struct([pa.field("index", pa.int64()), pa.field("custom_id", pa.string()), pa.field("url", pa.string()), pa.field("sampling_params", SAMPLING)])),
+        pa.field(
+            "extra_info",
+            pa.struct(
+                [
+                    pa.field("index", pa.int64()),
+                    pa.field("custom_id", pa.string()),
+                    pa.field("url", pa.string()),
+                    pa.field("sampling_params", SAMPLING),
+                ]
+            ),
+        ),
     ]
 )
 
 # Body keys read for the prompt or sampling, or without effect on what is generated.
-_READ = {"messages", "prompt", "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stream", "user", "metadata", "store"}
+_READ = {
+    "messages",
+    "prompt",
+    "model",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "stream",
+    "user",
+    "metadata",
+    "store",
+}
 # Parameters genrun's engines do not apply: accepted only at the value that changes nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
@@ -118,8 +151,9 @@ FirstSeen = dict[str, tuple[str, int]]
 """custom_id -> (file URL, line number) where it first appears among the run's batch files."""
 
 
-def batch_table(url: str, content: bytes, limits: BatchLimits | None = None, first_row: int = 0,
-                seen: FirstSeen | None = None) -> pa.Table:
+def batch_table(
+    url: str, content: bytes, limits: BatchLimits | None = None, first_row: int = 0, seen: FirstSeen | None = None
+) -> pa.Table:
     """A batch file's requests as rows in verl's layout (see the module docstring); a GenrunError
     naming the bad lines. `limits`: also check each line against the run's settings. `first_row`:
     the index of the first request. `seen`: the custom_ids of the run's earlier batch files
@@ -225,8 +259,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
             raise _BadLine(f"{where} is not a message with a role")
         if message["role"] not in ROLES:
             role = message["role"]
-            raise _BadLine(f"{where}.role {role!r} is not one a chat template renders; "
-                           "use system, developer, user or assistant")
+            raise _BadLine(
+                f"{where}.role {role!r} is not one a chat template renders; use system, developer, user or assistant"
+            )
         if message.get("tool_calls"):
             raise _BadLine(f"{where}: tool calls in batch prompts are not supported; give text messages")
         try:
@@ -237,11 +272,13 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise _BadLine(f"{where}.name must be text")
-        converted.append({
-            "role": ROLES[message["role"]],
-            "content": _text(content, f"{where}.content"),
-            "name": None if name is None else _text(name, f"{where}.name"),
-        })
+        converted.append(
+            {
+                "role": ROLES[message["role"]],
+                "content": _text(content, f"{where}.content"),
+                "name": None if name is None else _text(name, f"{where}.name"),
+            }
+        )
     return converted
 
 
@@ -250,7 +287,9 @@ def _completion_prompt(body: dict[str, Any]) -> list[dict[str, str | None]]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
-        raise _BadLine("body.prompt must be one non-empty string (token-id and multi-prompt requests are not supported)")
+        raise _BadLine(
+            "body.prompt must be one non-empty string (token-id and multi-prompt requests are not supported)"
+        )
     return [{"role": "user", "content": _text(prompt, "body.prompt"), "name": None}]
 
 
@@ -294,14 +333,18 @@ def _number(body: dict[str, Any], key: str, kind: type, low: float | None, high:
 def _check_limits(body: dict[str, Any], sampling: dict[str, Any], limits: BatchLimits) -> None:
     n = body.get("n")
     if n is not None and n != limits.n:
-        raise _BadLine(f"body.n={n} differs from actor_rollout_ref.rollout.n={limits.n}; set rollout.n={n} or give every line the same n")
+        raise _BadLine(
+            f"body.n={n} differs from actor_rollout_ref.rollout.n={limits.n}; set rollout.n={n} or give every line the same n"
+        )
     if sampling["max_tokens"] is not None and sampling["max_tokens"] > limits.response_length:
         raise _BadLine(
             f"max_tokens {sampling['max_tokens']} is above the run's response length {limits.response_length}; "
             f"raise data.max_response_length to at least {sampling['max_tokens']}"
         )
     if sampling["seed"] is not None and limits.engine not in SEEDED_ENGINES:
-        raise _BadLine(f"body.seed: rollout.name={limits.engine} does not honour per-request seeds (these do: {', '.join(SEEDED_ENGINES)}); remove it")
+        raise _BadLine(
+            f"body.seed: rollout.name={limits.engine} does not honour per-request seeds (these do: {', '.join(SEEDED_ENGINES)}); remove it"
+        )
     if sampling["logprobs"] and not limits.calculate_log_probs:
         raise _BadLine("body.logprobs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
 
@@ -312,4 +355,6 @@ def line_sampling_params(row_kwargs: dict[str, Any]) -> dict[str, Any]:
     extra_info = row_kwargs.get("extra_info")
     if not isinstance(extra_info, dict) or not isinstance(extra_info.get("sampling_params"), dict):
         return {}
-    return {key: value for key, value in extra_info["sampling_params"].items() if value is not None and key != "logprobs"}
+    return {
+        key: value for key, value in extra_info["sampling_params"].items() if value is not None and key != "logprobs"
+    }

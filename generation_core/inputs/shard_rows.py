@@ -33,7 +33,13 @@ from generation_core.inputs.dataset_files import (
     storage_errors,
 )
 from generation_core.run_plan import ShardSpec
-from generation_core.verl_adapter import PromptLengthSettings, hand_rows, overlong_prompt_rule, prompt_length_settings, rows_dataset
+from generation_core.verl_adapter import (
+    PromptLengthSettings,
+    hand_rows,
+    overlong_prompt_rule,
+    prompt_length_settings,
+    rows_dataset,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,9 @@ DIGEST_WINDOW_ROWS = 8192
 def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
     """Split rows 0..num_rows into `num_shards` contiguous, nearly equal ranges."""
     if num_shards > num_rows:
-        raise GenrunError(f"generation.num_shards={num_shards} is more than the {num_rows} prompts; use at most {num_rows}")
+        raise GenrunError(
+            f"generation.num_shards={num_shards} is more than the {num_rows} prompts; use at most {num_rows}"
+        )
     base, extra = divmod(num_rows, num_shards)
     shards, start = [], 0
     for shard_id in range(num_shards):
@@ -147,7 +155,10 @@ class _BatchedLengths:
         caller then asks verl's predicate row by row, which reports the row that fails)."""
         try:
             texts = self.tokenizer.apply_chat_template(
-                [doc[self.prompt_key] for doc in docs], add_generation_prompt=True, tokenize=False, **self.template_kwargs
+                [doc[self.prompt_key] for doc in docs],
+                add_generation_prompt=True,
+                tokenize=False,
+                **self.template_kwargs,
             )
             ids = self.tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]
         except Exception:  # noqa: BLE001 - any failure goes to verl's per-row rule, which reports it
@@ -185,7 +196,11 @@ class ShardPrompts:
         hand_rows(self._dataset, self._rows)
         self._length_rule = overlong_prompt_rule(self._dataset)
         length_settings = prompt_length_settings(self._dataset)
-        self._batched_lengths = _BatchedLengths(length_settings, tokenizer) if self._length_rule is not None and not length_settings.has_processor else None
+        self._batched_lengths = (
+            _BatchedLengths(length_settings, tokenizer)
+            if self._length_rule is not None and not length_settings.has_processor
+            else None
+        )
         self._batched_checked = False
         self.num_rows = table.num_rows
         # Per raw row: 1 kept, 0 dropped as overlong, -1 not decided yet.
@@ -193,7 +208,9 @@ class ShardPrompts:
         self._kept_positions: np.ndarray | None = None
         self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
-        self._names = pc.unique(table.column("agent_name")).to_pylist() if "agent_name" in table.column_names else [None]
+        self._names = (
+            pc.unique(table.column("agent_name")).to_pylist() if "agent_name" in table.column_names else [None]
+        )
         self.dispatch_rows: Sequence[int] = range(self.num_rows)
         """The raw rows in the order the shard job dispatches them: dataset order."""
 
@@ -225,7 +242,9 @@ class ShardPrompts:
             # The batched count must be verl's: checked against its own predicate on this window.
             verls = [bool(length_rule(doc)) for doc in docs]
             if verls != decided:
-                logger.warning("the batched prompt-length check disagrees with verl's overlong filter on this dataset; filtering row by row with verl's")
+                logger.warning(
+                    "the batched prompt-length check disagrees with verl's overlong filter on this dataset; filtering row by row with verl's"
+                )
                 self._batched_lengths = None
             decided = verls
             self._batched_checked = True

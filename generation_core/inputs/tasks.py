@@ -73,13 +73,17 @@ class TaskConfig:
     @classmethod
     def of(cls, entry: Any, where: str) -> TaskConfig:
         if not isinstance(entry, dict):
-            raise GenrunError(f"{where} must be a mapping with loading_params and prompt_format, got {type(entry).__name__}")
+            raise GenrunError(
+                f"{where} must be a mapping with loading_params and prompt_format, got {type(entry).__name__}"
+            )
         unknown = sorted(set(entry) - _TASK_KEYS)
         if unknown:
             raise GenrunError(f"{where}.{unknown[0]}: unknown task key; known: {', '.join(sorted(_TASK_KEYS))}")
         loading = entry.get("loading_params")
         if not isinstance(loading, dict) or not loading.get("path"):
-            raise GenrunError(f"{where}.loading_params.path is missing: name a hub dataset, parquet/json/csv (with data_files) or a save_to_disk folder")
+            raise GenrunError(
+                f"{where}.loading_params.path is missing: name a hub dataset, parquet/json/csv (with data_files) or a save_to_disk folder"
+            )
         prompt_format = entry.get("prompt_format") or {}
         kind = prompt_format.get("type", "template") if isinstance(prompt_format, dict) else None
         if kind not in PROMPT_FORMATS:
@@ -94,12 +98,22 @@ class TaskConfig:
                 raise GenrunError(f"{where}.prompt_format.prompt_template: {exc}") from None
         custom = entry.get("custom_cls")
         if custom is not None and not (isinstance(custom, dict) and custom.get("path") and custom.get("name")):
-            raise GenrunError(f"{where}.custom_cls needs path (a .py file) and name (a Task subclass in it), got {custom!r}")
+            raise GenrunError(
+                f"{where}.custom_cls needs path (a .py file) and name (a Task subclass in it), got {custom!r}"
+            )
         extra = entry.get("extra_fields") or []
         if not isinstance(extra, list) or not all(isinstance(name, str) for name in extra):
             raise GenrunError(f"{where}.extra_fields must be a list of column names, got {extra!r}")
         data_source = entry.get("data_source") or str(loading["path"])
-        return cls(where, dict(loading), {"type": kind, **prompt_format}, str(data_source), list(extra), custom, entry.get("ability"))
+        return cls(
+            where,
+            dict(loading),
+            {"type": kind, **prompt_format},
+            str(data_source),
+            list(extra),
+            custom,
+            entry.get("ability"),
+        )
 
     def config_hash(self, prompt_key: str, storage_options: dict[str, Any] | None = None) -> str:
         """The task's config (its place in the list aside), the prompt column it writes and the
@@ -132,7 +146,9 @@ class Task:
         path = str(params.pop("path"))
         local = os.path.expanduser(path)
         try:
-            if os.path.isdir(local) and any((Path(local) / marker).exists() for marker in ("dataset_dict.json", "state.json")):
+            if os.path.isdir(local) and any(
+                (Path(local) / marker).exists() for marker in ("dataset_dict.json", "state.json")
+            ):
                 loaded = datasets.load_from_disk(local, storage_options=storage_options)
             else:
                 if storage_options and "storage_options" not in params:
@@ -143,10 +159,14 @@ class Task:
                     params.setdefault("download_mode", "force_redownload")
                 loaded = datasets.load_dataset(path, **params)
         except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
-            raise GenrunError(f"{self.config.where}.loading_params: cannot load {path!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise GenrunError(
+                f"{self.config.where}.loading_params: cannot load {path!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise GenrunError(f"{self.config.where}.loading_params.split={split!r} is not in {path!r}; its splits: {', '.join(loaded)}")
+                raise GenrunError(
+                    f"{self.config.where}.loading_params.split={split!r} is not in {path!r}; its splits: {', '.join(loaded)}"
+                )
             return loaded[split]
         return loaded
 
@@ -161,7 +181,9 @@ class Task:
         names += [(name, "extra_fields") for name in self.config.extra_fields]
         for name, key in names:
             if name not in columns:
-                raise GenrunError(f"{self.config.where}.{key}: unknown column {name!r}; the dataset's columns: {', '.join(columns)}")
+                raise GenrunError(
+                    f"{self.config.where}.{key}: unknown column {name!r}; the dataset's columns: {', '.join(columns)}"
+                )
 
     def build_prompt(self, row: dict[str, Any]) -> list[dict[str, str]]:
         """The row's chat messages; BadRow when the row has none a chat template reads as text."""
@@ -259,13 +281,17 @@ def load_task_class(config: TaskConfig) -> type[Task]:
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - any error importing the user's file
-        raise GenrunError(f"{where}.path={path!r} fails to import: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        raise GenrunError(
+            f"{where}.path={path!r} fails to import: {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from None
     finally:
         sys.path.pop(0)
     sys.modules[module_name] = module
     found = getattr(module, name, None)
     if not (inspect.isclass(found) and issubclass(found, Task)):
-        raise GenrunError(f"{where}.name={name!r}: {path} defines no subclass of generation_core.inputs.tasks.Task by that name")
+        raise GenrunError(
+            f"{where}.name={name!r}: {path} defines no subclass of generation_core.inputs.tasks.Task by that name"
+        )
     return found
 
 
@@ -297,7 +323,9 @@ def task_configs(cfg: DictConfig) -> list[TaskConfig]:
         try:
             raw = OmegaConf.load(path)
         except Exception as exc:  # noqa: BLE001 - YAML and OmegaConf errors alike
-            raise GenrunError(f"{TASKS_KEY}={raw!r} is not a YAML list of tasks: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise GenrunError(
+                f"{TASKS_KEY}={raw!r} is not a YAML list of tasks: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
     entries = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, list | dict) else raw
     if isinstance(entries, dict):
         entries = [entries]
@@ -342,7 +370,9 @@ def _one_schema(where: list[str], files: list[bytes]) -> pa.Schema | None:
     try:
         return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise GenrunError(f"{', '.join(where)} build rows of types that do not combine ({str(exc).splitlines()[0]}); give the same columns one type in every task") from None
+        raise GenrunError(
+            f"{', '.join(where)} build rows of types that do not combine ({str(exc).splitlines()[0]}); give the same columns one type in every task"
+        ) from None
 
 
 def _in_schema(data: bytes, schema: pa.Schema) -> pa.Table:
@@ -353,8 +383,12 @@ def build_tasks(cfg: DictConfig) -> list[BuiltTask]:
     """Every task of `data.train_tasks`, built into the cache (or found there), in one schema."""
     configs = task_configs(cfg)
     prompt_key = cfg.data.prompt_key
-    storage_options = OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None
-    cache = StorageFolder(os.path.expanduser(cfg.data.get("task_cache_dir") or DEFAULT_CACHE_DIR), data_storage_options(cfg))
+    storage_options = (
+        OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None
+    )
+    cache = StorageFolder(
+        os.path.expanduser(cfg.data.get("task_cache_dir") or DEFAULT_CACHE_DIR), data_storage_options(cfg)
+    )
     classes = [(config, load_task_class(config)) for config in configs]  # every class loads before anything is built
     names, files, code_hashes = [], [], []
     first_index = 0
@@ -385,7 +419,9 @@ def resolve_train_tasks(cfg: DictConfig, default_train_files: str) -> list[Built
     if not task_configs(cfg):
         return []
     if cfg.data.train_files not in (None, default_train_files, []):
-        raise GenrunError(f"{TASKS_KEY} and data.train_files={cfg.data.train_files!r} are both set; tasks build the train files: set only one")
+        raise GenrunError(
+            f"{TASKS_KEY} and data.train_files={cfg.data.train_files!r} are both set; tasks build the train files: set only one"
+        )
     built = build_tasks(cfg)
     cfg.data.train_files = [task.url for task in built]
     return built

@@ -93,7 +93,9 @@ class ExportSummary:
         return text
 
 
-def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> int:
+def export_command(
+    run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
+) -> int:
     check_combination(options)
     if options.layout == RL_PROMPTS:
         return rl_prompts.export_command(run_url, out_url, options, storage_options)
@@ -108,14 +110,25 @@ def export_command(run_url: str, out_url: str, options: ExportOptions, storage_o
     return 0
 
 
-def export_batch_output(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> BatchExportSummary:
+def export_batch_output(
+    run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
+) -> BatchExportSummary:
     """The run in the OpenAI batch output layout (outputs/openai_batch_output.py)."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
     errors = errors_name(str(out_url).rstrip("/").rpartition("/")[2])
-    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite, beside=(errors,))
+    out_folder, out_name = output_location(
+        out_url, folder, storage_options, overwrite=options.overwrite, beside=(errors,)
+    )
     data_options = config.get("data", {}).get("storage_options") or storage_options
-    return export_openai_batch(folder, out_folder, out_name, _tokenizer(config, options), _tokenizer_dir(config, options.tokenizer), data_options)
+    return export_openai_batch(
+        folder,
+        out_folder,
+        out_name,
+        _tokenizer(config, options),
+        _tokenizer_dir(config, options.tokenizer),
+        data_options,
+    )
 
 
 def export_batch_input(
@@ -127,16 +140,25 @@ def export_batch_input(
     return export_openai_batch_input(folder, out_folder, out_name, options.trust_remote_code)
 
 
-def export_run(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None) -> ExportSummary:
+def export_run(
+    run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
+) -> ExportSummary:
     folder = StorageFolder(run_url, storage_options)
     record = read_run_record(folder)
     config = record.config
     parts = committed_parts(folder)
     if not parts:
-        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+        raise GenrunError(
+            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
+        )
     out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
     tools = export_tools.run_tool_schemas(config, options.trust_remote_code)
-    rebuilder = MessageRebuilder(_tokenizer(config, options), tools, config.get("data", {}).get("apply_chat_template_kwargs"), _eos_ids(config, options.tokenizer))
+    rebuilder = MessageRebuilder(
+        _tokenizer(config, options),
+        tools,
+        config.get("data", {}).get("apply_chat_template_kwargs"),
+        _eos_ids(config, options.tokenizer),
+    )
     schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
     summary = ExportSummary(out_folder.display(out_name))
@@ -164,9 +186,23 @@ def export_run(run_url: str, out_url: str, options: ExportOptions, storage_optio
         if not summary.rows:
             # Raised inside the block: nothing is published.
             if not summary.scored:
-                raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written")
-            raise GenrunError(f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written")
-    summary.card = out_folder.display(write_dataset_card(out_folder, out_name, record, card_counts(summary), card_filters(options, summary), options.layout, summary.stats))
+                raise GenrunError(
+                    f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written"
+                )
+            raise GenrunError(
+                f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written"
+            )
+    summary.card = out_folder.display(
+        write_dataset_card(
+            out_folder,
+            out_name,
+            record,
+            card_counts(summary),
+            card_filters(options, summary),
+            options.layout,
+            summary.stats,
+        )
+    )
     return summary
 
 
@@ -188,8 +224,14 @@ def _kept(
     return True
 
 
-def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools, storage_seconds: float | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"messages": rebuilt.messages} if layout == "messages" else {"prompt": rebuilt.prompt, "completion": rebuilt.response}
+def _row(
+    record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tools, storage_seconds: float | None
+) -> dict[str, Any]:
+    row: dict[str, Any] = (
+        {"messages": rebuilt.messages}
+        if layout == "messages"
+        else {"prompt": rebuilt.prompt, "completion": rebuilt.response}
+    )
     row.update(
         index=record.index,
         rollout_n=record.rollout_n,
@@ -208,7 +250,11 @@ def _row(record: TrajectoryRecord, rebuilt: RebuiltTrajectory, layout: str, tool
 
 
 def export_schema(layout: str, tools: list[dict[str, Any]] | None) -> pa.Schema:
-    text = [pa.field("messages", MESSAGES)] if layout == "messages" else [pa.field("prompt", MESSAGES), pa.field("completion", MESSAGES)]
+    text = (
+        [pa.field("messages", MESSAGES)]
+        if layout == "messages"
+        else [pa.field("prompt", MESSAGES), pa.field("completion", MESSAGES)]
+    )
     fields = [
         *text,
         pa.field("index", pa.int64()),
@@ -233,7 +279,9 @@ def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_rewar
     scored = 0
     for part in parts:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
-        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in table.column_names), strict=True):
+        for index, rollout_n, reward in zip(
+            *(table.column(name).to_pylist() for name in table.column_names), strict=True
+        ):
             reward = score_or_none(reward)
             scored += reward is not None
             if not _scored_at_least(reward, min_reward):
@@ -242,7 +290,9 @@ def best_samples(folder: StorageFolder, parts: list[CommittedPartRef], min_rewar
             if current is None or reward > current[0] or (reward == current[0] and rollout_n < current[1]):
                 best[index] = (reward, rollout_n)
     if not scored:
-        raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)")
+        raise GenrunError(
+            f"no trajectory of {folder.display()} has a reward, which --best-of-n needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores)"
+        )
     return {index: rollout_n for index, (_, rollout_n) in best.items()}
 
 
@@ -258,7 +308,9 @@ def _prompt_of(record: TrajectoryRecord) -> Any:
     fields = record.input_fields
     prompt = fields.get("raw_prompt", record.extra_fields.get("raw_prompt"))
     if prompt is None:
-        raise GenrunError(f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages")
+        raise GenrunError(
+            f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages"
+        )
     return prompt
 
 
@@ -267,7 +319,9 @@ def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
     path = os.path.expanduser(override or model.get("tokenizer_path") or model["path"])
     if not os.path.isdir(path):
         where = "--tokenizer" if override else "the run's actor_rollout_ref.model.path (run.json)"
-        raise GenrunError(f"tokenizer folder {path} ({where}) does not exist here; give the run's model or tokenizer folder with --tokenizer DIR")
+        raise GenrunError(
+            f"tokenizer folder {path} ({where}) does not exist here; give the run's model or tokenizer folder with --tokenizer DIR"
+        )
     return path
 
 

@@ -23,7 +23,10 @@ def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) ->
     paths = {name: multi_turn.get(name) for name in ("tool_config_path", "function_tool_path")}
     if not any(paths.values()):
         return None
-    resolved = {name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None for name, path in paths.items()}
+    resolved = {
+        name: existing_config_file(f"actor_rollout_ref.rollout.multi_turn.{name}", path) if path else None
+        for name, path in paths.items()
+    }
     if not trust_remote_code:
         return declared_tool_schemas(resolved)
     from verl.tools.tool_registry import load_all_tools
@@ -31,9 +34,13 @@ def run_tool_schemas(config: dict[str, Any], trust_remote_code: bool = False) ->
     try:
         # verl's BaseTool prints every schema it builds.
         with contextlib.redirect_stdout(io.StringIO()):
-            tools = load_all_tools(tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"])
+            tools = load_all_tools(
+                tool_config_path=resolved["tool_config_path"], function_tool_path=resolved["function_tool_path"]
+            )
     except Exception as exc:  # noqa: BLE001 - YAML, schema, import and constructor errors of user tools alike
-        raise GenrunError(f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise GenrunError(
+            f"the run's tool config ({paths}) does not load here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools] or None
 
 
@@ -43,13 +50,21 @@ def declared_tool_schemas(paths: dict[str, str | None]) -> list[dict[str, Any]] 
     from verl.tools.schemas import OpenAIFunctionToolSchema
 
     needs_code = f"function_tool_path={paths['function_tool_path']}" if paths["function_tool_path"] else None
-    declared = (cast(DictConfig, OmegaConf.load(paths["tool_config_path"])).get("tools") or []) if paths["tool_config_path"] else []
+    declared = (
+        (cast(DictConfig, OmegaConf.load(paths["tool_config_path"])).get("tools") or [])
+        if paths["tool_config_path"]
+        else []
+    )
     schemas = []
     for tool in declared:
         if tool.get("tool_schema") is None:
             needs_code = needs_code or f"{tool.get('class_name')} in {paths['tool_config_path']} (no tool_schema)"
             continue
-        schemas.append(OpenAIFunctionToolSchema.model_validate(OmegaConf.to_container(tool.tool_schema, resolve=True)).model_dump(exclude_unset=True, exclude_none=True))
+        schemas.append(
+            OpenAIFunctionToolSchema.model_validate(OmegaConf.to_container(tool.tool_schema, resolve=True)).model_dump(
+                exclude_unset=True, exclude_none=True
+            )
+        )
     if needs_code:
         raise GenrunError(
             f"the run's tool schemas come from code ({needs_code}), which genrun export runs only when asked: add --trust-remote-code if you trust it"

@@ -29,11 +29,19 @@ logger = logging.getLogger(__name__)
 
 def padding_of(rollout: Any, pad_token_id: int) -> Padding:
     """The run's padding from its rollout config (a DictConfig or run.json's plain dict)."""
-    return Padding(prompt_length=int(rollout["prompt_length"]), response_length=int(rollout["response_length"]), pad_token_id=int(pad_token_id))
+    return Padding(
+        prompt_length=int(rollout["prompt_length"]),
+        response_length=int(rollout["response_length"]),
+        pad_token_id=int(pad_token_id),
+    )
 
 
 def finish_run(
-    plan: RunPlan, manifests: list[SuccessMarker], elapsed: float, fence: LeaseFence | None = None, eta: dict[str, Any] | None = None,
+    plan: RunPlan,
+    manifests: list[SuccessMarker],
+    elapsed: float,
+    fence: LeaseFence | None = None,
+    eta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check that every shard accounts for its planned rows (merge.check_shard_counts), merge
     (when configured) and write the run's manifest.json; returns the summary. `fence`: the run's
@@ -47,7 +55,13 @@ def finish_run(
     folder = fenced(plan.folder, fence)
     if plan.cfg.generation.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
-        merged = merge_repairing(folder, lambda: merge_output(folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes), fence)
+        merged = merge_repairing(
+            folder,
+            lambda: merge_output(
+                folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes
+            ),
+            fence,
+        )
         # The run's terminal says so once; `genrun merge` prints its own line (merge_folder).
         logger.info("merged %d trajectories into %s", merged.rows, folder.display(merged.entry_file))
         summary["artifact"] = folder.display(merged.entry_file)
@@ -66,8 +80,12 @@ def run_ledger(plan: RunPlan, summary: dict[str, Any], elapsed: float) -> dict[s
     layout = resolve_layout(plan.cfg)
     activity = replica_activity(plan.folder, since=time.time() - elapsed)
     return capacity_ledger(
-        activity, wall_seconds=elapsed, replicas=layout.replicas, gpus_per_replica=layout.gpus_per_replica,
-        output_tokens=summary["this_invocation"]["generated_tokens"], gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
+        activity,
+        wall_seconds=elapsed,
+        replicas=layout.replicas,
+        gpus_per_replica=layout.gpus_per_replica,
+        output_tokens=summary["this_invocation"]["generated_tokens"],
+        gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
     )
 
 
@@ -78,7 +96,9 @@ def merge_repairing(folder: StorageFolder, merge: Callable[[], T], fence: LeaseF
         return merge()
     except DamagedPart as damaged:
         mark_for_repair(folder, damaged, fence)
-        raise GenrunError(f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge") from None
+        raise GenrunError(
+            f"{damaged}; its samples were dropped from the shard's checkpoint: run the same command again to regenerate them and merge"
+        ) from None
 
 
 def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -86,11 +106,17 @@ def merge_folder(url: str, storage_options: dict[str, Any] | None = None) -> Non
     folder = StorageFolder(url, storage_options)
     run = read_run_record(folder)
     if run.pad_token_id is None:
-        raise GenrunError(f"{folder.display(RUN_FILE)} records no pad_token_id: this genrun cannot pad its trajectories")
+        raise GenrunError(
+            f"{folder.display(RUN_FILE)} records no pad_token_id: this genrun cannot pad its trajectories"
+        )
     generation = GenerationSettings.of(run.config)
     padding = padding_of(run.rollout, run.pad_token_id)
     # Not beside a run that is still writing parts (its own merge would follow anyway).
     with RunLease.acquire(folder, generation.lease_seconds) as lease:
         writing = fenced(folder, lease.fence())
-        output = merge_repairing(writing, lambda: merge_output(writing, padding, generation.merge_chunk_size, generation.merge_max_file_bytes), lease.fence())
+        output = merge_repairing(
+            writing,
+            lambda: merge_output(writing, padding, generation.merge_chunk_size, generation.merge_max_file_bytes),
+            lease.fence(),
+        )
     print(f"merged {output.rows} trajectories into {folder.display(output.entry_file)}")

@@ -99,7 +99,9 @@ def replica_activity(folder: StorageFolder, since: float = 0.0) -> ReplicaActivi
                 table = parquet.read(columns=present)
             for name in TIMINGS:
                 if f"seconds_{name}" in present:
-                    activity.time_split[name] += sum(v for v in table.column(f"seconds_{name}").to_pylist() if v is not None)
+                    activity.time_split[name] += sum(
+                        v for v in table.column(f"seconds_{name}").to_pylist() if v is not None
+                    )
             for text in table.column("provenance").to_pylist():
                 if text is not None:
                     activity.add_trajectory(json.loads(text), since)
@@ -107,7 +109,13 @@ def replica_activity(folder: StorageFolder, since: float = 0.0) -> ReplicaActivi
 
 
 def capacity_ledger(
-    activity: ReplicaActivity, *, wall_seconds: float, replicas: int, gpus_per_replica: int, output_tokens: int, gpu_hour_price: float | None,
+    activity: ReplicaActivity,
+    *,
+    wall_seconds: float,
+    replicas: int,
+    gpus_per_replica: int,
+    output_tokens: int,
+    gpu_hour_price: float | None,
 ) -> dict[str, Any]:
     """The ledger as manifest.json holds it. `output_tokens`: model tokens generated in this
     invocation (the cost's denominator); `replicas` / `gpus_per_replica`: the run's layout."""
@@ -133,7 +141,9 @@ def capacity_ledger(
         "gpu_seconds": round(replica_seconds * gpus_per_replica, 3),
         "generation_window_seconds": round(window_seconds, 3),
         "per_replica": per_replica,
-        "prefix_cache_hit_rate": round(activity.prefix_hits / activity.prefix_reported, 4) if activity.prefix_reported else None,
+        "prefix_cache_hit_rate": round(activity.prefix_hits / activity.prefix_reported, 4)
+        if activity.prefix_reported
+        else None,
         "time_split_seconds": {name: round(seconds, 3) for name, seconds in activity.time_split.items()},
         "output_tokens": output_tokens,
         "gpu_hour_price": gpu_hour_price,
@@ -155,15 +165,23 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
     lines = [
         f"capacity:      {ledger['replicas']} replica(s) x {ledger['wall_seconds']:.1f} s = {ledger['replica_seconds']:.1f} replica-s"
         + (f" ({ledger['gpu_seconds']:.1f} GPU-s)" if ledger.get("gpus_per_replica") else " (on the CPU)"),
-        "time split:    " + ", ".join(f"{name} {seconds:.1f} s ({100 * seconds / total:.0f}%)" for name, seconds in split.items() if seconds),
+        "time split:    "
+        + ", ".join(
+            f"{name} {seconds:.1f} s ({100 * seconds / total:.0f}%)" for name, seconds in split.items() if seconds
+        ),
     ]
     for replica, row in (ledger.get("per_replica") or {}).items():
-        lines.append(f"  replica {replica}: {row['requests']} requests, {row['tokens_per_second']:.1f} tok/s, idle {100 * row['idle_fraction']:.0f}%")
+        lines.append(
+            f"  replica {replica}: {row['requests']} requests, {row['tokens_per_second']:.1f} tok/s, idle {100 * row['idle_fraction']:.0f}%"
+        )
     if ledger.get("prefix_cache_hit_rate") is not None:
         lines.append(f"prefix cache:  {100 * ledger['prefix_cache_hit_rate']:.0f}% of requests reused cached KV")
     if ledger.get("cost") is not None:
         per_million = ledger.get("cost_per_million_output_tokens")
-        lines.append(f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour" + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else ""))
+        lines.append(
+            f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour"
+            + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else "")
+        )
     eta = ledger.get("eta") or {}
     # A generation shorter than a minute is over before its ETA matters, and its first ETAs rest
     # on its first few answers (all of a small run's requests start at once): manifest.json and

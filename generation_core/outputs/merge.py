@@ -33,15 +33,37 @@ from generation_core.errors import GenrunError
 from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder, Padding, padded_row_bytes
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
-from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, SuccessMarker, chunk_file_name, remove_stale_merge_output
-from generation_core.store.trajectory_record import OPTIONAL_COLUMNS, SHARED_RAW_PROMPT, decode_fields, decode_provenance, read_part_table, scored_mask
+from generation_core.store.run_folder import (
+    CHUNK_INDEX_FILE,
+    MERGED_FILE,
+    SuccessMarker,
+    chunk_file_name,
+    remove_stale_merge_output,
+)
+from generation_core.store.trajectory_record import (
+    OPTIONAL_COLUMNS,
+    SHARED_RAW_PROMPT,
+    decode_fields,
+    decode_provenance,
+    read_part_table,
+    scored_mask,
+)
 from generation_core.verl_adapter import dataproto_state
 
 logger = logging.getLogger(__name__)
 
 # Keys verl's _postprocess always emits among the non-tensor fields, present or not.
 _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"}
-_TOKEN_COLUMNS = ["index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns"]
+_TOKEN_COLUMNS = [
+    "index",
+    "rollout_n",
+    "prompt_ids",
+    "response_ids",
+    "response_mask",
+    "response_logprobs",
+    "reward_score",
+    "num_turns",
+]
 
 
 def check_shard_counts(manifests: list[SuccessMarker], rollout_n: int, adaptive: bool = False) -> None:
@@ -94,12 +116,17 @@ def scan_run(folder: StorageFolder) -> MergeInput:
     reward_key_sets: dict[tuple[str, ...], int] = {}
     reward_codes = []
     for part in parts:
-        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"])
+        table = read_part_table(
+            read_verified_part(folder, part),
+            ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"],
+        )
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
         # NaN is no score (records.score_or_none): rm_scores only when every trajectory is scored.
         scores_missing += pc.sum(pc.invert(scored_mask(table.column("reward_score")))).as_py() or 0
-        for text, shared in zip(table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist(), strict=True):
+        for text, shared in zip(
+            table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist(), strict=True
+        ):
             extra = json.loads(text)
             extra_keys.update(extra)
             if shared:
@@ -138,15 +165,40 @@ def scan_run(folder: StorageFolder) -> MergeInput:
     return MergeInput(committed, len(order), layout)
 
 
-def build_rows(folder: StorageFolder, merge_input: MergeInput, start: int, stop: int, *, prompt_length: int, response_length: int, pad_token_id: int) -> DataProto:
+def build_rows(
+    folder: StorageFolder,
+    merge_input: MergeInput,
+    start: int,
+    stop: int,
+    *,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+) -> DataProto:
     """The DataProto of rows [start, stop) of the run's (index, rollout_n) order, reading only
     the parts that hold them, one part at a time."""
-    builder = PaddedBatchBuilder(stop - start, merge_input.layout, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    builder = PaddedBatchBuilder(
+        stop - start,
+        merge_input.layout,
+        prompt_length=prompt_length,
+        response_length=response_length,
+        pad_token_id=pad_token_id,
+    )
     for part in merge_input.parts:
         wanted = (part.positions >= start) & (part.positions < stop)
         if not wanted.any():
             continue
-        table = read_part_table(read_verified_part(folder, part.ref), [*_TOKEN_COLUMNS, "input_fields", "extra_fields", "metrics", "raw_prompt_shared", *sorted(OPTIONAL_COLUMNS)])
+        table = read_part_table(
+            read_verified_part(folder, part.ref),
+            [
+                *_TOKEN_COLUMNS,
+                "input_fields",
+                "extra_fields",
+                "metrics",
+                "raw_prompt_shared",
+                *sorted(OPTIONAL_COLUMNS),
+            ],
+        )
         if not wanted.all():
             table = table.filter(pa.array(wanted))
         positions = part.positions[wanted] - start
@@ -194,7 +246,12 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
     class _StatePickler(pickle.Pickler):
         def reducer_override(self, obj):
             if obj is data:
-                return copyreg.__newobj__, (DataProto,), dataproto_state(_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info)  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
+                new_object = copyreg.__newobj__  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
+                return (
+                    new_object,
+                    (DataProto,),
+                    dataproto_state(_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info),
+                )
             return NotImplemented
 
     buffer = io.BytesIO()
@@ -208,7 +265,11 @@ def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
     torch.save(data.batch, counted)  # type: ignore[arg-type]  # torch types a file as IO[bytes]; it calls only write and flush
     out = _Sink(handle)
     out.write(rest[: at - 5])
-    out.write(b"B" + counted.size.to_bytes(4, "little") if counted.size < _BINBYTES_LIMIT else b"\x8e" + counted.size.to_bytes(8, "little"))
+    out.write(
+        b"B" + counted.size.to_bytes(4, "little")
+        if counted.size < _BINBYTES_LIMIT
+        else b"\x8e" + counted.size.to_bytes(8, "little")
+    )
     blob_start = out.size
     torch.save(data.batch, out)  # type: ignore[arg-type]  # as above
     if out.size - blob_start != counted.size:
@@ -228,11 +289,26 @@ class MergedOutput:
     """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
 
 
-def merge_run(folder: StorageFolder, *, prompt_length: int, response_length: int, pad_token_id: int, merge_input: MergeInput | None = None) -> DataProto:
+def merge_run(
+    folder: StorageFolder,
+    *,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    merge_input: MergeInput | None = None,
+) -> DataProto:
     """Merge every committed trajectory into one `trajectories.pkl`; returns its DataProto.
     `merge_input`: the run's scan, when the caller has made it."""
     merge_input = merge_input or scan_run(folder)
-    data = build_rows(folder, merge_input, 0, merge_input.rows, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+    data = build_rows(
+        folder,
+        merge_input,
+        0,
+        merge_input.rows,
+        prompt_length=prompt_length,
+        response_length=response_length,
+        pad_token_id=pad_token_id,
+    )
     with folder.open_write(MERGED_FILE) as handle:
         dump_dataproto(data, handle)
     remove_stale_merge_output(folder, keep={MERGED_FILE})
@@ -241,7 +317,13 @@ def merge_run(folder: StorageFolder, *, prompt_length: int, response_length: int
 
 
 def merge_run_chunked(
-    folder: StorageFolder, *, chunk_size: int, prompt_length: int, response_length: int, pad_token_id: int, merge_input: MergeInput | None = None
+    folder: StorageFolder,
+    *,
+    chunk_size: int,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    merge_input: MergeInput | None = None,
 ) -> MergedOutput:
     """Merge into `trajectories-NNNNN.pkl` files of at most `chunk_size` rows in (index,
     rollout_n) order, padded identically, then `trajectories.json` listing them (written last:
@@ -254,12 +336,22 @@ def merge_run_chunked(
     generate_seconds: list[np.ndarray] = []
     for number, start in enumerate(range(0, merge_input.rows, chunk_size)):
         stop = min(start + chunk_size, merge_input.rows)
-        data = build_rows(folder, merge_input, start, stop, prompt_length=prompt_length, response_length=response_length, pad_token_id=pad_token_id)
+        data = build_rows(
+            folder,
+            merge_input,
+            start,
+            stop,
+            prompt_length=prompt_length,
+            response_length=response_length,
+            pad_token_id=pad_token_id,
+        )
         name = chunk_file_name(number)
         with folder.open_write(name) as handle:
             size, sha256 = dump_dataproto(data, handle)
         chunks.append({"name": name, "rows": stop - start, "first_row": start, "bytes": size, "sha256": sha256})
-        generate_seconds.append(np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]], dtype=np.float64))
+        generate_seconds.append(
+            np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]], dtype=np.float64)
+        )
         del data  # before the next chunk is built: one chunk in memory
     folder.put_json(
         CHUNK_INDEX_FILE,
@@ -273,15 +365,24 @@ def merge_run_chunked(
         },
     )
     remove_stale_merge_output(folder, keep={CHUNK_INDEX_FILE, *(chunk["name"] for chunk in chunks)})
-    logger.debug("merged %d trajectories into %d chunk(s) listed in %s", merge_input.rows, len(chunks), folder.display(CHUNK_INDEX_FILE))
+    logger.debug(
+        "merged %d trajectories into %d chunk(s) listed in %s",
+        merge_input.rows,
+        len(chunks),
+        folder.display(CHUNK_INDEX_FILE),
+    )
     return MergedOutput(CHUNK_INDEX_FILE, merge_input.rows, np.concatenate(generate_seconds))
 
 
-def merge_output(folder: StorageFolder, padding: Padding, chunk_size: int | None = None, max_file_bytes: int | None = None) -> MergedOutput:
+def merge_output(
+    folder: StorageFolder, padding: Padding, chunk_size: int | None = None, max_file_bytes: int | None = None
+) -> MergedOutput:
     """Merge the committed parts as a run is configured: chunk files of at most `chunk_size`
     rows listed in trajectories.json; without a chunk size, one trajectories.pkl while the run's
     padded DataProto stays under `max_file_bytes` (generation.merge_max_file_bytes), else chunks of that size."""
-    lengths = dict(prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id)
+    lengths = dict(
+        prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id
+    )
     merge_input = scan_run(folder)
     if not chunk_size:
         row_bytes = padded_row_bytes(merge_input.layout, padding)
@@ -289,10 +390,14 @@ def merge_output(folder: StorageFolder, padding: Padding, chunk_size: int | None
         if merge_input.rows > rows_per_file:
             logger.info(
                 "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
-                merge_input.rows, merge_input.rows * row_bytes / (1 << 30), rows_per_file,
+                merge_input.rows,
+                merge_input.rows * row_bytes / (1 << 30),
+                rows_per_file,
             )
             chunk_size = rows_per_file
     if chunk_size:
         return merge_run_chunked(folder, chunk_size=chunk_size, merge_input=merge_input, **lengths)
     data = merge_run(folder, merge_input=merge_input, **lengths)
-    return MergedOutput(MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]]))
+    return MergedOutput(
+        MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]])
+    )

@@ -65,7 +65,9 @@ class BatchExportSummary:
         text = f"exported {self.requests} request(s) to {self.output} in the OpenAI batch output layout"
         if self.decided:
             text += f" ({self.decided} decided by their first {self.adaptive_k} samples, with that many choices)"
-        return text + (f"; {self.errors} request(s) without all their samples in {self.errors_output}" if self.errors else "")
+        return text + (
+            f"; {self.errors} request(s) without all their samples in {self.errors_output}" if self.errors else ""
+        )
 
 
 @dataclass
@@ -99,14 +101,25 @@ def errors_name(out_name: str) -> str:
     return f"{stem}_errors.jsonl"
 
 
-def export_openai_batch(folder: StorageFolder, out_folder: StorageFolder, out_name: str, tokenizer, tokenizer_dir: str, data_options: dict[str, Any] | None) -> BatchExportSummary:
+def export_openai_batch(
+    folder: StorageFolder,
+    out_folder: StorageFolder,
+    out_name: str,
+    tokenizer,
+    tokenizer_dir: str,
+    data_options: dict[str, Any] | None,
+) -> BatchExportSummary:
     """Write the output file and (when some request lacks samples) the error file; see the module docstring."""
     record = read_run_record(folder)
     config = record.config
     parts = committed_parts(folder)
     if not parts:
-        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
-    eos_ids = eos_token_ids_of(tokenizer_dir) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        raise GenrunError(
+            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
+        )
+    eos_ids = eos_token_ids_of(tokenizer_dir) | (
+        {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    )
     requests = _input_requests(record.dataset, data_options)
     for part in parts:
         for trajectory in records_from_parquet(read_verified_part(folder, part)):
@@ -151,7 +164,11 @@ def _input_requests(dataset: dict[str, Any] | None, data_options: dict[str, Any]
         try:
             table = read_json_table(data_file.url, data_options or {}, planned=data_file).slice(lo, hi - lo)
         except GenrunError as exc:
-            logger.warning("the run's input %s is not readable here (%s); requests with nothing committed are left out of the error file", data_file.url, exc)
+            logger.warning(
+                "the run's input %s is not readable here (%s); requests with nothing committed are left out of the error file",
+                data_file.url,
+                exc,
+            )
             return {}
         if "extra_info" not in table.column_names:
             continue
@@ -161,7 +178,9 @@ def _input_requests(dataset: dict[str, Any] | None, data_options: dict[str, Any]
     return requests
 
 
-def _add_choice(requests: dict[int, _Request], trajectory: TrajectoryRecord, tokenizer, eos_ids: set[int], folder: StorageFolder) -> None:
+def _add_choice(
+    requests: dict[int, _Request], trajectory: TrajectoryRecord, tokenizer, eos_ids: set[int], folder: StorageFolder
+) -> None:
     info = trajectory.input_fields.get("extra_info") or {}
     if info.get("custom_id") is None:
         raise GenrunError(
@@ -174,10 +193,18 @@ def _add_choice(requests: dict[int, _Request], trajectory: TrajectoryRecord, tok
     text = tokenizer.decode(generated, skip_special_tokens=True)
     finish = "stop" if trajectory.response_ids and trajectory.response_ids[-1] in eos_ids else "length"
     asked = bool((info.get("sampling_params") or {}).get("logprobs")) and trajectory.response_logprobs is not None
-    values = [float(trajectory.response_logprobs[position]) for position in positions] if asked and trajectory.response_logprobs is not None else None
+    values = (
+        [float(trajectory.response_logprobs[position]) for position in positions]
+        if asked and trajectory.response_logprobs is not None
+        else None
+    )
     choice: dict[str, Any] = {"index": trajectory.rollout_n}
     if request.url == CHAT_URL:
-        choice.update(message={"role": "assistant", "content": text}, logprobs=_chat_logprobs(tokenizer, generated, values), finish_reason=finish)
+        choice.update(
+            message={"role": "assistant", "content": text},
+            logprobs=_chat_logprobs(tokenizer, generated, values),
+            finish_reason=finish,
+        )
     else:
         choice.update(text=text, logprobs=_completion_logprobs(tokenizer, generated, values), finish_reason=finish)
     request.choices = request.choices or {}
@@ -191,7 +218,12 @@ def _chat_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> 
     if values is None:
         return None
     texts = [tokenizer.decode([token]) for token in tokens]
-    return {"content": [{"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []} for text, value in zip(texts, values, strict=True)]}
+    return {
+        "content": [
+            {"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []}
+            for text, value in zip(texts, values, strict=True)
+        ]
+    }
 
 
 def _completion_logprobs(tokenizer, tokens: list[int], values: list[float] | None) -> dict[str, Any] | None:
@@ -210,9 +242,18 @@ def _output_line(request: _Request, request_id: str, choices: list[dict[str, Any
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": request.prompt_tokens, "completion_tokens": request.completion_tokens, "total_tokens": request.prompt_tokens + request.completion_tokens},
+        "usage": {
+            "prompt_tokens": request.prompt_tokens,
+            "completion_tokens": request.completion_tokens,
+            "total_tokens": request.prompt_tokens + request.completion_tokens,
+        },
     }
-    line = {"id": f"batch_req_{request_id}", "custom_id": request.custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    line = {
+        "id": f"batch_req_{request_id}",
+        "custom_id": request.custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 

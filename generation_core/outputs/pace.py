@@ -52,10 +52,21 @@ def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: i
         attempts = [float(record.get("time") or 0.0) for record in own if record.get("kind") == "attempt"]
         if not attempts:
             continue  # waiting for a worker, or finished by an earlier run
-        committed = sum(int((record.get("part") or {}).get("count") or 0) for record in own if record.get("kind") == "part")
+        committed = sum(
+            int((record.get("part") or {}).get("count") or 0) for record in own if record.get("kind") == "part"
+        )
         finished = state["state"] == "done"
         remaining = 0 if finished else max(state["expected"] - state["committed"] - state["failed_samples"], 0)
-        started.append(StartedShard(state["shard"], finished, min(attempts), max(float(r.get("time") or 0.0) for r in own), committed, remaining))
+        started.append(
+            StartedShard(
+                state["shard"],
+                finished,
+                min(attempts),
+                max(float(r.get("time") or 0.0) for r in own),
+                committed,
+                remaining,
+            )
+        )
     return started
 
 
@@ -71,19 +82,25 @@ def devices_and_price(holder: LeaseRecord, config: dict[str, Any]) -> tuple[int,
     return devices, (config.get("generation") or {}).get("gpu_hour_price")
 
 
-def pace_lines(folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None) -> list[str]:
+def pace_lines(
+    folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None
+) -> list[str]:
     """The ETA line and, when stalled, the stall line; none when no running genrun holds the folder."""
     now = time.time() if now is None else now
     holder = newest_lease(folder)
     if holder is None or holder.state(now) is not None:
         return []
     shards = started_shards(folder, states, holder.generation)
-    remaining = sum(max(s["expected"] - s["committed"] - s["failed_samples"], 0) for s in states if s["state"] != "done")
+    remaining = sum(
+        max(s["expected"] - s["committed"] - s["failed_samples"], 0) for s in states if s["state"] != "done"
+    )
     lines = []
     if shards:
         running = [s for s in shards if not s.finished]
         eta = estimate_eta(
-            remaining, sum(s.committed for s in shards), now - min(s.started for s in shards),
+            remaining,
+            sum(s.committed for s in shards),
+            now - min(s.started for s in shards),
             [ShardPace(remaining=s.remaining, done=s.committed, seconds=now - s.started) for s in running],
         )
         line = f"ETA {format_seconds(eta)} for {remaining:,} trajectories left (from the commits of this run)"

@@ -55,7 +55,6 @@ class BatchLayout:
     """Sorted union of the agent loops' extra_fields keys and the ones verl always emits."""
 
 
-
 class PaddedBatchBuilder:
     """Fills one DataProto's padded tensors from Arrow token columns, a part at a time, with
     vectorized scatters: prompts left-padded, responses right-padded, as verl pads them."""
@@ -79,7 +78,9 @@ class PaddedBatchBuilder:
         self.timings = np.full(rows, None, dtype=object)
         self.filled = 0
 
-    def add(self, tokens: pa.Table, positions: np.ndarray, inputs: list[dict], extras: list[dict], metrics: list[dict]) -> None:
+    def add(
+        self, tokens: pa.Table, positions: np.ndarray, inputs: list[dict], extras: list[dict], metrics: list[dict]
+    ) -> None:
         """Place the rows of `tokens` (columns as in a part) at `positions` of the batch."""
         prompt_values, prompt_lengths = _flat_lists(tokens.column("prompt_ids"))
         response_values, response_lengths = _flat_lists(tokens.column("response_ids"))
@@ -90,7 +91,9 @@ class PaddedBatchBuilder:
         _scatter(input_ids, positions, P - prompt_lengths, prompt_lengths, prompt_values)
         _scatter(input_ids, positions, np.full_like(response_lengths, P), response_lengths, response_values)
         columns = np.arange(P + R)
-        self.attention_mask.numpy()[positions] = (columns >= P - prompt_lengths[:, None]) & (columns < P + response_lengths[:, None])
+        self.attention_mask.numpy()[positions] = (columns >= P - prompt_lengths[:, None]) & (
+            columns < P + response_lengths[:, None]
+        )
         _scatter(self.response_mask.numpy(), positions, np.zeros_like(mask_lengths), mask_lengths, mask_values)
         if self.logprobs is not None:
             logprob_values, logprob_lengths = _flat_lists(tokens.column("response_logprobs"))
@@ -114,11 +117,20 @@ class PaddedBatchBuilder:
             self.metrics[position] = row_metrics
         self.filled += len(positions)
 
-    def add_provenance(self, positions: np.ndarray, provenance: list[dict | None], timings: list[dict | None], *, storage_seconds: float | None) -> None:
+    def add_provenance(
+        self,
+        positions: np.ndarray,
+        provenance: list[dict | None],
+        timings: list[dict | None],
+        *,
+        storage_seconds: float | None,
+    ) -> None:
         """Each row's provenance and time split (records.TIMINGS, plus `storage`: its part's
         write time over its rows); None for rows of parts written before genrun kept them."""
         self.provenance[positions] = object_array(provenance)
-        self.timings[positions] = object_array([None if split is None else dict(split, storage=storage_seconds) for split in timings])
+        self.timings[positions] = object_array(
+            [None if split is None else dict(split, storage=storage_seconds) for split in timings]
+        )
 
     def _check_lengths(self, tokens: pa.Table, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> None:
         too_long = np.flatnonzero((prompt_lengths > self.prompt_length) | (response_lengths > self.response_length))

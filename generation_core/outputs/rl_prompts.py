@@ -95,7 +95,9 @@ def export_command(run_url: str, out_url: str, options: ExportOptions, storage_o
     config = read_run_record(folder).config
     parts = committed_parts(folder)
     if not parts:
-        raise GenrunError(f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first")
+        raise GenrunError(
+            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
+        )
     out = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
     threshold = 0.0 if options.pass_threshold is None else options.pass_threshold
     summary = export_rl_prompts(folder, config, parts, out, threshold, options.pass_rate)
@@ -108,7 +110,9 @@ def prompt_rewards(folder: StorageFolder, parts: list[CommittedPartRef]) -> dict
     by_prompt: dict[int, PromptRewards] = {}
     for part in parts:
         table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "reward_score"])
-        for index, reward in zip(table.column("index").to_pylist(), table.column("reward_score").to_pylist(), strict=True):
+        for index, reward in zip(
+            table.column("index").to_pylist(), table.column("reward_score").to_pylist(), strict=True
+        ):
             by_prompt.setdefault(index, PromptRewards()).rewards.append(score_or_none(reward))
     return by_prompt
 
@@ -139,8 +143,14 @@ def _whole_file(url: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
-def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list[CommittedPartRef], out: tuple[StorageFolder, str],
-                      threshold: float, pass_rate: tuple[float, float] | None) -> RlPromptsSummary:
+def export_rl_prompts(
+    folder: StorageFolder,
+    config: dict[str, Any],
+    parts: list[CommittedPartRef],
+    out: tuple[StorageFolder, str],
+    threshold: float,
+    pass_rate: tuple[float, float] | None,
+) -> RlPromptsSummary:
     """Write the rl-prompts layout (see the module's docstring) to `out` (folder, name)."""
     out_folder, out_name = out
     summary = RlPromptsSummary(out_folder.display(out_name))
@@ -155,7 +165,9 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
         else:
             statistics[index] = stats
     if summary.unscored == summary.prompts:
-        raise GenrunError(f"no trajectory of {folder.display()} has a reward, which --layout {LAYOUT} needs (a reward function, reward.custom_reward_function.path); nothing written")
+        raise GenrunError(
+            f"no trajectory of {folder.display()} has a reward, which --layout {LAYOUT} needs (a reward function, reward.custom_reward_function.path); nothing written"
+        )
     rows = []
     for row in _input_rows(folder, config, set(statistics)):
         row["extra_info"] = {**row["extra_info"], **statistics[row["extra_info"]["index"]]}
@@ -163,9 +175,13 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
     # The input files' order need not be the index order (several files, a task's rows).
     rows.sort(key=lambda row: row["extra_info"]["index"])
     if len(rows) != len(statistics):
-        raise GenrunError(f"{len(statistics) - len(rows)} prompt(s) of {folder.display()} are not in the run's input files (data.train_files in run.json) any more; restore them, nothing written")
+        raise GenrunError(
+            f"{len(statistics) - len(rows)} prompt(s) of {folder.display()} are not in the run's input files (data.train_files in run.json) any more; restore them, nothing written"
+        )
     if not rows:
-        raise GenrunError(f"no prompt of {folder.display()} passes --pass-rate ({summary.prompts} prompts, {summary.unscored} unscored); nothing written")
+        raise GenrunError(
+            f"no prompt of {folder.display()} passes --pass-rate ({summary.prompts} prompts, {summary.unscored} unscored); nothing written"
+        )
     summary.rows = len(rows)
     with out_folder.open_write(out_name) as sink:
         pq.write_table(pa.Table.from_pylist(rows), sink, compression="zstd")
@@ -173,12 +189,26 @@ def export_rl_prompts(folder: StorageFolder, config: dict[str, Any], parts: list
     return summary
 
 
-def _write_card(folder: StorageFolder, out: tuple[StorageFolder, str], summary: RlPromptsSummary, rows: list[dict[str, Any]],
-                threshold: float, pass_rate: tuple[float, float] | None) -> str:
+def _write_card(
+    folder: StorageFolder,
+    out: tuple[StorageFolder, str],
+    summary: RlPromptsSummary,
+    rows: list[dict[str, Any]],
+    threshold: float,
+    pass_rate: tuple[float, float] | None,
+) -> str:
     """The dataset card beside the export (dataset_card.py), its rows described by pass rates."""
-    counts = {"prompts with committed samples": summary.prompts, "exported prompts (rows)": summary.rows, "prompts with no scored sample": summary.unscored}
+    counts = {
+        "prompts with committed samples": summary.prompts,
+        "exported prompts (rows)": summary.rows,
+        "prompts with no scored sample": summary.unscored,
+    }
     filters = [f"a sample passes with a reward above {threshold:g} (`--pass-threshold`)"]
     if pass_rate is not None:
-        filters.append(f"`--pass-rate {pass_rate[0]:g} {pass_rate[1]:g}`: kept prompts whose pass rate is in the band ({summary.outside_band} dropped)")
-    extra = pass_rate_lines([row["extra_info"]["pass_rate"] for row in rows], [row["extra_info"]["num_samples"] for row in rows])
+        filters.append(
+            f"`--pass-rate {pass_rate[0]:g} {pass_rate[1]:g}`: kept prompts whose pass rate is in the band ({summary.outside_band} dropped)"
+        )
+    extra = pass_rate_lines(
+        [row["extra_info"]["pass_rate"] for row in rows], [row["extra_info"]["num_samples"] for row in rows]
+    )
     return write_dataset_card(out[0], out[1], read_run_record(folder), counts, filters, LAYOUT, extra)

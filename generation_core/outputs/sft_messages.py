@@ -54,7 +54,12 @@ class ContextTurnShape:
         before `lead` may only be whitespace: a boundary token some builders insert (Qwen adds
         the newline a stopped `<|im_end|>` lacks)."""
         start = text.find(self.lead)
-        if start < 0 or text[:start].strip() or not text.endswith(self.trail) or start + len(self.lead) > len(text) - len(self.trail):
+        if (
+            start < 0
+            or text[:start].strip()
+            or not text.endswith(self.trail)
+            or start + len(self.lead) > len(text) - len(self.trail)
+        ):
             return None
         middle = text[start + len(self.lead) : len(text) - len(self.trail)]
         return middle.split(self.between) if self.between else [middle]
@@ -83,16 +88,28 @@ class RebuiltTrajectory:
 class MessageRebuilder:
     """Turns a record's (prompt messages, response ids, response mask) into chat messages."""
 
-    def __init__(self, tokenizer, tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None, eos_token_ids: set[int] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        eos_token_ids: set[int] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.eos_token_ids = set(eos_token_ids or ()) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos_token_ids = set(eos_token_ids or ()) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        )
         self.shapes = [shape for role in CONTEXT_ROLES if (shape := self._probe(role)) is not None]
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False, **self.chat_template_kwargs
+            messages,
+            tools=self.tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.chat_template_kwargs,
         )
 
     def _probe(self, role: str) -> ContextTurnShape | None:
@@ -103,7 +120,8 @@ class MessageRebuilder:
             # Templates may expect the tool answer to follow a call (verl's builder renders tool
             # groups after a synthetic calling assistant the same way).
             assistant["tool_calls"] = [
-                {"id": f"call_{i}", "type": "function", "function": {"name": "tool", "arguments": {}}} for i in range(len(_MARKERS))
+                {"id": f"call_{i}", "type": "function", "function": {"name": "tool", "arguments": {}}}
+                for i in range(len(_MARKERS))
             ]
         head = [*_PROBE_HEAD, assistant]
         probes = [{"role": role, "content": marker} for marker in _MARKERS]
@@ -138,7 +156,9 @@ class MessageRebuilder:
                 return [{"role": shape.role, "content": content} for content in contents], True
         return [{"role": "user", "content": text}], False
 
-    def rebuild(self, prompt: list[dict[str, Any]], response_ids: list[int], response_mask: list[int]) -> RebuiltTrajectory:
+    def rebuild(
+        self, prompt: list[dict[str, Any]], response_ids: list[int], response_mask: list[int]
+    ) -> RebuiltTrajectory:
         turns: list[dict[str, str]] = []
         truncated, unmatched = False, 0
         for is_model, ids in _runs(response_ids, response_mask):

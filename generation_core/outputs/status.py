@@ -13,7 +13,14 @@ from generation_core.outputs.pace import pace_lines
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import describe_holder
-from generation_core.store.run_folder import FAILURES_DIR, MANIFEST_FILE, merged_files, read_last_error, read_run_record, shard_file
+from generation_core.store.run_folder import (
+    FAILURES_DIR,
+    MANIFEST_FILE,
+    merged_files,
+    read_last_error,
+    read_run_record,
+    shard_file,
+)
 from generation_core.store.run_record import RunRecord
 
 
@@ -34,7 +41,17 @@ def shard_states(folder: StorageFolder, run: RunRecord) -> list[dict[str, Any]]:
             last_error = read_last_error(folder, name)
             if last_error is not None:
                 state, error = "failed", last_error["error"]
-        states.append({"shard": name, "state": state, "committed": done, "failed_samples": failed, "expected": expected, "error": error, "builds": builds})
+        states.append(
+            {
+                "shard": name,
+                "state": state,
+                "committed": done,
+                "failed_samples": failed,
+                "expected": expected,
+                "error": error,
+                "builds": builds,
+            }
+        )
     return states
 
 
@@ -45,7 +62,10 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     print(f"run {str(run.fingerprint)[:12]} at {folder.display()}")
     # Builds of unfinished shards' attempts (a finished shard's are in its commit records: the report reads them).
     later = [b for s in states for b in s["builds"] if not same_build(b, run.build)]
-    print(f"written by {describe_build(run.build)}" + "".join(f"; attempts also by {describe_build(b)}" for b in _distinct(later)))
+    print(
+        f"written by {describe_build(run.build)}"
+        + "".join(f"; attempts also by {describe_build(b)}" for b in _distinct(later))
+    )
     warning = other_build_warning(folder.display(), run.build)
     if warning:
         print(f"warning: {warning}")
@@ -55,7 +75,11 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
         for line in pace_lines(folder, run, states):
             print(line)
     for s in states:
-        detail = f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_DIR)}/" if s["failed_samples"] else ""
+        detail = (
+            f"  {s['failed_samples']} failed sample(s), see {shard_file(s['shard'], FAILURES_DIR)}/"
+            if s["failed_samples"]
+            else ""
+        )
         detail += f"  last error: {s['error']}" if s["error"] else ""
         print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}

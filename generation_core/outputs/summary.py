@@ -80,7 +80,11 @@ def ledger_metrics(ledger: dict[str, Any]) -> dict[str, float]:
     """The capacity ledger (outputs/ledger.py) under tracker metric names."""
     if not ledger:
         return {}
-    metrics = {f"ledger/{name}": float(ledger[name]) for name in ("wall_seconds", "replica_seconds", "gpu_seconds") if ledger.get(name) is not None}
+    metrics = {
+        f"ledger/{name}": float(ledger[name])
+        for name in ("wall_seconds", "replica_seconds", "gpu_seconds")
+        if ledger.get(name) is not None
+    }
     for name, seconds in (ledger.get("time_split_seconds") or {}).items():
         metrics[f"ledger/time_split/{name}_s"] = float(seconds)
     for replica, row in (ledger.get("per_replica") or {}).items():

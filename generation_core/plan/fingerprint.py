@@ -169,13 +169,17 @@ def _safetensors_identity(path: Path, size: int, digest) -> None:
     with open(path, "rb") as f:
         header_len = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
         if header_len > size - 8:
-            raise GenrunError(f"{path} is not a safetensors file (its header length {header_len} exceeds the file); fix or remove it from actor_rollout_ref.model.path")
+            raise GenrunError(
+                f"{path} is not a safetensors file (its header length {header_len} exceeds the file); fix or remove it from actor_rollout_ref.model.path"
+            )
         header = f.read(header_len)
         digest.update(header)
         try:
             tensors = json.loads(header)
         except ValueError:
-            raise GenrunError(f"{path} is not a safetensors file (its header is not JSON); fix or remove it from actor_rollout_ref.model.path") from None
+            raise GenrunError(
+                f"{path} is not a safetensors file (its header is not JSON); fix or remove it from actor_rollout_ref.model.path"
+            ) from None
         data_start = 8 + header_len
         for name in sorted(k for k in tensors if k != "__metadata__"):
             begin, end = tensors[name]["data_offsets"]
@@ -212,7 +216,11 @@ def user_code_digest(cfg: DictConfig) -> str | None:
     modules of the tool classes, agent-loop classes and `verl.plugins` entry points. None when
     there is none. check_run_code has imported them (their files are read from sys.modules)."""
     walk = CodeWalk(already_versioned=versions())
-    for key in ("reward.custom_reward_function.path", "actor_rollout_ref.rollout.multi_turn.function_tool_path", "data.custom_cls.path"):
+    for key in (
+        "reward.custom_reward_function.path",
+        "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+        "data.custom_cls.path",
+    ):
         path = OmegaConf.select(cfg, key)
         if path and os.path.isfile(os.path.expanduser(path)):
             walk.add_file(os.path.expanduser(path))
@@ -222,13 +230,24 @@ def user_code_digest(cfg: DictConfig) -> str | None:
             walk.add_file(os.path.expanduser(task.custom_cls["path"]))
     tool_config = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if tool_config:
-        tools = cast(DictConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config))).get("tools") or []
+        tools = (
+            cast(
+                DictConfig,
+                OmegaConf.load(
+                    existing_config_file("actor_rollout_ref.rollout.multi_turn.tool_config_path", tool_config)
+                ),
+            ).get("tools")
+            or []
+        )
         for tool in tools:
             if isinstance(tool, DictConfig) and isinstance(tool.get("class_name"), str):
                 walk.add_module(tool.class_name.rpartition(".")[0], named=True)
     loops = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
     if loops:
-        for entry in cast(ListConfig, OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops))):
+        for entry in cast(
+            ListConfig,
+            OmegaConf.load(existing_config_file("actor_rollout_ref.rollout.agent.agent_loop_config_path", loops)),
+        ):
             walk.add_module(entry._target_.rpartition(".")[0], named=True)
     for entry_point in plugin_entry_points():
         walk.add_entry_point(entry_point)
@@ -251,7 +270,9 @@ def output_file_digests(cfg: DictConfig) -> dict[str, str]:
         elif kind == "agent_loops":
             digests[key] = _agent_loops_digest(path)
         else:
-            digests[key] = hashlib.sha256(Path(existing_config_file(key, os.path.expanduser(path))).read_bytes()).hexdigest()
+            digests[key] = hashlib.sha256(
+                Path(existing_config_file(key, os.path.expanduser(path))).read_bytes()
+            ).hexdigest()
     code = user_code_digest(cfg)
     if code is not None:
         digests["user code"] = code
@@ -284,7 +305,9 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def run_fingerprint(cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None) -> str:
+def run_fingerprint(
+    cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None
+) -> str:
     """The fingerprint of a checked run: its config, the dataset's digest
     (dataset_files.inspect_dataset), the digests of its other files and user code, for
     remote servers the model they serve (also when engine_kwargs.remote.model is null), and for
@@ -293,7 +316,9 @@ def run_fingerprint(cfg: DictConfig, dataset_digest: str, served_model: str | No
     return fingerprint_and_model(cfg, dataset_digest, served_model, tasks)[0]
 
 
-def fingerprint_and_model(cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None) -> tuple[str, str | None]:
+def fingerprint_and_model(
+    cfg: DictConfig, dataset_digest: str, served_model: str | None = None, tasks: str | None = None
+) -> tuple[str, str | None]:
     """`run_fingerprint`, and the model's digest it took (the served model for remote servers;
     None for a model given by hub name): what each trajectory's provenance names."""
     files = {"served model": served_model} if served_model is not None else {}

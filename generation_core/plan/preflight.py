@@ -48,7 +48,9 @@ def check_model_dir(cfg: DictConfig) -> Path:
         logger.info("preparing the bundled model into %s (once)", path)
         bundled.prepare_bundled_model(path)
     if not path.is_dir():
-        raise GenrunError(f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory")
+        raise GenrunError(
+            f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory"
+        )
     if not (path / "config.json").exists():
         raise GenrunError(
             f"model path {path} has no config.json; set actor_rollout_ref.model.path to a Hugging Face model directory "

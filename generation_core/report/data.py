@@ -70,7 +70,9 @@ class Limits:
     def of_run(cls, run: RunRecord, eos_token_ids: frozenset[int]) -> Limits:
         rollout = run.rollout
         turns = (rollout.get("multi_turn") or {}).get("max_assistant_turns")
-        return cls(int(rollout["prompt_length"]), int(rollout["response_length"]), int(turns) if turns else None, eos_token_ids)
+        return cls(
+            int(rollout["prompt_length"]), int(rollout["response_length"]), int(turns) if turns else None, eos_token_ids
+        )
 
 
 @dataclass
@@ -145,7 +147,9 @@ class ReportData:
 def sample_hash(index: np.ndarray, rollout_n: np.ndarray) -> np.ndarray:
     """A 64-bit mix (splitmix64) of each sample id: the viewer samples the lowest values."""
     with np.errstate(over="ignore"):
-        x = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + rollout_n.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + rollout_n.astype(np.uint64) * np.uint64(
+            0xD1B54A32D192ED03
+        )
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))
@@ -182,8 +186,12 @@ def stop_reasons(table: pa.Table, limits: Limits) -> tuple[np.ndarray, np.ndarra
     last_id = np.where(nonempty, ids[last] if len(ids) else 0, -1)
     last_mask = np.where(nonempty, mask[last] if len(mask) else 0, -1)
     is_eos = np.isin(last_id, list(limits.eos_token_ids)) & (last_mask == 1)
-    full = (lengths >= limits.response_length) | (prompt_lengths + lengths >= limits.prompt_length + limits.response_length)
-    turn_limit = model_turns >= limits.max_assistant_turns if limits.max_assistant_turns else np.zeros(len(lengths), dtype=bool)
+    full = (lengths >= limits.response_length) | (
+        prompt_lengths + lengths >= limits.prompt_length + limits.response_length
+    )
+    turn_limit = (
+        model_turns >= limits.max_assistant_turns if limits.max_assistant_turns else np.zeros(len(lengths), dtype=bool)
+    )
     code = np.select(
         [is_eos, full, last_mask == 0, turn_limit],
         [_STOP_CODES["eos"], _STOP_CODES["length"], _STOP_CODES["tool_turn"], _STOP_CODES["turn_limit"]],
@@ -216,10 +224,15 @@ class _Collector:
 
     def add_part(self, table: pa.Table) -> None:
         stop, lengths, model_tokens = stop_reasons(table, self.limits)
-        reward = pc.fill_null(table.column("reward_score"), float("nan")).to_numpy(zero_copy_only=False).astype(np.float64)
+        reward = (
+            pc.fill_null(table.column("reward_score"), float("nan")).to_numpy(zero_copy_only=False).astype(np.float64)
+        )
         turns = table.column("num_turns").to_numpy(zero_copy_only=False).astype(np.int32)
         source = np.array(
-            [self.sources.setdefault(data_source_of(json.loads(text)), len(self.sources)) for text in table.column("input_fields").to_pylist()],
+            [
+                self.sources.setdefault(data_source_of(json.loads(text)), len(self.sources))
+                for text in table.column("input_fields").to_pylist()
+            ],
             dtype=np.int32,
         )
         self.chunks.append((lengths.astype(np.int32), model_tokens.astype(np.int32), reward, turns, source, stop))
@@ -228,7 +241,9 @@ class _Collector:
 
     def _fold_provenance(self, table: pa.Table) -> None:
         for name in TIMINGS:
-            self.activity.time_split[name] += sum(v for v in table.column(f"seconds_{name}").to_pylist() if v is not None)
+            self.activity.time_split[name] += sum(
+                v for v in table.column(f"seconds_{name}").to_pylist() if v is not None
+            )
         for text in table.column("provenance").to_pylist():
             if text is not None:
                 self.activity.add_trajectory(json.loads(text), since=0.0)
@@ -255,7 +270,11 @@ class _Collector:
                 heapq.heapreplace(self.heap, entry)
 
     def stats(self) -> TrajectoryStats:
-        columns = list(zip(*self.chunks, strict=True)) if self.chunks else [[np.zeros(0, dtype)] for dtype in (np.int32, np.int32, np.float64, np.int32, np.int32, np.int8)]
+        columns = (
+            list(zip(*self.chunks, strict=True))
+            if self.chunks
+            else [[np.zeros(0, dtype)] for dtype in (np.int32, np.int32, np.float64, np.int32, np.int32, np.int8)]
+        )
         return TrajectoryStats(*(np.concatenate(column) for column in columns))
 
     def sample(self) -> list[TrajectoryRecord]:
@@ -278,11 +297,22 @@ def _failures(folder: StorageFolder, shard: str, committed: set[str]) -> list[Fa
     entries = []
     for failure in read_failure_log(folder, shard):
         index, rollout_n = int(failure["index"]), int(failure["rollout_n"])
-        entries.append(FailureEntry(shard, index, rollout_n, str(failure.get("error", "")), str(failure.get("traceback", "")), f"{index}:{rollout_n}" in committed))
+        entries.append(
+            FailureEntry(
+                shard,
+                index,
+                rollout_n,
+                str(failure.get("error", "")),
+                str(failure.get("traceback", "")),
+                f"{index}:{rollout_n}" in committed,
+            )
+        )
     return entries
 
 
-def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: frozenset[int], sample_size: int) -> ReportData:
+def collect_report_data(
+    folder: StorageFolder, run: RunRecord, eos_token_ids: frozenset[int], sample_size: int
+) -> ReportData:
     """Everything the report shows, of the run whose run.json is `run` (read_run_record, which
     refuses a folder that is not a run). Refuses a run with nothing committed yet."""
     limits = Limits.of_run(run, eos_token_ids)
@@ -311,18 +341,36 @@ def collect_report_data(folder: StorageFolder, run: RunRecord, eos_token_ids: fr
         failure_kinds.update(entry.error.splitlines()[0] if entry.error else "(no message)" for entry in logged)
         failures.extend(logged[: max(FAILURES_LISTED - len(failures), 0)])
         state = dict(states.get(name, {"shard": name}))
-        state.update(range=[spec.start, spec.end], parts=len(checkpoint.parts), generated_tokens=checkpoint.generated_tokens,
-                     response_tokens=checkpoint.response_tokens, attempts=checkpoint.attempts, builds=checkpoint.builds)
+        state.update(
+            range=[spec.start, spec.end],
+            parts=len(checkpoint.parts),
+            generated_tokens=checkpoint.generated_tokens,
+            response_tokens=checkpoint.response_tokens,
+            attempts=checkpoint.attempts,
+            builds=checkpoint.builds,
+        )
         shards.append(state)
     stats = collector.stats()
     if not len(stats):
-        raise GenrunError(f"{folder.display()} has no committed trajectories yet: nothing to report (`genrun status {folder.display()}` shows its shards)")
+        raise GenrunError(
+            f"{folder.display()} has no committed trajectories yet: nothing to report (`genrun status {folder.display()}` shows its shards)"
+        )
     return ReportData(
-        run=run, location=folder.display(), limits=limits, stats=stats, sources=list(collector.sources),
-        commits=sorted(commits, key=lambda event: event.time), shards=shards, failures=failures,
-        failure_count=failure_count, failure_kinds=failure_kinds, sample=collector.sample(), skipped_parts=skipped,
+        run=run,
+        location=folder.display(),
+        limits=limits,
+        stats=stats,
+        sources=list(collector.sources),
+        commits=sorted(commits, key=lambda event: event.time),
+        shards=shards,
+        failures=failures,
+        failure_count=failure_count,
+        failure_kinds=failure_kinds,
+        sample=collector.sample(),
+        skipped_parts=skipped,
         bench=read_bench_figures(folder),
-        activity=collector.activity, ledger=_manifest_ledger(folder),
+        activity=collector.activity,
+        ledger=_manifest_ledger(folder),
     )
 
 
@@ -345,7 +393,11 @@ def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:
     except ValueError:
         logger.warning("report: %s is not JSON (left out)", folder.display(BENCH_FILE))
         return None
-    if not isinstance(figures, dict) or not isinstance(figures.get("sittings"), list) or not isinstance(figures.get("ratio"), dict):
+    if (
+        not isinstance(figures, dict)
+        or not isinstance(figures.get("sittings"), list)
+        or not isinstance(figures.get("ratio"), dict)
+    ):
         logger.warning("report: %s holds no bench sittings (left out)", folder.display(BENCH_FILE))
         return None
     return figures

@@ -37,7 +37,11 @@ class Report:
 
     def markdown(self) -> str:
         """The plots as markdown (a Prefect artifact), images inline."""
-        lines = ["# Run report", f"`{self.location}`: {self.trajectories:,} trajectories, {self.shown:,} in its trajectory viewer", ""]
+        lines = [
+            "# Run report",
+            f"`{self.location}`: {self.trajectories:,} trajectories, {self.shown:,} in its trajectory viewer",
+            "",
+        ]
         for plot in self.plots:
             lines += [f"## {plot.title}", f"![{plot.title}]({plot.data_url})", ""]
         return "\n".join(lines)
@@ -60,7 +64,10 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
         ("trajectories", f"{len(stats):,}"),
         ("model tokens", f"{int(stats.model_tokens.sum()):,}"),
         ("mean response length", f"{stats.response_tokens.mean():.1f} tokens"),
-        ("mean reward", f"{stats.reward[rewarded].mean():.4g} ({rewarded.sum():,} rewarded)" if rewarded.any() else "no rewards"),
+        (
+            "mean reward",
+            f"{stats.reward[rewarded].mean():.4g} ({rewarded.sum():,} rewarded)" if rewarded.any() else "no rewards",
+        ),
         ("failed samples (logged)", f"{data.failure_count:,}"),
         ("shards", f"{len(data.shards):,}"),
         ("model", str(config["actor_rollout_ref"]["model"]["path"])),
@@ -87,12 +94,15 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
 def _plots_section(data: ReportData, plots: list[Plot]) -> str:
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name not in CAPACITY_PLOTS
+        for p in plots
+        if p.name not in CAPACITY_PLOTS
     )
     drawn = {p.name for p in plots}
     notes = []
     if "reward" not in drawn:
-        notes.append("No reward plot: no trajectory of this run has a reward (reward.custom_reward_function or the agent loop gives one).")
+        notes.append(
+            "No reward plot: no trajectory of this run has a reward (reward.custom_reward_function or the agent loop gives one)."
+        )
     if "throughput" not in drawn:
         notes.append("No throughput plot: no part commit records with times.")
     return f'<section id="plots"><h2>Plots</h2><div class="plots">{figures}</div>{"".join(f"<p class=note>{_e(n)}</p>" for n in notes)}</section>'
@@ -104,14 +114,23 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
     ledger = data.ledger
     figures = "".join(
         f'<figure><img alt="{_e(p.title)}" src="{p.data_url}"><figcaption>{_e(p.title)}</figcaption></figure>'
-        for p in plots if p.name in CAPACITY_PLOTS
+        for p in plots
+        if p.name in CAPACITY_PLOTS
     )
     if not ledger:
         body = "<p class=note>No capacity ledger yet: manifest.json has none until the run finishes (the charts come from the trajectories committed so far).</p>"
     else:
         on_gpus = bool(ledger.get("gpus_per_replica"))
-        replicas = f"{ledger['replicas']} x {ledger['gpus_per_replica']} GPU(s)" if on_gpus else f"{ledger['replicas']} on the CPU"
-        facts = [("wall time", f"{ledger['wall_seconds']:,.1f} s"), ("replicas", replicas), ("replica-seconds", f"{ledger['replica_seconds']:,.1f}")]
+        replicas = (
+            f"{ledger['replicas']} x {ledger['gpus_per_replica']} GPU(s)"
+            if on_gpus
+            else f"{ledger['replicas']} on the CPU"
+        )
+        facts = [
+            ("wall time", f"{ledger['wall_seconds']:,.1f} s"),
+            ("replicas", replicas),
+            ("replica-seconds", f"{ledger['replica_seconds']:,.1f}"),
+        ]
         if on_gpus:
             facts.append(("GPU-seconds", f"{ledger['gpu_seconds']:,.1f}"))
         facts.append(("output tokens", f"{ledger['output_tokens']:,}"))
@@ -123,27 +142,41 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
             facts.append(("cost per 1M output tokens", "n/a" if per_million is None else f"{per_million:.4g}"))
         eta = ledger.get("eta") or {}
         if eta.get("max_error") is not None:
-            facts.append((
-                f"ETA error from {100 * eta['judged_from_done']:.0f}% done",
-                f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation",
-            ))
+            facts.append(
+                (
+                    f"ETA error from {100 * eta['judged_from_done']:.0f}% done",
+                    f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation",
+                )
+            )
         rows = "".join(
-            f'<tr><td>{_e(replica)}</td><td class=num>{row["requests"]:,}</td><td class=num>{row["output_tokens"]:,}</td>'
-            f'<td class=num>{row["tokens_per_second"]:,.1f}</td><td class=num>{100 * row["idle_fraction"]:.1f}%</td></tr>'
+            f"<tr><td>{_e(replica)}</td><td class=num>{row['requests']:,}</td><td class=num>{row['output_tokens']:,}</td>"
+            f"<td class=num>{row['tokens_per_second']:,.1f}</td><td class=num>{100 * row['idle_fraction']:.1f}%</td></tr>"
             for replica, row in (ledger.get("per_replica") or {}).items()
         )
         body = (
             f'<dl class="facts">{"".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts)}</dl>'
             f'<table id="replica-table"><thead><tr><th>replica</th><th class=num>requests</th><th class=num>output tokens</th>'
-            f'<th class=num>tokens/s</th><th class=num>idle</th></tr></thead><tbody>{rows}</tbody></table>'
+            f"<th class=num>tokens/s</th><th class=num>idle</th></tr></thead><tbody>{rows}</tbody></table>"
         )
     return f'<section id="capacity"><h2>Capacity</h2>{body}<div class="plots">{figures}</div></section>'
 
 
 def _shards_section(data: ReportData) -> str:
-    columns = [("shard", "shard", False), ("rows", "range", False), ("state", "state", False), ("committed", "committed", True), ("expected", "expected", True),
-               ("failed", "failed_samples", True), ("parts", "parts", True), ("model tokens", "generated_tokens", True), ("attempts", "attempts", True)]
-    head = "".join(f'<th class="{"num" if num else ""}">{_e(title)}</th>' for title, _, num in columns) + "<th>last error</th>"
+    columns = [
+        ("shard", "shard", False),
+        ("rows", "range", False),
+        ("state", "state", False),
+        ("committed", "committed", True),
+        ("expected", "expected", True),
+        ("failed", "failed_samples", True),
+        ("parts", "parts", True),
+        ("model tokens", "generated_tokens", True),
+        ("attempts", "attempts", True),
+    ]
+    head = (
+        "".join(f'<th class="{"num" if num else ""}">{_e(title)}</th>' for title, _, num in columns)
+        + "<th>last error</th>"
+    )
     rows = []
     for shard in data.shards:
         cells = []
@@ -161,16 +194,29 @@ def _shards_section(data: ReportData) -> str:
 def _failures_section(data: ReportData) -> str:
     if not data.failure_count:
         return '<section id="failures"><h2>Failures</h2><p class="note">No sample failed.</p></section>'
-    kinds = "".join(f'<tr><td class="num">{count:,}</td><td><code>{_e(error)}</code></td></tr>' for error, count in data.failure_kinds.most_common(20))
+    kinds = "".join(
+        f'<tr><td class="num">{count:,}</td><td><code>{_e(error)}</code></td></tr>'
+        for error, count in data.failure_kinds.most_common(20)
+    )
     rows = []
     for failure in data.failures:
         status = "generated on a later attempt" if failure.recovered else "not generated"
-        trace = f"<details><summary>traceback</summary><pre>{_e(failure.traceback)}</pre></details>" if failure.traceback else ""
-        rows.append(f"<tr><td>{_e(failure.shard)}</td><td class=mono>{failure.index}:{failure.rollout_n}</td><td>{_e(status)}</td><td><code>{_e(failure.error)}</code>{trace}</td></tr>")
-    more = f"<p class=note>The first {len(data.failures):,} of {data.failure_count:,} are listed; every shard's failures/ folder has all of them.</p>" if data.failure_count > len(data.failures) else ""
+        trace = (
+            f"<details><summary>traceback</summary><pre>{_e(failure.traceback)}</pre></details>"
+            if failure.traceback
+            else ""
+        )
+        rows.append(
+            f"<tr><td>{_e(failure.shard)}</td><td class=mono>{failure.index}:{failure.rollout_n}</td><td>{_e(status)}</td><td><code>{_e(failure.error)}</code>{trace}</td></tr>"
+        )
+    more = (
+        f"<p class=note>The first {len(data.failures):,} of {data.failure_count:,} are listed; every shard's failures/ folder has all of them.</p>"
+        if data.failure_count > len(data.failures)
+        else ""
+    )
     return (
         f'<section id="failures"><h2>Failures</h2><p>{data.failure_count:,} failure log line(s) (every attempt\'s; a sample a later attempt generated counts too).</p>'
-        f'<table><thead><tr><th class=num>count</th><th>error</th></tr></thead><tbody>{kinds}</tbody></table><h3>Samples</h3>'
+        f"<table><thead><tr><th class=num>count</th><th>error</th></tr></thead><tbody>{kinds}</tbody></table><h3>Samples</h3>"
         f'<table id="failure-table"><thead><tr><th>shard</th><th>sample</th><th>now</th><th>error</th></tr></thead><tbody>{"".join(rows)}</tbody></table>{more}</section>'
     )
 
@@ -178,13 +224,17 @@ def _failures_section(data: ReportData) -> str:
 def _viewer_section(payload: dict[str, Any], sample_size: int) -> str:
     shown, total = len(payload["trajectories"]), payload["total"]
     if shown < total:
-        how = (f"Showing {shown:,} of {total:,} trajectories: a uniform sample by sample id (the same on every report of this run), at most "
-               f"{sample_size:,} and {TOKEN_BUDGET:,} tokens; `genrun report DIR --sample N` holds more. Filters apply to the sample.")
+        how = (
+            f"Showing {shown:,} of {total:,} trajectories: a uniform sample by sample id (the same on every report of this run), at most "
+            f"{sample_size:,} and {TOKEN_BUDGET:,} tokens; `genrun report DIR --sample N` holds more. Filters apply to the sample."
+        )
     else:
         how = f"All {total:,} trajectories."
     if not payload["decoded"]:
-        how += (" The run's tokenizer was not loaded (not on the machine that wrote this report, or it is code from the model folder, which runs "
-                "only with genrun report DIR --trust-remote-code): tokens are shown as ids.")
+        how += (
+            " The run's tokenizer was not loaded (not on the machine that wrote this report, or it is code from the model folder, which runs "
+            "only with genrun report DIR --trust-remote-code): tokens are shown as ids."
+        )
     filters = (
         '<label>reward ≥<input id="f-reward-min" type="number" step="any"></label><label>reward ≤<input id="f-reward-max" type="number" step="any"></label>'
         '<label>data source<select id="f-source"><option value="">all</option></select></label>'
@@ -211,22 +261,33 @@ def _bench_section(bench: dict[str, Any] | None) -> str:
     """`genrun bench --report`: each sitting's engine and genrun tokens/s and their ratio."""
     if bench is None:
         return ""
-    head = "".join(f"<th>{h}</th>" for h in ("sitting", "engine tokens/s", "genrun tokens/s", "genrun/engine", "genrun whole command s"))
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("sitting", "engine tokens/s", "genrun tokens/s", "genrun/engine", "genrun whole command s")
+    )
     rows = "".join(
         f"<tr><td>{number}</td><td>{_e(s.get('engine_tokens_per_s'))}</td><td>{_e(s.get('genrun_tokens_per_s'))}</td>"
         f"<td>{_e(s.get('ratio'))}</td><td>{_e(_rounded(s.get('genrun_wall_seconds')))}</td></tr>"
-        for number, s in enumerate(bench["sittings"], 1) if isinstance(s, dict)
+        for number, s in enumerate(bench["sittings"], 1)
+        if isinstance(s, dict)
     )
     ratio = bench["ratio"]
-    what = (f"{_e(bench.get('engine'))} engine ({_e(bench.get('engine_side'))}), {_e(bench.get('requests'))} requests of "
-            f"{_e(bench.get('tokens'))} tokens; genrun/engine median {_e(ratio.get('median'))} (min {_e(ratio.get('min'))}, max {_e(ratio.get('max'))})")
-    return (f'<section id="bench"><h2>Benchmark</h2><p>{what}</p>'
-            f'<table id="bench-table"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>')
+    what = (
+        f"{_e(bench.get('engine'))} engine ({_e(bench.get('engine_side'))}), {_e(bench.get('requests'))} requests of "
+        f"{_e(bench.get('tokens'))} tokens; genrun/engine median {_e(ratio.get('median'))} (min {_e(ratio.get('min'))}, max {_e(ratio.get('max'))})"
+    )
+    return (
+        f'<section id="bench"><h2>Benchmark</h2><p>{what}</p>'
+        f'<table id="bench-table"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>'
+    )
 
 
 def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sample_size: int) -> str:
     facts = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in _facts(data))
-    warnings = "".join(f"<p class=warn>Part {_e(path)} does not match its checksum: left out of this report.</p>" for path in data.skipped_parts)
+    warnings = "".join(
+        f"<p class=warn>Part {_e(path)} does not match its checksum: left out of this report.</p>"
+        for path in data.skipped_parts
+    )
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     return (
         "<!DOCTYPE html>\n"
@@ -234,7 +295,7 @@ def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sa
         f"<title>genrun report: {_e(data.location)}</title><style>{_asset('report.css')}</style></head><body>"
         f'<header><h1>Run report</h1><p class="where">{_e(data.location)} · written {generated}</p><dl class="facts">{facts}</dl>{warnings}</header>'
         '<nav><a href="#plots">Plots</a><a href="#capacity">Capacity</a><a href="#shards">Shards</a><a href="#failures">Failures</a><a href="#viewer">Trajectories</a>'
-        f'{"<a href=#bench>Benchmark</a>" if data.bench else ""}</nav>'
+        f"{'<a href=#bench>Benchmark</a>' if data.bench else ''}</nav>"
         f"{_plots_section(data, plots)}{_capacity_section(data, plots)}{_shards_section(data)}{_failures_section(data)}{_viewer_section(payload, sample_size)}"
         f"{_bench_section(data.bench)}</body></html>\n"
     )
@@ -258,7 +319,11 @@ def split_report_arguments(arguments: list[str]) -> tuple[int, list[str]]:
     while position < len(arguments):
         argument = arguments[position]
         if argument == "--sample" or argument.startswith("--sample="):
-            value = argument.partition("=")[2] if "=" in argument else (arguments[position + 1] if position + 1 < len(arguments) else "")
+            value = (
+                argument.partition("=")[2]
+                if "=" in argument
+                else (arguments[position + 1] if position + 1 < len(arguments) else "")
+            )
             position += 1 if "=" in argument else 2
             if not value.isdigit() or int(value) < 1:
                 raise GenrunError(f"--sample takes a positive number of trajectories (got {value!r})")
@@ -269,7 +334,9 @@ def split_report_arguments(arguments: list[str]) -> tuple[int, list[str]]:
     return sample, rest
 
 
-def report_command(url: str, storage_options: dict[str, Any], sample_size: int = SAMPLE_SIZE, trust_remote_code: bool = False) -> int:
+def report_command(
+    url: str, storage_options: dict[str, Any], sample_size: int = SAMPLE_SIZE, trust_remote_code: bool = False
+) -> int:
     """`genrun report DIR`: write the report and say where it is."""
     report = write_report(StorageFolder(url, storage_options), sample_size, trust_remote_code)
     print(f"report: {report.location} ({report.trajectories:,} trajectories; the viewer holds {report.shown:,})")

@@ -61,9 +61,24 @@ def response_lengths(data: ReportData) -> Plot:
     bins = _bins(np.concatenate([stats.response_tokens, stats.model_tokens]))
     axes.hist(stats.response_tokens, bins=bins, color=_COLORS[0], alpha=0.75, label="response tokens (all)")
     if (stats.model_tokens != stats.response_tokens).any():
-        axes.hist(stats.model_tokens, bins=bins, histtype="step", linewidth=1.6, color=_COLORS[1], label="model tokens (response_mask 1)")
-    axes.axvline(data.limits.response_length, color="#475569", linestyle="--", linewidth=1, label=f"response_length = {data.limits.response_length}")
-    axes.set(xlabel="tokens per trajectory", ylabel="trajectories", title=f"Response length ({len(stats):,} trajectories)")
+        axes.hist(
+            stats.model_tokens,
+            bins=bins,
+            histtype="step",
+            linewidth=1.6,
+            color=_COLORS[1],
+            label="model tokens (response_mask 1)",
+        )
+    axes.axvline(
+        data.limits.response_length,
+        color="#475569",
+        linestyle="--",
+        linewidth=1,
+        label=f"response_length = {data.limits.response_length}",
+    )
+    axes.set(
+        xlabel="tokens per trajectory", ylabel="trajectories", title=f"Response length ({len(stats):,} trajectories)"
+    )
     axes.legend(fontsize=8)
     return Plot("response-length", "Response length", _png(figure))
 
@@ -92,12 +107,25 @@ def rewards(data: ReportData) -> Plot | None:
         for number, (source, group) in enumerate(groups):
             counts = [(group == value).sum() for value in values]
             positions = np.arange(len(values)) + (number - (len(groups) - 1) / 2) * width
-            axes.bar(positions, counts, width=width, color=_COLORS[number % len(_COLORS)], label=f"{source} (n={len(group):,})")
+            axes.bar(
+                positions,
+                counts,
+                width=width,
+                color=_COLORS[number % len(_COLORS)],
+                label=f"{source} (n={len(group):,})",
+            )
         axes.set_xticks(np.arange(len(values)), [f"{value:g}" for value in values])
     else:
         bins = np.linspace(values.min(), values.max(), 41).tolist()
         for number, (source, group) in enumerate(groups):
-            axes.hist(group, bins=bins, histtype="step", linewidth=1.6, color=_COLORS[number % len(_COLORS)], label=f"{source} (n={len(group):,})")
+            axes.hist(
+                group,
+                bins=bins,
+                histtype="step",
+                linewidth=1.6,
+                color=_COLORS[number % len(_COLORS)],
+                label=f"{source} (n={len(group):,})",
+            )
     axes.set(xlabel="reward", ylabel="trajectories", title="Reward per data source")
     axes.legend(fontsize=8)
     return Plot("reward", "Reward per data source", _png(figure))
@@ -113,7 +141,11 @@ def turns(data: ReportData) -> Plot:
     else:
         cast(MaxNLocator, axes.xaxis.get_major_locator()).set_params(integer=True)  # a bar plot's AutoLocator
     axes.set_xlim(values.min() - 1.5, values.max() + 1.5)
-    axes.set(xlabel="turns per trajectory (user, assistant and tool turns)", ylabel="trajectories", title="Turns per trajectory")
+    axes.set(
+        xlabel="turns per trajectory (user, assistant and tool turns)",
+        ylabel="trajectories",
+        title="Turns per trajectory",
+    )
     return Plot("turns", "Turns per trajectory", _png(figure))
 
 
@@ -152,12 +184,31 @@ def throughput(data: ReportData) -> Plot | None:
     scale, unit = _time_unit(span)
     figure = _figure()
     axes = figure.add_subplot()
-    axes.step((times - start) / scale, np.cumsum(counts), where="post", color=_COLORS[0], linewidth=1.8, label="committed (cumulative)")
-    axes.set(xlabel=f"{unit} since the first attempt started", ylabel="trajectories committed", title="Throughput over time (part commits)")
+    axes.step(
+        (times - start) / scale,
+        np.cumsum(counts),
+        where="post",
+        color=_COLORS[0],
+        linewidth=1.8,
+        label="committed (cumulative)",
+    )
+    axes.set(
+        xlabel=f"{unit} since the first attempt started",
+        ylabel="trajectories committed",
+        title="Throughput over time (part commits)",
+    )
     bins = np.linspace(0, span, min(30, max(2, len(events))) + 1)
     per_bin, _ = np.histogram(times - start, bins=bins, weights=counts)
     rate = axes.twinx()
-    rate.bar(bins[:-1] / scale, per_bin / np.diff(bins), width=np.diff(bins) / scale, align="edge", color=_COLORS[1], alpha=0.3, label="rate")
+    rate.bar(
+        bins[:-1] / scale,
+        per_bin / np.diff(bins),
+        width=np.diff(bins) / scale,
+        align="edge",
+        color=_COLORS[1],
+        alpha=0.3,
+        label="rate",
+    )
     rate.set_ylabel("trajectories / s")
     axes.set_zorder(rate.get_zorder() + 1)
     axes.patch.set_visible(False)
@@ -185,8 +236,12 @@ def replica_timeline(data: ReportData) -> Plot | None:
     for row, replica in enumerate(replicas):
         spans = busy_spans(intervals[replica])
         busy = sum(end - begin for begin, end in spans)
-        axes.broken_barh([((begin - start) / scale, max((end - begin) / scale, 1e-9)) for begin, end in spans], (row - 0.4, 0.8),
-                         color=_COLORS[row % len(_COLORS)], label=f"{replica}: busy {100 * busy / span:.0f}%")
+        axes.broken_barh(
+            [((begin - start) / scale, max((end - begin) / scale, 1e-9)) for begin, end in spans],
+            (row - 0.4, 0.8),
+            color=_COLORS[row % len(_COLORS)],
+            label=f"{replica}: busy {100 * busy / span:.0f}%",
+        )
     axes.set_yticks(range(len(replicas)), [str(r)[:24] for r in replicas])
     axes.set(xlabel=f"{unit} since the first request", title="Replicas busy (bars) and idle (gaps)")
     return Plot("replica-timeline", "Replicas busy and idle over time", _png(figure))
@@ -221,11 +276,27 @@ def eta_accuracy(data: ReportData) -> Plot | None:
     seconds = np.array([point[0] for point in points])
     figure = _figure()
     axes = figure.add_subplot()
-    axes.plot([0, ended / scale], [ended / scale, 0], color=_COLORS[8], linewidth=1.2, linestyle="--", label="actual time left")
-    axes.plot(seconds / scale, np.array([point[3] for point in points]) / scale, color=_COLORS[0], linewidth=1.6, marker=".", label="predicted (ETA shown)")
+    axes.plot(
+        [0, ended / scale],
+        [ended / scale, 0],
+        color=_COLORS[8],
+        linewidth=1.2,
+        linestyle="--",
+        label="actual time left",
+    )
+    axes.plot(
+        seconds / scale,
+        np.array([point[3] for point in points]) / scale,
+        color=_COLORS[0],
+        linewidth=1.6,
+        marker=".",
+        label="predicted (ETA shown)",
+    )
     judged = next((point[0] for point in eta["points"] if point[1] >= eta["judged_from_done"] * point[2]), None)
     if judged is not None:
-        axes.axvline(judged / scale, color=_COLORS[1], linewidth=1, alpha=0.6, label=f"{100 * eta['judged_from_done']:.0f}% done")
+        axes.axvline(
+            judged / scale, color=_COLORS[1], linewidth=1, alpha=0.6, label=f"{100 * eta['judged_from_done']:.0f}% done"
+        )
     axes.set(xlabel=f"{unit} since generation started", ylabel=f"{unit} left", title="ETA: predicted vs actual")
     axes.set_ylim(bottom=0)
     axes.legend(fontsize=8, loc="upper right")
@@ -236,6 +307,13 @@ def all_plots(data: ReportData) -> list[Plot]:
     """Every plot the data allows (no rewards: no reward plot; no part commits: no throughput;
     no provenance: no replica timeline or time split; no finished run's ETA trace: no ETA plot)."""
     drawn = [
-        response_lengths(data), rewards(data), turns(data), stops(data), throughput(data), replica_timeline(data), time_split(data), eta_accuracy(data),
+        response_lengths(data),
+        rewards(data),
+        turns(data),
+        stops(data),
+        throughput(data),
+        replica_timeline(data),
+        time_split(data),
+        eta_accuracy(data),
     ]
     return [plot for plot in drawn if plot is not None]

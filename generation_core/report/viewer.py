@@ -43,7 +43,9 @@ def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
     model = run.config["actor_rollout_ref"]["model"]
     path = os.path.expanduser(str(model["path"]))
     if not Path(path).is_dir():
-        logger.warning("report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path)
+        logger.warning(
+            "report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path
+        )
         return None
     # tokenizer.json through the `tokenizers` library when the folder has one and no tokenizer
     # code: transformers would import torch, seconds of a read-only command's start.
@@ -58,7 +60,10 @@ def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
         # transformers' refusal to run a folder's code without trust_remote_code=True.
         if trust_remote_code or "trust_remote_code" not in str(exc):
             raise
-        logger.warning("report: the run's tokenizer (%s) is code from its folder, which runs only with `genrun report DIR --trust-remote-code`; the viewer shows token ids instead of text", path)
+        logger.warning(
+            "report: the run's tokenizer (%s) is code from its folder, which runs only with `genrun report DIR --trust-remote-code`; the viewer shows token ids instead of text",
+            path,
+        )
         return None
 
 
@@ -67,7 +72,9 @@ def eos_token_ids(run: RunRecord, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_config = Path(os.path.expanduser(str(run.config["actor_rollout_ref"]["model"]["path"]))) / "generation_config.json"
+    generation_config = (
+        Path(os.path.expanduser(str(run.config["actor_rollout_ref"]["model"]["path"]))) / "generation_config.json"
+    )
     if generation_config.is_file():
         value = json.loads(generation_config.read_text()).get("eos_token_id")
         ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
@@ -113,7 +120,11 @@ class TokenTexts:
         """Record the texts of `ids`; returns the fixes of split characters (position -> text)."""
         new = sorted(set(ids) - self.pieces.keys())
         if new:
-            texts = self.tokenizer.batch_decode([[i] for i in new]) if self.tokenizer is not None else [f"⟨{i}⟩" for i in new]
+            texts = (
+                self.tokenizer.batch_decode([[i] for i in new])
+                if self.tokenizer is not None
+                else [f"⟨{i}⟩" for i in new]
+            )
             self.pieces.update(zip(new, texts, strict=True))
         fix: dict[int, str] = {}
         if self.tokenizer is None:
@@ -169,7 +180,9 @@ def _timing_fields(record: TrajectoryRecord) -> dict[str, Any]:
     return {
         "time": time,
         "replicas": sorted({str(t["replica"]) for t in turns if t.get("replica") is not None}),
-        "turn_info": [[t.get("replica"), t.get("stop_reason"), round(float(t.get("seconds") or 0.0), 4)] for t in turns],
+        "turn_info": [
+            [t.get("replica"), t.get("stop_reason"), round(float(t.get("seconds") or 0.0), 4)] for t in turns
+        ],
     }
 
 

@@ -137,8 +137,16 @@ class ReplicaPool:
         rates = [prefix_hit_rate(s) for s in stats]
         if not stats or all(rate is None for rate in rates):
             return None
-        run = {key: sum(int(s.get(key, 0)) for s in stats) for key in ("prefix_reused_tokens", "shared_prefix_tokens", "prefill_tokens")}
-        return {"run": prefix_hit_rate(run), "replicas": rates, "reused_tokens": run["prefix_reused_tokens"] + run["shared_prefix_tokens"], "prefilled_tokens": run["prefill_tokens"]}
+        run = {
+            key: sum(int(s.get(key, 0)) for s in stats)
+            for key in ("prefix_reused_tokens", "shared_prefix_tokens", "prefill_tokens")
+        }
+        return {
+            "run": prefix_hit_rate(run),
+            "replicas": rates,
+            "reused_tokens": run["prefix_reused_tokens"] + run["shared_prefix_tokens"],
+            "prefilled_tokens": run["prefill_tokens"],
+        }
 
     def shutdown(self) -> None:
         if self.manager is None:

@@ -39,7 +39,9 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
     # Ray's runtime env agent logs each runtime env it creates, env_vars and all, at INFO into
     # the session's logs: the Ray that genrun starts (its processes inherit this) logs warnings only.
     os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")
-    init_kwargs = {k: v for k, v in cast(dict[str, Any], OmegaConf.to_container(cfg.ray_kwargs.ray_init)).items() if v is not None}
+    init_kwargs = {
+        k: v for k, v in cast(dict[str, Any], OmegaConf.to_container(cfg.ray_kwargs.ray_init)).items() if v is not None
+    }
     if "address" not in init_kwargs:
         init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
         if init_kwargs["_node_ip_address"] == "127.0.0.1" and not os.environ.get("RAY_ADDRESS"):
@@ -108,7 +110,8 @@ def _local_ray_processes() -> dict[int, int]:
         candidates |= left_in_group(table, table[me].pgid, 0)
     ray_root = os.path.dirname(ray.__file__).encode()
     return {
-        pid: table[pid].started for pid in candidates
+        pid: table[pid].started
+        for pid in candidates
         if command_line(pid).startswith(b"ray::") or ray_root in command_line(pid)
     }
 

@@ -69,7 +69,11 @@ PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (NotImplementedError, Recu
 def is_transient(exc: BaseException) -> bool:
     """Whether sending the same request again may succeed."""
     # A RayTaskError whose cause's type Ray could not subclass: judge the cause.
-    if isinstance(exc, RayTaskError) and not isinstance(exc, TRANSIENT_ERRORS) and getattr(exc, "cause", None) is not None:
+    if (
+        isinstance(exc, RayTaskError)
+        and not isinstance(exc, TRANSIENT_ERRORS)
+        and getattr(exc, "cause", None) is not None
+    ):
         exc = exc.cause
     if isinstance(exc, PROGRAMMING_ERRORS):
         return False
@@ -121,7 +125,9 @@ class RetryingClient:
                 try:
                     return await asyncio.wait_for(call, self.timeout)
                 except TimeoutError:
-                    raise RequestTimeout(f"engine request {request_id} took longer than generation.request_timeout={self.timeout}s") from None
+                    raise RequestTimeout(
+                        f"engine request {request_id} took longer than generation.request_timeout={self.timeout}s"
+                    ) from None
             except Exception as exc:  # noqa: BLE001 - classified by is_transient below
                 kind = type(exc).__name__
                 self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
@@ -135,7 +141,15 @@ class RetryingClient:
                     log.retries += 1
                 # Full jitter: replicas that failed together are not hit again in lockstep.
                 delay = self.backoff_seconds * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                logger.warning("engine request %s failed (%s: %s); retry %d/%d in %.2fs", request_id, kind, str(exc).splitlines()[0] if str(exc) else "", attempt, self.retries, delay)
+                logger.warning(
+                    "engine request %s failed (%s: %s); retry %d/%d in %.2fs",
+                    request_id,
+                    kind,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                    attempt,
+                    self.retries,
+                    delay,
+                )
                 await asyncio.sleep(delay)
 
 

@@ -75,7 +75,9 @@ class Backend(Protocol):
     probe_interval: float
     """Seconds between two probes of a server out of rotation."""
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput | EngineOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput | EngineOutput:
         """The engine contract (engines/base.py); `as_token_output` makes either a TokenOutput."""
         ...
 
@@ -105,7 +107,14 @@ class BackendSource(Protocol):
 class RoutingClient:
     """Routes each request to one backend of `source`; see the module docstring."""
 
-    def __init__(self, config: DictConfig, source: BackendSource, *, routing: str | None = None, chooser: ReplicaChooser | None = None):
+    def __init__(
+        self,
+        config: DictConfig,
+        source: BackendSource,
+        *,
+        routing: str | None = None,
+        chooser: ReplicaChooser | None = None,
+    ):
         self.config = config
         self._source = source
         self._full_determinism = bool(config.actor_rollout_ref.rollout.get("full_determinism", False))
@@ -138,12 +147,16 @@ class RoutingClient:
             raise
 
     @rollout_trace_op
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput:
         server_id = await self._acquire(request_id, prompt_ids)
         note_replica(server_id)
         backend = self._connected[server_id]
         try:
-            output = await backend.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            output = await backend.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
         except backend.server_failures as exc:
             self._take_out_of_rotation(server_id, exc)
             raise
@@ -226,7 +239,11 @@ class RoutingClient:
             await asyncio.sleep(LOAD_REFRESH_SECONDS)
             if not self.loads.outstanding:
                 continue
-            quiet = [sid for sid in self.loads.quiet(list(self._connected), LOAD_REFRESH_SECONDS) if sid not in self._down and sid not in self._gone]
+            quiet = [
+                sid
+                for sid in self.loads.quiet(list(self._connected), LOAD_REFRESH_SECONDS)
+                if sid not in self._down and sid not in self._gone
+            ]
             await self._read_loads(quiet)
 
     async def _read_loads(self, server_ids: list[str]) -> None:
@@ -249,7 +266,9 @@ class RoutingClient:
             if up:
                 return up
             if len(self._gone) == len(self._connected):
-                raise GenrunError(f"every inference replica of the pool died ({len(self._connected)}); the shard stops and its retry resumes from the checkpoint")
+                raise GenrunError(
+                    f"every inference replica of the pool died ({len(self._connected)}); the shard stops and its retry resumes from the checkpoint"
+                )
             await asyncio.sleep(0.5)
 
     # ---- failover --------------------------------------------------------------------------
@@ -260,7 +279,8 @@ class RoutingClient:
         self.replica_failures += 1
         logger.warning(
             "inference replica %s failed under a request (%s); its requests go to the other replicas until it is back",
-            server_id, type(exc).__name__,
+            server_id,
+            type(exc).__name__,
         )
         self._down[server_id] = asyncio.ensure_future(self._wait_for_recovery(server_id))
 
@@ -281,7 +301,13 @@ class RoutingClient:
         except (TimeoutError, ServerGone) as exc:
             why = type(exc.__cause__).__name__ if isinstance(exc, ServerGone) else "no answer in time"
             self._gone.add(server_id)
-            logger.error("inference replica %s is gone for good (%s); %d of %d replicas left", server_id, why, len(self._connected) - len(self._gone), len(self._connected))
+            logger.error(
+                "inference replica %s is gone for good (%s); %d of %d replicas left",
+                server_id,
+                why,
+                len(self._connected) - len(self._gone),
+                len(self._connected),
+            )
         finally:
             self._down.pop(server_id, None)
 

@@ -36,8 +36,12 @@ class Turn:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "replica": self.replica, "stop_reason": self.stop_reason, "start": round(self.start, 6),
-            "seconds": round(self.seconds, 6), "tokens": self.tokens, **self.engine,
+            "replica": self.replica,
+            "stop_reason": self.stop_reason,
+            "start": round(self.start, 6),
+            "seconds": round(self.seconds, 6),
+            "tokens": self.tokens,
+            **self.engine,
         }
 
 

@@ -65,17 +65,26 @@ class AdaptiveRule:
         return lambda index: range(0) if index in decided else range(self.n)
 
 
-def shard_rewards(folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint) -> dict[int, dict[int, float | None]]:
+def shard_rewards(
+    folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint
+) -> dict[int, dict[int, float | None]]:
     """Every committed sample's reward in a shard, by prompt index and rollout_n."""
     rewards: dict[int, dict[int, float | None]] = {}
     for part in checkpoint.parts:
-        table = read_part_table(read_verified_part(folder, CommittedPartRef(shard_file(shard_name, part.name), part.sha256)), ["index", "rollout_n", "reward_score"])
-        for index, rollout_n, reward in zip(*(table.column(name).to_pylist() for name in ("index", "rollout_n", "reward_score")), strict=True):
+        table = read_part_table(
+            read_verified_part(folder, CommittedPartRef(shard_file(shard_name, part.name), part.sha256)),
+            ["index", "rollout_n", "reward_score"],
+        )
+        for index, rollout_n, reward in zip(
+            *(table.column(name).to_pylist() for name in ("index", "rollout_n", "reward_score")), strict=True
+        ):
             rewards.setdefault(index, {})[rollout_n] = score_or_none(reward)
     return rewards
 
 
-def decided_prompts(rule: AdaptiveRule, folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint) -> set[int]:
+def decided_prompts(
+    rule: AdaptiveRule, folder: StorageFolder, shard_name: str, checkpoint: ShardCheckpoint
+) -> set[int]:
     """The prompts of a shard whose committed round-1 rewards decide them; never one with a sample
     that a commit record of any attempt counts as failed (the module docstring says why)."""
     failed = {int(key.rsplit(":", 1)[0]) for key in checkpoint.failed_in_any_attempt}

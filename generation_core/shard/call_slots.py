@@ -34,7 +34,9 @@ from typing import Any
 
 SampleKey = tuple[int, int]
 
-_current_sample: contextvars.ContextVar[SampleKey | None] = contextvars.ContextVar("genrun_current_sample", default=None)
+_current_sample: contextvars.ContextVar[SampleKey | None] = contextvars.ContextVar(
+    "genrun_current_sample", default=None
+)
 
 
 @contextmanager

@@ -95,7 +95,11 @@ class Durations:
             grown = residual_cdf + survival * width / mean
             # integral of 1 - F^n over the segment, F linear from residual_cdf to grown (exact).
             if grown > residual_cdf:
-                expected += width * (1.0 - (grown ** (open_now + 1) - residual_cdf ** (open_now + 1)) / ((open_now + 1) * (grown - residual_cdf)))
+                expected += width * (
+                    1.0
+                    - (grown ** (open_now + 1) - residual_cdf ** (open_now + 1))
+                    / ((open_now + 1) * (grown - residual_cdf))
+                )
             else:
                 expected += width * (1.0 - residual_cdf**open_now)
             start, longer, residual_cdf = x, longer - count, grown
@@ -128,7 +132,11 @@ def _bound(remaining: int, pace: float, open_now: int, durations: Durations | No
 
 
 def estimate_eta(
-    remaining: int, run_done: int, run_seconds: float, shards: Iterable[ShardPace] = (), durations: Durations | None = None,
+    remaining: int,
+    run_done: int,
+    run_seconds: float,
+    shards: Iterable[ShardPace] = (),
+    durations: Durations | None = None,
 ) -> float | None:
     """Seconds until the run is done: `remaining` trajectories in all, `run_done` finished in
     `run_seconds` of generation; `shards`: the running shards; `durations`: how long finished

@@ -32,12 +32,18 @@ class FinishedRowsChanged(InputChanged):
     recorded: str
 
     @classmethod
-    def of(cls, folder: StorageFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None) -> FinishedRowsChanged:
+    def of(
+        cls, folder: StorageFolder, shard: ShardSpec, current: str, recorded: str, others: list[str] | None = None
+    ) -> FinishedRowsChanged:
         """The refusal: names the (first) shard, its digests and where the recorded one is;
         `others`: more shards refused at once. The message is the exception's only argument, so
         it pickles like any exception (a shard job's error crosses from a Ray worker)."""
         others = others or []
-        more = f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})" if others else ""
+        more = (
+            f" (and {', '.join(others[:5])}{f' and {len(others) - 5} more' if len(others) > 5 else ''})"
+            if others
+            else ""
+        )
         refusal = cls(
             f"the dataset rows of finished {shard.name}{more} changed since it was generated (digest {current[:12]}, recorded "
             f"{recorded[:12]} in {folder.display(shard_file(shard.name, COMMITS_DIR))}): its trajectories belong to other prompts "
@@ -99,7 +105,9 @@ def check_rows_unchanged(
             raise FinishedRowsChanged.of(folder, shard, current, recorded)
 
 
-def rows_digest_reader(plan: RunPlan, shard: ShardSpec, options: dict[str, Any] | None = None) -> Callable[[], str | None] | None:
+def rows_digest_reader(
+    plan: RunPlan, shard: ShardSpec, options: dict[str, Any] | None = None
+) -> Callable[[], str | None] | None:
     """`finished_shard`'s `rows_digest_now` for a shard of `plan`: its rows read again (Arrow
     only: no tokenizer, no filter) and digested; None under `generation.recheck_finished_rows=false`.
     `options`: the input files' storage options, when the caller has them."""
@@ -110,7 +118,11 @@ def rows_digest_reader(plan: RunPlan, shard: ShardSpec, options: dict[str, Any] 
 
 
 def finished_shards(
-    plan: RunPlan, shards: list[ShardSpec], *, verify: Literal["sha256", "size"] = "size", fence: LeaseFence | None = None
+    plan: RunPlan,
+    shards: list[ShardSpec],
+    *,
+    verify: Literal["sha256", "size"] = "size",
+    fence: LeaseFence | None = None,
 ) -> dict[int, SuccessMarker | None]:
     """`finished_shard` for each of `shards` (by shard id), RECHECK_THREADS at a time. Every
     shard is decided before a refusal of changed rows, which names all the shards it found."""
@@ -121,7 +133,9 @@ def finished_shards(
 
     def decide(shard: ShardSpec) -> tuple[SuccessMarker | None, FinishedRowsChanged | None]:
         try:
-            return finished_shard(plan.folder, shard, rows_digest_now=readers[shard.shard_id], verify=verify, fence=fence), None
+            return finished_shard(
+                plan.folder, shard, rows_digest_now=readers[shard.shard_id], verify=verify, fence=fence
+            ), None
         except FinishedRowsChanged as changed:
             return None, changed
 
@@ -130,5 +144,7 @@ def finished_shards(
     refused = [changed for _, changed in decided if changed is not None]
     if refused:
         first = refused[0]
-        raise FinishedRowsChanged.of(plan.folder, first.shard, first.current, first.recorded, [other.shard.name for other in refused[1:]])
+        raise FinishedRowsChanged.of(
+            plan.folder, first.shard, first.current, first.recorded, [other.shard.name for other in refused[1:]]
+        )
     return {shard.shard_id: manifest for shard, (manifest, _) in zip(shards, decided, strict=True)}

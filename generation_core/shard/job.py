@@ -90,7 +90,9 @@ def run_shard_job(
     if reporter.stop_requested_now():
         raise ShardStopped(f"{shard.name}: the run is stopping; not started")
     cfg = plan.cfg
-    tokenizer = _tokenizer(os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code)
+    tokenizer = _tokenizer(
+        os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code
+    )
     # Only this shard's rows, read and filtered here (never the whole dataset).
     prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     client = attach_client(cfg, registry_name)
@@ -137,7 +139,14 @@ def _where_this_runs() -> dict:
     return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
 
-async def run_shard_with_worker(cfg: DictConfig, shard: ShardSpec, folder: StorageFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None = None) -> SuccessMarker:
+async def run_shard_with_worker(
+    cfg: DictConfig,
+    shard: ShardSpec,
+    folder: StorageFolder,
+    prompts,
+    worker: StreamingWorker,
+    fence: LeaseFence | None = None,
+) -> SuccessMarker:
     """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
     decision, then the same generation, then the marker; a finished shard's rows are checked
     against its recorded digest with the digest `prompts` carries (none: not checked)."""
@@ -150,7 +159,9 @@ async def run_shard_with_worker(cfg: DictConfig, shard: ShardSpec, folder: Stora
     return manifest
 
 
-def pending_samples(prompts, n: int, done: set[str], rollouts: Callable[[int], range] | None = None) -> Iterator[tuple[tuple[int, int], dict]]:
+def pending_samples(
+    prompts, n: int, done: set[str], rollouts: Callable[[int], range] | None = None
+) -> Iterator[tuple[tuple[int, int], dict]]:
     """(sample key, agent-loop kwargs) for every trajectory of the shard not in `done`, in
     dispatch order, decided row by row as the stream pulls: a row none of whose samples is
     committed goes through the overlong filter (`prompts.keeps`) just before it is dispatched;
@@ -173,7 +184,12 @@ def allowed_failures(owed: int, max_failed_fraction: float) -> int:
 
 
 async def generate_shard(
-    cfg: DictConfig, shard: ShardSpec, folder: StorageFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None,
+    cfg: DictConfig,
+    shard: ShardSpec,
+    folder: StorageFolder,
+    prompts,
+    worker: StreamingWorker,
+    fence: LeaseFence | None,
     reporter: ShardReporter | None = None,
 ) -> SuccessMarker:
     """Generate every trajectory of `shard` its checkpoint lacks; returns the manifest (the
@@ -198,7 +214,13 @@ class ShardGeneration:
     part writer that commits them, and the counters its success marker reports."""
 
     def __init__(
-        self, cfg: DictConfig, shard: ShardSpec, folder: StorageFolder, prompts, worker: StreamingWorker, fence: LeaseFence | None,
+        self,
+        cfg: DictConfig,
+        shard: ShardSpec,
+        folder: StorageFolder,
+        prompts,
+        worker: StreamingWorker,
+        fence: LeaseFence | None,
         reporter: ShardReporter | None,
     ):
         self.cfg, self.shard, self.folder, self.prompts, self.worker = cfg, shard, folder, prompts, worker
@@ -207,7 +229,9 @@ class ShardGeneration:
         # The attempt's commit record (under a lease, the run's claim on the shard), with the digest
         # of the shard's rows (library callers' prompts may carry none); failed samples of earlier
         # attempts are pending again.
-        self.checkpoint = ShardCheckpoint.start_attempt(folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None))
+        self.checkpoint = ShardCheckpoint.start_attempt(
+            folder, shard.name, fence, rows_digest=getattr(prompts, "rows_digest", None)
+        )
         self.done = set(self.checkpoint.completed)
         # Every trajectory of this attempt names it (a library caller's worker may keep none).
         if isinstance(getattr(worker, "provenance", None), dict):
@@ -224,8 +248,14 @@ class ShardGeneration:
         self.generated_now = 0
         self.tokens_now = 0
         self.writer = PartWriter(
-            folder, shard.name, shard.shard_id, self.checkpoint, fence,
-            target_bytes=gen.part_target_bytes, max_seconds=gen.part_max_seconds, max_records=gen.save_batch_size,
+            folder,
+            shard.name,
+            shard.shard_id,
+            self.checkpoint,
+            fence,
+            target_bytes=gen.part_target_bytes,
+            max_seconds=gen.part_max_seconds,
+            max_records=gen.save_batch_size,
             first_part_max_seconds=gen.first_part_max_seconds,
         )
         # Before the overlong filter has seen every row, what the shard owes is known up to it.
@@ -257,13 +287,24 @@ class ShardGeneration:
         gen, writer, reporter, report = self.gen, self.writer, self.reporter, self.reporter.report
         # The per-shard bar is for a process whose output someone reads (library use); on a Ray
         # worker the driver shows the run's progress from the board instead.
-        progress = tqdm(total=report.owed, initial=len(self.done), desc=self.shard.name, disable=not gen.show_progress or reporter.attached, unit="traj")
+        progress = tqdm(
+            total=report.owed,
+            initial=len(self.done),
+            desc=self.shard.name,
+            disable=not gen.show_progress or reporter.attached,
+            unit="traj",
+        )
         samples = pending_samples(self.prompts, self.n, self.done, self.rollouts)
         # An idle stream still wakes up in time to commit a part that reached its maximum age (and,
         # with a board, to see a stop request within a second).
-        idle_timeout = min(gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else []))
+        idle_timeout = min(
+            gen.pull_timeout, writer.first_part_max_seconds, *([STOP_CHECK_SECONDS] if reporter.attached else [])
+        )
         stream = self.worker.stream(
-            samples, gen.inflight_limit, idle_timeout=idle_timeout, max_open=gen.open_trajectories_limit,
+            samples,
+            gen.inflight_limit,
+            idle_timeout=idle_timeout,
+            max_open=gen.open_trajectories_limit,
             scale=lambda: min(reporter.share, gen.inflight_share_cap),
         )
         try:
@@ -295,7 +336,9 @@ class ShardGeneration:
                 await to_thread_to_the_end(writer.commit)
                 report.committed = len(set(self.checkpoint.completed))
             if reporter.stop:
-                raise ShardStopped(f"{self.shard.name}: stopped on request with {report.committed} trajectories committed")
+                raise ShardStopped(
+                    f"{self.shard.name}: stopped on request with {report.committed} trajectories committed"
+                )
         finally:
             # Cancels what is still in flight (after a give-up or an error) before we return.
             await stream.aclose()
@@ -320,8 +363,14 @@ class ShardGeneration:
         checkpoint = self.checkpoint
         try:
             write_last_error(
-                self.folder, self.shard.name,
-                {"attempt": checkpoint.attempts, "error": f"{type(exc).__name__}: {exc}", "committed": len(checkpoint.completed), "time": time.time()},
+                self.folder,
+                self.shard.name,
+                {
+                    "attempt": checkpoint.attempts,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "committed": len(checkpoint.completed),
+                    "time": time.time(),
+                },
             )
         except Exception as write_error:  # noqa: BLE001 - storage may be what failed (disk full): keep the first error
             logger.warning("%s: could not record the error (%s)", self.shard.name, write_error)
@@ -332,12 +381,17 @@ class ShardGeneration:
         if prompts.filtered_overlong:
             logger.warning(
                 "%s: skipped %d of %d prompts longer than data.max_prompt_length=%d tokens; raise it to keep them",
-                shard.name, prompts.filtered_overlong, prompts.num_rows, self.cfg.data.max_prompt_length,
+                shard.name,
+                prompts.filtered_overlong,
+                prompts.num_rows,
+                self.cfg.data.max_prompt_length,
             )
         owed = self.owed()
         missing = owed - len(set(checkpoint.completed)) - len(set(checkpoint.failed))
         if missing:
-            raise RuntimeError(f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended")
+            raise RuntimeError(
+                f"{shard.name}: {missing} trajectories neither committed nor failed after the stream ended"
+            )
         stage_seconds = {stage: round(seconds, 3) for stage, seconds in self.writer.stage_seconds.items()}
         stage_seconds["postprocess"] = round(self.worker.postprocess_seconds - self.postprocess_before, 3)
         return SuccessMarker(

@@ -157,7 +157,9 @@ class PartWriter:
         self.target_bytes, self.max_seconds, self.max_records = target_bytes, max_seconds, max_records
         # The attempt's first part is cut young: a run shows committed output (and that its
         # storage works) within seconds of its first trajectory, not a minute later.
-        self.first_part_max_seconds = max_seconds if first_part_max_seconds is None else min(first_part_max_seconds, max_seconds)
+        self.first_part_max_seconds = (
+            max_seconds if first_part_max_seconds is None else min(first_part_max_seconds, max_seconds)
+        )
         self.parts_committed = 0
         self.pending: list[TrajectoryRecord] = []
         """Records not yet written as a row group (at most one row group's worth)."""
@@ -292,7 +294,14 @@ class PartWriter:
         failure_lines = self._failure_lines()
         started = time.perf_counter()
         try:
-            self.checkpoint.commit_part(self.folder, self.shard, entry, self.part_keys, [sample_key_text(f.key) for f in self.new_failures], self.fence)
+            self.checkpoint.commit_part(
+                self.folder,
+                self.shard,
+                entry,
+                self.part_keys,
+                [sample_key_text(f.key) for f in self.new_failures],
+                self.fence,
+            )
         except (LeaseLost, CheckpointConflict):
             # Refused: the part is ours alone (a fresh name no record lists); leave nothing.
             if entry is not None:
@@ -300,11 +309,23 @@ class PartWriter:
             raise
         self.stage_seconds["storage"] += time.perf_counter() - started
         if entry is not None:
-            logger.info("%s: committed %s (%d trajectories, %d bytes, %d in shard)", self.shard, entry.name, entry.count, entry.bytes, len(self.checkpoint.completed))
+            logger.info(
+                "%s: committed %s (%d trajectories, %d bytes, %d in shard)",
+                self.shard,
+                entry.name,
+                entry.count,
+                entry.bytes,
+                len(self.checkpoint.completed),
+            )
         if failure_lines:
             # Named by the record that counts these failures: written once, never rewritten.
             write_failure_log(self.folder, self.shard, self.checkpoint.next_seq - 1, failure_lines, self.fence)
-            logger.warning("%s: %d sample(s) failed, recorded in %s", self.shard, len(self.new_failures), self.folder.display(shard_file(self.shard, FAILURES_DIR)))
+            logger.warning(
+                "%s: %d sample(s) failed, recorded in %s",
+                self.shard,
+                len(self.new_failures),
+                self.folder.display(shard_file(self.shard, FAILURES_DIR)),
+            )
         self.part_keys = []
         self.part_response_tokens = self.part_generated_tokens = 0
         self.part_storage_seconds = 0.0
@@ -338,10 +359,17 @@ class PartWriter:
         """The failure log's lines for the buffered failures, counted in the commit record."""
         now = time.time()
         lines = [
-            to_json({
-                "sample": sample_key_text(f.key), "index": f.index, "rollout_n": f.rollout_n, "error": _capped(f.error, keep="head"),
-                "traceback": _capped(f.traceback, keep="tail"), "attempt": self.checkpoint.attempts, "time": round(now, 3),
-            })
+            to_json(
+                {
+                    "sample": sample_key_text(f.key),
+                    "index": f.index,
+                    "rollout_n": f.rollout_n,
+                    "error": _capped(f.error, keep="head"),
+                    "traceback": _capped(f.traceback, keep="tail"),
+                    "attempt": self.checkpoint.attempts,
+                    "time": round(now, 3),
+                }
+            )
             for f in self.new_failures
         ]
         return "".join(line + "\n" for line in lines)
@@ -354,4 +382,8 @@ def _capped(text: str | None, *, keep: str) -> str | None:
     if text is None or len(text) <= FAILURE_TEXT_CHARS:
         return text
     cut = len(text) - FAILURE_TEXT_CHARS
-    return f"{text[:FAILURE_TEXT_CHARS]}... [{cut} more characters]" if keep == "head" else f"[{cut} characters before] ...{text[-FAILURE_TEXT_CHARS:]}"
+    return (
+        f"{text[:FAILURE_TEXT_CHARS]}... [{cut} more characters]"
+        if keep == "head"
+        else f"[{cut} characters before] ...{text[-FAILURE_TEXT_CHARS:]}"
+    )

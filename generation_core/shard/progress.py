@@ -132,7 +132,9 @@ class ShardReporter:
         import ray
 
         try:
-            self.stop = self.stop or bool(ray.get(self.board.stop_requested.remote(self.report.shard_id), timeout=BOARD_TIMEOUT_SECONDS))
+            self.stop = self.stop or bool(
+                ray.get(self.board.stop_requested.remote(self.report.shard_id), timeout=BOARD_TIMEOUT_SECONDS)
+            )
         except Exception as exc:  # noqa: BLE001 - the board is cosmetic except for stopping; go on without it
             logger.warning("could not reach the progress board (%s: %s)", type(exc).__name__, exc)
         return self.stop
@@ -151,6 +153,7 @@ class ShardReporter:
     @contextlib.asynccontextmanager
     async def reporting(self) -> AsyncIterator[ShardReporter]:
         """Report every REPORT_SECONDS while the block runs, and once more at its end."""
+
         async def loop() -> None:
             while True:
                 await self.send()
@@ -212,7 +215,11 @@ class ProgressTotals:
             if self.cost_to_go is not None:
                 parts[-1] += f" (~{self.cost_to_go:.3g} to go)"
         else:
-            parts.append(f"{self.rate:.1f}/s in {format_seconds(self.elapsed)}" if self.rate is not None else f"in {format_seconds(self.elapsed)}")
+            parts.append(
+                f"{self.rate:.1f}/s in {format_seconds(self.elapsed)}"
+                if self.rate is not None
+                else f"in {format_seconds(self.elapsed)}"
+            )
         parts.append(f"{self.failed:,} failed")
         parts.append(f"shards {self.shards_done}/{self.shards} done")
         return ", ".join(parts)
@@ -286,7 +293,9 @@ class RunProgress:
         self._samples.append((now, self._generated))
         # The window starts at the last moment nothing had been generated yet (workers still
         # starting) or RATE_WINDOW_SECONDS ago, whichever is later.
-        while len(self._samples) > 2 and (now - self._samples[1][0] >= RATE_WINDOW_SECONDS or self._samples[1][1] == self._samples[0][1]):
+        while len(self._samples) > 2 and (
+            now - self._samples[1][0] >= RATE_WINDOW_SECONDS or self._samples[1][1] == self._samples[0][1]
+        ):
             self._samples.popleft()
 
     def _eta(self, remaining: int, now: float) -> float | None:
@@ -301,9 +310,12 @@ class RunProgress:
         paces = [
             ShardPace(
                 remaining=max(s.report.owed - s.report.committed_at_start - s.report.generated - s.report.failed, 0),
-                done=s.report.generated - s.started[2], seconds=s.reported_at - s.started[1], open_now=s.report.open_now,
+                done=s.report.generated - s.started[2],
+                seconds=s.reported_at - s.started[1],
+                open_now=s.report.open_now,
             )
-            for s in self._state.values() if s.report is not None and s.finished is None and s.started is not None
+            for s in self._state.values()
+            if s.report is not None and s.finished is None and s.started is not None
         ]
         # The running shards' durations (one engine, one distribution; a finished shard's would
         # cost every tick a merge on a run of thousands of shards).
@@ -318,7 +330,8 @@ class RunProgress:
         """Each running shard's (attempt, generated, committed): what the stall alarm watches."""
         return {
             shard_name(shard_id): (s.report.attempt, s.report.generated, s.report.committed)
-            for shard_id, s in self._state.items() if s.report is not None and s.finished is None
+            for shard_id, s in self._state.items()
+            if s.report is not None and s.finished is None
         }
 
     def totals(self) -> ProgressTotals:
@@ -329,7 +342,11 @@ class RunProgress:
                 shards_done += 1
             elif shard.report is not None:
                 report = shard.report
-                shard_done, shard_failed, expected = report.committed_at_start + report.generated, report.failed, report.owed
+                shard_done, shard_failed, expected = (
+                    report.committed_at_start + report.generated,
+                    report.failed,
+                    report.owed,
+                )
             else:
                 shard_done, shard_failed, expected = shard.baseline or 0, 0, shard.expected
             done, failed, total = done + shard_done, failed + shard_failed, total + expected
@@ -342,7 +359,14 @@ class RunProgress:
         if self._generating_since is not None:
             self.trace.add(now - self._generating_since[0], done + failed, total, eta)
         return ProgressTotals(
-            done=done, failed=failed, total=total, shards_done=shards_done, shards=len(self._state),
-            generated=self._generated, elapsed=now - self._started, rate=rate, eta=eta,
+            done=done,
+            failed=failed,
+            total=total,
+            shards_done=shards_done,
+            shards=len(self._state),
+            generated=self._generated,
+            elapsed=now - self._started,
+            rate=rate,
+            eta=eta,
             cost_to_go=cost_to_go(eta, self.devices, self.gpu_hour_price) if remaining else None,
         )

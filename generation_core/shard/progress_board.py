@@ -55,7 +55,11 @@ class ProgressBoard:
     def generating(self, now: float | None = None) -> int:
         """Shard jobs generating now: reported within STALE_SECONDS and not ended."""
         now = time.time() if now is None else now
-        return sum(1 for shard_id, r in self.reports.items() if not r.get("ended") and now - self.heard[shard_id] < STALE_SECONDS)
+        return sum(
+            1
+            for shard_id, r in self.reports.items()
+            if not r.get("ended") and now - self.heard[shard_id] < STALE_SECONDS
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {"reports": list(self.reports.values()), "generated": sum(self.generated_by_attempt.values())}

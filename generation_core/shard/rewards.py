@@ -54,13 +54,19 @@ def load_reward_function(cfg: DictConfig) -> Callable | None:
         return None
     path = os.path.expanduser(spec.path)
     if not os.path.isfile(path):
-        raise GenrunError(f"reward.custom_reward_function.path={spec.path!r} does not exist; give the path of a Python file")
+        raise GenrunError(
+            f"reward.custom_reward_function.path={spec.path!r} does not exist; give the path of a Python file"
+        )
     try:
         return get_custom_reward_fn(cfg)
     except AttributeError:
-        raise GenrunError(f"reward.custom_reward_function.path={spec.path!r} has no function {spec.name!r}; set reward.custom_reward_function.name") from None
+        raise GenrunError(
+            f"reward.custom_reward_function.path={spec.path!r} has no function {spec.name!r}; set reward.custom_reward_function.name"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any error importing the user's file
-        raise GenrunError(f"reward.custom_reward_function.path={spec.path!r} fails to import: {type(exc).__name__}: {exc}") from None
+        raise GenrunError(
+            f"reward.custom_reward_function.path={spec.path!r} fails to import: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 # verl's default scorers that execute the model's answer as code (prime_code without a sandbox).
@@ -89,7 +95,9 @@ class RewardScorer:
 
         return cls(default_compute_score, tokenizer, cfg.generation.reward_workers, by_data_source=True)
 
-    async def score(self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]) -> RewardResult:
+    async def score(
+        self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]
+    ) -> RewardResult:
         """Score one trajectory; `sample` is the dataset row's fields as the agent loop got them."""
         if self.by_data_source:
             source, truth = sample.get("data_source"), (sample.get("reward_model") or {}).get("ground_truth")
@@ -104,9 +112,13 @@ class RewardScorer:
                 raise
         return await self._score(response_ids, sample, num_turns, extra_fields)
 
-    async def _score(self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]) -> RewardResult:
+    async def _score(
+        self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]
+    ) -> RewardResult:
         loop = asyncio.get_running_loop()
-        solution = await loop.run_in_executor(self.pool, lambda: self.tokenizer.decode(response_ids, skip_special_tokens=True))
+        solution = await loop.run_in_executor(
+            self.pool, lambda: self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        )
         extra_info = dict(sample.get("extra_info") or {})
         extra_info["num_turns"] = num_turns
         extra_info["rollout_reward_scores"] = extra_fields.get("reward_scores", {})

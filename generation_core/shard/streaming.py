@@ -48,7 +48,12 @@ from generation_core.serving.turn_log import start_trajectory
 from generation_core.shard.call_slots import CallSlots, SlottedClient, sample_context
 from generation_core.shard.rewards import NO_SCORE, RewardScorer
 from generation_core.store.trajectory_record import TRACEBACK_CHARS, SampleFailure, TrajectoryRecord
-from generation_core.verl_adapter import agent_loop_arguments, agent_loop_entry, rebind_worker_client, share_continuous_token_builders
+from generation_core.verl_adapter import (
+    agent_loop_arguments,
+    agent_loop_entry,
+    rebind_worker_client,
+    share_continuous_token_builders,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,9 @@ def _where_it_waits(task: asyncio.Task) -> str:
             break
         frames.append((frame, frame.f_lineno))
         awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
-    return "Waiting at the deadline (most recent call last):\n" + "".join(traceback.StackSummary.extract(frames).format())
+    return "Waiting at the deadline (most recent call last):\n" + "".join(
+        traceback.StackSummary.extract(frames).format()
+    )
 
 
 def _retrieve_outcome(task: asyncio.Task) -> None:
@@ -138,7 +145,12 @@ class StreamingWorker:
         # A config load_config did not build gets its derived defaults here, the same ones.
         gen = GenerationSettings.of(cfg)
         # Agent loops reach the engine only through this client: every model turn gets retries.
-        self.client = RetryingClient(llm_client, retries=gen.request_retries, backoff_seconds=gen.request_backoff_seconds, timeout=gen.request_timeout)
+        self.client = RetryingClient(
+            llm_client,
+            retries=gen.request_retries,
+            backoff_seconds=gen.request_backoff_seconds,
+            timeout=gen.request_timeout,
+        )
         # ...and each of its calls holds one of the stream's model-call slots (shard/call_slots.py).
         self.slotted_client = SlottedClient(self.client)
         self.worker = _agent_loop_worker(cfg, self.slotted_client)
@@ -161,7 +173,9 @@ class StreamingWorker:
             "engine": str(rollout.name),
             "engine_version": engine_version(str(rollout.name)),
             "model_digest": None,
-            "sampling_digest": hashlib.sha256(json.dumps(self.sampling_params, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "sampling_digest": hashlib.sha256(
+                json.dumps(self.sampling_params, sort_keys=True, default=str).encode()
+            ).hexdigest()[:16],
             "attempt": None,
         }
         """What every trajectory of this worker shares (records.PROVENANCE_KEYS); the shard job
@@ -215,15 +229,24 @@ class StreamingWorker:
                 record.reward_score = reward.score
                 record.extra_fields["reward_extra_info"] = reward.extra_info
         record.provenance = dict(
-            self.provenance, seed=sampling_params.get("seed"), retries=log.retries, started_at=round(log.started_at, 6),
+            self.provenance,
+            seed=sampling_params.get("seed"),
+            retries=log.retries,
+            started_at=round(log.started_at, 6),
             turns=[turn.as_dict() for turn in log.turns],
         )
         tools = record.metrics.get("tool_calls")
-        record.timings = dict(log.time_split(), tools=None if tools is None else round(float(tools), 6), reward=reward_seconds)
+        record.timings = dict(
+            log.time_split(), tools=None if tools is None else round(float(tools), 6), reward=reward_seconds
+        )
         return record
 
     async def stream(
-        self, samples: Iterable[tuple[SampleKey, dict[str, Any]]], max_inflight: int, idle_timeout: float, max_open: int | None = None,
+        self,
+        samples: Iterable[tuple[SampleKey, dict[str, Any]]],
+        max_inflight: int,
+        idle_timeout: float,
+        max_open: int | None = None,
         scale: Callable[[], float] | None = None,
     ) -> AsyncGenerator[TrajectoryRecord | SampleFailure | None, None]:
         """Yield each finished record as it completes, or a SampleFailure for a sample whose
@@ -240,7 +263,9 @@ class StreamingWorker:
         slots = CallSlots(max_inflight)
         if self.slotted_client is not None:
             self.slotted_client.slots = slots
-        open_samples = _OpenSamples(iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight))
+        open_samples = _OpenSamples(
+            iter(samples), slots, max_inflight if max_open is None else max(max_open, max_inflight)
+        )
         inflight = open_samples.tasks
         self.open_samples = inflight
         open_samples.refill(self.run_one, self.sample_timeout)
@@ -250,8 +275,14 @@ class StreamingWorker:
             while inflight:
                 if scale is not None:
                     open_samples.follow_share(scale())
-                wait = min(idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic()))
-                done, _ = await asyncio.wait([*inflight, *([] if open_samples.exhausted else [freed])], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                wait = min(
+                    idle_timeout, max(0.0, min(deadline for _, deadline in inflight.values()) - time.monotonic())
+                )
+                done, _ = await asyncio.wait(
+                    [*inflight, *([] if open_samples.exhausted else [freed])],
+                    timeout=wait,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if freed in done:
                     # A slot came back (a trajectory went to its tool or finished): maybe start more.
                     done.discard(freed)
@@ -322,7 +353,9 @@ class StreamingWorker:
             prompt_ids=[int(t) for t in output.prompt_ids],
             response_ids=[int(t) for t in output.response_ids],
             response_mask=[int(m) for m in output.response_mask],
-            response_logprobs=None if output.response_logprobs is None else [float(v) for v in output.response_logprobs],
+            response_logprobs=None
+            if output.response_logprobs is None
+            else [float(v) for v in output.response_logprobs],
             reward_score=None if output.reward_score is None else float(output.reward_score),
             num_turns=int(output.num_turns),
             input_fields=dict(kwargs),
@@ -351,7 +384,12 @@ class _OpenSamples:
         in-flight budget (shard/progress_board.py)."""
         calls, samples = (round(own * max(factor, 1.0)) for own in self.own_limits)
         if calls != self.slots.limit:
-            logger.debug("model calls in flight: at most %d (was %d; x%.2f, the shard's share of the run's budget)", calls, self.slots.limit, factor)
+            logger.debug(
+                "model calls in flight: at most %d (was %d; x%.2f, the shard's share of the run's budget)",
+                calls,
+                self.slots.limit,
+                factor,
+            )
             self.slots.set_limit(calls)
             self.limit = samples
 

@@ -123,7 +123,10 @@ def sample_ranges(keys: list[str]) -> list[list[int]]:
 
 def sample_keys(runs: list[list[int]]) -> list[str]:
     """The sample keys of `sample_ranges`, in (index, rollout_n) order."""
-    return [f"{index}:{rollout_n}" for index, rollout_n in sorted((i, n) for n, first, last in runs for i in range(first, last + 1))]
+    return [
+        f"{index}:{rollout_n}"
+        for index, rollout_n in sorted((i, n) for n, first, last in runs for i in range(first, last + 1))
+    ]
 
 
 def commit_sequence(name: str) -> int | None:
@@ -134,7 +137,9 @@ def commit_sequence(name: str) -> int | None:
 
 def read_commit_records(folder: StorageFolder, shard: str) -> tuple[list[int], list[dict[str, Any]]]:
     """Every commit record of `shard`, in sequence order: (sequence numbers, records)."""
-    sequences = sorted(seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None)
+    sequences = sorted(
+        seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None
+    )
     paths = [commit_file(shard, seq) for seq in sequences]
     if folder.is_local or len(paths) < _PARALLEL_READS:
         return sequences, [folder.read_json(path) for path in paths]
@@ -149,7 +154,9 @@ def highest_recorded_lease(folder: StorageFolder) -> int:
     newest record (a record of a lower lease never follows a higher one)."""
 
     def newest_of(shard: str) -> int:
-        sequences = [seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None]
+        sequences = [
+            seq for seq in map(commit_sequence, folder.list(shard_file(shard, COMMITS_DIR))) if seq is not None
+        ]
         if not sequences:
             return 0
         try:
@@ -230,7 +237,9 @@ class ShardCheckpoint:
         return checkpoint
 
     @classmethod
-    def start_attempt(cls, folder: StorageFolder, shard: str, fence: Fence | None = None, rows_digest: str | None = None) -> ShardCheckpoint:
+    def start_attempt(
+        cls, folder: StorageFolder, shard: str, fence: Fence | None = None, rows_digest: str | None = None
+    ) -> ShardCheckpoint:
         """Load the shard and record the start of an attempt: the attempt's number, its lease
         and (optionally) the shard's rows digest, refused (nothing written) when it differs from
         the digest the shard first recorded; the failed list starts empty. Under a lease
@@ -247,25 +256,52 @@ class ShardCheckpoint:
                 )
             started = time.time()
             try:
-                attempt = {"kind": "attempt", "attempt": checkpoint.attempts + 1, "rows_digest": rows_digest, "build": genrun_build()}
+                attempt = {
+                    "kind": "attempt",
+                    "attempt": checkpoint.attempts + 1,
+                    "rows_digest": rows_digest,
+                    "build": genrun_build(),
+                }
                 checkpoint._commit(folder, shard, attempt, fence)
             except CheckpointConflict:
                 continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
             if fence is not None:
                 remove_unlisted_files(folder, shard, checkpoint, older_than=started)
             return checkpoint
-        raise CheckpointConflict(f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run")
+        raise CheckpointConflict(
+            f"could not claim {folder.display(shard_file(shard, COMMITS_DIR))}: it kept changing under this run"
+        )
 
-    def commit_part(self, folder: StorageFolder, shard: str, part: PartEntry | None, samples: list[str], failed: Sequence[str] = (), fence: Fence | None = None) -> None:
+    def commit_part(
+        self,
+        folder: StorageFolder,
+        shard: str,
+        part: PartEntry | None,
+        samples: list[str],
+        failed: Sequence[str] = (),
+        fence: Fence | None = None,
+    ) -> None:
         """Record a written part with its samples (and the samples that failed since the last
         commit; `part` None: only failures). Raises LeaseLost (a later run took the folder) or
         CheckpointConflict (another writer of this run took the number), writing nothing."""
-        payload: dict[str, Any] = {"kind": "part", "part": asdict(part) if part is not None else None, "samples": sample_ranges(samples), "failed": list(failed)}
+        payload: dict[str, Any] = {
+            "kind": "part",
+            "part": asdict(part) if part is not None else None,
+            "samples": sample_ranges(samples),
+            "failed": list(failed),
+        }
         self._commit(folder, shard, payload, fence)
 
-    def commit_repair(self, folder: StorageFolder, shard: str, repaired: list[dict[str, Any]], fence: Fence | None) -> None:
+    def commit_repair(
+        self, folder: StorageFolder, shard: str, repaired: list[dict[str, Any]], fence: Fence | None
+    ) -> None:
         """The `repair` record: damaged parts dropped (part_repair.py found them), what was lost."""
-        self._commit(folder, shard, {"kind": "repair", "dropped": [entry["name"] for entry in repaired], "repaired": repaired}, fence)
+        self._commit(
+            folder,
+            shard,
+            {"kind": "repair", "dropped": [entry["name"] for entry in repaired], "repaired": repaired},
+            fence,
+        )
 
     def _commit(self, folder: StorageFolder, shard: str, payload: dict[str, Any], fence: Fence | None) -> None:
         """Create the next commit record exclusively and fold it into this view."""
@@ -273,10 +309,18 @@ class ShardCheckpoint:
         if fence is not None:
             fence.check(folder)
             if self.lease is not None and self.lease > fence.generation:
-                raise CheckpointConflict(f"{folder.display(path)}: the shard belongs to a later run (lease {self.lease}); this run (lease {fence.generation}) stops")
+                raise CheckpointConflict(
+                    f"{folder.display(path)}: the shard belongs to a later run (lease {self.lease}); this run (lease {fence.generation}) stops"
+                )
         # `token` makes the record ours alone: create_exclusive's retry after a lost answer
         # recognises its own bytes by it.
-        record = dict(payload, seq=self.next_seq, lease=fence.generation if fence is not None else None, time=round(time.time(), 3), token=uuid.uuid4().hex)
+        record = dict(
+            payload,
+            seq=self.next_seq,
+            lease=fence.generation if fence is not None else None,
+            time=round(time.time(), 3),
+            token=uuid.uuid4().hex,
+        )
         if not folder.create_exclusive(path, _encode_commit(record)):
             # Taken since we read: a later run claimed the shard (LeaseLost), or else a second
             # writer of this run committed.
@@ -323,7 +367,11 @@ class ShardCheckpoint:
                 # duplicated.
                 logger.warning(
                     "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, its samples "
-                    "will be generated again", seq, part.name, part.count, len(samples),
+                    "will be generated again",
+                    seq,
+                    part.name,
+                    part.count,
+                    len(samples),
                 )
                 self.rejected_parts.append(part.name)
                 part = None
@@ -345,7 +393,9 @@ class ShardCheckpoint:
             self.generated_tokens = sum(p.generated_tokens or 0 for p in self.parts)
             self.repaired_parts.extend(record.get("repaired") or [])
         else:
-            raise GenrunError(f"commit record {seq} of kind {kind!r} was written by a newer genrun; finish the run with that version")
+            raise GenrunError(
+                f"commit record {seq} of kind {kind!r} was written by a newer genrun; finish the run with that version"
+            )
 
 
 # --- the done record and the success marker -------------------------------------------------
@@ -373,7 +423,12 @@ def write_marker(folder: StorageFolder, manifest: SuccessMarker, fence: Fence | 
     fence check names a done record that is not the shard's last: read_marker ignores it and
     the shard is finished again."""
     checkpoint = ShardCheckpoint.load(folder, manifest.shard, fence)
-    checkpoint._commit(folder, manifest.shard, {"kind": "done", "trajectories": manifest.num_trajectories, "failures": manifest.failures}, fence)
+    checkpoint._commit(
+        folder,
+        manifest.shard,
+        {"kind": "done", "trajectories": manifest.num_trajectories, "failures": manifest.failures},
+        fence,
+    )
     manifest.done_record = checkpoint.done_seq
     if fence is not None:
         fence.check(folder)
@@ -391,7 +446,9 @@ def _modified(entry: dict[str, Any]) -> float | None:
     return float(modified) if isinstance(modified, int | float) else None
 
 
-def remove_unlisted_files(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint, *, older_than: float) -> list[str]:
+def remove_unlisted_files(
+    folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint, *, older_than: float
+) -> list[str]:
     """Remove what a killed writer left in the shard's folder: parts that no live record lists
     and temporary files (`.tmp-*`, local disk), both older than `older_than`; returns their
     names. Called by an attempt under the lease right after its attempt record: no writer of an
@@ -407,19 +464,31 @@ def remove_unlisted_files(folder: StorageFolder, shard: str, checkpoint: ShardCh
             continue
         except OSError as exc:
             # Only tidying: what stays is never read, and the next attempt tries again.
-            logger.warning("%s: could not list %s to remove what a killed writer left (%s)", shard, folder.display(directory), exc)
+            logger.warning(
+                "%s: could not list %s to remove what a killed writer left (%s)", shard, folder.display(directory), exc
+            )
             continue
         for entry in entries:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             modified = _modified(entry)
             if entry.get("type") == "directory" or modified is None or modified >= older_than:
                 continue
-            orphan_part = directory == shard_file(shard) and name.startswith("batch-") and name.endswith(".parquet") and name not in keep
+            orphan_part = (
+                directory == shard_file(shard)
+                and name.startswith("batch-")
+                and name.endswith(".parquet")
+                and name not in keep
+            )
             if orphan_part or name.startswith(".tmp-"):
                 folder.remove(f"{directory}/{name}")
                 removed.append(f"{directory}/{name}")
     if removed:
-        logger.info("%s: removed %d file(s) no commit record lists, left by a killed writer: %s", shard, len(removed), ", ".join(removed))
+        logger.info(
+            "%s: removed %d file(s) no commit record lists, left by a killed writer: %s",
+            shard,
+            len(removed),
+            ", ".join(removed),
+        )
     return removed
 
 
@@ -437,5 +506,11 @@ def read_failure_log(folder: StorageFolder, shard: str) -> list[dict[str, Any]]:
     """Every failure the shard logged, oldest first: the earlier versions' failures.jsonl, then
     one file per commit record that counted failures."""
     paths = [shard_file(shard, FAILURES_FILE)] if folder.exists(shard_file(shard, FAILURES_FILE)) else []
-    paths += [shard_file(shard, f"{FAILURES_DIR}/{name}") for name in folder.list(shard_file(shard, FAILURES_DIR)) if name.endswith(".jsonl")]
-    return [json.loads(line) for path in paths for line in folder.read_bytes(path).decode().splitlines() if line.strip()]
+    paths += [
+        shard_file(shard, f"{FAILURES_DIR}/{name}")
+        for name in folder.list(shard_file(shard, FAILURES_DIR))
+        if name.endswith(".jsonl")
+    ]
+    return [
+        json.loads(line) for path in paths for line in folder.read_bytes(path).decode().splitlines() if line.strip()
+    ]

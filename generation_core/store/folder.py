@@ -149,7 +149,9 @@ class StorageFolder:
                 with open(target, "rb") as handle:
                     data = handle.read()
                 return Versioned(data, content_version(data))
-            data, etag = self._with_retries(f"reading {self.display(relative)}", lambda: sync(self.fs.loop, self._get_with_etag, target))
+            data, etag = self._with_retries(
+                f"reading {self.display(relative)}", lambda: sync(self.fs.loop, self._get_with_etag, target)
+            )
             return Versioned(data, etag)
         except FileNotFoundError:
             return Versioned(None, None)
@@ -185,7 +187,12 @@ class StorageFolder:
                 return False
         try:
             # `chunksize`: one PUT below SINGLE_PUT_LIMIT, as in put_if_version.
-            self._conditional(f"creating {self.display(relative)}", relative, data, lambda: self.fs.pipe_file(target, data, mode="create", chunksize=SINGLE_PUT_LIMIT))
+            self._conditional(
+                f"creating {self.display(relative)}",
+                relative,
+                data,
+                lambda: self.fs.pipe_file(target, data, mode="create", chunksize=SINGLE_PUT_LIMIT),
+            )
             return True
         except FileExistsError:
             return False
@@ -293,13 +300,17 @@ class StorageFolder:
         `scratch_path` (for tools that only take local files, such as W&B's add_file)."""
         if self.is_local:
             return self.path(relative)
-        self._with_retries(f"downloading {self.display(relative)}", lambda: self.fs.get_file(self.path(relative), scratch_path))
+        self._with_retries(
+            f"downloading {self.display(relative)}", lambda: self.fs.get_file(self.path(relative), scratch_path)
+        )
         return scratch_path
 
     def list(self, relative: str) -> list[str]:
         """Names (not paths) directly under `relative`; empty when it does not exist."""
         try:
-            entries = self._with_retries(f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=False))
+            entries = self._with_retries(
+                f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=False)
+            )
         except FileNotFoundError:
             return []
         return sorted(os.path.basename(entry.rstrip("/")) for entry in entries)
@@ -307,10 +318,16 @@ class StorageFolder:
     def list_sizes(self, relative: str) -> dict[str, int]:
         """{name: size in bytes} of the files directly under `relative` (one listing)."""
         try:
-            entries = self._with_retries(f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=True))
+            entries = self._with_retries(
+                f"listing {self.display(relative)}", lambda: self.fs.ls(self.path(relative), detail=True)
+            )
         except FileNotFoundError:
             return {}
-        return {os.path.basename(entry["name"].rstrip("/")): int(entry.get("size") or 0) for entry in entries if entry.get("type") != "directory"}
+        return {
+            os.path.basename(entry["name"].rstrip("/")): int(entry.get("size") or 0)
+            for entry in entries
+            if entry.get("type") != "directory"
+        }
 
     def remove(self, relative: str) -> None:
         try:
@@ -347,7 +364,9 @@ class StorageFolder:
                 f"bucket {bucket!r} refused the write to {self.url} ({text}): check the credentials "
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and that they may write to that prefix"
             )
-        return f"cannot write to {self.url}: {name}: {text}; check storage.options (endpoint_url, region) and the network"
+        return (
+            f"cannot write to {self.url}: {name}: {text}; check storage.options (endpoint_url, region) and the network"
+        )
 
 
 def _file_in_the_way(path: str) -> str | None:
@@ -437,7 +456,12 @@ class _UploadWriter:
         try:
             self.file.discard()
         except Exception as exc:  # noqa: BLE001 - the block's own error is the one to report
-            logger.warning("could not abort the upload of %s (%s: %s); the bucket's lifecycle rule removes it", self.file.path, type(exc).__name__, exc)
+            logger.warning(
+                "could not abort the upload of %s (%s: %s); the bucket's lifecycle rule removes it",
+                self.file.path,
+                type(exc).__name__,
+                exc,
+            )
         # Closed without a flush: nothing is uploaded when the file object is collected.
         self.file.closed = True
 

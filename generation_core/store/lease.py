@@ -46,6 +46,7 @@ from generation_core.store.run_folder import LEASE_DIR, lease_file, lease_genera
 
 logger = logging.getLogger(__name__)
 
+
 class LeaseLost(RuntimeError):
     """Another run took the output folder over: this one must stop writing into it."""
 
@@ -82,7 +83,11 @@ class LeaseRecord:
         """Taken in this process's pid space (same host, boot and pid namespace): only then does
         a missing `pid` mean the holder is gone."""
         boot_id, pid_namespace = this_machine()
-        return boot_id is not None and (self.host, self.boot_id, self.pid_namespace) == (socket.gethostname(), boot_id, pid_namespace)
+        return boot_id is not None and (self.host, self.boot_id, self.pid_namespace) == (
+            socket.gethostname(),
+            boot_id,
+            pid_namespace,
+        )
 
     def state(self, now: float) -> str | None:
         """Why the lease is free ("released", "expired", "owner gone"), or None when held."""
@@ -169,13 +174,22 @@ def _wait_if_dying(folder: StorageFolder, newest: LeaseRecord | None) -> LeaseRe
     instead of refusing, unless a heartbeat shows up meanwhile. Returns the newest lease then."""
     if newest is None or newest.state(time.time()) is not None or time.time() - newest.renewed <= newest.seconds / 2:
         return newest
-    logger.warning("the run holding %s missed its heartbeats (%s); waiting for its lease to expire", folder.display(), _describe(newest, time.time()))
+    logger.warning(
+        "the run holding %s missed its heartbeats (%s); waiting for its lease to expire",
+        folder.display(),
+        _describe(newest, time.time()),
+    )
     while True:
         # A Ctrl-C ends the wait at once (interrupt.Stopped): nothing of this run is written yet.
         with STOP.interruptible():
             time.sleep(min(max(newest.renewed + newest.seconds - time.time(), 0.0) + 0.5, newest.seconds / 4))
         latest = newest_lease(folder)
-        if latest is None or latest.generation != newest.generation or latest.renewed != newest.renewed or latest.state(time.time()) is not None:
+        if (
+            latest is None
+            or latest.generation != newest.generation
+            or latest.renewed != newest.renewed
+            or latest.state(time.time()) is not None
+        ):
             return latest
 
 
@@ -209,7 +223,12 @@ class RunLease:
 
     @classmethod
     def acquire(
-        cls, folder: StorageFolder, seconds: float = GenerationSettings.lease_seconds, *, devices: int | None = None, gpu_hour_price: float | None = None,
+        cls,
+        folder: StorageFolder,
+        seconds: float = GenerationSettings.lease_seconds,
+        *,
+        devices: int | None = None,
+        gpu_hour_price: float | None = None,
     ) -> RunLease:
         """Take the folder (refused while another run holds it). `devices` and `gpu_hour_price`:
         what this run generates on and its price, for `genrun status`'s cost to go."""
@@ -221,7 +240,11 @@ class RunLease:
             if why_free is None:
                 raise _refusal(folder, newest, now)
             if why_free != "released":
-                logger.warning("taking over the lease of a run that stopped without releasing it (%s; %s)", why_free, _describe(newest, now))
+                logger.warning(
+                    "taking over the lease of a run that stopped without releasing it (%s; %s)",
+                    why_free,
+                    _describe(newest, now),
+                )
         boot_id, pid_namespace = this_machine()
         record = LeaseRecord(
             generation=_next_generation(folder, newest),
@@ -241,7 +264,11 @@ class RunLease:
         if not folder.create_exclusive(lease_file(record.generation), _encode(record)):
             # Another run created the same number first: it holds the folder now.
             winner = newest_lease(folder)
-            raise _refusal(folder, winner, time.time()) if winner else GenrunError(f"lost the race for {folder.display(LEASE_DIR)}; run again")
+            raise (
+                _refusal(folder, winner, time.time())
+                if winner
+                else GenrunError(f"lost the race for {folder.display(LEASE_DIR)}; run again")
+            )
         lease = cls(folder, record)
         lease._remove_older()
         lease._heartbeat.start()
@@ -260,7 +287,12 @@ class RunLease:
         try:
             self.folder.put_atomic(lease_file(self.record.generation), _encode(self.record))
         except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
-            logger.warning("could not release the run lease (%s: %s); it expires in %.0f s", type(exc).__name__, exc, self.record.seconds)
+            logger.warning(
+                "could not release the run lease (%s: %s); it expires in %.0f s",
+                type(exc).__name__,
+                exc,
+                self.record.seconds,
+            )
 
     def __enter__(self) -> RunLease:
         return self
@@ -274,12 +306,22 @@ class RunLease:
                 newest = newest_lease(self.folder)
                 if newest is not None and newest.generation > self.record.generation:
                     self.lost = f"lease {newest.generation} was taken by pid {newest.pid} on {newest.host}"
-                    logger.error("this run lost its output folder %s: %s (our heartbeat stalled past %.0f s)", self.folder.display(), self.lost, self.record.seconds)
+                    logger.error(
+                        "this run lost its output folder %s: %s (our heartbeat stalled past %.0f s)",
+                        self.folder.display(),
+                        self.lost,
+                        self.record.seconds,
+                    )
                     return
                 self.record.renewed = time.time()
                 self.folder.put_atomic(lease_file(self.record.generation), _encode(self.record))
             except Exception as exc:  # noqa: BLE001 - storage hiccups: the next beat tries again
-                logger.warning("run lease heartbeat failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc, self.record.seconds / 4)
+                logger.warning(
+                    "run lease heartbeat failed (%s: %s); retrying in %.0f s",
+                    type(exc).__name__,
+                    exc,
+                    self.record.seconds / 4,
+                )
 
     def _remove_older(self) -> None:
         # The previous holder's file stays: when it ended and this run began, for `genrun status`

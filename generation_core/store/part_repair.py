@@ -41,7 +41,10 @@ def committed_parts(folder: StorageFolder) -> list[CommittedPartRef]:
     parts: list[CommittedPartRef] = []
     for shard in folder.list(SHARDS_DIR):
         checkpoint = ShardCheckpoint.load(folder, shard)
-        parts.extend(CommittedPartRef(shard_file(shard, p.name), p.sha256, _per_row(p.storage_seconds, p.count)) for p in checkpoint.parts)
+        parts.extend(
+            CommittedPartRef(shard_file(shard, p.name), p.sha256, _per_row(p.storage_seconds, p.count))
+            for p in checkpoint.parts
+        )
     return parts
 
 
@@ -53,13 +56,19 @@ def read_verified_part(folder: StorageFolder, part: CommittedPartRef) -> bytes:
     try:
         data = folder.read_bytes(part.path)
     except FileNotFoundError:
-        raise DamagedPart(f"part {folder.display(part.path)}, listed by its shard's checkpoint, is missing", part.path) from None
+        raise DamagedPart(
+            f"part {folder.display(part.path)}, listed by its shard's checkpoint, is missing", part.path
+        ) from None
     if hashlib.sha256(data).hexdigest() != part.sha256:
-        raise DamagedPart(f"part {folder.display(part.path)} does not match the checksum its checkpoint recorded", part.path)
+        raise DamagedPart(
+            f"part {folder.display(part.path)} does not match the checksum its checkpoint recorded", part.path
+        )
     return data
 
 
-def part_damage(folder: StorageFolder, shard: str, part: PartEntry, *, sizes: dict[str, int] | None = None) -> str | None:
+def part_damage(
+    folder: StorageFolder, shard: str, part: PartEntry, *, sizes: dict[str, int] | None = None
+) -> str | None:
     """Why a committed part is damaged, or None when it is intact. With `sizes` (one listing of
     the shard's folder) only presence and size are checked; otherwise the sha256 too."""
     if sizes is not None:
@@ -92,7 +101,9 @@ def drop_damaged_parts(
             repaired.append({"name": part.name, "reason": reasons[part.name], "samples": samples, "time": now})
             logger.warning(
                 "%s is damaged (%s): dropped from the checkpoint, its %d samples will be regenerated",
-                shard_file(shard, part.name), reasons[part.name], samples,
+                shard_file(shard, part.name),
+                reasons[part.name],
+                samples,
             )
     # Marker first: a crash between the two leaves an unfinished shard whose next attempt
     # finds the same damage again. A run that lost its lease stops before either.
@@ -104,7 +115,14 @@ def drop_damaged_parts(
     return checkpoint
 
 
-def repair_shard(folder: StorageFolder, shard: str, *, size_only: bool = False, fence: Fence | None = None, checkpoint: ShardCheckpoint | None = None) -> int:
+def repair_shard(
+    folder: StorageFolder,
+    shard: str,
+    *,
+    size_only: bool = False,
+    fence: Fence | None = None,
+    checkpoint: ShardCheckpoint | None = None,
+) -> int:
     """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
     `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
     corruption needs the full check). `fence`: the run's lease, when the caller holds one.
@@ -113,7 +131,9 @@ def repair_shard(folder: StorageFolder, shard: str, *, size_only: bool = False, 
     if not checkpoint.parts:
         return 0
     sizes = folder.list_sizes(shard_file(shard)) if size_only else None
-    reasons = {part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))}
+    reasons = {
+        part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))
+    }
     if reasons:
         drop_damaged_parts(folder, shard, checkpoint, reasons, fence)
     return len(reasons)
@@ -123,4 +143,6 @@ def mark_for_repair(folder: StorageFolder, damaged: DamagedPart, fence: Fence | 
     """After the merge found `damaged`: drop it so the next run regenerates its samples."""
     _, shard, part_name = damaged.path.split("/", 2)
     checkpoint = ShardCheckpoint.load(folder, shard)
-    drop_damaged_parts(folder, shard, checkpoint, {part_name: "sha256 does not match the checkpoint (found by the merge)"}, fence)
+    drop_damaged_parts(
+        folder, shard, checkpoint, {part_name: "sha256 does not match the checkpoint (found by the merge)"}, fence
+    )

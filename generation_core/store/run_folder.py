@@ -274,7 +274,9 @@ def check_run_folder(folder: StorageFolder, run_fingerprint: str) -> RunRecord |
     existing = RunRecord.from_json(folder.read_json(RUN_FILE))
     written_by = existing.fingerprint_version
     if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
-        uncovered = "; ".join(FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1))
+        uncovered = "; ".join(
+            FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1)
+        )
         version = _genrun_that_wrote(folder)
         raise GenrunError(
             f"output folder {folder.display()} was written by an earlier genrun whose fingerprint did not cover {uncovered} "

@@ -12,16 +12,32 @@ RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
 _PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 # The codes botocore's standard retry mode treats as throttling or transient
 # (botocore.retries.standard), and S3's own 500 and 503 codes.
-_THROTTLING_CODES = frozenset({
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException", "TooManyRequestsException",
-    "ProvisionedThroughputExceededException", "TransactionInProgressException", "RequestLimitExceeded",
-    "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown", "EC2ThrottledException",
-})
-_TRANSIENT_CODES = frozenset({"RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError", "ServiceUnavailable"})
+_THROTTLING_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "TransactionInProgressException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "LimitExceededException",
+        "RequestThrottled",
+        "SlowDown",
+        "EC2ThrottledException",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {"RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError", "ServiceUnavailable"}
+)
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 # A conditional write refused: the object is not (or no longer) the version it was based on.
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _CONFLICT_STATUS = frozenset({409, 412})
+
+
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """Errors of the connection, not of the request: the request may be sent again."""
     errors: list[type[BaseException]] = [ConnectionError, TimeoutError, http.client.IncompleteRead]
@@ -29,7 +45,11 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
         from botocore import exceptions as botocore_errors
 
         # EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError...
-        errors += [botocore_errors.ConnectionError, botocore_errors.HTTPClientError, botocore_errors.IncompleteReadError]
+        errors += [
+            botocore_errors.ConnectionError,
+            botocore_errors.HTTPClientError,
+            botocore_errors.IncompleteReadError,
+        ]
     except ImportError:
         pass
     try:
@@ -60,7 +80,9 @@ def service_answer(exc: BaseException) -> tuple[str | None, int | None] | None:
     for error in _causes(exc):
         response = getattr(error, "response", None)
         if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):
-            return (response.get("Error") or {}).get("Code"), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return (response.get("Error") or {}).get("Code"), (response.get("ResponseMetadata") or {}).get(
+                "HTTPStatusCode"
+            )
     return None
 
 

@@ -44,7 +44,10 @@ PART_SCHEMA = pa.schema(
         # Where and how the trajectory was made (PROVENANCE_KEYS, as JSON) and where its time
         # went (TIMINGS, seconds). Parts written before these columns existed read as null.
         pa.field("provenance", pa.string(), nullable=True),
-        *(pa.field(f"seconds_{name}", pa.float32(), nullable=True) for name in ("slot_wait", "prefill", "decode", "tools", "reward")),
+        *(
+            pa.field(f"seconds_{name}", pa.float32(), nullable=True)
+            for name in ("slot_wait", "prefill", "decode", "tools", "reward")
+        ),
     ]
 )
 SHARED_RAW_PROMPT = "raw_prompt"
@@ -55,7 +58,15 @@ each request's time, retries included), tool calls (verl's tool_calls metric), t
 function (null without one). The storage share is its part's write time over its rows
 (`PartEntry.storage_seconds`), known once the part is committed: the merge adds it."""
 PROVENANCE_KEYS = (
-    "engine", "engine_version", "model_digest", "seed", "sampling_digest", "attempt", "retries", "started_at", "turns",
+    "engine",
+    "engine_version",
+    "model_digest",
+    "seed",
+    "sampling_digest",
+    "attempt",
+    "retries",
+    "started_at",
+    "turns",
 )
 """What `TrajectoryRecord.provenance` holds: the engine (rollout.name) and its version, the
 model's digest (the fingerprint's model identity), the sample's seed (null without
@@ -130,7 +141,9 @@ class SampleFailure:
         # Ray wraps an actor's exception; its own text starts with the actor's name, not the error.
         cause = getattr(exc, "cause", None) or exc
         message = str(cause).strip().splitlines()
-        return cls(key[0], key[1], f"{type(cause).__name__}: {message[0] if message else ''}"[:2000], _traceback_text(exc))
+        return cls(
+            key[0], key[1], f"{type(cause).__name__}: {message[0] if message else ''}"[:2000], _traceback_text(exc)
+        )
 
 
 TRACEBACK_CHARS = 20_000
@@ -183,7 +196,10 @@ def _json_default(value: Any) -> Any:
 # become long runs zstd shrinks (lossless; readers need Parquet format 2.11, pyarrow >= 17).
 # zstd level 6: level 9 is no smaller on these parts, 19 is ~2% smaller but ~15x slower.
 _BYTE_STREAM_SPLIT = (
-    "prompt_ids.list.element", "response_ids.list.element", "response_logprobs.list.element", "reward_score",
+    "prompt_ids.list.element",
+    "response_ids.list.element",
+    "response_logprobs.list.element",
+    "reward_score",
     *(f"seconds_{name}" for name in TIMINGS),
 )
 _PARQUET_OPTIONS = dict(
@@ -316,7 +332,19 @@ def records_of_table(table: pa.Table) -> list[TrajectoryRecord]:
     """The records of a part table read with every column (`read_part_table(data)`)."""
     inputs, extras, metrics = decode_fields(table)
     provenance, timings = decode_provenance(table)
-    columns = {name: table.column(name).to_pylist() for name in ("index", "rollout_n", "prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns")}
+    columns = {
+        name: table.column(name).to_pylist()
+        for name in (
+            "index",
+            "rollout_n",
+            "prompt_ids",
+            "response_ids",
+            "response_mask",
+            "response_logprobs",
+            "reward_score",
+            "num_turns",
+        )
+    }
     return [
         TrajectoryRecord(
             index=columns["index"][row],

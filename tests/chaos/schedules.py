@@ -96,7 +96,9 @@ def make_schedule(seed: int) -> list[Invocation]:
 
 
 def fault_kinds(schedule: list[Invocation]) -> set[str]:
-    return {f.kind for invocation in schedule for f in invocation.faults} | {i.damage_before for i in schedule if i.damage_before}
+    return {f.kind for invocation in schedule for f in invocation.faults} | {
+        i.damage_before for i in schedule if i.damage_before
+    }
 
 
 @dataclass
@@ -165,15 +167,33 @@ class InvocationDriver:
                 armed[f"before_part_write@{fault.hit}:enospc"] = fault.kind
             elif fault.kind == "kill_run_after_part_write":
                 armed[f"after_part_write@{fault.hit}:kill_run"] = fault.kind
-        env = dict(self.env, GENRUN_TIMELINE=str(timeline), GENRUN_FAILPOINTS=",".join(armed), GENRUN_FAILPOINT_DIR=str(fired_dir))
+        env = dict(
+            self.env,
+            GENRUN_TIMELINE=str(timeline),
+            GENRUN_FAILPOINTS=",".join(armed),
+            GENRUN_FAILPOINT_DIR=str(fired_dir),
+        )
         gate = self.workdir / f"gate-{number}"
         if any(f.kind == "concurrent_run" for f in invocation.faults):
             gate.write_text("")
-            env.update(GENRUN_TEST_GATE=str(gate), GENRUN_TEST_GATE_FROM=str(GATE_FROM), GENRUN_TEST_GATE_PER_SHARD=str(GATE_PER_SHARD))
-        log_out, log_err = open(self.workdir / f"run-{number}.out", "w+"), open(self.workdir / f"run-{number}.err", "w+")
+            env.update(
+                GENRUN_TEST_GATE=str(gate),
+                GENRUN_TEST_GATE_FROM=str(GATE_FROM),
+                GENRUN_TEST_GATE_PER_SHARD=str(GATE_PER_SHARD),
+            )
+        log_out, log_err = (
+            open(self.workdir / f"run-{number}.out", "w+"),
+            open(self.workdir / f"run-{number}.err", "w+"),
+        )
         started = time.time()
-        process = subprocess.Popen(GENRUN + self.args, cwd=REPO, env=env, stdout=log_out, stderr=log_err, text=True, start_new_session=True)
-        timed = [f for f in invocation.faults if f.kind in ("kill_run", "kill_shard_worker", "kill_replica", "concurrent_run")]
+        process = subprocess.Popen(
+            GENRUN + self.args, cwd=REPO, env=env, stdout=log_out, stderr=log_err, text=True, start_new_session=True
+        )
+        timed = [
+            f
+            for f in invocation.faults
+            if f.kind in ("kill_run", "kill_shard_worker", "kill_replica", "concurrent_run")
+        ]
         injected: list[str] = []
         extra = {"concurrent_refused": 0, "concurrent_not_refused": 0, "missed": []}
         helpers: list[threading.Thread] = []
@@ -182,7 +202,9 @@ class InvocationDriver:
                 assert time.time() - started < timeout, f"invocation {number} did not finish in {timeout} s"
                 events = timeline_events(timeline)
                 for fault in list(timed):
-                    seen = [e.time for e in events if e.name == fault.trigger] if fault.trigger != "start" else [started]
+                    seen = (
+                        [e.time for e in events if e.name == fault.trigger] if fault.trigger != "start" else [started]
+                    )
                     if not seen or time.time() < seen[0] + fault.delay:
                         continue
                     # No target yet (no shard worker up, the one there just died): next poll.
@@ -195,7 +217,9 @@ class InvocationDriver:
             gate.unlink(missing_ok=True)
             kill_group(process)
         for fault in timed:
-            extra["missed"].append(f"{fault.kind} (after {fault.trigger} + {fault.delay:.1f} s): no target while the run lived")
+            extra["missed"].append(
+                f"{fault.kind} (after {fault.trigger} + {fault.delay:.1f} s): no target while the run lived"
+            )
         # Failpoints that fired left their marker.
         fired = {name.split(".")[0] for name in os.listdir(fired_dir)}
         for point, kind in armed.items():
@@ -218,10 +242,16 @@ class InvocationDriver:
             return self._kill_one(working_shard_workers(events), fault, injected)
         if fault.kind == "kill_replica":
             # A replica is a target while shards still send it requests.
-            replicas = [e.pid for e in events if e.name == "replica_ready" and _alive(e.pid)] if working_shard_workers(events) else []
+            replicas = (
+                [e.pid for e in events if e.name == "replica_ready" and _alive(e.pid)]
+                if working_shard_workers(events)
+                else []
+            )
             return self._kill_one(replicas, fault, injected)
         if fault.kind == "concurrent_run":
-            helpers.append(threading.Thread(target=self._concurrent, args=(env, process, gate, extra, injected), daemon=True))
+            helpers.append(
+                threading.Thread(target=self._concurrent, args=(env, process, gate, extra, injected), daemon=True)
+            )
             helpers[-1].start()
             return True
         raise AssertionError(fault.kind)
@@ -237,12 +267,21 @@ class InvocationDriver:
         """A second `genrun` on the same folder while the first holds it (held at the gate until
         the second has answered): it must be refused."""
         try:
-            second = subprocess.run(GENRUN + self.args, cwd=REPO, env=dict(env, GENRUN_FAILPOINTS="", GENRUN_TIMELINE=""), capture_output=True, text=True, timeout=600)
+            second = subprocess.run(
+                GENRUN + self.args,
+                cwd=REPO,
+                env=dict(env, GENRUN_FAILPOINTS="", GENRUN_TIMELINE=""),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             overlapped = first.poll() is None
         finally:
             gate.unlink(missing_ok=True)
         if not overlapped:
-            extra["missed"].append(f"concurrent_run: the first run had ended (exit {first.returncode}) before the second one answered")
+            extra["missed"].append(
+                f"concurrent_run: the first run had ended (exit {first.returncode}) before the second one answered"
+            )
             (self.workdir / "concurrent-no-overlap.log").write_text(second.stdout + second.stderr)
             return
         injected.append("concurrent_run")

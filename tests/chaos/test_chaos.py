@@ -157,16 +157,24 @@ def test_seeded_fault_schedules_end_exactly_once(tmp_path, prefect_server, ray_l
             tally.missed += len(outcome.missed)
             injected += len(outcome.injected)
             tally.concurrent_refused += outcome.concurrent_refused
-            print(f"seed {seed} invocation {number}: exit {outcome.returncode}, injected {outcome.injected}, missed {outcome.missed}")
+            print(
+                f"seed {seed} invocation {number}: exit {outcome.returncode}, injected {outcome.injected}, missed {outcome.missed}"
+            )
             if outcome.missed:
                 problems.append(f"seed {seed} invocation {number}: faults that found no target: {outcome.missed}")
             if outcome.concurrent_not_refused:
-                problems.append(f"seed {seed}: a second run on the same folder was not refused (see {workdir}/concurrent-not-refused.log)")
+                problems.append(
+                    f"seed {seed}: a second run on the same folder was not refused (see {workdir}/concurrent-not-refused.log)"
+                )
             if invocation.must_survive and outcome.returncode != 0:
                 last = (outcome.stderr.strip().splitlines() or [""])[-1][:600]
-                problems.append(f"seed {seed} invocation {number}: the run did not survive {outcome.injected} (exit {outcome.returncode}): {last}")
+                problems.append(
+                    f"seed {seed} invocation {number}: the run did not survive {outcome.injected} (exit {outcome.returncode}): {last}"
+                )
             if {"kill_run", "kill_run_after_part_write"} & set(outcome.injected):
-                assert outcome.returncode == -signal.SIGKILL, f"seed {seed}: the run was to be killed -9, it exited {outcome.returncode}"
+                assert outcome.returncode == -signal.SIGKILL, (
+                    f"seed {seed}: the run was to be killed -9, it exited {outcome.returncode}"
+                )
         if damages:
             problems.append(f"seed {seed}: damages that found no committed part: {damages}")
         # The same command again until it succeeds: one more run at most when a same-size

@@ -62,7 +62,12 @@ def _args(prompts: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _gate_env(gate: Path) -> dict[str, str]:
-    return {"GENRUN_TEST_GATE": str(gate), "GENRUN_TEST_GATE_FROM": str(GATE_FROM), "GENRUN_TEST_GATE_PER_SHARD": str(PER_SHARD), "PYTHONPATH": str(REPO)}
+    return {
+        "GENRUN_TEST_GATE": str(gate),
+        "GENRUN_TEST_GATE_FROM": str(GATE_FROM),
+        "GENRUN_TEST_GATE_PER_SHARD": str(PER_SHARD),
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def _shards(out: Path) -> list[str]:
@@ -78,7 +83,15 @@ def _assert_exactly_once(out: Path) -> None:
 
 def _start_genrun(args: list[str], env: dict, log_path: Path) -> tuple[subprocess.Popen, object]:
     log = open(log_path, "w")
-    process = subprocess.Popen(GENRUN + args, cwd=REPO, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        GENRUN + args,
+        cwd=REPO,
+        env=dict(os.environ, **env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     return process, log
 
 
@@ -102,7 +115,12 @@ class RestartablePrefectServer:
         self.home, self.port = home, free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        self.env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false", PYTHONPATH=str(REPO))
+        self.env.update(
+            PREFECT_HOME=str(home),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_UI_ENABLED="false",
+            PYTHONPATH=str(REPO),
+        )
         self.process: subprocess.Popen | None = None
         self.starts = 0
 
@@ -111,7 +129,13 @@ class RestartablePrefectServer:
         self.starts += 1
         log_path = self.home / f"server-{self.starts}.log"
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         while True:
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -171,9 +195,13 @@ def test_prefect_server_restarted_during_a_run(restartable_prefect, tmp_path):
         try:
             process.wait(timeout=END_BOUND)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"genrun did not end within {END_BOUND} s of the Prefect server's restart:\n{log_path.read_text()[-4000:]}")
+            pytest.fail(
+                f"genrun did not end within {END_BOUND} s of the Prefect server's restart:\n{log_path.read_text()[-4000:]}"
+            )
         first = log_path.read_text()
-        print(f"first run: exit {process.returncode} {time.monotonic() - killed_at:.1f} s after the kill\n{first[-2500:]}")
+        print(
+            f"first run: exit {process.returncode} {time.monotonic() - killed_at:.1f} s after the kill\n{first[-2500:]}"
+        )
     finally:
         kill_group(process)
         log.close()
@@ -211,12 +239,22 @@ class RayHead:
         self.starts += 1
         log_path = self.log_dir / f"ray-head-{self.starts}.log"
         command = [
-            str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
-            "--include-dashboard=false", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.port}",
+            "--include-dashboard=false",
+            "--num-cpus=2",
+            "--disable-usage-stats",
+            f"--temp-dir={self.temp_dir}",
             "--object-store-memory=134217728",
         ]
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         while "Ray runtime started" not in log_path.read_text():
             assert self.process.poll() is None and time.monotonic() - started < timeout, log_path.read_text()[-3000:]
             time.sleep(0.2)

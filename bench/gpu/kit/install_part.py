@@ -50,15 +50,33 @@ def main(part: int) -> None:
     if not mine:  # this part holds only leading chunks of files that a later part completes
         print(f"part {part}: no wheel completed yet", flush=True)
         return
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--disable-pip-version-check", "--target", str(site), *map(str, sorted(wheels_dir.glob("*.whl")))], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            *map(str, sorted(wheels_dir.glob("*.whl"))),
+        ],
+        check=True,
+    )
     installed = time.monotonic()
     SITE.mkdir(exist_ok=True)
     with (KIT / "merge.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(["cp", "-a", f"{site}/.", str(SITE)], check=True)
-    print(f"part {part}: {len(mine)} wheels verified+unpacked {unpacked - started:.1f}s, "
-          f"pip {installed - unpacked:.1f}s, merged {time.monotonic() - installed:.1f}s", flush=True)
+    print(
+        f"part {part}: {len(mine)} wheels verified+unpacked {unpacked - started:.1f}s, "
+        f"pip {installed - unpacked:.1f}s, merged {time.monotonic() - installed:.1f}s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,27 @@ from pathlib import Path
 KIT = Path(__file__).resolve().parent
 LOCK = KIT / "wheels.lock"
 PLATFORM_ARGS = [
-    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-    *[arg for tag in ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-                      "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64",
-                      "manylinux_2_5_x86_64", "manylinux1_x86_64") for arg in ("--platform", tag)],
+    "--only-binary=:all:",
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    *[
+        arg
+        for tag in (
+            "manylinux_2_34_x86_64",
+            "manylinux_2_28_x86_64",
+            "manylinux_2_27_x86_64",
+            "manylinux_2_24_x86_64",
+            "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64",
+            "manylinux_2_12_x86_64",
+            "manylinux2010_x86_64",
+            "manylinux_2_5_x86_64",
+            "manylinux1_x86_64",
+        )
+        for arg in ("--platform", tag)
+    ],
 ]
 # Members left out, by wheel-name prefix. With --attention-backend triton on a Hopper GPU SGLang
 # loads sgl_kernel's sm90 common ops only: flash_ops (FA3, 1.07 GB unpacked) and flashmla_ops load
@@ -87,15 +104,30 @@ def build_sdists(rows: list[tuple[str, str]], wheels: Path) -> list[tuple[str, s
             continue
         sdist = wheels / "sdist" / file_name
         if not sdist.exists():
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
-                            "-d", str(sdist.parent), requirement(file_name)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary=:all:",
+                    "-d",
+                    str(sdist.parent),
+                    requirement(file_name),
+                ],
+                check=True,
+            )
         if sha256(sdist) != published:
             sys.exit(f"{file_name}: sha256 differs from wheels.lock; delete {sdist} and run again")
         name, version = requirement(file_name).split("==")
         stem = f"{name.replace('-', '_')}-{version}-"
         found = sorted(wheels.glob(stem + "*.whl"))
         if not found:
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(sdist)], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(sdist)], check=True
+            )
             found = sorted(wheels.glob(stem + "*.whl"))
         if not found or not found[0].name.endswith("-py3-none-any.whl"):
             sys.exit(f"{file_name}: building it gave {[path.name for path in found]}, not one pure-Python wheel")
@@ -107,8 +139,21 @@ def download(rows: list[tuple[str, str]], wheels: Path) -> None:
     rows = [row for row in rows if row[0].endswith(".whl")]
     missing = [file_name for file_name, _ in rows if not (wheels / file_name).exists()]
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels),
-                        *[requirement(name) for name in missing]], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                *PLATFORM_ARGS,
+                "-d",
+                str(wheels),
+                *[requirement(name) for name in missing],
+            ],
+            check=True,
+        )
     for file_name, published in rows:
         path = wheels / file_name
         if not path.exists():
@@ -138,9 +183,15 @@ def pack_one(file_name: str, published: str, wheels: Path, work: Path) -> dict:
     compressed = work / (file_name + ".xz")
     with stored.open("rb") as raw, lzma.open(compressed, "wb", preset=6) as out:
         shutil.copyfileobj(raw, out, 1 << 20)
-    entry = {"wheel": file_name, "published_sha256": published, "trimmed": list(drop),
-             "wheel_sha256": sha256(stored), "wheel_bytes": stored.stat().st_size,
-             "xz_sha256": sha256(compressed), "xz_bytes": compressed.stat().st_size}
+    entry = {
+        "wheel": file_name,
+        "published_sha256": published,
+        "trimmed": list(drop),
+        "wheel_sha256": sha256(stored),
+        "wheel_bytes": stored.stat().st_size,
+        "xz_sha256": sha256(compressed),
+        "xz_bytes": compressed.stat().st_size,
+    }
     stored.unlink()
     return entry
 
@@ -190,15 +241,20 @@ def main() -> None:
         entries = list(pool.map(lambda row: pack_one(*row, args.wheels, work), rows))
     count = pack_parts(entries, work, args.out, int(args.part_mib * 2**20))
     work.rmdir()
-    manifest = {"parts": count, "wheels": sorted(entries, key=lambda e: e["wheel"]),
-                "published_bytes": sum((args.wheels / name).stat().st_size for name, _ in rows),
-                "xz_bytes": sum(e["xz_bytes"] for e in entries)}
+    manifest = {
+        "parts": count,
+        "wheels": sorted(entries, key=lambda e: e["wheel"]),
+        "published_bytes": sum((args.wheels / name).stat().st_size for name, _ in rows),
+        "xz_bytes": sum(e["xz_bytes"] for e in entries),
+    }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     # Each part carries the manifest: its step installs the wheels that part completes.
     for index in range(1, count + 1):
         (args.out / f"part{index}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(rows)} wheels, {manifest['published_bytes'] / 2**20:.1f} MiB as published, "
-          f"{manifest['xz_bytes'] / 2**20:.1f} MiB packed in {count} part(s) of <= {args.part_mib} MiB under {args.out}/")
+    print(
+        f"{len(rows)} wheels, {manifest['published_bytes'] / 2**20:.1f} MiB as published, "
+        f"{manifest['xz_bytes'] / 2**20:.1f} MiB packed in {count} part(s) of <= {args.part_mib} MiB under {args.out}/"
+    )
 
 
 if __name__ == "__main__":
