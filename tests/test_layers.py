@@ -141,7 +141,6 @@ OVER_SINCE_FORMAT = {
     "generation_core/inputs/tasks.py",
     "generation_core/outputs/merge.py",
     "generation_core/report/data.py",
-    "generation_core/serving/routing.py",
     "generation_core/shard/job.py",
     "generation_core/shard/streaming.py",
     "generation_core/outputs/export.py",

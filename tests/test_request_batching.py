@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.engines.server import EngineServer
-from generation_core.serving.routing import RayReplicaBackend
+from generation_core.serving.backends import RayReplicaBackend
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,8 @@ from verl.workers.rollout.replica import TokenOutput
 
 import generation_core.serving.routing as routing
 from generation_core.errors import GenrunError
-from generation_core.serving.routing import RayReplicaBackend, RoutingClient, ServerGone
+from generation_core.serving.backends import RayReplicaBackend, ServerGone
+from generation_core.serving.routing import RoutingClient
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)

@@ -365,7 +365,8 @@ def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajector
     through the routing client and a replica backend, each turn goes with a fresh request id (as
     verl's client sends it) and the agent loop's own id as `trajectory_key`."""
     from generation_core.engines.admission import RequestIds
-    from generation_core.serving.routing import RayReplicaBackend, RoutingClient
+    from generation_core.serving.backends import RayReplicaBackend
+    from generation_core.serving.routing import RoutingClient
 
     cfg = tool_config(model_dir)
     engine = KeyRecordingEngine(tokenizer, EXPRESSIONS)

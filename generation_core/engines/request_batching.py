@@ -11,7 +11,7 @@ answer never waits for a long one in the same call.
 Every request keeps its own outcome: an engine's error for one request (an invalid prompt, a
 failed batch step) comes back as that request's exception, of the type the engine raised; a
 failure of the call itself (the actor died) fails every request of the call with it, which the
-routing client treats as the server's failure (routing.RayReplicaBackend.server_failures).
+routing client treats as the server's failure (backends.RayReplicaBackend.server_failures).
 
 A replica (server.EngineServer) sends its load, the requests it still holds, with each group of
 answers; the batcher hands it to `on_load` (the routing client's shared load,

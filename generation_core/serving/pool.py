@@ -29,7 +29,8 @@ from generation_core.engines.base import prefix_hit_rate
 from generation_core.engines.remote import CompletionsServers, check_servers
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
-from generation_core.serving.routing import BackendSource, RayReplicaBackend, RoutingClient
+from generation_core.serving.backends import BackendSource, RayReplicaBackend
+from generation_core.serving.routing import RoutingClient
 from generation_core.serving.server_registry import fetch_server_handles, start_server_registry
 from generation_core.verl_adapter import registered_engine_names, server_manager_with_registry
 
