@@ -1,7 +1,7 @@
 """`genrun status` on a finished 1,000-shard run folder: how long the read-only command takes
 (issue 32, item 2: it answers in under 1.5 s and imports no torch, verl or Ray).
 
-    PYTHONPATH=. .venv/bin/python bench/status_many_shards.py [--shards 1000] [--rounds 3]
+    .venv/bin/python bench/status_many_shards.py [--shards 1000] [--rounds 3] [--smoke]
 
 The folder is built without a run: run.json, and per shard one commit record (a part entry
 whose file is never read by status), its `done` record and its `_SUCCESS.json` marker, as a
@@ -21,12 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from generation_core.store.commit_log import ShardCheckpoint, write_marker
+from generation_core.store.folder import StorageFolder
+from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name
 
-from generation_core.store.commit_log import ShardCheckpoint, write_marker  # noqa: E402
-from generation_core.store.folder import StorageFolder  # noqa: E402
-from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_name  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:
@@ -65,7 +64,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shards", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 20 shards, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.shards, args.rounds = 20, 1
     with tempfile.TemporaryDirectory() as scratch:
         run = Path(scratch) / "run"
         started = time.perf_counter()

@@ -8,41 +8,49 @@ next to the weights, so the directory loads like any Hugging Face checkpoint. Ra
 generate gibberish: benchmarks use ignore_eos so every response has its fixed length.
 """
 
+import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-tokenizer_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-config = LlamaConfig(
-    vocab_size=len(tokenizer),
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
-started = time.perf_counter()
-torch.manual_seed(0)
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-params = sum(p.numel() for p in model.parameters())
-out_dir.mkdir(parents=True, exist_ok=True)
-model.save_pretrained(str(out_dir))
-GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(out_dir))
-for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    shutil.copy(tokenizer_dir / name, out_dir / name)
-print(
-    f"built {out_dir}: {params / 1e9:.3f}B parameters, vocab {config.vocab_size}, bf16, {time.perf_counter() - started:.1f} s"
-)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tokenizer_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(args.out_dir))
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(args.out_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(args.tokenizer_dir / name, args.out_dir / name)
+    elapsed = time.perf_counter() - started
+    print(f"built {args.out_dir}: {params / 1e9:.3f}B parameters, vocab {config.vocab_size}, bf16, {elapsed:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ already holds a namespace folder such as nvidia/ or google/). Writes /tmp/kit/pa
 Standard library only: nothing of the kit is installed yet when this runs.
 """
 
+import argparse
 import fcntl
 import json
 import lzma
@@ -80,7 +81,9 @@ def main(part: int) -> None:
 
 
 if __name__ == "__main__":
-    number = int(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", type=int)
+    number = parser.parse_args().part
     try:
         main(number)
     except BaseException as error:  # the sitting script reads the marker, not this process's exit
