@@ -155,7 +155,7 @@ def drive_run(
     Ctrl-C stopped the run (what is committed stays; the lease is released). `started`: when the
     run began (time.perf_counter()), for the summary's elapsed time. `on_progress`: the progress
     numbers every few seconds (the Prefect progress artifact); `on_stall`: the stall alarm, once
-    per stall (stall_alarm.py; the terminal line and the W&B alert are the driver's own)."""
+    per stall (stall_alarm.py; the terminal line is the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
         # The lease says what this invocation generates on and at what price: `genrun status`'s

@@ -46,12 +46,8 @@ class RunWatch:
         on_stall: Callable[[Stall], None] | None = None,
     ):
         gen = plan.cfg.generation
-        trainer = plan.cfg.trainer
         self.stall_watch = StallWatch(float(GenerationSettings.of(plan.cfg).stall_seconds or float("inf")))
         self.on_stall = on_stall
-        self.wandb_run = (
-            (str(trainer.project_name), str(trainer.experiment_name)) if "wandb" in list(trainer.logger) else None
-        )
         self._pool: Any = None
         self._health_refs: list[Any] | None = None
         self._last_poll = float("-inf")
@@ -154,7 +150,7 @@ class RunWatch:
         self._poll_engines()
         stall = self.stall_watch.observe(running, self.engine_tokens)
         if stall is not None:
-            raise_alarm(stall, self.on_stall, self.wandb_run)
+            raise_alarm(stall, self.on_stall)
 
     def _update(self, on_update: Callable[[ProgressTotals], None], totals: ProgressTotals) -> None:
         self._last_update = time.monotonic()
