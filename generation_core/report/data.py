@@ -32,12 +32,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from generation_core.errors import GenrunError
-from generation_core.outputs.ledger import ReplicaActivity
+from generation_core.outputs.ledger import ReplicaActivity, read_ledger
 from generation_core.outputs.status import shard_states
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
-from generation_core.store.run_folder import BENCH_FILE, MANIFEST_FILE, shard_file
+from generation_core.store.run_folder import BENCH_FILE, shard_file
 from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
 
@@ -370,17 +370,8 @@ def collect_report_data(
         skipped_parts=skipped,
         bench=read_bench_figures(folder),
         activity=collector.activity,
-        ledger=_manifest_ledger(folder),
+        ledger=read_ledger(folder),
     )
-
-
-def _manifest_ledger(folder: StorageFolder) -> dict[str, Any] | None:
-    if not folder.exists(MANIFEST_FILE):
-        return None
-    try:
-        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
-    except ValueError:
-        return None
 
 
 def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:
