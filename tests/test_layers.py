@@ -140,7 +140,6 @@ OVER_SINCE_FORMAT = {
     "generation_core/inputs/dataset_files.py",
     "generation_core/inputs/tasks.py",
     "generation_core/outputs/merge.py",
-    "generation_core/report/data.py",
     "generation_core/shard/job.py",
     "generation_core/shard/streaming.py",
     "generation_core/outputs/export.py",
