@@ -23,8 +23,9 @@ from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutReplica
 
 from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, SimulatedEngineKwargs, hf_device
-from generation_core.engines import hf, instant, simulated
+from generation_core.engines import instant, simulated
 from generation_core.engines.base import Engine
+from generation_core.engines.hf import engine as hf
 from generation_core.engines.server import EngineServer
 from generation_core.verl_adapter import register_replica_class, serve_standalone
 
