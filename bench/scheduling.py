@@ -4,7 +4,7 @@ prefix-affinity groups, side by side in one run (issue 34, items 2 and 3).
     .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8]
 
 Shard workers, each a `RoutingClient` (genrun's own routing code) with its own samples and its
-own `max_inflight`, send their requests to simulated replicas (engines/simulated.py: max_num_seqs
+own `max_inflight`, send their requests to simulated replicas (bench/sim/engine.py: max_num_seqs
 slots, a decode step per token, a prefill cost per prompt token not in the prefix cache,
 lognormal response lengths). Everything runs in one process on an event loop whose clock is
 simulated (`VirtualClockLoop`: where the loop would sleep, its clock jumps), so a figure is
@@ -38,8 +38,8 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sim.engine import SimulatedEngine, SimulatedSettings, VirtualClockLoop, block_keys  # noqa: E402
 from generation_core.engines.base import EngineStopped, prefix_hit_rate  # noqa: E402
-from generation_core.engines.simulated import SimulatedEngine, SimulatedSettings, VirtualClockLoop, block_keys  # noqa: E402
 from generation_core.serving.replica_loads import ReplicaChooser  # noqa: E402
 from generation_core.serving.routing import RoutingClient  # noqa: E402
 

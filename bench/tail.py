@@ -14,7 +14,7 @@ each running shard reports to genrun's `ProgressBoard` (the Ray actor, called he
 and its slots follow the share it answers, capped by `--cap` (generation.inflight_share_cap);
 `--cap 1` is every shard on its own max_inflight, what genrun did before. Shard sizes are drawn
 from a lognormal (`--shard-sigma`), response lengths too (`--sigma`); the replicas are
-engines/simulated.py's (max_num_seqs slots, a decode step per token, prefill per uncached prompt
+bench/sim/engine.py's (max_num_seqs slots, a decode step per token, prefill per uncached prompt
 token), on a simulated clock: figures are simulated seconds, the same on any machine.
 
 Printed per row: simulated seconds to the last trajectory, trajectories/s, the tail (the share of
@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.scheduling import SimulatedBackend, _Source  # noqa: E402
-from generation_core.engines.simulated import SimulatedEngine, SimulatedSettings, VirtualClockLoop  # noqa: E402
+from bench.sim.engine import SimulatedEngine, SimulatedSettings, VirtualClockLoop  # noqa: E402
 from generation_core.serving.replica_loads import ReplicaChooser  # noqa: E402
 from generation_core.serving.routing import RoutingClient  # noqa: E402
 from generation_core.shard.call_slots import CallSlots  # noqa: E402

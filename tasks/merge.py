@@ -19,5 +19,6 @@ def merge(
     manifests: list[SuccessMarker],
     elapsed: float,
     fence: LeaseFence | None = None,
+    eta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return finish_run(plan, manifests, elapsed, fence)
+    return finish_run(plan, manifests, elapsed, fence, eta)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from bench.sim.engine import SimulatedEngine, SimulatedSettings, VirtualClockLoop
 from generation_core.engines.base import prefix_hit_rate
-from generation_core.engines.simulated import SimulatedEngine, SimulatedSettings, VirtualClockLoop
 from generation_core.serving.replica_loads import ReplicaChooser, ReplicaLoads
 from generation_core.serving.routing import RoutingClient
 
@@ -285,10 +285,12 @@ def test_the_turns_of_a_trajectory_follow_its_first_turn():
 def test_a_run_on_the_simulated_engine_has_every_trajectory_once_and_reports_its_prefix_cache(tmp_path):
     import pickle
 
+    from bench.sim import register
     from generation_core.driver.in_process import run_in_process
     from generation_core.plan.preflight import preflight
 
-    engine = "actor_rollout_ref.rollout.engine_kwargs.simulated"
+    register()
+    engine = "+actor_rollout_ref.rollout.engine_kwargs.simulated"
     plan = preflight(
         [
             f"trainer.default_local_dir={tmp_path / 'out'}",
@@ -297,7 +299,6 @@ def test_a_run_on_the_simulated_engine_has_every_trajectory_once_and_reports_its
             "trainer.n_gpus_per_node=2",
             "generation.num_shards=2",
             "generation.show_progress=false",
-            "generation.sample_seed=7",
             "actor_rollout_ref.rollout.max_num_seqs=8",
             f"{engine}.time_scale=0.01",
             f"{engine}.response_tokens_sigma=1.0",
@@ -319,3 +320,55 @@ def test_a_run_on_the_simulated_engine_has_every_trajectory_once_and_reports_its
     assert len(report["replicas"]) == 2
     # Each prompt prefilled once, its other three samples reuse its whole blocks (most of it).
     assert report["run"] > 0.6
+
+
+# ---- outside the product: bench/sim behind the registration hook ------------------------------
+
+
+def test_the_simulator_is_no_engine_of_genrun_until_bench_sim_registers_it(tmp_path):
+    """Issue 44 item 5: the simulated engine lives in bench/sim. A run that names it, or sets its
+    former genrun.yaml keys, without `bench.sim.register()` is refused as for any unknown engine or
+    key (before anything is written)."""
+    from tests.conftest import run_genrun
+
+    out = tmp_path / "out"
+    engine = run_genrun(["actor_rollout_ref.rollout.name=simulated", f"trainer.default_local_dir={out}"], timeout=120)
+    assert engine.returncode == 2, engine.stderr[-2000:]
+    assert "unknown actor_rollout_ref.rollout.name='simulated'; known engines: " in engine.stderr
+    key = run_genrun(["actor_rollout_ref.rollout.engine_kwargs.simulated.time_scale=0.01"], timeout=120)
+    assert key.returncode == 2, key.stderr[-2000:]
+    assert "unknown config key 'actor_rollout_ref.rollout.engine_kwargs.simulated.time_scale'" in key.stderr
+    assert not out.exists()
+
+
+def test_registering_serves_the_simulator_as_a_cpu_engine_and_it_checks_its_own_keys():
+    """Issue 44 item 5: the hook (engines/replicas.register_engine) is all the product knows of
+    the simulator; its keys are checked by bench/sim/replica.py, one line naming the key."""
+    from bench.sim import register
+    from bench.sim.replica import SimulatedReplica, simulated_kwargs
+    from generation_core.config.layout import CPU_CAPABLE_ENGINES
+    from generation_core.engines.replicas import GENRUN_ENGINES, InstantReplica, register_engine
+    from generation_core.errors import GenrunError
+    from generation_core.verl_adapter import registered_engine_names
+
+    register()
+    register()  # twice in one process (a test and a bench script): the same engine, no error
+    assert GENRUN_ENGINES["simulated"] is SimulatedReplica and "simulated" in CPU_CAPABLE_ENGINES
+    assert "simulated" in registered_engine_names()
+    with pytest.raises(GenrunError, match=r"rollout.name='instant' is already an engine"):
+        register_engine("instant", SimulatedReplica)
+    with pytest.raises(GenrunError, match=r"rollout.name='sglang' is already an engine"):
+        register_engine("sglang", InstantReplica)
+
+    assert simulated_kwargs({"simulated": {"time_scale": 0.01, "seed": 3}}) == {"time_scale": 0.01, "seed": 3}
+    assert simulated_kwargs({"hf": {"device": "cpu"}}) == {}
+    key = "actor_rollout_ref.rollout.engine_kwargs.simulated"
+    for given, message in (
+        ({"time_scal": 0.01}, f"unknown key {key}.time_scal; the simulator's keys: decode_seconds_per_step, "),
+        ({"seed": 1.5}, f"invalid {key}.seed=1.5: must be an integer >= 0"),
+        ({"time_scale": "fast"}, f"invalid {key}.time_scale='fast': must be a number >= 0"),
+        ({"response_tokens_prompt_share": 1.5}, f"invalid {key}.response_tokens_prompt_share=1.5: must be a fraction"),
+    ):
+        with pytest.raises(GenrunError) as refused:
+            simulated_kwargs({"simulated": given})
+        assert str(refused.value).startswith(message) and "\n" not in str(refused.value)

@@ -9,7 +9,8 @@ placement group waited forever for GPUs that do not exist:
   placement group of GPU bundles (`[gpus_per_replica_node] * nodes_per_replica`).
 - `hf` (transformers): no model parallelism; one replica per "GPU" slot, each holding one
   GPU when `engine_kwargs.hf.device` is cuda, none on the CPU.
-- `instant`, `simulated`: the test/benchmark engines, like `hf` on the CPU.
+- `instant` (the test/benchmark engine) and any engine registered from outside the product
+  (engines/replicas.py `register_engine`, bench/sim): like `hf` on the CPU.
 - `remote`: servers that already run elsewhere; one "replica" per base URL (`remote_urls`),
   nothing placed.
 
@@ -32,7 +33,8 @@ from generation_core.secrets import without_url_credentials
 GPU_ENGINES = ("sglang", "vllm")
 """verl's replicas, booted on the Ray cluster's GPUs."""
 
-CPU_CAPABLE_ENGINES = ("hf", "instant", "simulated")
+CPU_CAPABLE_ENGINES = {"hf", "instant"}
+"""Engines served by one actor per replica, on the CPU; engines/replicas.py `register_engine` adds to it."""
 REMOTE_ENGINE = "remote"
 
 # A shard task runs agent loops, tokenization and storage I/O: one CPU, never a GPU, so that
@@ -72,6 +74,12 @@ class ReplicaLayout:
     @property
     def total_gpus(self) -> int:
         return self.replicas * self.gpus_per_replica
+
+    @property
+    def devices_held(self) -> int:
+        """What a cost counts: GPUs, a CPU replica (or a remote server) as one device, as the
+        ledger's device-seconds count them."""
+        return self.replicas * max(self.gpus_per_replica, 1)
 
     @property
     def placement_groups(self) -> list[list[dict[str, float]]]:

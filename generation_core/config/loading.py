@@ -63,9 +63,7 @@ FREE_FORM_SECTIONS = (
     "actor_rollout_ref.rollout.custom",
 )
 # genrun's own engines read exactly the keys genrun.yaml lists.
-CLOSED_SECTIONS = tuple(
-    f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant", "simulated")
-)
+CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant"))
 # data.* keys verl's RLHFDataset (which each shard builds) reads with a default, absent from the defaults.
 ADDED_DATA_KEYS = ("data.cache_dir", "data.chat_template_func", "data.filter_prompts", "data.need_tools_kwargs")
 

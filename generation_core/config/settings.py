@@ -1,6 +1,6 @@
 """genrun's own settings as typed dataclasses, each default written once.
 
-`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`, `simulated`) are read
+`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`) are read
 through these classes, not through `cfg.generation.get(key, default)`: a default lives in the
 field, and a value derived from others (`max_inflight` from `max_num_seqs`, the request and
 sample deadlines from the response budget) is computed by `GenerationSettings.of`, here and
@@ -309,38 +309,9 @@ class RemoteEngineKwargs:
         return cls(**_section((engine_kwargs or {}).get("remote"), cls))
 
 
-@dataclass(frozen=True)
-class SimulatedEngineKwargs:
-    """`actor_rollout_ref.rollout.engine_kwargs.simulated`: the scheduling simulator (engines/simulated.py)."""
-
-    decode_seconds_per_step: float = 0.02
-    """Simulated seconds of one decode step: every running sequence gets one token."""
-    prefill_seconds_per_token: float = 0.0001
-    """Simulated seconds per prompt token prefilled (a prefix-cache hit costs nothing)."""
-    prefix_cache_tokens: int = 65536
-    """Tokens the prefix cache holds (LRU by block); 0: no cache."""
-    cache_block_tokens: int = 16
-    """Tokens per cache block: a prefix is reused in whole blocks, as vLLM's and SGLang's are."""
-    response_tokens_median: int = 64
-    response_tokens_sigma: float = 0.0
-    """Response lengths: lognormal around the median (0: every response the median)."""
-    response_tokens_prompt_share: float = 0.0
-    """The share of the lengths' log-variance that the prompt decides, the same on every replica
-    and every run (a hard prompt gets long answers); the rest is each request's own draw. 0: no
-    two samples of a prompt are alike; 1: the prompt decides the length."""
-    seed: int = 0
-    time_scale: float = 1.0
-    """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""
-
-    @classmethod
-    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
-        return cls(**_section((engine_kwargs or {}).get("simulated"), cls))
-
-
 ENGINE_KWARGS: dict[str, type] = {
     "hf": HfEngineKwargs,
     "instant": InstantEngineKwargs,
     "remote": RemoteEngineKwargs,
-    "simulated": SimulatedEngineKwargs,
 }
 """engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""

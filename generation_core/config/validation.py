@@ -8,7 +8,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from generation_core.config.layout import resolve_layout
-from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs, SimulatedEngineKwargs
+from generation_core.config.settings import ROUTING_MODES, HfEngineKwargs
 from generation_core.config.verl_keys import REFUSED, SECTIONS, engines_of, is_placed_whole, placement
 from generation_core.errors import GenrunError
 
@@ -25,7 +25,6 @@ def validate_values(cfg: DictConfig) -> None:
     _check_generation(cfg)
     _check_scheduling_and_parts(cfg)
     _check_hf_engine(cfg)
-    _check_simulated_engine(cfg)
     _check_inputs_and_trackers(cfg)
     resolve_layout(cfg)
 
@@ -310,16 +309,6 @@ def _check_hf_engine(cfg: DictConfig) -> None:
     )
 
 
-def _check_simulated_engine(cfg: DictConfig) -> None:
-    share = SimulatedEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).response_tokens_prompt_share
-    _require(
-        _is_number(share) and 0 <= share <= 1,
-        "actor_rollout_ref.rollout.engine_kwargs.simulated.response_tokens_prompt_share",
-        share,
-        "must be a fraction between 0 (each sample's length its own) and 1 (the prompt decides it)",
-    )
-
-
 def _check_inputs_and_trackers(cfg: DictConfig) -> None:
     _require(
         isinstance(cfg.data.train_max_samples, int),
@@ -418,7 +407,7 @@ def check_verl_keys(cfg: DictConfig, before: dict[str, Any], after: dict[str, An
 
 
 # Engines that take a `seed` in each request's sampling parameters (verl's SGLang server does not).
-SEEDED_ENGINES = ("hf", "instant", "remote", "simulated")
+SEEDED_ENGINES = ("hf", "instant", "remote")
 
 _TRACKING_BACKENDS = (
     "console",

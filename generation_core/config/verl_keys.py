@@ -259,10 +259,6 @@ VERL_KEYS: dict[str, tuple[str, str]] = {
         "genrun's test and benchmark engine (rollout.name=instant)",
     ),
     "actor_rollout_ref.rollout.engine_kwargs.remote.*": (HONOURED, "servers that already run (rollout.name=remote)"),
-    "actor_rollout_ref.rollout.engine_kwargs.simulated.*": (
-        HONOURED,
-        "genrun's scheduling simulator (rollout.name=simulated)",
-    ),
     "actor_rollout_ref.rollout.engine_kwargs.*": (
         HONOURED,
         "the settings of an engine of your own, read by the engine of that name",

@@ -1,4 +1,4 @@
-"""Our engines as verl RolloutReplicas (`hf`, `instant`, `simulated`), each served by one Ray actor.
+"""Our engines as verl RolloutReplicas (`hf`, `instant`), each served by one Ray actor.
 
 Registering them in verl's RolloutReplicaRegistry lets verl's own LLMServerManager boot them
 and the routing client (routing.py) call their server actors exactly as it calls `sglang` and
@@ -6,6 +6,9 @@ and the routing client (routing.py) call their server actors exactly as it calls
 Each replica's server is an EngineServer actor (server.py); the replica hands it a builder that
 makes the engine in the actor's process, a function of the engine's own module, so that the
 replica process imports that engine and nothing of verl.
+
+An engine that is not part of the product (bench/sim's simulator) is served the same way once
+it calls `register_engine` with its own EngineReplica: the only hook for it here.
 """
 
 from __future__ import annotations
@@ -22,17 +25,18 @@ import ray
 from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutReplica
 
-from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, SimulatedEngineKwargs, hf_device
-from generation_core.engines import instant, simulated
+from generation_core.config.layout import CPU_CAPABLE_ENGINES
+from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
+from generation_core.engines import hf, instant
 from generation_core.engines.base import Engine
-from generation_core.engines.hf import engine as hf
 from generation_core.engines.server import EngineServer
-from generation_core.verl_adapter import register_replica_class, serve_standalone
+from generation_core.errors import GenrunError
+from generation_core.verl_adapter import register_replica_class, registered_engine_names, serve_standalone
 
 ENGINE_RESTARTS = 3
 
 
-class _EngineReplica(RolloutReplica):
+class EngineReplica(RolloutReplica):
     """A verl replica whose server is one EngineServer actor; standalone mode only."""
 
     engine_name = ""
@@ -70,7 +74,7 @@ class _EngineReplica(RolloutReplica):
         raise NotImplementedError(f"the {self.engine_name} engine runs standalone only (a generation run)")
 
 
-class HFReplica(_EngineReplica):
+class HFReplica(EngineReplica):
     engine_name = "hf"
 
     def gpus(self) -> int:
@@ -103,12 +107,12 @@ class HFReplica(_EngineReplica):
         return functools.partial(hf.engine_on_this_node, settings, replicas_on_node=self.gpus_per_node)
 
 
-class InstantReplica(_EngineReplica):
+class InstantReplica(EngineReplica):
     engine_name = "instant"
 
     def build_engine(self) -> Callable[[], Engine]:
         instant_kwargs = InstantEngineKwargs.of(self.config.engine_kwargs)
-        eos, vocab_size = _model_tokens(self.model_config.path)
+        eos, vocab_size = model_tokens(self.model_config.path)
         settings = instant.InstantSettings(
             prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
@@ -121,25 +125,7 @@ class InstantReplica(_EngineReplica):
         return functools.partial(instant.InstantEngine, settings)
 
 
-class SimulatedReplica(_EngineReplica):
-    engine_name = "simulated"
-
-    def build_engine(self) -> Callable[[], Engine]:
-        kwargs = SimulatedEngineKwargs.of(self.config.engine_kwargs)
-        eos, vocab_size = _model_tokens(self.model_config.path)
-        settings = simulated.SimulatedSettings(
-            prompt_length=self.config.prompt_length,
-            response_length=self.config.response_length,
-            eos_token_id=eos,
-            max_num_seqs=int(self.config.max_num_seqs),
-            vocab_size=vocab_size,
-            # Each replica its own length stream: replicas of one run do not draw the same lengths.
-            **dict(vars(kwargs), seed=int(kwargs.seed) + self.replica_rank),
-        )
-        return functools.partial(simulated.SimulatedEngine, settings)
-
-
-def _model_tokens(model_path: str) -> tuple[int, int]:
+def model_tokens(model_path: str) -> tuple[int, int]:
     """The model's EOS id and vocabulary size, from its config.json (the engines without a model
     answer in its tokens)."""
     model_config = json.loads((Path(os.path.expanduser(model_path)) / "config.json").read_text())
@@ -147,11 +133,25 @@ def _model_tokens(model_path: str) -> tuple[int, int]:
     return (eos[0] if isinstance(eos, list) else eos), int(model_config.get("vocab_size", 1000))
 
 
-GENRUN_ENGINES: dict[str, type[RolloutReplica]] = {
+GENRUN_ENGINES: dict[str, type[EngineReplica]] = {
     "hf": HFReplica,
     "instant": InstantReplica,
-    "simulated": SimulatedReplica,
 }
+"""Rollout names served by an EngineServer actor (their replicas answer `health()`)."""
 
 for _name, _replica in GENRUN_ENGINES.items():
     register_replica_class(_name, _replica)
+
+
+def register_engine(name: str, replica: type[EngineReplica]) -> None:
+    """Serve an engine from outside the product under `actor_rollout_ref.rollout.name=<name>`,
+    exactly as genrun's own (one server actor per replica on the CPU, the same routing). Call it
+    in the process that plans and drives the run, before its config loads; a name verl or genrun
+    already serves is refused."""
+    if name in GENRUN_ENGINES or name in registered_engine_names():
+        if GENRUN_ENGINES.get(name) is replica:
+            return  # registered twice (a test and a bench script in one process): the same engine
+        raise GenrunError(f"rollout.name={name!r} is already an engine; register yours under another name")
+    GENRUN_ENGINES[name] = replica
+    CPU_CAPABLE_ENGINES.add(name)
+    register_replica_class(name, replica)

@@ -132,7 +132,7 @@ class ReplicaPool:
 
     async def prefix_cache_report(self) -> dict[str, Any] | None:
         """The prefix cache's hit rate (prompt tokens reused / prompt tokens) per replica and for
-        the run, from genrun engines' counters (the hf and simulated engines count their own);
+        the run, from genrun engines' counters (the hf engine counts its own, as may a registered one);
         None where the engine counts none (instant, verl's sglang/vllm, remote)."""
         stats = await self.check_health()
         rates = [prefix_hit_rate(s) for s in stats]

@@ -111,7 +111,7 @@ class ReplicaChooser:
 
 
 def _now() -> float:
-    """The event loop's clock (bench/scheduling.py runs one whose time is simulated), else monotonic."""
+    """The event loop's clock (bench/sim runs loops whose clock is virtual), else monotonic."""
     try:
         return asyncio.get_running_loop().time()
     except RuntimeError:

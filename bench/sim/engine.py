@@ -1,5 +1,5 @@
 """A simulated engine for scheduling work: a continuous-batching engine with no model, whose time
-is simulated (`actor_rollout_ref.rollout.name=simulated`).
+is simulated (`actor_rollout_ref.rollout.name=simulated` once bench/sim's `register()` ran).
 
 What decides how busy a GPU replica is, and nothing else: a decode batch of `max_num_seqs` slots
 (requests beyond it queue, in arrival order), one decode step of the whole batch every
@@ -37,7 +37,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from generation_core.config.settings import SimulatedEngineKwargs
 from generation_core.engines.base import (
     STOP_EOS,
     STOP_LENGTH,
@@ -51,20 +50,36 @@ from generation_core.engines.instant import answer_tokens
 
 @dataclass
 class SimulatedSettings:
+    """The first five come from the rollout config; the rest are `engine_kwargs.simulated`'s keys
+    (bench/sim/replica.py), each default written here once."""
+
     prompt_length: int
     response_length: int
     eos_token_id: int
     max_num_seqs: int = 64
     vocab_size: int = 1000
-    decode_seconds_per_step: float = SimulatedEngineKwargs.decode_seconds_per_step
-    prefill_seconds_per_token: float = SimulatedEngineKwargs.prefill_seconds_per_token
-    prefix_cache_tokens: int = SimulatedEngineKwargs.prefix_cache_tokens
-    cache_block_tokens: int = SimulatedEngineKwargs.cache_block_tokens
-    response_tokens_median: int = SimulatedEngineKwargs.response_tokens_median
-    response_tokens_sigma: float = SimulatedEngineKwargs.response_tokens_sigma
-    response_tokens_prompt_share: float = SimulatedEngineKwargs.response_tokens_prompt_share
-    seed: int = SimulatedEngineKwargs.seed
-    time_scale: float = SimulatedEngineKwargs.time_scale
+    decode_seconds_per_step: float = 0.02
+    """Simulated seconds of one decode step: every running sequence gets one token."""
+    prefill_seconds_per_token: float = 0.0001
+    """Simulated seconds per prompt token prefilled (a prefix-cache hit costs nothing)."""
+    prefix_cache_tokens: int = 65536
+    """Tokens the prefix cache holds (LRU by block); 0: no cache."""
+    cache_block_tokens: int = 16
+    """Tokens per cache block: a prefix is reused in whole blocks, as vLLM's and SGLang's are."""
+    response_tokens_median: int = 64
+    response_tokens_sigma: float = 0.0
+    """Response lengths: lognormal around the median (0: every response the median)."""
+    response_tokens_prompt_share: float = 0.0
+    """The share of the lengths' log-variance that the prompt decides, the same on every replica
+    and every run (a hard prompt gets long answers); the rest is each request's own draw. 0: no
+    two samples of a prompt are alike; 1: the prompt decides the length."""
+    seed: int = 0
+    time_scale: float = 1.0
+    """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""
+
+
+ROLLOUT_FIELDS = ("prompt_length", "response_length", "eos_token_id", "max_num_seqs", "vocab_size")
+"""SimulatedSettings' fields that come from the rollout config and the model, not engine_kwargs."""
 
 
 class BlockPrefixCache:
