@@ -1,5 +1,5 @@
 """Decode steps of the bundled model with transformers' linear layers against weight-first ones
-(generation_core/engines/cpu_linear.py), side by side in one process.
+(generation_core/engines/hf/cpu_linear.py), side by side in one process.
 
     .venv/bin/python -u bench/cpu_linear.py [--rows 1 2 4 8 16 32 64] [--prefill 64 512] [--context 300] [--rounds 5] [--threads 2]
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generation_core.config.bundled import prepare_bundled_model  # noqa: E402
-from generation_core.engines.cpu_linear import use_plain_linears, use_weight_first_linears  # noqa: E402
+from generation_core.engines.hf.cpu_linear import use_plain_linears, use_weight_first_linears  # noqa: E402
 
 
 def decode_steps(model, rows: int, context: int, rounds: int) -> tuple[float, float, float]:

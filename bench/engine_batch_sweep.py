@@ -21,7 +21,7 @@ from engine_streaming import bundled_prompt_ids, streaming
 from transformers import AutoTokenizer
 
 from generation_core.config.bundled import prepare_bundled_model
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 
 
 def rate(model_dir, prompts, batch: int, seconds: float, seed: int) -> float:

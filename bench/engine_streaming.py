@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from generation_core.config.bundled import BUNDLED_PROMPTS, prepare_bundled_model
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 
 TARGET = 0.90
 

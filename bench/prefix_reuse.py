@@ -21,7 +21,7 @@ import time
 from transformers import AutoTokenizer
 
 from generation_core.config.bundled import prepare_bundled_model
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 
 QUESTIONS = [
     "Name a color.",

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from generation_core.engines.shared_prefix import CascadeStep, SharedPrefix, cascade_decode_attention
+from generation_core.engines.hf.shared_prefix import CascadeStep, SharedPrefix, cascade_decode_attention
 
 KV_HEADS, HEADS, DIM = 3, 9, 64
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generation_core.config.bundled import prepare_bundled_model  # noqa: E402
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
+from generation_core.engines.hf.engine import EngineSettings, HFEngine  # noqa: E402
 
 THREADS = 2
 

@@ -248,7 +248,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _print_stopped(plan) -> None:
-    from generation_core.shard.progress import committed_counts
+    from generation_core.driver.run_progress import committed_counts
 
     counts = committed_counts(plan.folder, [s.shard_id for s in plan.shards])
     rollout_n = plan.cfg.actor_rollout_ref.rollout.n

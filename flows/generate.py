@@ -34,12 +34,12 @@ from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.config.layout import SHARD_TASK_RESOURCES
 from generation_core.driver.run_driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
 from generation_core.driver.stall_alarm import Stall
+from generation_core.driver.run_progress import ProgressTotals
 from generation_core.errors import GenrunError
 from generation_core.plan.preflight import preflight
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
 from generation_core.shard.finished import finished_shards
-from generation_core.shard.progress import ProgressTotals
 from generation_core.store.lease import LeaseFence
 from generation_core.store.run_folder import SuccessMarker
 from tasks.merge import merge

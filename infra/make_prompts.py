@@ -1,4 +1,4 @@
-"""Write the bundled demo prompts (examples/data/prompts.parquet) in verl's chat format.
+"""Write the bundled demo prompts (generation_core/config/demo_prompts.parquet, package data) in verl's chat format.
 
 Run `python infra/make_prompts.py` to regenerate; the file is committed so a fresh clone has it.
 Rows follow verl's RLHF parquet layout: data_source, prompt (chat messages), ability,
@@ -66,7 +66,7 @@ def rows():
 
 
 def main() -> None:
-    out = Path(__file__).resolve().parent.parent / "examples" / "data" / "prompts.parquet"
+    out = Path(__file__).resolve().parent.parent / "generation_core" / "config" / "demo_prompts.parquet"
     out.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(list(rows()))
     pq.write_table(table, out)

@@ -19,6 +19,5 @@ def merge(
     manifests: list[SuccessMarker],
     elapsed: float,
     fence: LeaseFence | None = None,
-    eta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return finish_run(plan, manifests, elapsed, fence, eta)
+    return finish_run(plan, manifests, elapsed, fence)

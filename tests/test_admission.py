@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from generation_core.engines.admission import AdmissionQueue, RequestIds
+from generation_core.engines.hf.admission import AdmissionQueue, RequestIds
 
 pytestmark = pytest.mark.timeout(30)
 

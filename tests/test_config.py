@@ -11,7 +11,7 @@ def test_defaults_are_the_bundled_cpu_run():
     cfg = load_config([])
     assert cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.model.path.endswith("SmolLM2-135M-Instruct")
-    assert cfg.data.train_files.endswith("examples/data/prompts.parquet")
+    assert cfg.data.train_files.endswith("generation_core/config/demo_prompts.parquet")
     # verl's interpolation: rollout lengths follow data lengths.
     assert cfg.actor_rollout_ref.rollout.prompt_length == cfg.data.max_prompt_length
     assert cfg.actor_rollout_ref.rollout.response_length == cfg.data.max_response_length

@@ -1,4 +1,4 @@
-"""Weight-first linear layers (engines/cpu_linear.py): the same outputs as nn.Linear, on exactly the
+"""Weight-first linear layers (engines/hf/cpu_linear.py): the same outputs as nn.Linear, on exactly the
 layers they should replace, and the engine's setting that turns them on and off."""
 
 import asyncio
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from generation_core.engines.cpu_linear import use_plain_linears, use_weight_first_linears, weight_first_forward
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.cpu_linear import use_plain_linears, use_weight_first_linears, weight_first_forward
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from generation_core.engines.base import Engine, SamplingParams
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
+from generation_core.engines.hf.sampling import sample_next_tokens
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.engines.remote import CompletionsServer
-from generation_core.engines.sampling import sample_next_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -268,7 +268,7 @@ def test_mixed_steps_prefill_joiners_inside_decode_steps_with_the_same_answers(m
 
 
 def test_a_model_whose_attention_mixed_steps_cannot_drive_runs_plain_steps(model_dir, prompts, monkeypatch):
-    from generation_core.engines import packed_step
+    from generation_core.engines.hf import packed_step
 
     monkeypatch.setattr(packed_step, "agrees_with_plain_forwards", lambda *args: False)
     engine = HFEngine(
@@ -364,7 +364,7 @@ def test_the_draw_at_the_ends_of_its_uniform_range_picks_a_kept_token(monkeypatc
     """The draw looks a uniform number up in the row's cumulative weights: at 0 it lands on the
     first token with weight, and where the product rounds up to the row's total (forced here
     with 1.0) on the likeliest token, never on a removed (zero-weight) one at either end."""
-    from generation_core.engines import sampling
+    from generation_core.engines.hf import sampling
 
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0]])
     monkeypatch.setattr(sampling.torch, "rand", lambda n, **kw: torch.full((n,), uniform, dtype=kw["dtype"]))

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.outputs.merge import scan_run

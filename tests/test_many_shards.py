@@ -1,4 +1,4 @@
-"""Many shards through the flow (issue 16, item 8; bench/many_shards.py runs 1,000, this test 12
+"""Many shards through the flow (issue 16, item 8; bench/RESULTS.md's history has 1,000, this test 12
 for CI time: each shard costs about a second of 2 cores): every shard is a Prefect task on Ray
 that finishes with its marker, the counts add up exactly, and Ray reuses its worker processes
 across shard tasks (imports are paid per worker, not per shard)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from generation_core.engines.hf import EngineSettings, HFEngine
+from generation_core.engines.hf.engine import EngineSettings, HFEngine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,7 @@
-"""The run's progress numbers (done / total, rate, ETA, failures) from the shard jobs' reports,
-and the display: a line redrawn in place on a terminal, log lines above it, a plain log line
-every N seconds elsewhere. No Ray, no Prefect: the real run is tests/test_interrupt.py."""
+"""The run's progress numbers (done / total, rate, ETA, failures) from the shard jobs' reports
+(shard/progress.py, shard/progress_board.py, driver/run_progress.py), and the display: a line
+redrawn in place on a terminal, log lines above it, a plain log line every N seconds elsewhere.
+No Ray, no Prefect: the real run is tests/test_interrupt.py."""
 
 import asyncio
 import io
@@ -11,9 +12,11 @@ import time
 import pytest
 
 from generation_core.console import ProgressDisplay
+from generation_core.driver.run_progress import RunProgress
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.shard.eta import TRACE_POINTS, EtaTrace, eta_errors, trace_summary
-from generation_core.shard.progress import ProgressBoard, RunProgress, ShardReport, ShardReporter, format_seconds
+from generation_core.shard.eta import format_seconds
+from generation_core.shard.progress import ShardReport, ShardReporter
+from generation_core.shard.progress_board import ProgressBoard
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,63 +218,6 @@ def test_a_library_logging_a_genrun_error_prints_no_traceback_on_the_terminal():
     assert shown(record("genrun", GenrunError("logged by genrun itself")))
 
 
-def test_the_eta_shown_is_traced_and_judged_against_when_the_run_really_ended_with_the_cost_to_go():
-    clock = Clock()
-    progress = RunProgress(
-        [ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock, devices=4, gpu_hour_price=2.0
-    )
-    board = ProgressBoard()
-    board.report(vars(_report(0, owed=100)))
-    progress.update(board.snapshot())
-    for second in range(1, 26):
-        clock.now += 1
-        board.report(vars(_report(0, owed=100, generated=4 * second)))
-        progress.update(board.snapshot())
-        totals = progress.totals()
-        if second == 5:
-            # 4/s since the first report: 80 left take 20 s, 4 devices x 20 s at 2.0 per device-hour.
-            assert totals.eta == pytest.approx(20.0) and totals.cost_to_go == pytest.approx(4 * 20 / 3600 * 2.0)
-            assert (
-                totals.line()
-                == "trajectories 20/100 (20.0%), 4.0/s, ETA 20s (~0.0444 to go), 0 failed, shards 0/1 done"
-            )
-    assert totals.cost_to_go is None and "to go" not in totals.line()
-    progress.totals()  # ticks after the end add nothing
-    summary = trace_summary(progress.trace)
-    assert summary["generation_seconds"] == 25.0
-    # One point a second; from 10% done on, the rate never changed, so every ETA was exact.
-    assert [point[0] for point in summary["points"]] == [float(s) for s in range(1, 25)]
-    assert all(point[3] == pytest.approx(25.0 - point[0]) for point in summary["points"] if point[0] >= 2)
-    assert summary["median_error"] == summary["max_error"] == 0.0
-
-
-def test_an_eta_trace_judges_from_ten_percent_done_and_thins_itself_to_a_bounded_size():
-    trace = EtaTrace()
-    for point in [
-        (0.0, 0, 100, None),
-        (5.0, 5, 100, 30.0),
-        (10.0, 20, 100, 12.0),
-        (15.0, 60, 100, 4.0),
-        (20.0, 100, 100, 0.0),
-    ]:
-        trace.add(*point)
-    assert trace.ended == 20.0 and len(trace.points) == 4
-    # 5% done is not judged; at 10 s 10 s were left (12 predicted), at 15 s 5 (4 predicted).
-    assert eta_errors(trace.points, trace.ended) == [pytest.approx(2 / 20), pytest.approx(1 / 20)]
-    summary = trace_summary(trace)
-    assert (summary["median_error"], summary["max_error"]) == (0.075, 0.1)
-    assert trace_summary(EtaTrace(points=[(1.0, 1, 10, 5.0)])) is None, (
-        "a run that never ended (stopped) has no judged trace"
-    )
-
-    long = EtaTrace()
-    for second in range(100_000):
-        long.add(float(second), second, 200_000, 1.0)
-    assert TRACE_POINTS // 2 <= len(long.points) <= TRACE_POINTS
-    seconds = [point[0] for point in long.points]
-    assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] > 99_000 - long.spacing
-
-
 def test_the_board_shares_the_runs_in_flight_budget_among_the_shard_jobs_still_generating():
     import time
 
@@ -290,41 +236,3 @@ def test_the_board_shares_the_runs_in_flight_budget_among_the_shard_jobs_still_g
     assert board.report(vars(_report(2, generated=7)))["share"] == 4.0
     # A new shard's job starts on a freed worker: the share goes back down.
     assert board.report(vars(_report(4)))["share"] == 2.0
-
-
-def test_the_eta_adds_the_drain_of_the_trajectories_the_shards_have_open():
-    """The shards report how long their finished trajectories took and how many are open: the
-    ETA is the time to start the rest at the rate, then the longest open one's (shard/eta.py)."""
-    from generation_core.shard.eta import Durations
-
-    clock = Clock()
-    progress = RunProgress([ShardSpec(shard_id=0, start=0, end=100)], rollout_n=1, clock=clock)
-    board = ProgressBoard()
-    took = Durations()
-    for _ in range(50):
-        took.add(2.0)
-    board.report(vars(_report(0)))
-    progress.update(board.snapshot())
-    for second in range(1, 11):
-        clock.now += 1
-        report = _report(0, generated=5 * second)
-        report.open_now, report.durations = 8, dict(took.counts)
-        board.report(vars(report))
-        progress.update(board.snapshot())
-    # 50 left at 5/s: 42 start over 8.4 s, then the longest of the 8 open ones drains.
-    d = Durations.middle(Durations.bin_of(2.0))
-    assert progress.totals().eta == pytest.approx(42 / 5 + d * 8 / 9)
-
-
-def test_the_board_keeps_no_durations_of_an_ended_job():
-    """A snapshot carries every shard's report; an ended job's histogram would only add bytes
-    (the ETA reads the running shards')."""
-    board = ProgressBoard()
-    report = _report(0, generated=5)
-    report.durations = {20: 5}
-    board.report(vars(report))
-    assert board.snapshot()["reports"][0]["durations"] == {20: 5}
-    report.ended = True
-    board.report(vars(report))
-    (kept,) = board.snapshot()["reports"]
-    assert kept["durations"] == {} and kept["generated"] == 5 and kept["ended"]

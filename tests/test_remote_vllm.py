@@ -89,7 +89,7 @@ def test_greedy_tokens_and_logprobs_match_the_transformers_engine(vllm_server, m
     genrun's transformers engine, and the logprobs agree."""
     from transformers import AutoTokenizer
 
-    from generation_core.engines.hf import EngineSettings, HFEngine
+    from generation_core.engines.hf.engine import EngineSettings, HFEngine
     from generation_core.engines.remote import CompletionsServers
     from generation_core.serving.routing import RoutingClient
 

@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from flows.cli import main
-from generation_core.report.data import STOP_REASONS, Limits, sample_hash, stop_reasons
+from generation_core.report.data import sample_hash
 from generation_core.report.html import REPORT_FILE, split_report_arguments
+from generation_core.report.stop_reasons import STOP_REASONS, Limits, stop_reasons
 from generation_core.store.folder import StorageFolder
 from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
 from tests.conftest import chat_rows, write_parquet

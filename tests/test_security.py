@@ -45,7 +45,7 @@ def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkey
     "override, expected", [(None, False), ("actor_rollout_ref.model.trust_remote_code=true", True)]
 )
 def test_the_engine_loads_the_model_with_remote_code_only_when_asked(override, expected, monkeypatch):
-    import generation_core.engines.hf as hf
+    import generation_core.engines.hf.engine as hf
     from generation_core.engines.replicas import HFReplica
 
     cfg = load_config([override] if override else [])

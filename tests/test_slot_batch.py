@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from generation_core.engines.slot_batch import KVShape, SlotBatch
+from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,7 +117,7 @@ def test_a_prefix_nobody_reads_gives_way_to_the_next_prompt():
 
 
 def test_cascade_attention_equals_attention_over_each_rows_whole_columns():
-    from generation_core.engines.shared_prefix import CascadeStep, SharedPrefix, cascade_decode_attention
+    from generation_core.engines.hf.shared_prefix import CascadeStep, SharedPrefix, cascade_decode_attention
 
     torch.manual_seed(0)
     rows, kv_heads, group, dim, prefix, columns = 5, 2, 3, 8, 12, 30

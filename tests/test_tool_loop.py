@@ -361,10 +361,10 @@ class _OneBackend:
 
 
 def test_our_engine_sees_one_trajectory_key_across_the_turns_of_a_tool_trajectory(model_dir, tokenizer):
-    """What the hf engine's later_turns_first recognises a later turn by (engines/admission.py):
+    """What the hf engine's later_turns_first recognises a later turn by (engines/hf/admission.py):
     through the routing client and a replica backend, each turn goes with a fresh request id (as
     verl's client sends it) and the agent loop's own id as `trajectory_key`."""
-    from generation_core.engines.admission import RequestIds
+    from generation_core.engines.hf.admission import RequestIds
     from generation_core.serving.backends import RayReplicaBackend
     from generation_core.serving.routing import RoutingClient
 

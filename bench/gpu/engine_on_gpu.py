@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 from generation_core.config.bundled import BUNDLED_PROMPTS  # noqa: E402
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
+from generation_core.engines.hf.engine import EngineSettings, HFEngine  # noqa: E402
 
 
 def prompt_ids(tokenizer, count: int) -> list[list[int]]:

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from generation_core.engines.base import SamplingParams  # noqa: E402
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
-from generation_core.engines.sampling import sample_next_tokens  # noqa: E402
+from generation_core.engines.hf.engine import EngineSettings, HFEngine  # noqa: E402
+from generation_core.engines.hf.sampling import sample_next_tokens  # noqa: E402
 
 
 def semantics(vocab: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
+from generation_core.engines.hf.engine import EngineSettings, HFEngine  # noqa: E402
 
 engine = HFEngine(
     EngineSettings(

@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--make-prompts")
     parser.add_argument("--repeat", type=int, default=11)
-    parser.add_argument("--source", default="examples/data/prompts.parquet")
+    parser.add_argument("--source", default="generation_core/config/demo_prompts.parquet")
     args = parser.parse_args()
     if args.make_prompts:
         make_prompts(args.source, args.make_prompts, args.repeat)

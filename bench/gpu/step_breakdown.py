@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from generation_core.engines.base import SamplingParams  # noqa: E402
-from generation_core.engines.sampling import sample_next_tokens  # noqa: E402
+from generation_core.engines.hf.sampling import sample_next_tokens  # noqa: E402
 
 
 def timed(fn, n=10):
@@ -94,7 +94,7 @@ for batch in (64, 256):
 # synchronised and timed, over one greedy batch of 256 requests of 128 tokens.
 import asyncio  # noqa: E402
 
-from generation_core.engines.hf import EngineSettings, HFEngine  # noqa: E402
+from generation_core.engines.hf.engine import EngineSettings, HFEngine  # noqa: E402
 
 engine = HFEngine(
     EngineSettings(

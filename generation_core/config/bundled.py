@@ -14,7 +14,8 @@ from pathlib import Path
 
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
-BUNDLED_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompts.parquet"
+# Package data beside this module, so a wheel install has the demo prompts too (not only a checkout).
+BUNDLED_PROMPTS = Path(__file__).resolve().parent / "demo_prompts.parquet"
 # Written last, so a conversion killed halfway is redone instead of half-loaded. Bump the
 # format when the conversion changes, so existing caches are redone.
 _READY_MARKER = "genrun_ready.json"

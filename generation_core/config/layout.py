@@ -76,12 +76,6 @@ class ReplicaLayout:
         return self.replicas * self.gpus_per_replica
 
     @property
-    def devices_held(self) -> int:
-        """What a cost counts: GPUs, a CPU replica (or a remote server) as one device, as the
-        ledger's device-seconds count them."""
-        return self.replicas * max(self.gpus_per_replica, 1)
-
-    @property
     def placement_groups(self) -> list[list[dict[str, float]]]:
         """One replica's Ray placement groups as verl's RayResourcePool asks for them: one group
         per node the replica spans, one bundle per GPU process ({"CPU": 2, "GPU": 1}; verl

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from generation_core.config.layout import resolve_layout
 from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
+from generation_core.driver.run_progress import ProgressTotals, committed_counts
 from generation_core.driver.run_watch import RunWatch
 from generation_core.driver.stall_alarm import Stall
 from generation_core.instrumentation import failpoint, mark
@@ -30,8 +31,6 @@ from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.pool import ReplicaPool, new_registry_name
-from generation_core.shard.eta import trace_summary
-from generation_core.shard.progress import ProgressTotals, committed_counts
 from generation_core.store.lease import LeaseFence, RunLease
 from generation_core.store.run_folder import SuccessMarker
 
@@ -100,9 +99,8 @@ class ShardSubmitter(Protocol):
         ...
 
 
-Finish = Callable[[RunPlan, list[SuccessMarker], float, LeaseFence, "dict[str, Any] | None"], dict[str, Any]]
-"""Merge and write manifest.json: (plan, manifests, elapsed seconds, fence, the ETA trace's
-summary for the ledger: shard/eta.trace_summary) -> the summary."""
+Finish = Callable[[RunPlan, list[SuccessMarker], float, LeaseFence], dict[str, Any]]
+"""Merge and write manifest.json: (plan, manifests, elapsed seconds, fence) -> the summary."""
 Publish = Callable[[RunPlan, dict[str, Any], list[SuccessMarker], LeaseFence], dict[str, Any]]
 """Publish: (plan, summary, manifests, fence) -> the summary with what was published."""
 
@@ -155,18 +153,10 @@ def drive_run(
     Ctrl-C stopped the run (what is committed stays; the lease is released). `started`: when the
     run began (time.perf_counter()), for the summary's elapsed time. `on_progress`: the progress
     numbers every few seconds (the Prefect progress artifact); `on_stall`: the stall alarm, once
-    per stall (stall_alarm.py; the terminal line and the W&B alert are the driver's own)."""
+    per stall (stall_alarm.py; the terminal line is the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
-        # The lease says what this invocation generates on and at what price: `genrun status`'s
-        # cost to go reads them there (run.json has the first invocation's config only).
-        held = RunLease.acquire(
-            plan.folder,
-            plan.cfg.generation.lease_seconds,
-            devices=resolve_layout(plan.cfg).devices_held,
-            gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
-        )
-        with held as lease:
+        with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
             plan.claim_folder()
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
@@ -224,7 +214,7 @@ def _drive_holding(
     # Every shard is committed: a Ctrl-C ends the merge or the publish at once, and the same
     # command does them again (the merged files are written whole or not at all).
     with STOP.interruptible():
-        summary = finish(plan, manifests, time.perf_counter() - started, fence, trace_summary(watch.progress.trace))
+        summary = finish(plan, manifests, time.perf_counter() - started, fence)
         if prefix_cache is not None:
             summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")

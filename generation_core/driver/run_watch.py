@@ -19,12 +19,17 @@ from typing import Any
 
 import ray
 
-from generation_core.config.layout import resolve_layout
 from generation_core.config.settings import GenerationSettings
 from generation_core.console import ProgressDisplay
+from generation_core.driver.run_progress import (
+    ProgressTotals,
+    RunProgress,
+    committed_counts,
+    new_board_name,
+    start_board,
+)
 from generation_core.driver.stall_alarm import Stall, StallWatch, raise_alarm
 from generation_core.run_plan import RunPlan
-from generation_core.shard.progress import ProgressTotals, RunProgress, committed_counts, new_board_name, start_board
 from generation_core.store.run_folder import SuccessMarker
 
 logger = logging.getLogger(__name__)
@@ -46,12 +51,8 @@ class RunWatch:
         on_stall: Callable[[Stall], None] | None = None,
     ):
         gen = plan.cfg.generation
-        trainer = plan.cfg.trainer
         self.stall_watch = StallWatch(float(GenerationSettings.of(plan.cfg).stall_seconds or float("inf")))
         self.on_stall = on_stall
-        self.wandb_run = (
-            (str(trainer.project_name), str(trainer.experiment_name)) if "wandb" in list(trainer.logger) else None
-        )
         self._pool: Any = None
         self._health_refs: list[Any] | None = None
         self._last_poll = float("-inf")
@@ -59,13 +60,7 @@ class RunWatch:
         self._watching_since: float | None = None
         """When the stall alarm began watching: once a shard job reported (it is generating)."""
         self.plan = plan
-        layout = resolve_layout(plan.cfg)
-        self.progress = RunProgress(
-            plan.shards,
-            plan.cfg.actor_rollout_ref.rollout.n,
-            devices=layout.devices_held,
-            gpu_hour_price=gen.get("gpu_hour_price"),
-        )
+        self.progress = RunProgress(plan.shards, plan.cfg.actor_rollout_ref.rollout.n)
         self.display = ProgressDisplay(enabled=bool(gen.show_progress), interval=float(gen.progress_seconds))
         self.on_update, self.update_seconds = on_update, update_seconds
         self.board_name = new_board_name()
@@ -154,7 +149,7 @@ class RunWatch:
         self._poll_engines()
         stall = self.stall_watch.observe(running, self.engine_tokens)
         if stall is not None:
-            raise_alarm(stall, self.on_stall, self.wandb_run)
+            raise_alarm(stall, self.on_stall)
 
     def _update(self, on_update: Callable[[ProgressTotals], None], totals: ProgressTotals) -> None:
         self._last_update = time.monotonic()

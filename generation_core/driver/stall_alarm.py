@@ -6,16 +6,15 @@ with requests queued). The driver's `RunWatch` hands `StallWatch.observe` what m
 works: each running shard's counters from the progress board (trajectories generated and
 committed, per attempt) and the engines' generated-token counters (genrun's own engines report
 them; for verl's replicas the trajectories alone decide). When nothing moved for stall_seconds
-the alarm goes off once: a warning line in the terminal, the dispatcher's `on_stall` (the flow:
-a Prefect log entry and a markdown artifact) and, with wandb in trainer.logger, a W&B alert.
-Progress afterwards re-arms it (and says so). `genrun status DIR` finds the same from the run
-folder alone (outputs/stalls.py).
+the alarm goes off once: a warning line in the terminal and the dispatcher's `on_stall` (the
+flow: a Prefect log entry and a markdown artifact; `drive_run(on_stall=...)`: any callable given
+the `Stall`, e.g. one that alerts the caller's tracker). Progress afterwards re-arms it (and says
+so). `genrun status DIR` finds the same from the run folder alone (outputs/status.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -79,44 +78,12 @@ class StallWatch:
         return self.alarm
 
 
-def wandb_alert(project: str, experiment: str, stall: Stall) -> None:
-    """A W&B alert (wandb.alert) in the run's W&B project. The run's own W&B run starts when it
-    publishes, so without one open a short run of the same name carries the alert."""
-    import wandb
-
-    opened = wandb.run is None
-    run = wandb.init(project=project, name=experiment, job_type="stall-alarm") if wandb.run is None else wandb.run
-    try:
-        run.alert(title=f"genrun {experiment} stalled", text=stall.message(), level="WARN")
-    finally:
-        if opened:
-            run.finish()
-
-
-def raise_alarm(
-    stall: Stall, on_stall: Callable[[Stall], None] | None, wandb_run: tuple[str, str] | None
-) -> threading.Thread | None:
-    """Every place the alarm goes: the terminal, the dispatcher's `on_stall`, W&B (`wandb_run`:
-    (project, experiment) when wandb is in trainer.logger; answers the thread that sends it).
-    None of them may fail the run."""
+def raise_alarm(stall: Stall, on_stall: Callable[[Stall], None] | None) -> None:
+    """Every place the alarm goes: the terminal, then the dispatcher's `on_stall` (the flow: a
+    Prefect log entry and artifact; a library caller's own: its tracker). Neither may fail the run."""
     logger.warning("%s", stall.message())
     if on_stall is not None:
         try:
             on_stall(stall)
         except Exception as exc:  # noqa: BLE001 - an alarm that cannot be shown must not stop the run
             logger.warning("could not pass on the stall alarm (%s: %s)", type(exc).__name__, exc)
-    if wandb_run is not None:
-        # In a thread: wandb.init may take long (or time out) and the driver's loop must go on.
-        alert = threading.Thread(
-            target=_wandb_alert_logged, args=(*wandb_run, stall), name="genrun-stall-wandb", daemon=True
-        )
-        alert.start()
-        return alert
-    return None
-
-
-def _wandb_alert_logged(project: str, experiment: str, stall: Stall) -> None:
-    try:
-        wandb_alert(project, experiment, stall)
-    except Exception as exc:  # noqa: BLE001 - as above: W&B down is no reason to stop
-        logger.warning("could not send the stall alarm to W&B (%s: %s)", type(exc).__name__, exc)

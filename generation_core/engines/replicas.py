@@ -27,8 +27,9 @@ from verl.workers.rollout.replica import RolloutReplica
 
 from generation_core.config.layout import CPU_CAPABLE_ENGINES
 from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
-from generation_core.engines import hf, instant
+from generation_core.engines import instant
 from generation_core.engines.base import Engine
+from generation_core.engines.hf import engine as hf
 from generation_core.engines.server import EngineServer
 from generation_core.errors import GenrunError
 from generation_core.verl_adapter import register_replica_class, registered_engine_names, serve_standalone

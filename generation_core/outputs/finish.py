@@ -41,13 +41,11 @@ def finish_run(
     manifests: list[SuccessMarker],
     elapsed: float,
     fence: LeaseFence | None = None,
-    eta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check that every shard accounts for its planned rows (merge.check_shard_counts), merge
     (when configured) and write the run's manifest.json; returns the summary. `fence`: the run's
     lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
-    and a damaged part found by the merge is dropped under it. `eta`: what the progress line
-    predicted (shard/eta.trace_summary), kept in the ledger as `eta`."""
+    and a damaged part found by the merge is dropped under it."""
     failpoint("merge")
     check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n, GenerationSettings.of(plan.cfg).adaptive)
     summary = summarize(plan, manifests, elapsed)
@@ -68,8 +66,6 @@ def finish_run(
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
     summary["ledger"] = run_ledger(plan, summary, elapsed)
-    if eta is not None:
-        summary["ledger"]["eta"] = eta
     folder.put_json(MANIFEST_FILE, summary)
     return summary
 

@@ -9,10 +9,8 @@ each part, and the parts' commit records), beside the run's wall time and replic
   generation window and its idle fraction: the share of the window (first request sent to last
   answer of this invocation, while work remained) in which it ran no request;
 - the prefix-cache hit rate, where the engine reports hits (hf);
-- the time split totals of every trajectory (records.TIMINGS) plus storage (the parts' write time);
-- with `generation.gpu_hour_price`, the cost in total and per 1M output tokens;
-- `eta`, added by the driver: what the progress line predicted and how far off it was
-  (shard/eta.trace_summary).
+- the time split totals of every trajectory (store/trajectory_record.TIMINGS) plus storage (the parts' write time);
+- with `generation.gpu_hour_price`, the cost in total and per 1M output tokens.
 
 Trajectories of earlier invocations (a resumed run) count in the time split; the per-replica
 figures and the window are this invocation's (`since`).
@@ -28,11 +26,9 @@ import pyarrow.parquet as pq
 
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
-from generation_core.store.run_folder import SHARDS_DIR, shard_file
+from generation_core.store.run_folder import MANIFEST_FILE, SHARDS_DIR, shard_file
 from generation_core.store.trajectory_record import TIMINGS
 
-ETA_JUDGED_SECONDS = 60.0
-"""The terminal summary and `genrun status` print the ETA's error for generations this long or longer."""
 LEDGER_COLUMNS = ["provenance", *(f"seconds_{name}" for name in TIMINGS)]
 
 
@@ -182,13 +178,14 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
             f"cost:          {ledger['cost']:.4g} at {ledger['gpu_hour_price']:g}/GPU-hour"
             + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else "")
         )
-    eta = ledger.get("eta") or {}
-    # A generation shorter than a minute is over before its ETA matters, and its first ETAs rest
-    # on its first few answers (all of a small run's requests start at once): manifest.json and
-    # the report keep its trace, the summary does not judge it.
-    if eta.get("max_error") is not None and eta["generation_seconds"] >= ETA_JUDGED_SECONDS:
-        lines.append(
-            f"ETA error:     median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of the {eta['generation_seconds']:.0f} s "
-            f"generation (from {100 * eta['judged_from_done']:.0f}% done)"
-        )
     return lines
+
+
+def read_ledger(folder: StorageFolder) -> dict[str, Any] | None:
+    """The ledger the run's last finish wrote into manifest.json (None before one, or unreadable)."""
+    if not folder.exists(MANIFEST_FILE):
+        return None
+    try:
+        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
+    except ValueError:
+        return None

@@ -1,21 +1,33 @@
 """Read a run folder without running anything: per-shard status (`genrun status`, and the
 report's shard table). Light to import, like every module the read-only commands load: no
-torch, verl or Ray (the on-demand merge, which builds a DataProto, is finish.merge_folder)."""
+torch, verl or Ray (the on-demand merge, which builds a DataProto, is finish.merge_folder).
+
+On a running run it adds its ETA and "stalled since ..." with the shards concerned, from the
+folder alone (no board, no Ray). Commit records say when (`time`) and for which run (`lease`)
+they were written; a shard's `attempt` record is the running run's claim on it, its `part`
+records what it committed since. The ETA is shard/eta.py's over the commits of the run holding
+the folder's lease (the driver's progress line uses the same estimate over the board's finer
+counts). A started shard none of whose records is younger than `generation.stall_seconds` is
+stalled: a working shard commits at least every `part_max_seconds` once anything finished (60 s
+by default, under the least default stall_seconds, 120 s). The running genrun's own alarm
+(driver/stall_alarm.py) also sees generated tokens; the folder shows commits only.
+"""
 
 from __future__ import annotations
 
-import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from generation_core.build import describe_build, other_build_warning, same_build
-from generation_core.outputs.ledger import ledger_lines
-from generation_core.outputs.pace import pace_lines
-from generation_core.store.commit_log import ShardCheckpoint, read_marker
+from generation_core.config.settings import GenerationSettings
+from generation_core.outputs.ledger import ledger_lines, read_ledger
+from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
+from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_marker
 from generation_core.store.folder import StorageFolder
-from generation_core.store.lease import describe_holder
+from generation_core.store.lease import describe_holder, newest_lease
 from generation_core.store.run_folder import (
     FAILURES_DIR,
-    MANIFEST_FILE,
     merged_files,
     read_last_error,
     read_run_record,
@@ -92,21 +104,86 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     )
     output = merged_files(folder)
     print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
-    ledger = _finished_ledger(folder)
+    ledger = read_ledger(folder)
     if ledger:
         print("\n".join(ledger_lines(ledger)))
     return 0
 
 
-def _finished_ledger(folder: StorageFolder) -> dict[str, Any] | None:
-    """The capacity ledger the run's last finish wrote into manifest.json (None before one)."""
-    if not folder.exists(MANIFEST_FILE):
-        return None
-    try:
-        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
-    except ValueError:
-        return None
-
-
 def _distinct(builds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [b for position, b in enumerate(builds) if not any(same_build(b, earlier) for earlier in builds[:position])]
+
+
+@dataclass(frozen=True)
+class StartedShard:
+    """A shard as the run holding the folder left it in its commit records."""
+
+    name: str
+    finished: bool
+    started: float
+    """When the running run's first attempt at it began (unix time)."""
+    newest: float
+    """Its newest record of the running run."""
+    committed: int
+    """Trajectories it committed under the running run."""
+    remaining: int
+
+
+def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: int) -> list[StartedShard]:
+    """The shards the run of lease generation `lease` has started, from their commit records."""
+    started = []
+    for state in states:
+        _, records = read_commit_records(folder, state["shard"])
+        own = [record for record in records if record.get("lease") == lease]
+        attempts = [float(record.get("time") or 0.0) for record in own if record.get("kind") == "attempt"]
+        if not attempts:
+            continue  # waiting for a worker, or finished by an earlier run
+        committed = sum(
+            int((record.get("part") or {}).get("count") or 0) for record in own if record.get("kind") == "part"
+        )
+        finished = state["state"] == "done"
+        remaining = 0 if finished else max(state["expected"] - state["committed"] - state["failed_samples"], 0)
+        started.append(
+            StartedShard(
+                state["shard"],
+                finished,
+                min(attempts),
+                max(float(r.get("time") or 0.0) for r in own),
+                committed,
+                remaining,
+            )
+        )
+    return started
+
+
+def pace_lines(
+    folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None
+) -> list[str]:
+    """The ETA line and, when stalled, the stall line; none when no running genrun holds the folder."""
+    now = time.time() if now is None else now
+    holder = newest_lease(folder)
+    if holder is None or holder.state(now) is not None:
+        return []
+    shards = started_shards(folder, states, holder.generation)
+    remaining = sum(
+        max(s["expected"] - s["committed"] - s["failed_samples"], 0) for s in states if s["state"] != "done"
+    )
+    lines = []
+    if shards:
+        running = [s for s in shards if not s.finished]
+        eta = estimate_eta(
+            remaining,
+            sum(s.committed for s in shards),
+            now - min(s.started for s in shards),
+            [ShardPace(remaining=s.remaining, done=s.committed, seconds=now - s.started) for s in running],
+        )
+        lines.append(f"ETA {format_seconds(eta)} for {remaining:,} trajectories left (from the commits of this run)")
+    stall_seconds = GenerationSettings.of(run.config).stall_seconds
+    quiet = [s for s in shards if not s.finished and stall_seconds and now - s.newest >= float(stall_seconds)]
+    if quiet:
+        since = max(s.newest for s in quiet)
+        lines.append(
+            f"stalled since {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))} ({format_seconds(now - since)} "
+            f"without a commit): {', '.join(sorted(s.name for s in quiet))}"
+        )
+    return lines

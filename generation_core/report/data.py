@@ -2,17 +2,10 @@
 
 Committed parts are streamed one at a time (orphans of crashed writes are never read) and each
 is reduced to a few numbers per trajectory: response length, model tokens, reward, turns, data
-source and why the response stopped. Memory grows by about 25 bytes per trajectory, plus one
-part and the viewer's sample. The viewer's sample is the `sample_size` trajectories with the
-lowest hash of their sample id: uniform, the same on every report of the run, and chosen
-while streaming (a bounded heap), so no second pass over the parts is needed.
-
-Stop reasons are derived from the record, since engines' stop reasons are not stored: a last
-model token that is an end-of-sequence id is `eos`; a response that filled its budget is
-`length`; one that ends on tool or user tokens, `tool_turn` (verl's tool loop stopped after a
-tool answer filled the budget or hit a turn limit); a model turn count at
-`multi_turn.max_assistant_turns`, `turn_limit`; anything else (a stop string, an engine that
-stopped without EOS), `no_eos`.
+source and why the response stopped (stop_reasons.py). Memory grows by about 25 bytes per
+trajectory, plus one part and the viewer's sample. The viewer's sample is the `sample_size`
+trajectories with the lowest hash of their sample id: uniform, the same on every report of the
+run, and chosen while streaming (a bounded heap), so no second pass over the parts is needed.
 
 Throughput over time comes from the commit records' times: each part record adds its
 trajectories when it was committed (parts dropped later as damaged do not count).
@@ -32,47 +25,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from generation_core.errors import GenrunError
-from generation_core.outputs.ledger import ReplicaActivity
+from generation_core.outputs.ledger import ReplicaActivity, read_ledger
 from generation_core.outputs.status import shard_states
+from generation_core.report.stop_reasons import Limits, stop_reasons
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
-from generation_core.store.run_folder import BENCH_FILE, MANIFEST_FILE, shard_file
-from generation_core.store.run_record import RunRecord
+from generation_core.store.run_folder import BENCH_FILE, shard_file
+from generation_core.store.run_record import RunRecord, ShardRange
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
 
 logger = logging.getLogger(__name__)
 
-STOP_REASONS = {
-    "eos": "end of sequence (EOS)",
-    "length": "length limit (rollout.response_length)",
-    "tool_turn": "ended on tool/user tokens",
-    "turn_limit": "assistant-turn limit (multi_turn.max_assistant_turns)",
-    "no_eos": "no EOS (stop string or engine)",
-}
-"""Why a response stopped, as the report names it; the codes are indices into this order."""
-_STOP_CODES = {name: code for code, name in enumerate(STOP_REASONS)}
-
 FAILURES_LISTED = 200
 """Failure log lines kept for the report's table (all of them are counted)."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What decides a stop reason, from run.json's config and the tokenizer."""
-
-    prompt_length: int
-    response_length: int
-    max_assistant_turns: int | None
-    eos_token_ids: frozenset[int]
-
-    @classmethod
-    def of_run(cls, run: RunRecord, eos_token_ids: frozenset[int]) -> Limits:
-        rollout = run.rollout
-        turns = (rollout.get("multi_turn") or {}).get("max_assistant_turns")
-        return cls(
-            int(rollout["prompt_length"]), int(rollout["response_length"]), int(turns) if turns else None, eos_token_ids
-        )
 
 
 @dataclass
@@ -155,51 +121,6 @@ def sample_hash(index: np.ndarray, rollout_n: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _list_layout(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flattened values, start of each row in them, each row's length) of a list column."""
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
-    starts = np.cumsum(lengths) - lengths
-    return values, starts, lengths
-
-
-def _row_sums(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    total = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return total[starts + lengths] - total[starts]
-
-
-def stop_reasons(table: pa.Table, limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(stop code, response tokens, model tokens) of each row of a part table."""
-    ids, starts, lengths = _list_layout(table.column("response_ids"))
-    mask = pc.list_flatten(table.column("response_mask")).to_numpy(zero_copy_only=False).astype(np.int8)
-    prompt_lengths = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
-    model_tokens = _row_sums(mask, starts, lengths)
-    # Model turns: runs of mask 1, each starting at a row's first token or after a 0.
-    row_start = np.zeros(len(mask), dtype=bool)
-    row_start[starts[lengths > 0]] = True
-    previous = np.concatenate([[0], mask[:-1]])
-    turn_starts = ((mask == 1) & (row_start | (previous != 1))).astype(np.int8)
-    model_turns = _row_sums(turn_starts, starts, lengths)
-
-    nonempty = lengths > 0
-    last = np.where(nonempty, starts + lengths - 1, 0)
-    last_id = np.where(nonempty, ids[last] if len(ids) else 0, -1)
-    last_mask = np.where(nonempty, mask[last] if len(mask) else 0, -1)
-    is_eos = np.isin(last_id, list(limits.eos_token_ids)) & (last_mask == 1)
-    full = (lengths >= limits.response_length) | (
-        prompt_lengths + lengths >= limits.prompt_length + limits.response_length
-    )
-    turn_limit = (
-        model_turns >= limits.max_assistant_turns if limits.max_assistant_turns else np.zeros(len(lengths), dtype=bool)
-    )
-    code = np.select(
-        [is_eos, full, last_mask == 0, turn_limit],
-        [_STOP_CODES["eos"], _STOP_CODES["length"], _STOP_CODES["tool_turn"], _STOP_CODES["turn_limit"]],
-        default=_STOP_CODES["no_eos"],
-    )
-    return code.astype(np.int8), lengths, model_tokens
-
-
 def records_of(table: pa.Table) -> list[TrajectoryRecord]:
     """Trajectory records of a (small) part table: the viewer's sampled rows."""
     return records_of_table(table)
@@ -221,6 +142,21 @@ class _Collector:
         # Max-heap of the lowest hashes kept so far: (-hash, index, rollout_n, record).
         self.heap: list[tuple[int, int, int, TrajectoryRecord]] = []
         self.activity = ReplicaActivity()
+
+    def add_parts(self, folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint) -> list[str]:
+        """Fold in the shard's committed parts; answers the paths of those that no longer match
+        their checksum (left out, and named in the report)."""
+        skipped = []
+        for part in checkpoint.parts:
+            try:
+                data = read_verified_part(folder, CommittedPartRef(shard_file(shard, part.name), part.sha256))
+            except DamagedPart as damaged:
+                logger.warning("report: %s (left out)", damaged)
+                skipped.append(damaged.path)
+                continue
+            self.add_part(read_part_table(data))
+            self.activity.time_split["storage"] += part.storage_seconds or 0.0
+        return skipped
 
     def add_part(self, table: pa.Table) -> None:
         stop, lengths, model_tokens = stop_reasons(table, self.limits)
@@ -293,6 +229,33 @@ def _commit_events(folder: StorageFolder, shard: str, live_parts: set[str]) -> l
     return events
 
 
+@dataclass
+class _Failures:
+    """The failure logs as the report keeps them: the first FAILURES_LISTED lines, all counted."""
+
+    listed: list[FailureEntry] = field(default_factory=list)
+    count: int = 0
+    kinds: Counter = field(default_factory=Counter)
+
+    def add(self, logged: list[FailureEntry]) -> None:
+        self.count += len(logged)
+        self.kinds.update(entry.error.splitlines()[0] if entry.error else "(no message)" for entry in logged)
+        self.listed.extend(logged[: max(FAILURES_LISTED - len(self.listed), 0)])
+
+
+def _shard_row(state: dict[str, Any], spec: ShardRange, checkpoint: ShardCheckpoint) -> dict[str, Any]:
+    """A shard_states row with what the report's shard table adds from the commit records."""
+    return dict(
+        state,
+        range=[spec.start, spec.end],
+        parts=len(checkpoint.parts),
+        generated_tokens=checkpoint.generated_tokens,
+        response_tokens=checkpoint.response_tokens,
+        attempts=checkpoint.attempts,
+        builds=checkpoint.builds,
+    )
+
+
 def _failures(folder: StorageFolder, shard: str, committed: set[str]) -> list[FailureEntry]:
     entries = []
     for failure in read_failure_log(folder, shard):
@@ -320,40 +283,19 @@ def collect_report_data(
     states = {state["shard"]: state for state in shard_states(folder, run)}
     shards: list[dict[str, Any]] = []
     commits: list[CommitEvent] = []
-    failures: list[FailureEntry] = []
     skipped: list[str] = []
-    failure_count, failure_kinds = 0, Counter[str]()
+    failures = _Failures()
     for spec in run.shards:
-        name = spec.name
-        checkpoint = ShardCheckpoint.load(folder, name)
-        for part in checkpoint.parts:
-            try:
-                data = read_verified_part(folder, CommittedPartRef(shard_file(name, part.name), part.sha256))
-            except DamagedPart as damaged:
-                logger.warning("report: %s (left out)", damaged)
-                skipped.append(damaged.path)
-                continue
-            collector.add_part(read_part_table(data))
-            collector.activity.time_split["storage"] += part.storage_seconds or 0.0
-        commits.extend(_commit_events(folder, name, {part.name for part in checkpoint.parts}))
-        logged = _failures(folder, name, set(checkpoint.completed))
-        failure_count += len(logged)
-        failure_kinds.update(entry.error.splitlines()[0] if entry.error else "(no message)" for entry in logged)
-        failures.extend(logged[: max(FAILURES_LISTED - len(failures), 0)])
-        state = dict(states.get(name, {"shard": name}))
-        state.update(
-            range=[spec.start, spec.end],
-            parts=len(checkpoint.parts),
-            generated_tokens=checkpoint.generated_tokens,
-            response_tokens=checkpoint.response_tokens,
-            attempts=checkpoint.attempts,
-            builds=checkpoint.builds,
-        )
-        shards.append(state)
+        checkpoint = ShardCheckpoint.load(folder, spec.name)
+        skipped.extend(collector.add_parts(folder, spec.name, checkpoint))
+        commits.extend(_commit_events(folder, spec.name, {part.name for part in checkpoint.parts}))
+        failures.add(_failures(folder, spec.name, set(checkpoint.completed)))
+        shards.append(_shard_row(states.get(spec.name, {"shard": spec.name}), spec, checkpoint))
     stats = collector.stats()
     if not len(stats):
         raise GenrunError(
-            f"{folder.display()} has no committed trajectories yet: nothing to report (`genrun status {folder.display()}` shows its shards)"
+            f"{folder.display()} has no committed trajectories yet: nothing to report "
+            f"(`genrun status {folder.display()}` shows its shards)"
         )
     return ReportData(
         run=run,
@@ -363,24 +305,15 @@ def collect_report_data(
         sources=list(collector.sources),
         commits=sorted(commits, key=lambda event: event.time),
         shards=shards,
-        failures=failures,
-        failure_count=failure_count,
-        failure_kinds=failure_kinds,
+        failures=failures.listed,
+        failure_count=failures.count,
+        failure_kinds=failures.kinds,
         sample=collector.sample(),
         skipped_parts=skipped,
         bench=read_bench_figures(folder),
         activity=collector.activity,
-        ledger=_manifest_ledger(folder),
+        ledger=read_ledger(folder),
     )
-
-
-def _manifest_ledger(folder: StorageFolder) -> dict[str, Any] | None:
-    if not folder.exists(MANIFEST_FILE):
-        return None
-    try:
-        return json.loads(folder.read_bytes(MANIFEST_FILE)).get("ledger")
-    except ValueError:
-        return None
 
 
 def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from generation_core.store.run_folder import REPORT_FILE, read_run_record
 
 SAMPLE_SIZE = 500
 """Trajectories the viewer holds at most (`genrun report --sample N`); the page says how many of how many."""
-CAPACITY_PLOTS = ("replica-timeline", "time-split", "eta")
+CAPACITY_PLOTS = ("replica-timeline", "time-split")
 """Plots shown in the Capacity section, beside the ledger, instead of among the other plots."""
 
 
@@ -140,14 +140,6 @@ def _capacity_section(data: ReportData, plots: list[Plot]) -> str:
             per_million = ledger.get("cost_per_million_output_tokens")
             facts.append(("cost", f"{ledger['cost']:.4g} ({ledger['gpu_hour_price']:g} per GPU-hour)"))
             facts.append(("cost per 1M output tokens", "n/a" if per_million is None else f"{per_million:.4g}"))
-        eta = ledger.get("eta") or {}
-        if eta.get("max_error") is not None:
-            facts.append(
-                (
-                    f"ETA error from {100 * eta['judged_from_done']:.0f}% done",
-                    f"median {100 * eta['median_error']:.1f}%, max {100 * eta['max_error']:.1f}% of a {eta['generation_seconds']:,.0f} s generation",
-                )
-            )
         rows = "".join(
             f"<tr><td>{_e(replica)}</td><td class=num>{row['requests']:,}</td><td class=num>{row['output_tokens']:,}</td>"
             f"<td class=num>{row['tokens_per_second']:,.1f}</td><td class=num>{100 * row['idle_fraction']:.1f}%</td></tr>"

@@ -14,7 +14,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from generation_core.outputs.ledger import busy_spans
-from generation_core.report.data import STOP_REASONS, ReportData
+from generation_core.report.data import ReportData
+from generation_core.report.stop_reasons import STOP_REASONS
 
 SOURCES_DRAWN = 8
 """Data sources drawn in the reward plot (the most frequent); the rest are pooled as "other"."""
@@ -264,48 +265,9 @@ def time_split(data: ReportData) -> Plot | None:
     return Plot("time-split", "Where the time went", _png(figure))
 
 
-def eta_accuracy(data: ReportData) -> Plot | None:
-    """The time left as the progress line predicted it against the time that really was left,
-    over the generation (manifest.json's ledger `eta`: the last invocation's, once it finished)."""
-    eta = (data.ledger or {}).get("eta") or {}
-    points = [point for point in eta.get("points") or [] if point[3] is not None]
-    if not points:
-        return None
-    ended = float(eta["generation_seconds"])
-    scale, unit = _time_unit(ended)
-    seconds = np.array([point[0] for point in points])
-    figure = _figure()
-    axes = figure.add_subplot()
-    axes.plot(
-        [0, ended / scale],
-        [ended / scale, 0],
-        color=_COLORS[8],
-        linewidth=1.2,
-        linestyle="--",
-        label="actual time left",
-    )
-    axes.plot(
-        seconds / scale,
-        np.array([point[3] for point in points]) / scale,
-        color=_COLORS[0],
-        linewidth=1.6,
-        marker=".",
-        label="predicted (ETA shown)",
-    )
-    judged = next((point[0] for point in eta["points"] if point[1] >= eta["judged_from_done"] * point[2]), None)
-    if judged is not None:
-        axes.axvline(
-            judged / scale, color=_COLORS[1], linewidth=1, alpha=0.6, label=f"{100 * eta['judged_from_done']:.0f}% done"
-        )
-    axes.set(xlabel=f"{unit} since generation started", ylabel=f"{unit} left", title="ETA: predicted vs actual")
-    axes.set_ylim(bottom=0)
-    axes.legend(fontsize=8, loc="upper right")
-    return Plot("eta", "ETA: predicted vs actual time left", _png(figure))
-
-
 def all_plots(data: ReportData) -> list[Plot]:
     """Every plot the data allows (no rewards: no reward plot; no part commits: no throughput;
-    no provenance: no replica timeline or time split; no finished run's ETA trace: no ETA plot)."""
+    no provenance: no replica timeline or time split)."""
     drawn = [
         response_lengths(data),
         rewards(data),
@@ -314,6 +276,5 @@ def all_plots(data: ReportData) -> list[Plot]:
         throughput(data),
         replica_timeline(data),
         time_split(data),
-        eta_accuracy(data),
     ]
     return [plot for plot in drawn if plot is not None]

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from generation_core.report.data import STOP_REASONS, ReportData, data_source_of, sample_hash, stop_reasons
+from generation_core.report.data import ReportData, data_source_of, sample_hash
+from generation_core.report.stop_reasons import STOP_REASONS, stop_reasons
 from generation_core.report.token_decoder import TokenDecoder
 from generation_core.store.run_record import RunRecord
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, records_to_table

@@ -10,7 +10,7 @@ tools sleep. Here a trajectory holds a slot only for the duration of one model c
   slot goes to the longest-waiting later turn of a started trajectory before any first turn
   (first turns keep their arrival order, so none waits forever: a later turn exists only after
   its first turn ran). This is the client's half of what the `hf` engine's
-  `engine_kwargs.hf.later_turns_first` does inside the engine (engines/admission.py); it acts
+  `engine_kwargs.hf.later_turns_first` does inside the engine (engines/hf/admission.py); it acts
   with every engine, SGLang and vLLM included.
 - `SlottedClient` wraps the agent loops' llm client: every `generate` takes a slot first.
   Which sample a call belongs to comes from a context variable the shard's stream sets in each

@@ -320,9 +320,8 @@ class ShardGeneration:
                         self.generated_now += 1
                         self.tokens_now += sum(record.response_mask)
                         progress.update(1)
-                        reporter.finished(self.generated_now, record.provenance)
+                        report.generated = self.generated_now
                     report.owed = self.owed()
-                    report.open_now = len(getattr(self.worker, "open_samples", ()))
                     # In a thread: samples in flight keep talking to the engine while a row group or a
                     # part is written (an S3 upload takes tens of milliseconds).
                     if writer.row_group_ready():
@@ -332,7 +331,6 @@ class ShardGeneration:
                         report.committed = len(set(self.checkpoint.completed))
                     if reporter.stop:
                         break
-                report.open_now = 0
                 await to_thread_to_the_end(writer.commit)
                 report.committed = len(set(self.checkpoint.completed))
             if reporter.stop:

@@ -2,7 +2,7 @@
 
 Its own module, importing nothing but the standard library: the actor's process imports the
 module that defines its class, and on a 2-core machine the ~6 s of verl and torch imports that
-generation_core.shard.progress pulls in would be spent while the shards and replicas start beside it.
+the shard's and driver's modules pull in would be spent while the shards and replicas start beside it.
 
 It also shares out the run's in-flight budget (issue 34 item 5: idle capacity goes to the
 stragglers). The budget is max_inflight x the most shard jobs seen generating at once; with each
@@ -41,10 +41,6 @@ class ProgressBoard:
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         """Record a shard's report; answers whether the run is stopping and the job's share of
         the run's in-flight budget (1.0: its own max_inflight)."""
-        if report.get("ended") and report.get("durations"):
-            # Only running shards' durations feed the ETA (progress.py); an ended one's would ride
-            # on every snapshot of a run of thousands of shards.
-            report = dict(report, durations={})
         self.reports[report["shard_id"]] = report
         self.heard[report["shard_id"]] = time.time()
         self.generated_by_attempt[report["attempt"]] = report["generated"]

@@ -138,8 +138,7 @@ class StreamingWorker:
     """The most model calls its streams had in flight at once (above max_inflight only when the
     shard's share of the run's in-flight budget grew): the success marker's engine counters."""
     open_samples: Sized = ()
-    """What its stream has open now (its len: trajectories started, not finished): the progress
-    report's `open_now`, for the ETA's drain."""
+    """What its stream has open now (its len: trajectories started, not finished)."""
 
     def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
         # A config load_config did not build gets its derived defaults here, the same ones.

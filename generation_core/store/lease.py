@@ -66,12 +66,6 @@ class LeaseRecord:
     """The kernel boot id of the holder's machine (None: unknown, as in leases of early versions)."""
     pid_namespace: str | None = None
     """The holder's pid namespace (`/proc/self/ns/pid`), where its `pid` means something."""
-    devices: int | None = None
-    """The devices the holding run generates on (ReplicaLayout.devices_held: this invocation's
-    layout, not the first one's run.json); None: a holder that does not generate (merge only)
-    or an older genrun. `genrun status` multiplies its cost to go by it."""
-    gpu_hour_price: float | None = None
-    """The holding run's generation.gpu_hour_price (an operational key: a resume may set it)."""
 
     @classmethod
     def from_dict(cls, payload: dict) -> LeaseRecord:
@@ -222,16 +216,8 @@ class RunLease:
         self.lost: str | None = None
 
     @classmethod
-    def acquire(
-        cls,
-        folder: StorageFolder,
-        seconds: float = GenerationSettings.lease_seconds,
-        *,
-        devices: int | None = None,
-        gpu_hour_price: float | None = None,
-    ) -> RunLease:
-        """Take the folder (refused while another run holds it). `devices` and `gpu_hour_price`:
-        what this run generates on and its price, for `genrun status`'s cost to go."""
+    def acquire(cls, folder: StorageFolder, seconds: float = GenerationSettings.lease_seconds) -> RunLease:
+        """Take the folder (refused while another run holds it)."""
         now = time.time()
         newest = _wait_if_dying(folder, newest_lease(folder))
         now = time.time()
@@ -258,8 +244,6 @@ class RunLease:
             renewed=now,
             boot_id=boot_id,
             pid_namespace=pid_namespace,
-            devices=devices,
-            gpu_hour_price=gpu_hour_price,
         )
         if not folder.create_exclusive(lease_file(record.generation), _encode(record)):
             # Another run created the same number first: it holds the folder now.

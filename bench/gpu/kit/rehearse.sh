@@ -38,7 +38,7 @@ MODULES=$MODULES,sglang.srt.managers.tokenizer_manager,sglang.srt.managers.detok
 MODULES=$MODULES,sglang.srt.models.llama,sglang.srt.layers.attention.triton_backend,sglang.srt.layers.sampler,sglang.srt.server_args
 MODULES=$MODULES,sglang.srt.layers.logits_processor,sglang.srt.model_loader.loader,sglang.srt.mem_cache.radix_cache,sglang.bench_offline_throughput
 MODULES=$MODULES,verl.workers.rollout.sglang_rollout.async_sglang_server,verl.protocol,flows.cli,flows.generate,tasks.run_shard
-MODULES=$MODULES,generation_core.serving.pool,generation_core.shard.streaming,generation_core.engines.replicas,generation_core.engines.hf,generation_core.config.bundled
+MODULES=$MODULES,generation_core.serving.pool,generation_core.shard.streaming,generation_core.engines.replicas,generation_core.engines.hf.engine,generation_core.config.bundled
 MODULES=$MODULES,generation_core.outputs.merge,prefect,prefect.server.api.server,prefect.server.database.orm_models,prefect.cli,prefect_ray
 MODULES=$MODULES,ray.dashboard.dashboard,ray.dashboard.agent,ray.util.state,aiosqlite,alembic,sqlalchemy.dialects.sqlite.aiosqlite,gguf,flashinfer
 LD_LIBRARY_PATH=$STUB PYTHONPATH=/tmp/site:$REPO "$PY" "$KIT_DIR/import_trace.py" /tmp/site "$MODULES" > /tmp/kit/trace.json

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from generation_core.engines.prefix_cache import common_prefix_length
+from generation_core.engines.hf.prefix_cache import common_prefix_length
 
 MIN_SHARED_TOKENS = 32
 """A prefix shorter than this is read with each row's own columns: splitting it off costs an

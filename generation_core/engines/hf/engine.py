@@ -35,8 +35,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Generat
 from transformers.cache_utils import CacheLayerMixin
 
 from generation_core.config.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
-from generation_core.engines import packed_step
-from generation_core.engines.admission import AdmissionQueue, RequestIds
 from generation_core.engines.base import (
     STOP_EOS,
     STOP_LENGTH,
@@ -47,12 +45,14 @@ from generation_core.engines.base import (
     SamplingParams,
     response_budget,
 )
-from generation_core.engines.cpu_linear import use_weight_first_linears
-from generation_core.engines.packed_step import PackedStep
-from generation_core.engines.prefix_cache import KV, PrefixCache, PrefixHit
-from generation_core.engines.sampling import sample_next_tokens
+from generation_core.engines.hf import packed_step
+from generation_core.engines.hf.admission import AdmissionQueue, RequestIds
+from generation_core.engines.hf.cpu_linear import use_weight_first_linears
+from generation_core.engines.hf.packed_step import PackedStep
+from generation_core.engines.hf.prefix_cache import KV, PrefixCache, PrefixHit
+from generation_core.engines.hf.sampling import sample_next_tokens
+from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 from generation_core.engines.server import cpu_threads_per_replica
-from generation_core.engines.slot_batch import KVShape, SlotBatch
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from generation_core.engines.prefix_cache import KV
-from generation_core.engines.shared_prefix import MIN_SHARED_TOKENS, SharedPrefix
+from generation_core.engines.hf.prefix_cache import KV
+from generation_core.engines.hf.shared_prefix import MIN_SHARED_TOKENS, SharedPrefix
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from generation_core.engines.shared_prefix import MIN_SHARED_TOKENS, CascadeStep, cascade_decode_attention
-from generation_core.engines.slot_batch import KVShape, SlotBatch
+from generation_core.engines.hf.shared_prefix import MIN_SHARED_TOKENS, CascadeStep, cascade_decode_attention
+from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 
 PACKED_ATTENTION = "genrun_packed_sdpa"
 

@@ -1,1 +1,0 @@
-"""How the parts start: the local Prefect API, the work pool, Ray, the bundled model."""
