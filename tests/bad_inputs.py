@@ -87,6 +87,11 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             r"\+generation.num_shard: no such config key.*did you mean 'generation.num_shards'",
         ),
         (["+train_tasks=[a.parquet]"], r"\+train_tasks: no such config key.*'data.train_tasks'"),
+        # Issue 44: a key the cuts removed (the ETA benchmarks' long tail) is refused like any unknown one.
+        (
+            [f"data.train_files={good}", "actor_rollout_ref.rollout.engine_kwargs.instant.delay_sigma=1.0"],
+            r"unknown config key 'actor_rollout_ref.rollout.engine_kwargs.instant.delay_sigma'",
+        ),
         (
             [f"data.train_files={good}", f"actor_rollout_ref.model.path={tmp_path / 'no_model'}"],
             "model path .* does not exist",

@@ -197,7 +197,6 @@ def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_ot
     base = fingerprint(load_config([]), "data")
     shaping = [
         f"{ENGINE}.instant.response_tokens=4",
-        f"{ENGINE}.instant.delay_sigma=1.0",
         f"{ENGINE}.hf.dtype=bfloat16",
         f"{ENGINE}.hf.ignore_eos=true",
         f"{ENGINE}.hf.device=cuda",

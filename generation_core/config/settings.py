@@ -277,11 +277,7 @@ class InstantEngineKwargs:
 
     response_tokens: int = 8
     delay_seconds: float = 0.0
-    """Seconds each request takes (tests use it to have requests in flight); with delay_sigma,
-    the median."""
-    delay_sigma: float = 0.0
-    """> 0: each request's delay and response length scaled by one long-tailed (log-normal,
-    this sigma) factor drawn from the request itself, so a run is the same every time."""
+    """Seconds each request takes (tests use it to have requests in flight)."""
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:

@@ -15,9 +15,7 @@ they send is random (uuid4, replaced again per turn by the replica client), so i
 a resumed run equal an undisturbed one.
 
 A response ends with EOS (`stop`) after `response_tokens` tokens, or without one (`length`)
-when the response budget is smaller or the request asks for `ignore_eos`. With `delay_sigma` > 0
-a request's delay and length are both scaled by one log-normal factor drawn from the request (a
-long-tailed run, as real length distributions are; bench/eta.py).
+when the response budget is smaller or the request asks for `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ class InstantSettings:
     vocab_size: int = 1000
     delay_seconds: float = InstantEngineKwargs.delay_seconds
     """Seconds each request takes (tests that need requests in flight when something dies)."""
-    delay_sigma: float = InstantEngineKwargs.delay_sigma
-    """> 0: a long-tailed run: each request's delay and response length scaled by `tail_factor`."""
 
 
 # Ids from 3 up avoid the usual special tokens (unk/bos/eos are 0-2 in Llama-style vocabularies).
@@ -60,14 +56,6 @@ def answer_tokens(prompt_ids: list[int], params: SamplingParams, count: int, voc
     return [FIRST_TOKEN_ID + draw.randrange(vocab_size - FIRST_TOKEN_ID) for _ in range(count)]
 
 
-def tail_factor(prompt_ids: list[int], params: SamplingParams, sigma: float) -> float:
-    """A log-normal factor (median 1) drawn from the request itself: the same request always
-    takes the same time and length, so a long-tailed run is the same every time."""
-    digest = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16, person=b"genrun-tail")
-    digest.update(repr((params.temperature, params.top_p, params.top_k, params.seed)).encode())
-    return random.Random(digest.digest()).lognormvariate(0.0, sigma)
-
-
 class InstantEngine:
     """The engine contract (engines/base.py) with no model behind it."""
 
@@ -80,13 +68,10 @@ class InstantEngine:
     ) -> EngineOutput:
         params = SamplingParams.from_request(sampling_params)
         s = self.settings
-        factor = tail_factor(prompt_ids, params, s.delay_sigma) if s.delay_sigma > 0 else 1.0
         if s.delay_seconds:
-            await asyncio.sleep(s.delay_seconds * factor)
+            await asyncio.sleep(s.delay_seconds)
         budget = response_budget(s.prompt_length, s.response_length, len(prompt_ids), params.max_tokens)
-        response_tokens = (
-            max(1, round(s.response_tokens * factor)) if factor != 1.0 and s.response_tokens else s.response_tokens
-        )
+        response_tokens = s.response_tokens
         if params.ignore_eos or budget < response_tokens:
             tokens, stop_reason = answer_tokens(prompt_ids, params, max(budget, 0), s.vocab_size), STOP_LENGTH
         else:

@@ -120,7 +120,6 @@ class InstantReplica(EngineReplica):
             eos_token_id=eos,
             response_tokens=int(instant_kwargs.response_tokens),
             delay_seconds=float(instant_kwargs.delay_seconds),
-            delay_sigma=float(instant_kwargs.delay_sigma),
             vocab_size=vocab_size,
         )
         return functools.partial(instant.InstantEngine, settings)
