@@ -188,7 +188,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot store a {type(value).__name__} in a trajectory record")
 
 
-# Chosen on parts of real generations (bench/storage.py). Statistics and the embedded Arrow
+# Chosen on parts of real generations (bench/RESULTS.md history, issue 6 storage). Statistics and the embedded Arrow
 # schema are per-file overhead that a small part pays in full and nothing reads (the reader
 # casts to PART_SCHEMA). Dictionary pages only add bytes here: token ids, logprobs and JSON
 # rows are nearly all distinct within a part. BYTE_STREAM_SPLIT stores byte 0 of every value,

@@ -10,13 +10,13 @@ took 32-48 ms at 2-3 rows against 15 ms at one row (a matrix-vector product). As
 product the other way round, `(W @ x^T)^T`, puts the weight on the left, where the kernel streams
 it; the only extra work is copying the small [rows, out] result into row-major order.
 
-Measured on the bundled model (bench/cpu_linear.py: decode steps over 300-token sequences, the
-two ways alternating on one cache, median of 15 steps each): 1.9x faster steps at 2 and 4 rows,
-1.05-1.17x at 8-64 rows (the batch sizes a run decodes), 1.0x at one row (a matrix-vector product
-either way) and 0.86x for a 512-token prefill. So one row and calls of more than MAX_ROWS rows
-keep `nn.Linear`. For the shapes measured the two ways give logits within 6e-5 of each other
-(bitwise equal from 12 rows on), and the engine still checks its steps against plain forwards
-when it starts.
+Measured on the bundled model (bench/RESULTS.md history, "Weight-first linear layers": decode steps
+over 300-token sequences, the two ways alternating on one cache, median of 15 steps each): 1.9x
+faster steps at 2 and 4 rows, 1.05-1.17x at 8-64 rows (the batch sizes a run decodes), 1.0x at one
+row (a matrix-vector product either way) and 0.86x for a 512-token prefill. So one row and calls
+of more than MAX_ROWS rows keep `nn.Linear`. For the shapes measured the two ways give logits
+within 6e-5 of each other (bitwise equal from 12 rows on), and the engine still checks its steps
+against plain forwards when it starts.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every row of a continuous batch may carry its own sampling parameters, so the filters are
 vectorised over rows instead of taking one setting for the whole batch the way
 `model.generate` does. The transformers engine's sampler, kept apart from its decode loop: a
-pure tensor function with tests and GPU benchmarks of its own (bench/gpu).
+pure tensor function with tests and GPU benchmarks of its own (bench/gpu/README.md section 4).
 """
 
 from __future__ import annotations

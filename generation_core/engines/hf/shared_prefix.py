@@ -22,9 +22,9 @@ o_b + sigmoid(a - b) (o_a - o_b). A row that does not share gets an empty prefix
 
 CPU only: both parts use the CPU flash-attention kernel, which returns the log-sum-exp
 (`aten::_scaled_dot_product_flash_attention_for_cpu`); elsewhere the engine keeps reading every
-row's whole window. Measured (bench/shared_prefix_attention.py): a decode attention call costs
-~1 ms plus ~0.012 ms per column at 64 rows, so a 160-token prefix read once saves ~1.9 ms of a
-layer's ~5.7 and the prefix part costs ~0.3.
+row's whole window. Measured (bench/RESULTS.md history, "A shared prefix read once"): a decode
+attention call costs ~1 ms plus ~0.012 ms per column at 64 rows, so a 160-token prefix read once
+saves ~1.9 ms of a layer's ~5.7 and the prefix part costs ~0.3.
 """
 
 from __future__ import annotations
