@@ -1,6 +1,6 @@
 """The transformers engine under streaming load vs a static batch, side by side (issue 6, target 2).
 
-    .venv/bin/python bench/engine_streaming.py [--concurrency 32] [--seconds 40]
+    .venv/bin/python bench/engine_streaming.py [--concurrency 32] [--seconds 40] [--smoke]
 
 Static: `model.generate` on `concurrency` prompts at once, every sequence generating the same
 number of tokens (the mean of the streaming lengths): the best case of a static batch, where
@@ -12,7 +12,8 @@ waiting ones join. Its rate is counted over a window after the first wave has fi
 token counter at the window's ends), so the ramp-up and the tail do not count.
 
 Both run in the same process on the bundled model, greedy, alternated `--rounds` times; the
-ratio streaming / static is printed last (target >= 0.90).
+ratio streaming / static is printed last (target >= 0.90). `--smoke`: 2 clients, 4 tokens, one
+short round on one thread, the default engine only.
 """
 
 from __future__ import annotations
@@ -103,10 +104,13 @@ def main() -> None:
     parser.add_argument("--mean-tokens", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 2 clients, 4 tokens, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.mean_tokens, args.seconds, args.rounds = 2, 4, 1.0, 1
     model_dir = prepare_bundled_model()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    threads = os.cpu_count()
+    threads = 1 if args.smoke else os.cpu_count()
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     settings = EngineSettings(
@@ -119,10 +123,9 @@ def main() -> None:
     # The bundled prompts repeat over the run (48 of them), and every one starts with the same
     # system prompt: the default engine reuses those prefixes, which a static batch cannot. The
     # engine without any prefix reuse runs beside it, so the gain of each part shows.
-    engines = {
-        "default": HFEngine(settings),
-        "no prefix reuse": HFEngine(dataclasses.replace(settings, prefix_cache_bytes=0)),
-    }
+    engines = {"default": HFEngine(settings)}
+    if not args.smoke:
+        engines["no prefix reuse"] = HFEngine(dataclasses.replace(settings, prefix_cache_bytes=0))
     prompts = bundled_prompt_ids(tokenizer, 4 * args.concurrency)
     static_generate(model, tokenizer, prompts[:4], 4)  # warm-up
     static_rates, streaming_rates = [], {name: [] for name in engines}

@@ -1,7 +1,7 @@
 """Routing at scale on the simulated engine: today's routing against the shared load and
 prefix-affinity groups, side by side in one run (issue 34, items 2 and 3).
 
-    .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8]
+    .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8] [--smoke]
 
 Shard workers, each a `RoutingClient` (genrun's own routing code) with its own samples and its
 own `max_inflight`, send their requests to simulated replicas (bench/sim/engine.py: max_num_seqs
@@ -252,7 +252,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per shard worker")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 2 workers, 2 replicas, 2 prompts, n=2")
     args = parser.parse_args()
+    if args.smoke:
+        args.workers, args.replicas, args.prompts, args.n = 2, 2, 2, 2
     base = dict(
         workers=args.workers, replicas=args.replicas, prompts_per_worker=args.prompts, n=args.n, sigma=args.sigma
     )
