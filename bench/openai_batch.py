@@ -75,7 +75,7 @@ def run(args, scratch: Path) -> int:
     from generation_core.driver.in_process import run_in_process
     from generation_core.inputs.openai_batch import BatchLimits, batch_table
     from generation_core.outputs.export import ExportOptions, export_batch_output
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.shard import part_writer
 
     batch = scratch / "requests.jsonl"

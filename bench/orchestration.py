@@ -44,7 +44,7 @@ def main() -> None:
     ]
     pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     try:
         plan = preflight(

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(scratch / "hf"))
 rows = [{"data_source": "bench", "prompt": [{"role": "user", "content": f"Question number {i}?"}], "extra_info": {"index": i}} for i in range(int(sys.argv[1]))]
 pq.write_table(pa.Table.from_pylist(rows), scratch / "prompts.parquet")
 from generation_core.driver.in_process import run_in_process
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 summary = run_in_process(preflight([
     f"data.train_files={scratch / 'prompts.parquet'}", f"trainer.default_local_dir={scratch / 'run'}",
     "actor_rollout_ref.rollout.name=instant", "generation.show_progress=false",

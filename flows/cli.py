@@ -194,7 +194,7 @@ def _generate(argv: list[str]) -> int:
     resumes); a second exits at once (generation_core/interrupt.py)."""
     from generation_core.driver.finished_run import finished_run
     from generation_core.interrupt import STOP
-    from generation_core.plan.preflight import check_inputs, plan_run
+    from generation_core.preflight.preflight import check_inputs, plan_run
     from generation_core.secrets import overrides_without_secrets
     from generation_core.store.lease import check_lease_free
 
@@ -233,7 +233,7 @@ def _generate(argv: list[str]) -> int:
                 # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
                 # parameters, which Prefect stores: secrets masked (generation_core.secrets).
                 # A State the flow returns on a Ctrl-C (Cancelled) is raised here as CancelledRun.
-                summary = cast(dict[str, Any], generate(overrides_without_secrets(argv), plan=plan.to_dict()))
+                summary = cast(dict[str, Any], generate(overrides_without_secrets(argv), plan=plan.to_json()))
     except CancelledRun:
         pass  # the flow run stopped on a Ctrl-C; said below
     finally:

@@ -2,7 +2,9 @@
 
 Parameters are Hydra-style overrides (a list of strings), the same input the `genrun` CLI, a
 deployment and the Prefect UI take; the CLI, which has run the preflight already, also hands
-over its plan, so nothing is checked or planned twice.
+over its plan (RunPlan.to_json's text), so nothing is checked or planned twice. That text is the
+one shape of the plan every task here takes (run_shard, merge, publish): the flow passes it on as
+it came, and each task parses it once.
 
 The run's sequence (lease, replicas booted once and shared by every shard task, progress, Ctrl-C,
 merge, publish) is generation_core.driver.run_driver's, the same as the in-process dispatcher's; what is
@@ -14,7 +16,6 @@ way out); the same command resumes.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import time
@@ -33,10 +34,10 @@ from prefect_ray.context import remote_options
 from flows.task_run_states import record_crash, wait_until_recorded
 from generation_core.config.layout import SHARD_TASK_RESOURCES
 from generation_core.driver.run_driver import ShardEnded, ShardJobArgs, drive_run, stopped_message
-from generation_core.driver.stall_alarm import Stall
 from generation_core.driver.run_progress import ProgressTotals
+from generation_core.driver.stall_alarm import Stall
 from generation_core.errors import GenrunError
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
 from generation_core.shard.finished import finished_shards
@@ -54,17 +55,19 @@ RECORD_STATES_SECONDS = 10.0
 
 
 @flow(name="generate")
-def generate(overrides: list[str] | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any] | State:
+def generate(overrides: list[str] | None = None, plan: str | None = None) -> dict[str, Any] | State:
     started = time.perf_counter()
-    run_plan = RunPlan.from_dict(plan) if plan is not None else preflight(list(overrides or []))
-    shard_tasks = ShardTasksOnRay(run_plan)
+    run_plan = RunPlan.from_json(plan) if plan is not None else preflight(list(overrides or []))
+    plan_text = plan if plan is not None else run_plan.to_json()
+    shard_tasks = ShardTasksOnRay(run_plan, plan_text)
     result = drive_run(
         run_plan,
         shard_tasks,
         started=started,
-        finish=merge,
-        publish=lambda run, summary, manifests, fence: publish(
-            run, summary, manifests, shard_tasks.artifact_key, fence
+        # The tasks take the plan's text, not the driver's RunPlan (the first argument).
+        finish=lambda _run, manifests, elapsed, fence: merge(plan_text, manifests, elapsed, fence),
+        publish=lambda _run, summary, manifests, fence: publish(
+            plan_text, summary, manifests, shard_tasks.artifact_key, fence
         ),
         on_progress=shard_tasks.update_progress_artifact,
         on_stall=shard_tasks.stall_alarm,
@@ -81,14 +84,12 @@ class ShardTasksOnRay:
     (Crashed: the task engine died with it) is submitted again here, each crash taking one of the
     same generation.retries."""
 
-    def __init__(self, plan: RunPlan):
+    def __init__(self, plan: RunPlan, plan_text: str):
+        """`plan_text`: `plan` as the flow got it (RunPlan.to_json), handed on to every shard task."""
         self.plan = plan
         self.artifact_key = plan.cfg.trainer.experiment_name.lower().replace("_", "-")
         self.progress_artifact: UUID | None = None
-        # One JSON text, not a dict: Prefect walks every dict and list parameter looking for
-        # upstream futures, at each submission and again in each task (about 0.1 s per shard for a
-        # resolved config); a string it does not walk.
-        self.job_plan = json.dumps(plan.to_dict(with_shards=False))
+        self.plan_text = plan_text
         # A Ray the caller started already (the CLI starts it beside the Prefect server) is used as is.
         self.runner = RayTaskRunner(init_kwargs=ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV))
         self.job: ShardJobArgs | None = None
@@ -157,7 +158,7 @@ class ShardTasksOnRay:
         gen = self.plan.cfg.generation
         task = shard_task(marker, retries=retries, retry_delay_seconds=gen.retry_delay_seconds)
         parameters = {
-            "plan": self.job_plan,
+            "plan": self.plan_text,
             "shard": shard.to_dict(),
             "registry_name": self.job.registry_name,
             "lease_generation": self.job.lease_generation,

@@ -1,7 +1,7 @@
 """Which genrun wrote a run folder: the build (package version, source commit) and output format.
 
 The rule for a change of genrun itself:
-- OUTPUT_FORMAT_VERSION is part of the run fingerprint (generation_core/plan/fingerprint.py). A genrun change
+- OUTPUT_FORMAT_VERSION is part of the run fingerprint (generation_core/preflight/fingerprint.py). A genrun change
   that writes other trajectories for the same inputs (other tokens, record fields, padding,
   seeds, how a reward is called or stored) bumps it: the same command then has another
   fingerprint, so it starts a new folder (the default one derives from the fingerprint) or is

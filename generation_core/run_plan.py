@@ -2,19 +2,20 @@
 (`DataFile`, `DatasetFiles`) and the versions that shape its output (`versions`).
 
 Plain data, light to import: the read-only commands (`genrun status`, `report`, `export`) and
-every module that only passes a plan along import this one, not preflight.py (which checks
-inputs with verl's tokenizer, Hydra and the engines) or data.py (torch, datasets), so they load
-no torch, verl or Ray. Its third-party imports are omegaconf (the plan's config is a DictConfig)
-and, through storage.py, fsspec.
+every module that only passes a plan along import this one, not preflight/ (which checks inputs
+with verl's tokenizer, Hydra and the engines) or inputs/ (pyarrow, verl's dataset code), so they
+load no torch, verl or Ray. Its third-party imports are omegaconf (the plan's config is a
+DictConfig) and, through store/folder.py, fsspec.
 
-A plan crosses process boundaries in one JSON shape, `RunPlan.to_dict` / `from_dict` (secrets
-masked on the way out, put back from the environment on the way in: generation_core.secrets):
-the CLI hands it to the flow, the flow hands each shard job its `ShardSpec` and the dataset's
-description (`DatasetFiles`), and each task parses it once.
+A plan crosses process boundaries whole, as one JSON text: `RunPlan.to_json` / `from_json`
+(secrets masked on the way out, put back from the environment on the way in:
+generation_core.secrets). The CLI hands that text to the flow, the flow hands the same text to
+every Prefect task (run_shard, merge, publish), and each parses it once.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -124,6 +125,21 @@ class ShardSpec:
         return cls(int(payload["shard_id"]), int(payload["start"]), int(payload["end"]))
 
 
+def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
+    """Split rows 0..num_rows into `num_shards` contiguous, nearly equal ranges."""
+    if num_shards > num_rows:
+        raise GenrunError(
+            f"generation.num_shards={num_shards} is more than the {num_rows} prompts; use at most {num_rows}"
+        )
+    base, extra = divmod(num_rows, num_shards)
+    shards, start = [], 0
+    for shard_id in range(num_shards):
+        end = start + base + (1 if shard_id < extra else 0)
+        shards.append(ShardSpec(shard_id, start, end))
+        start = end
+    return shards
+
+
 @dataclass
 class RunPlan:
     """What a run is: its resolved config, fingerprint, input files and shards. Serializable."""
@@ -136,7 +152,7 @@ class RunPlan:
     dataset: DatasetFiles = field(default_factory=lambda: DatasetFiles((), 0))
     """The input files and their row counts; shards are ranges of these rows."""
     model_digest: str | None = None
-    """The model's identity as the fingerprint took it (plan.fingerprint.model_identity, or the
+    """The model's identity as the fingerprint took it (preflight.fingerprint.model_identity, or the
     model a remote server serves); every trajectory's provenance names it."""
     folder: StorageFolder = field(init=False, repr=False, compare=False)
 
@@ -145,30 +161,33 @@ class RunPlan:
             self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options))
         )
 
-    def to_dict(self, *, with_shards: bool = True) -> dict[str, Any]:
-        """JSON-ready, secrets masked (it becomes Prefect parameters). Without shards for a
-        shard job, which is handed its own ShardSpec."""
-        return {
-            "config": split_secrets(OmegaConf.to_container(self.cfg, resolve=True))[0],
-            "fingerprint": self.fingerprint,
-            "shards": [shard.to_dict() for shard in self.shards] if with_shards else [],
-            "pad_token_id": self.pad_token_id,
-            "dataset": self.dataset.to_dict(),
-            "model_digest": self.model_digest,
-        }
+    def to_json(self) -> str:
+        """The whole plan as JSON text, secrets masked: the one shape every Prefect task takes (a
+        string, which Prefect does not walk looking for futures as it walks a dict parameter)."""
+        return json.dumps(
+            {
+                "config": split_secrets(OmegaConf.to_container(self.cfg, resolve=True))[0],
+                "fingerprint": self.fingerprint,
+                "shards": [shard.to_dict() for shard in self.shards],
+                "pad_token_id": self.pad_token_id,
+                "dataset": self.dataset.to_dict(),
+                "model_digest": self.model_digest,
+            }
+        )
 
     @classmethod
-    def from_dict(cls, payload: dict[str, Any]) -> RunPlan:
-        """The secrets to_dict masked come back from this process's environment (the driver's
+    def from_json(cls, text: str) -> RunPlan:
+        """The secrets to_json masked come back from this process's environment (the driver's
         own, or the runtime env Ray gives the run's workers: generation_core.secrets); a
         placeholder left in their place would be sent as the secret, so it is refused."""
+        payload = json.loads(text)
         config = with_secrets(payload["config"], from_environment())
         missing = masked_paths(config)
         if missing:
             raise GenrunError(
-                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from its environment. "
-                f"Ray workers get it from the driver's runtime env; set it in the environment of the cluster's workers, or set those keys "
-                "from the environment in the overrides (key='${oc.env:NAME}')"
+                f"this process was not given the run's secrets ({', '.join(missing)}): {SECRETS_ENV} is missing from "
+                "its environment. Ray workers get it from the driver's runtime env; set it in the environment of the "
+                "cluster's workers, or set those keys from the environment in the overrides (key='${oc.env:NAME}')"
             )
         return cls(
             cfg=OmegaConf.create(config),

@@ -19,14 +19,20 @@ from generation_core.store.run_folder import SuccessMarker
 
 @task(name="publish", cache_policy=NO_CACHE)
 def publish(
-    plan: RunPlan,
+    plan: str,
     summary: dict[str, Any],
     manifests: list[SuccessMarker],
     artifact_key: str,
     fence: LeaseFence | None = None,
 ) -> dict[str, Any]:
+    """`plan`: the run's plan as JSON text (RunPlan.to_json), as every task of the flow takes it."""
+    run_plan = RunPlan.from_json(plan)
     published = publish_run(
-        plan.cfg, plan.folder, summary, on_report=lambda report: report_artifacts(report, artifact_key), fence=fence
+        run_plan.cfg,
+        run_plan.folder,
+        summary,
+        on_report=lambda report: report_artifacts(report, artifact_key),
+        fence=fence,
     )
     create_table_artifact(
         key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics"

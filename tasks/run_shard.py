@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from typing import Any
 
 from prefect import Task, task
@@ -21,18 +20,22 @@ from generation_core.store.run_folder import SuccessMarker
 
 
 @functools.lru_cache(maxsize=4)
-def run_identity(plan: str) -> str:
-    """The run's part of every shard's cache key, from the plan's JSON text: parsed once per
-    flow run (every shard task of a run gets the same text), not once per shard."""
-    parsed = json.loads(plan)
-    folder = hashlib.sha256(parsed["config"]["trainer"]["default_local_dir"].encode()).hexdigest()[:16]
-    return f"genrun-{parsed['fingerprint'][:24]}-{folder}"
+def parsed_plan(plan: str) -> RunPlan:
+    """The plan's JSON text (RunPlan.to_json) parsed once per process: every shard task of a run
+    gets the same text, and both its cache key and its body read the plan."""
+    return RunPlan.from_json(plan)
+
+
+def run_identity(plan: RunPlan) -> str:
+    """The run's part of every shard's cache key: its fingerprint and output folder."""
+    folder = hashlib.sha256(plan.cfg.trainer.default_local_dir.encode()).hexdigest()[:16]
+    return f"genrun-{plan.fingerprint[:24]}-{folder}"
 
 
 def shard_cache_key(_context, parameters: dict[str, Any]) -> str:
     """Same run, same output folder, same shard: never the flow-run id, so a retried or
     re-deployed flow run finds the shards an earlier run finished."""
-    return f"{run_identity(parameters['plan'])}-shard-{parameters['shard']['shard_id']:05d}"
+    return f"{run_identity(parsed_plan(parameters['plan']))}-shard-{parameters['shard']['shard_id']:05d}"
 
 
 REFUSED = "Refused"
@@ -73,14 +76,14 @@ def run_shard(
     progress_board: str | None = None,
     rows_checked: bool = False,
 ) -> dict[str, Any] | State:
-    """`plan`: RunPlan.to_dict() as JSON text (flows/generate.py says why not a dict).
+    """`plan`: the run's plan as JSON text (RunPlan.to_json), as every task of the flow takes it.
     `rows_checked`: the flow checked this finished shard's rows as the run started. A shard
     stopped because the run is stopping ends Cancelled: not retried, not cached; one whose input
     changed ends Failed as REFUSED (not retried, not cached), its message the refusal."""
     mark(f"shard_task_start {shard['shard_id']}")
     try:
         manifest = run_shard_job(
-            RunPlan.from_dict(json.loads(plan)),
+            parsed_plan(plan),
             ShardSpec.from_dict(shard),
             registry_name=registry_name,
             lease_generation=lease_generation,

@@ -9,7 +9,7 @@ import sys
 
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.inputs.shard_rows import ShardPrompts
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker, sample_seed

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.outputs.finish import finish_run
-from generation_core.plan.preflight import RunPlan, preflight
+from generation_core.preflight.preflight import RunPlan, preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker

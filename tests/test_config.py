@@ -4,7 +4,7 @@ from omegaconf import OmegaConf
 from generation_core.config.loading import finalize_run_location, load_config
 from generation_core.config.settings import default_request_timeout, default_sample_timeout
 from generation_core.errors import GenrunError
-from generation_core.plan.fingerprint import OPERATIONAL_KEYS, fingerprint
+from generation_core.preflight.fingerprint import OPERATIONAL_KEYS, fingerprint
 
 
 def test_defaults_are_the_bundled_cpu_run():

@@ -5,7 +5,7 @@ import pytest
 from generation_core.config.loading import load_config
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.inputs.shard_rows import plan_shards
+from generation_core.run_plan import plan_shards
 from tests.conftest import chat_rows, write_parquet
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,7 +97,7 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     from flows.cli import _print_summary
     from generation_core.inputs.shard_rows import ShardPrompts
     from generation_core.outputs.summary import summarize
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.store.run_folder import SuccessMarker
 
     rows = chat_rows(4)

@@ -18,11 +18,10 @@ from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_
 from generation_core.inputs.shard_rows import (
     OVERLONG_SAMPLE_ROWS,
     ShardPrompts,
-    ShardSpec,
-    plan_shards,
     read_rows,
     rows_digest,
 )
+from generation_core.run_plan import ShardSpec, plan_shards
 from tests.conftest import chat_rows
 
 pytestmark = pytest.mark.timeout(300)
@@ -217,7 +216,7 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
     """50k rows: preflight reads footers and one column, and tokenizes a sample only."""
     from verl.utils import hf_tokenizer
 
-    from generation_core.plan import preflight as preflight_module
+    from generation_core.preflight import preflight as preflight_module
 
     rows = chat_rows(50_000)
     path = _write(tmp_path / "big.parquet", rows, 8192)
@@ -245,13 +244,12 @@ def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, m
     )
     assert plan.dataset.num_rows == 50_000 and len(plan.shards) == 16
     assert 0 < len(calls.read_text()) <= OVERLONG_SAMPLE_ROWS
-    payload = plan.to_dict(with_shards=False)
-    assert len(str(payload["dataset"])) < 1000, "the plan carries file metadata, not rows"
-    assert type(plan).from_dict(payload).dataset == plan.dataset
+    assert len(str(plan.dataset.to_dict())) < 1000, "the plan carries file metadata, not rows"
+    assert type(plan).from_json(plan.to_json()).dataset == plan.dataset
 
 
 def test_only_a_sample_decides_that_every_prompt_is_too_long(tmp_path, model_dir):
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     rows = chat_rows(OVERLONG_SAMPLE_ROWS + 10)
     for row in rows[:OVERLONG_SAMPLE_ROWS]:
@@ -379,7 +377,7 @@ def test_bad_s3_inputs_get_one_line_and_write_nothing(s3_input, tmp_path, model_
 def test_data_storage_options_are_operational_and_never_written(tmp_path):
     from omegaconf import OmegaConf
 
-    from generation_core.plan.fingerprint import fingerprint
+    from generation_core.preflight.fingerprint import fingerprint
     from generation_core.store.run_folder import config_without_secrets
 
     plain = _cfg(str(tmp_path / "x.parquet"))
@@ -403,7 +401,7 @@ def test_a_run_reads_its_prompts_from_s3_shard_by_shard(s3_input, ray_local, tmp
     import json
 
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     plan = preflight(
         [
@@ -432,7 +430,7 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.outputs.merge import merge_run
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
 
@@ -534,7 +532,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     import asyncio
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.shard.finished import finished_shards
     from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker

@@ -20,7 +20,7 @@ def test_threads_are_the_usable_cores_shared_by_the_replicas_on_the_node(monkeyp
 
 
 def test_two_cpu_replicas_split_the_cores_and_run_at_normal_priority(tmp_path, ray_local):
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))
@@ -63,7 +63,7 @@ def test_the_instant_engines_replica_process_imports_no_verl_torch_or_transforme
     """The replica process loads its engine's module and what it imports: for the instant engine
     none of verl (tensordict, torch._dynamo), torch or transformers, seconds of CPU in every run
     (its answers reach the agent loops as verl's TokenOutput all the same: test_request_batching)."""
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(2))

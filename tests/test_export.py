@@ -21,7 +21,7 @@ from generation_core.engines.hf.engine import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.outputs.merge import scan_run
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.report.data import collect_report_data
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer

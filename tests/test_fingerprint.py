@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from generation_core.errors import GenrunError
-from generation_core.plan.fingerprint import model_identity
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.fingerprint import model_identity
+from generation_core.preflight.preflight import preflight
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -228,8 +228,8 @@ def test_user_code_that_shapes_trajectories_is_in_the_fingerprint(tmp_path, prom
 
     from generation_core.build import genrun_build
     from generation_core.config.loading import load_config
-    from generation_core.plan.fingerprint import fingerprint, output_file_digests
-    from generation_core.plan.preflight import check_run_code
+    from generation_core.preflight.fingerprint import fingerprint, output_file_digests
+    from generation_core.preflight.preflight import check_run_code
 
     package = f"user_code_{uuid.uuid4().hex[:8]}"
     src, reward, extra = _user_code(tmp_path, package)
@@ -269,7 +269,7 @@ def test_the_code_walk_hashes_local_modules_only(tmp_path, monkeypatch):
     )
     user_file = tmp_path / "user.py"
     user_file.write_text(
-        "import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core.plan import preflight\n"
+        "import json\nimport numpy\nimport verl\nimport torch\nimport helper_for_walk\nfrom generation_core.preflight import preflight\n"
     )
     walk = CodeWalk()
     walk.add_file(user_file)
@@ -325,7 +325,7 @@ def test_a_folder_of_todays_format_without_a_build_record_resumes_and_says_so(
     earlier = json.loads(run_json)
     del earlier["build"]
     (out / "run.json").write_text(json.dumps(earlier))
-    with caplog.at_level("WARNING", logger="generation_core.plan.preflight"):
+    with caplog.at_level("WARNING", logger="generation_core.preflight.preflight"):
         assert preflight(_args(prompts_file, out)).fingerprint == plan.fingerprint
     warnings = [r.getMessage() for r in caplog.records if "was written by" in r.getMessage()]
     assert len(warnings) == 1 and "a genrun that recorded no build" in warnings[0] and "\n" not in warnings[0]

@@ -22,7 +22,7 @@ from verl.protocol import DataProto
 
 from generation_core.driver.in_process import run_in_process
 from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, write_parquet
 from tests.run_folder_helpers import checkpoint_dict, has_committed_part
 

@@ -80,7 +80,7 @@ def uninterrupted(prompts, tmp_path_factory, ray_local):
     """The merged result of the same run done to the end undisturbed (in this process: the
     flow's shards give the same records as the in-process dispatcher, test_flow checks that)."""
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     # Without the delay and with more requests in flight: neither changes what is generated.
@@ -569,7 +569,7 @@ IN_PROCESS = """
 import sys
 from generation_core.console import setup_logging
 from generation_core.driver.in_process import run_in_process
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 
 setup_logging()
 try:
@@ -628,7 +628,7 @@ def test_a_ctrl_c_stops_an_in_process_run_cleanly_with_progress_shown_and_the_ru
 
     # The same call again (here, in this process) generates exactly what is missing.
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     summary = run_in_process(preflight([*_args(prompts, out), "generation.show_progress=false"]))
     assert summary["num_trajectories"] == TOTAL

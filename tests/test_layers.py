@@ -97,7 +97,7 @@ ROOM_ORDER = [
     "engines",
     "serving",
     "shard",
-    "plan",
+    "preflight",
     "outputs",
     "report",
     "driver",

@@ -23,7 +23,7 @@ PROMPTS = 12
 @pytest.fixture(scope="module")
 def finished_run(ray_local, tmp_path_factory):
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     tmp = tmp_path_factory.mktemp("ledger")
     prompts = write_parquet(tmp / "prompts.parquet", chat_rows(PROMPTS))

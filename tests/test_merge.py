@@ -388,7 +388,7 @@ def test_a_trajectory_longer_than_the_run_allows_is_named():
 def test_finish_run_merges_in_chunks_when_configured(tmp_path):
     from generation_core.config.loading import load_config
     from generation_core.outputs.finish import finish_run
-    from generation_core.plan.preflight import RunPlan
+    from generation_core.preflight.preflight import RunPlan
 
     folder = StorageFolder(str(tmp_path / "run"))
     records = _random_records(9)
@@ -463,7 +463,7 @@ def test_merged_run_equals_verl_postprocess_of_the_generated_outputs(ray_local, 
     per-sample and batch postprocessing of the agent-loop outputs the run produced equals the
     trajectories.pkl that the run's merge wrote from its parts."""
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     captured: dict[tuple[int, int], tuple[AgentLoopOutput, dict]] = {}

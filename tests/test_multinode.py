@@ -24,7 +24,7 @@ import pytest
 from verl.protocol import DataProto
 
 from generation_core.driver.in_process import run_in_process
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from tests.conftest import REPO, chat_rows, free_port, run_genrun, write_parquet
 from tests.test_flow import _assert_same_dataproto
 

@@ -207,7 +207,7 @@ def _but_created(exported: bytes) -> bytes:
 
 def test_export_after_a_crash_and_resume_equals_the_undisturbed_runs(tmp_path, model_dir, ray_local, monkeypatch):
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.shard import part_writer
 
     batch = _write_batch(tmp_path / "requests.jsonl", 24)

@@ -23,7 +23,7 @@ def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceba
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.inputs.shard_rows import ShardPrompts
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
     from generation_core.store.run_folder import COMMITS_DIR

@@ -35,7 +35,7 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
     from verl.utils import hf_tokenizer
 
     from generation_core.inputs.shard_rows import ShardPrompts
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
     from generation_core.shard.job import build_streaming_worker, run_shard_with_worker
 

@@ -281,7 +281,7 @@ def test_report_of_a_run_on_s3(run_dir, s3_server, monkeypatch, capsys):
 @pytest.mark.timeout(600)
 def test_a_run_writes_its_report_and_logs_the_plots_to_wandb(ray_local, tmp_path, wandb_offline_dir):
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(5))

@@ -10,7 +10,7 @@ import pytest
 
 from generation_core.config.loading import load_config
 from generation_core.errors import GenrunError
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.shard.rewards import RewardScorer, _as_result
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ from verl.protocol import DataProto
 from generation_core.driver.in_process import run_in_process
 from generation_core.errors import GenrunError
 from generation_core.outputs.merge import merge_run
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

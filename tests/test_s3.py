@@ -19,7 +19,7 @@ from generation_core.driver.in_process import run_in_process
 from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, start_moto, write_parquet

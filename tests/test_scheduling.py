@@ -287,7 +287,7 @@ def test_a_run_on_the_simulated_engine_has_every_trajectory_once_and_reports_its
 
     from bench.sim import register
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     register()
     engine = "+actor_rollout_ref.rollout.engine_kwargs.simulated"

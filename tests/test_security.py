@@ -24,7 +24,7 @@ def test_trust_remote_code_is_off_by_default():
 def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
     import verl.utils
 
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
     from tests.conftest import chat_rows, write_parquet
 
     calls = []
@@ -77,8 +77,7 @@ def test_credential_overrides_move_to_the_environment(monkeypatch):
 def test_run_json_holds_no_credentials(tmp_path):
     """Credentials that reach the config anyway (a deployment's parameters, a Python caller)
     are masked in run.json, also inside nested options such as s3fs' client_kwargs."""
-    from generation_core.inputs.shard_rows import plan_shards
-    from generation_core.plan.preflight import RunPlan
+    from generation_core.run_plan import RunPlan, plan_shards
     from generation_core.store.run_folder import RUN_FILE
 
     overrides = [f"storage.options.{name}={value}" for name, value in SECRETS.items()]
@@ -168,7 +167,7 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     from omegaconf import OmegaConf
 
     from generation_core.errors import GenrunError
-    from generation_core.plan.preflight import RunPlan, preflight
+    from generation_core.preflight.preflight import RunPlan, preflight
     from generation_core.secrets import SECRETS_ENV
     from generation_core.serving.ray_setup import RAY_WORKER_ENV, ray_init_kwargs
     from tests.conftest import chat_rows, write_parquet
@@ -177,7 +176,7 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     plan = preflight(
         [f"data.train_files={prompts}", f"trainer.default_local_dir={tmp_path / 'out'}", *_secret_overrides(tmp_path)]
     )
-    sent = json.dumps(plan.to_dict(with_shards=False))
+    sent = plan.to_json()
     assert not [text for text in SECRET_TEXTS if text in sent]
     assert SECRETS_ENV in ray_init_kwargs(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)["runtime_env"]["env_vars"], (
         "the run's workers get them"
@@ -187,9 +186,9 @@ def test_a_plan_sent_to_a_worker_holds_no_secret_and_the_worker_gets_them_back(t
     with pytest.raises(
         GenrunError, match=r"not given the run's secrets \(actor_rollout_ref.rollout.engine_kwargs.remote.api_key, "
     ):
-        RunPlan.from_dict(json.loads(sent))  # rather than send the placeholder as the key
+        RunPlan.from_json(sent)  # rather than send the placeholder as the key
     monkeypatch.setenv(SECRETS_ENV, worker_env)
-    assert OmegaConf.to_container(RunPlan.from_dict(json.loads(sent)).cfg) == OmegaConf.to_container(plan.cfg)
+    assert OmegaConf.to_container(RunPlan.from_json(sent).cfg) == OmegaConf.to_container(plan.cfg)
 
 
 @pytest.mark.slow

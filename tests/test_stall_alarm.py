@@ -104,7 +104,7 @@ def test_a_run_whose_engine_stops_answering_raises_the_alarm_and_status_says_sin
     from generation_core.driver.run_driver import drive_run
     from generation_core.interrupt import STOP
     from generation_core.outputs.status import print_status
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(4))
     out = tmp_path / "run"

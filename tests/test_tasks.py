@@ -27,7 +27,7 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardPrompts
 from generation_core.inputs.task_cache import input_files, log_hub_build
 from generation_core.inputs.tasks import build_tasks, task_configs
-from generation_core.plan.preflight import preflight
+from generation_core.preflight.preflight import preflight
 from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker

@@ -1,4 +1,4 @@
-"""Load, override and validate the run configuration (its fingerprint: generation_core/plan/fingerprint.py).
+"""Load, override and validate the run configuration (its fingerprint: generation_core/preflight/fingerprint.py).
 
 The base is verl's own generated `ppo_trainer` config, so every verl key a user knows keeps its
 meaning and verl's AgentLoopWorker finds everything it reads; `genrun.yaml` beside this file

@@ -338,7 +338,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def bench_command(argv: list[str]) -> int:
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     args, overrides = parse_bench_arguments(argv)
     plan = preflight(overrides)  # every input check first, as a run does

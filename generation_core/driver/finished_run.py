@@ -16,8 +16,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from generation_core.inputs.shard_rows import plan_shards
-from generation_core.run_plan import DatasetFiles, RunPlan
+from generation_core.run_plan import DatasetFiles, RunPlan, plan_shards
 from generation_core.shard.finished import check_rows_unchanged, rows_digest_reader
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
 from generation_core.store.folder import StorageFolder

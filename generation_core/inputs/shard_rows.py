@@ -1,6 +1,6 @@
-"""Shards as ranges of raw dataset rows, and a shard's own prompts.
+"""A shard's own rows and prompts.
 
-The driver plans from row counts alone (`plan_shards`, over `plan.DatasetFiles`, into `plan.ShardSpec`s); each
+Shards are ranges of raw dataset rows, planned from row counts alone (run_plan.plan_shards); each
 shard job reads only its rows (`ShardPrompts`: the row groups overlapping its range, through
 fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
 arguments verl's `RLHFDataset` would give for those rows.
@@ -51,21 +51,6 @@ READ_BATCH_ROWS = 8192
 DECIDE_WINDOW_ROWS = 64
 """Rows whose prompt length a shard decides in one tokenizer call (just ahead of dispatch)."""
 DIGEST_WINDOW_ROWS = 8192
-
-
-def plan_shards(num_rows: int, num_shards: int) -> list[ShardSpec]:
-    """Split rows 0..num_rows into `num_shards` contiguous, nearly equal ranges."""
-    if num_shards > num_rows:
-        raise GenrunError(
-            f"generation.num_shards={num_shards} is more than the {num_rows} prompts; use at most {num_rows}"
-        )
-    base, extra = divmod(num_rows, num_shards)
-    shards, start = [], 0
-    for shard_id in range(num_shards):
-        end = start + base + (1 if shard_id < extra else 0)
-        shards.append(ShardSpec(shard_id, start, end))
-        start = end
-    return shards
 
 
 def read_rows(dataset: DatasetFiles, start: int, end: int, storage_options: dict[str, Any]) -> pa.Table:

@@ -209,7 +209,7 @@ def read_last_error(folder: StorageFolder, shard: str) -> dict[str, Any] | None:
 
 
 FINGERPRINT_VERSION = 3
-"""The recipe of the run fingerprint (generation_core/plan/fingerprint.py) and the run-folder format that
+"""The recipe of the run fingerprint (generation_core/preflight/fingerprint.py) and the run-folder format that
 run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
 it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
 FINGERPRINT_ADDED = {

@@ -44,7 +44,7 @@ class RunRecord:
     """The contents of run.json."""
 
     fingerprint: str | None
-    """The run fingerprint (generation_core/plan/fingerprint.py): which run the folder holds."""
+    """The run fingerprint (generation_core/preflight/fingerprint.py): which run the folder holds."""
     fingerprint_version: int = 1
     """The recipe that computed it (run_folder.FINGERPRINT_VERSION); absent: recipe 1."""
     versions: dict[str, Any] = field(default_factory=dict)

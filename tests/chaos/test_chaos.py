@@ -78,7 +78,7 @@ def _reference(prompts: Path, out: Path):
     from verl.protocol import DataProto
 
     from generation_core.driver.in_process import run_in_process
-    from generation_core.plan.preflight import preflight
+    from generation_core.preflight.preflight import preflight
 
     run_in_process(preflight(_args(prompts, out, 0.0)))
     return DataProto.load_from_disk(str(out / "trajectories.pkl"))

@@ -1,1 +1,0 @@
-"""The run's plan: its light vocabulary (RunPlan, ShardSpec), the fingerprint, and the preflight that builds it."""
