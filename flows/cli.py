@@ -279,7 +279,7 @@ def _read_only_command(argv: list[str]) -> int | None:
         print(subcommand_usage(argv[0]))
         return 0
     if argv and argv[0] == "bench":
-        from generation_core.driver.bench import bench_command
+        from generation_core.benchmark.command import bench_command
 
         return bench_command(argv[1:])
     if argv and argv[0] == "report":

@@ -57,7 +57,7 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
 
 
 def test_the_scratch_folder_goes_once_the_json_is_elsewhere_unless_kept(tmp_path):
-    from generation_core.driver.bench import _write_figures, parse_bench_arguments
+    from generation_core.benchmark.command import _write_figures, parse_bench_arguments
 
     figures = {"sittings": [], "ratio": {"median": 1.0}}
     for extra, kept in (([], False), (["--keep"], True)):

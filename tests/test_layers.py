@@ -101,6 +101,7 @@ ROOM_ORDER = [
     "outputs",
     "report",
     "driver",
+    "benchmark",
 ]
 
 
@@ -136,7 +137,7 @@ ONE_JOB_THOUGH_LONG = {
 # split by the issue's reshaping, and this set must be empty when the issue closes.
 OVER_SINCE_FORMAT = {
     "generation_core/config/validation.py",
-    "generation_core/driver/bench.py",
+    "generation_core/benchmark/command.py",
     "generation_core/inputs/dataset_files.py",
     "generation_core/inputs/tasks.py",
     "generation_core/outputs/merge.py",
