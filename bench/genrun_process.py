@@ -15,3 +15,12 @@ def genrun_env(timeline: Path) -> dict[str, str]:
     env = dict(os.environ, GENRUN_TIMELINE=str(timeline))
     env.pop("PREFECT_API_URL", None)
     return env
+
+
+def check_command(arguments: list[str]) -> None:
+    """A bench's `--smoke` in place of a whole run (Prefect and Ray take a minute to start): genrun's
+    own input checks (config keys, dataset, model folder) on the command the bench would run."""
+    from generation_core.preflight.preflight import check_inputs
+
+    check_inputs(arguments)
+    print(f"smoke: genrun accepts {' '.join(arguments)}")

@@ -4,6 +4,7 @@
     .venv/bin/python bench/scale.py --sizes 10000 1000000 3000000 10000000
     .venv/bin/python bench/scale.py --skip-checkpoint    # only the time-to-first-part runs
     .venv/bin/python bench/scale.py --skip-first-part --skip-checkpoint --recheck-rows 10000000
+    .venv/bin/python bench/scale.py --smoke              # seconds: genrun's checks of both runs, phase 3 at 400
 
 Every run is `genrun` as a user starts it (its own temporary Prefect server and Ray), on the
 instant engine (no model: what is measured is the pipeline), 16 shards, parts cut at 1,000
@@ -45,7 +46,7 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-from genrun_process import GENRUN, REPO, genrun_env
+from genrun_process import GENRUN, REPO, check_command, genrun_env
 
 from generation_core.instrumentation import read_timeline
 
@@ -118,13 +119,8 @@ def _is_shard_worker(process: psutil.Process) -> bool:
     )
 
 
-def time_to_first_part(
-    dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0
-) -> dict[str, float]:
-    scratch.mkdir(parents=True, exist_ok=True)
-    timeline = scratch / "timeline.txt"
-    command = [
-        GENRUN,
+def first_part_arguments(dataset: Path, scratch: Path) -> list[str]:
+    return [
         f"data.train_files=[{dataset}]",
         "actor_rollout_ref.rollout.name=instant",
         f"generation.num_shards={SHARDS}",
@@ -132,9 +128,16 @@ def time_to_first_part(
         "generation.show_progress=false",
         f"trainer.default_local_dir={scratch / 'run'}",
     ]
+
+
+def time_to_first_part(
+    dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0
+) -> dict[str, float]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    timeline = scratch / "timeline.txt"
     started = time.time()
     process = subprocess.Popen(
-        command,
+        [GENRUN, *first_part_arguments(dataset, scratch)],
         cwd=REPO,
         env=genrun_env(timeline),
         stdout=open(scratch / "out.log", "w"),
@@ -177,12 +180,8 @@ def time_to_first_part(
     }
 
 
-def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
-    """One shard of `prompts` trajectories to the end at the default part settings."""
-    dataset = write_dataset(scratch / "prompts.parquet", prompts)
-    run = scratch / "run"
-    command = [
-        GENRUN,
+def checkpoint_arguments(dataset: Path, run: Path) -> list[str]:
+    return [
         f"data.train_files=[{dataset}]",
         "actor_rollout_ref.rollout.name=instant",
         "actor_rollout_ref.rollout.engine_kwargs.instant.response_tokens=256",
@@ -193,9 +192,19 @@ def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
         "generation.final_merge=false",
         f"trainer.default_local_dir={run}",
     ]
+
+
+def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
+    """One shard of `prompts` trajectories to the end at the default part settings."""
+    dataset = write_dataset(scratch / "prompts.parquet", prompts)
+    run = scratch / "run"
     started = time.time()
     finished = subprocess.run(
-        command, cwd=REPO, env=genrun_env(scratch / "timeline.txt"), capture_output=True, text=True
+        [GENRUN, *checkpoint_arguments(dataset, run)],
+        cwd=REPO,
+        env=genrun_env(scratch / "timeline.txt"),
+        capture_output=True,
+        text=True,
     )
     if finished.returncode != 0:
         sys.exit(f"the 100k run failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
@@ -223,7 +232,6 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     """Phase 3: the resume-time re-read of every finished shard's rows."""
     import resource
 
-    sys.path.insert(0, str(REPO))
     from generation_core.config.bundled import prepare_bundled_model
     from generation_core.inputs.dataset_files import data_storage_options
     from generation_core.inputs.shard_rows import read_rows, rows_digest
@@ -277,10 +285,17 @@ def main() -> None:
     parser.add_argument("--skip-checkpoint", action="store_true")
     parser.add_argument("--skip-first-part", action="store_true")
     parser.add_argument("--recheck-rows", type=int, default=0, metavar="N", help="phase 3 at N prompts (0: skipped)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: genrun's checks of both runs, phase 3 at 400")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="genrun-scale-") as tmp:
         tmp = Path(tmp)
+        if args.smoke:
+            dataset = write_dataset(tmp / "prompts.parquet", 200, row_group_size=64)
+            check_command(first_part_arguments(dataset, tmp / "first-part"))
+            check_command(checkpoint_arguments(dataset, tmp / "checkpoint"))
+            args.skip_first_part = args.skip_checkpoint = True
+            args.recheck_rows = 400
         if not args.skip_first_part:
             for rows in args.sizes:
                 started = time.time()

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/startup.py [--runs 1]
     .venv/bin/python bench/startup.py --refusals     # CPU seconds of a refused input (target 2 s)
+    .venv/bin/python bench/startup.py --smoke        # one refusal, and genrun's checks of the demo command
 
 Runs the demo command (`genrun` on the bundled defaults: CPU model, bundled prompts, local
 storage; what `make demo` runs once the venv exists) into a scratch folder with
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from genrun_process import GENRUN, REPO, genrun_env
+from genrun_process import GENRUN, REPO, check_command, genrun_env
 
 from generation_core.instrumentation import read_timeline
 
@@ -32,40 +32,33 @@ STAGES = [
     ("ray_ready", "flow run created, Ray started"),
     ("engine_ready", "engine replica: actor start + model load"),
     ("shard_worker_ready", "shard task on a Ray worker: imports, tokenizer, prompts, agent loop setup"),
-    (
-        "first_part_written",
-        "first part committed (cut by age: generation.first_part_max_seconds after its first trajectory)",
-    ),
+    ("first_part_written", "first part committed (cut by age: generation.first_part_max_seconds)"),
 ]
-
-
-def run_once(scratch: Path, tree: Path | None = None) -> dict[str, float]:
-    """Seconds from the command's start to each stage of the timeline, and to its end ("done").
-    `tree`: run that checkout's code (`python -m flows.cli` with PYTHONPATH on it, which Ray's
-    workers inherit) with this tree's virtual environment, instead of the installed `genrun`."""
-    timeline = scratch / "timeline.txt"
-    env = genrun_env(timeline)
-    # The demo's own settings: the first part is cut by age (generation.first_part_max_seconds).
-    arguments = [f"trainer.default_local_dir={scratch / 'run'}"]
-    command = [GENRUN, *arguments]
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
-        command = [str(REPO / ".venv" / "bin" / "python"), "-m", "flows.cli", *arguments]
-    started = time.time()
-    finished = subprocess.run(command, cwd=tree or REPO, env=env, capture_output=True, text=True)
-    total = time.time() - started
-    if finished.returncode != 0:
-        sys.exit(f"the demo command failed in {tree or REPO} ({finished.returncode}):\n{finished.stderr[-3000:]}")
-    # The first shard worker / first part of any shard.
-    return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
-
-
 REFUSAL_TARGET_CPU = 2.0
 REFUSALS = [
     ("typo'd key", ["actor_rollout_ref.rollout.temprature=0"]),
     ("missing data file", ["data.train_files=/no/such/prompts.parquet"]),
     ("missing column", ["data.prompt_key=no_such_column"]),
 ]
+
+
+def demo_arguments(scratch: Path) -> list[str]:
+    """The demo's own settings, into a scratch folder."""
+    return [f"trainer.default_local_dir={scratch / 'run'}"]
+
+
+def run_once(scratch: Path) -> dict[str, float]:
+    """Seconds from the command's start to each stage of the timeline (its first mark: the first
+    shard worker, the first part of any shard), and to the command's end ("done")."""
+    timeline = scratch / "timeline.txt"
+    started = time.time()
+    finished = subprocess.run(
+        [GENRUN, *demo_arguments(scratch)], cwd=REPO, env=genrun_env(timeline), capture_output=True, text=True
+    )
+    total = time.time() - started
+    if finished.returncode != 0:
+        sys.exit(f"the demo command failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
+    return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
 
 
 def cpu_seconds_of(command: list[str], env: dict[str, str]) -> tuple[int, float, float]:
@@ -76,36 +69,20 @@ def cpu_seconds_of(command: list[str], env: dict[str, str]) -> tuple[int, float,
     return os.waitstatus_to_exitcode(status), time.time() - started, usage.ru_utime + usage.ru_stime
 
 
-def time_refusals() -> None:
+def time_refusals(refusals: list[tuple[str, list[str]]], scratch: Path) -> None:
     """How long a newcomer waits for a refused input (issue 45 item 3)."""
-    scratch = Path(tempfile.mkdtemp(prefix="genrun-refusal-"))
-    try:
-        env = genrun_env(scratch / "timeline.txt")
-        for label, arguments in REFUSALS:
-            code, wall, cpu = cpu_seconds_of([GENRUN, *arguments, f"trainer.default_local_dir={scratch / 'run'}"], env)
-            verdict = "met" if cpu <= REFUSAL_TARGET_CPU else "not met"
-            print(
-                f"refused {label:18s} exit {code}  {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})"
-            )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    env = genrun_env(scratch / "timeline.txt")
+    for label, arguments in refusals:
+        code, wall, cpu = cpu_seconds_of([GENRUN, *arguments, *demo_arguments(scratch)], env)
+        if code != 2:
+            sys.exit(f"genrun {' '.join(arguments)} exited {code}, not 2 (a refusal)")
+        verdict = "met" if cpu <= REFUSAL_TARGET_CPU else "not met"
+        print(
+            f"refused {label:18s} {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})"
+        )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--refusals", action="store_true", help="time refused inputs only (no run)")
-    args = parser.parse_args()
-    if args.refusals:
-        time_refusals()
-        return
-    results = []
-    for _ in range(args.runs):
-        scratch = Path(tempfile.mkdtemp(prefix="genrun-startup-"))
-        try:
-            results.append(run_once(scratch))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+def print_runs(results: list[dict[str, float]]) -> None:
     for n, result in enumerate(results, start=1):
         print(f"run {n}:")
         previous = 0.0
@@ -115,9 +92,29 @@ def main() -> None:
             previous = at
         print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
     first = sorted(r["first_part_written"] for r in results)[len(results) // 2]
+    verdict = "met" if first <= TARGET else "not met"
     print(
-        f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {'met' if first <= TARGET else 'not met'})"
+        f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {verdict})"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--refusals", action="store_true", help="time refused inputs only (no run)")
+    parser.add_argument("--smoke", action="store_true", help="one refusal, the demo command checked, no run")
+    args = parser.parse_args()
+    results = []
+    for _ in range(0 if args.refusals or args.smoke else args.runs):
+        with tempfile.TemporaryDirectory(prefix="genrun-startup-", ignore_cleanup_errors=True) as scratch:
+            results.append(run_once(Path(scratch)))
+    if results:
+        print_runs(results)
+        return
+    with tempfile.TemporaryDirectory(prefix="genrun-refusal-") as scratch:
+        time_refusals(REFUSALS[:1] if args.smoke else REFUSALS, Path(scratch))
+        if args.smoke:
+            check_command(demo_arguments(Path(scratch)))
 
 
 if __name__ == "__main__":
