@@ -44,8 +44,9 @@ def bundled_prompt_ids(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def static_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> float:
-    """tokens/s of one `model.generate` call on every prompt, each generating exactly `tokens`."""
+def static_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
+    """(tokens generated, seconds) of one `model.generate` call on every prompt, each generating
+    exactly `tokens`."""
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -61,8 +62,7 @@ def static_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> 
             pad_token_id=pad,
         )
     seconds = time.perf_counter() - started
-    generated = (out.shape[1] - width) * len(prompts)
-    return generated / seconds
+    return (out.shape[1] - width) * len(prompts), seconds
 
 
 async def streaming(
@@ -130,7 +130,8 @@ def main() -> None:
     static_generate(model, tokenizer, prompts[:4], 4)  # warm-up
     static_rates, streaming_rates = [], {name: [] for name in engines}
     for round_ in range(args.rounds):
-        static_rates.append(static_generate(model, tokenizer, prompts[: args.concurrency], args.mean_tokens))
+        generated, seconds = static_generate(model, tokenizer, prompts[: args.concurrency], args.mean_tokens)
+        static_rates.append(generated / seconds)
         for name, engine in engines.items():
             streaming_rates[name].append(
                 asyncio.run(streaming(engine, prompts, args.concurrency, args.mean_tokens, args.seconds, seed=round_))

@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_streaming import bundled_prompt_ids  # noqa: E402
+from engine_streaming import bundled_prompt_ids, static_generate  # noqa: E402
 from genrun_process import GENRUN, REPO, check_command, genrun_env  # noqa: E402
 
 from generation_core.config.bundled import BUNDLED_PROMPTS, prepare_bundled_model  # noqa: E402
@@ -54,26 +54,12 @@ def write_prompts(path: Path, count: int) -> None:
 
 def best_static_rate(model, tokenizer, prompts: list[list[int]], tokens: int, batches: tuple[int, ...]):
     """The best tokens/s of model.generate over static batch sizes, all prompts once each."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     best = (0.0, 0)
     for batch in batches:
-        started, generated = time.perf_counter(), 0
-        for first in range(0, len(prompts), batch):
-            group = prompts[first : first + batch]
-            width = max(len(p) for p in group)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            with torch.inference_mode():
-                out = model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=tokens,
-                    min_new_tokens=tokens,
-                    do_sample=False,
-                    pad_token_id=pad,
-                )
-            generated += (out.shape[1] - width) * len(group)
-        rate = generated / (time.perf_counter() - started)
+        runs = [
+            static_generate(model, tokenizer, prompts[i : i + batch], tokens) for i in range(0, len(prompts), batch)
+        ]
+        rate = sum(generated for generated, _ in runs) / sum(seconds for _, seconds in runs)
         print(f"  model.generate static batch {batch}: {rate:.1f} tokens/s")
         best = max(best, (rate, batch))
     return best
