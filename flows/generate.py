@@ -148,15 +148,14 @@ class ShardTasksOnRay:
             if marker is not None:
                 self.cached.add(shard.shard_id)
                 known.append(marker)
-            self._submit(shard, plan.cfg.generation.retries, marker)
+            self._submit(shard, plan.settings.retries, marker)
         return known
 
     def _submit(self, shard: ShardSpec, retries: int, marker: SuccessMarker | None = None) -> None:
         """`marker`: the finished shard's manifest as `finished_shards` found it when the run
         started; None for work left (a crashed worker's shard is submitted again as such)."""
         assert self.job is not None, "submit() first"
-        gen = self.plan.cfg.generation
-        task = shard_task(marker, retries=retries, retry_delay_seconds=gen.retry_delay_seconds)
+        task = shard_task(marker, retries=retries, retry_delay_seconds=self.plan.settings.retry_delay_seconds)
         parameters = {
             "plan": self.plan_text,
             "shard": shard.to_dict(),
@@ -198,7 +197,7 @@ class ShardTasksOnRay:
                 state.message,
                 retries_left - 1,
             )
-            time.sleep(self.plan.cfg.generation.retry_delay_seconds)
+            time.sleep(self.plan.settings.retry_delay_seconds)
             self._submit(shard, retries_left - 1)
             return None
         if state.is_failed() and state.name == REFUSED:

@@ -19,12 +19,14 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from importlib import metadata
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.build import genrun_build
+from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.secrets import SECRETS_ENV, from_environment, masked_paths, split_secrets, with_secrets
 from generation_core.store.folder import StorageFolder
@@ -160,6 +162,11 @@ class RunPlan:
         self.folder = StorageFolder(
             self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options))
         )
+
+    @cached_property
+    def settings(self) -> GenerationSettings:
+        """The run's `generation:` settings, decided (GenerationSettings.of), read once per plan."""
+        return GenerationSettings.of(self.cfg)
 
     def to_json(self) -> str:
         """The whole plan as JSON text, secrets masked: the one shape every Prefect task takes (a

@@ -211,16 +211,10 @@ def test_slotted_client_passes_calls_through_outside_a_stream():
 def test_max_open_trajectories_defaults_to_eight_slots_each_and_a_bad_value_is_one_line():
     from generation_core.errors import GenrunError
 
-    cfg = load_config(["actor_rollout_ref.rollout.max_num_seqs=8"])
-    assert (cfg.generation.max_inflight, cfg.generation.max_open_trajectories) == (16, 128), (
-        "filled into run.json's config"
-    )
-    assert (
-        load_config(
-            ["generation.max_inflight=3", "generation.max_open_trajectories=3"]
-        ).generation.max_open_trajectories
-        == 3
-    )
+    settings = GenerationSettings.of(load_config(["actor_rollout_ref.rollout.max_num_seqs=8"]))
+    assert (settings.max_inflight, settings.max_open_trajectories) == (16, 128)
+    chosen = load_config(["generation.max_inflight=3", "generation.max_open_trajectories=3"])
+    assert GenerationSettings.of(chosen).max_open_trajectories == 3
     for bad in ("0", "true", "many"):
         with pytest.raises(GenrunError, match="generation.max_open_trajectories=.*must be null"):
             load_config([f"generation.max_open_trajectories={bad}"])

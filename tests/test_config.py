@@ -2,9 +2,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from generation_core.config.loading import finalize_run_location, load_config
-from generation_core.config.settings import default_request_timeout, default_sample_timeout
+from generation_core.config.settings import GenerationSettings, default_request_timeout, default_sample_timeout
 from generation_core.errors import GenrunError
 from generation_core.preflight.fingerprint import OPERATIONAL_KEYS, fingerprint
+
+
+def _settings(overrides: list[str]) -> GenerationSettings:
+    return GenerationSettings.of(load_config(overrides))
 
 
 def test_defaults_are_the_bundled_cpu_run():
@@ -234,30 +238,27 @@ def test_engine_settings_that_shape_the_output_are_in_the_fingerprint_and_the_ot
 
 @pytest.mark.timeout(120)
 def test_stall_seconds_defaults_to_a_quarter_of_the_request_timeout_and_at_least_two_minutes():
-    assert load_config([]).generation.stall_seconds == (600 + 2 * 128) / 4
-    assert load_config(["generation.request_timeout=60"]).generation.stall_seconds == 120
-    assert load_config(["generation.stall_seconds=30"]).generation.stall_seconds == 30
+    assert _settings([]).stall_seconds == (600 + 2 * 128) / 4
+    assert _settings(["generation.request_timeout=60"]).stall_seconds == 120
+    assert _settings(["generation.stall_seconds=30"]).stall_seconds == 30
     with pytest.raises(GenrunError, match=r"generation.stall_seconds=0\b.*must be null"):
         load_config(["generation.stall_seconds=0"])
 
 
 @pytest.mark.timeout(120)
 def test_request_timeout_defaults_to_a_finite_value_from_the_response_budget():
-    assert load_config([]).generation.request_timeout == default_request_timeout(128) == 600 + 2 * 128
-    assert load_config(["data.max_response_length=4096"]).generation.request_timeout == 600 + 2 * 4096
-    assert load_config(["generation.request_timeout=42"]).generation.request_timeout == 42
+    assert _settings([]).request_timeout == default_request_timeout(128) == 600 + 2 * 128
+    assert _settings(["data.max_response_length=4096"]).request_timeout == 600 + 2 * 4096
+    assert _settings(["generation.request_timeout=42"]).request_timeout == 42
     with pytest.raises(GenrunError, match="request_timeout=0"):
         load_config(["generation.request_timeout=0"])
 
 
 @pytest.mark.timeout(120)
-def test_max_inflight_defaults_to_twice_the_decode_batch_and_is_filled_in():
-    assert load_config([]).generation.max_inflight == 2 * 64
-    assert load_config(["actor_rollout_ref.rollout.max_num_seqs=8"]).generation.max_inflight == 16
-    assert (
-        load_config(["actor_rollout_ref.rollout.max_num_seqs=8", "generation.max_inflight=3"]).generation.max_inflight
-        == 3
-    )
+def test_max_inflight_defaults_to_twice_the_decode_batch():
+    assert _settings([]).max_inflight == 2 * 64
+    assert _settings(["actor_rollout_ref.rollout.max_num_seqs=8"]).max_inflight == 16
+    assert _settings(["actor_rollout_ref.rollout.max_num_seqs=8", "generation.max_inflight=3"]).max_inflight == 3
     for bad in ("0", "true", "many"):
         with pytest.raises(GenrunError, match="generation.max_inflight=.*must be null"):
             load_config([f"generation.max_inflight={bad}"])
@@ -268,24 +269,26 @@ def test_the_sample_deadline_defaults_to_every_turns_request_attempts_and_is_ope
     """turns x (request_retries + 2) x request_timeout: every turn keeps all its request
     attempts, and one request_timeout more for its tools (the last turn's: the reward)."""
     defaults = load_config([])
-    assert defaults.generation.sample_timeout_seconds == default_sample_timeout(1, 3, 856) == 1 * (3 + 2) * 856
-    turns = load_config(
+    assert (
+        GenerationSettings.of(defaults).sample_timeout_seconds == default_sample_timeout(1, 3, 856) == 1 * (3 + 2) * 856
+    )
+    turns = _settings(
         [
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
             "generation.request_timeout=10",
         ]
     )
-    assert turns.generation.sample_timeout_seconds == 3 * 5 * 10
-    unlimited = load_config(
+    assert turns.sample_timeout_seconds == 3 * 5 * 10
+    unlimited = _settings(
         [
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "generation.request_retries=0",
             "generation.request_timeout=10",
         ]
     )
-    assert unlimited.generation.sample_timeout_seconds == 16 * 2 * 10, "no turn limit: a finite allowance of turns"
-    assert load_config(["generation.sample_timeout_seconds=7.5"]).generation.sample_timeout_seconds == 7.5
+    assert unlimited.sample_timeout_seconds == 16 * 2 * 10, "no turn limit: a finite allowance of turns"
+    assert _settings(["generation.sample_timeout_seconds=7.5"]).sample_timeout_seconds == 7.5
     for bad in ("0", "-1", "soon"):
         with pytest.raises(
             GenrunError,

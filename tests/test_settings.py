@@ -1,9 +1,12 @@
-"""genrun.yaml is the reference a user reads, generation_core/config/settings.py the defaults the code
-uses: every default written in both must be the same value, and every setting the code reads must
-have its key in genrun.yaml, so the two can never disagree."""
+"""genrun.yaml is the reference a user reads, generation_core/config/settings.py and engine_kwargs.py
+the defaults the code uses: every default written in both must be the same value, and every setting
+the code reads must have its key in genrun.yaml, so the two can never disagree. The settings classes
+are the one owner of the `generation:` section: nothing outside config/ reads it, they check their
+own values, and nothing they derive is written back into the config."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from pathlib import Path
 
@@ -11,13 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 
 import generation_core
-from generation_core.config.settings import (
-    ENGINE_KWARGS,
-    GenerationSettings,
-    HfEngineKwargs,
-    check_hf_device,
-    hf_device,
-)
+from generation_core.config.engine_kwargs import ENGINE_KWARGS, HfEngineKwargs, check_hf_device, hf_device
+from generation_core.config.loading import load_config
+from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,3 +82,84 @@ def test_the_hf_device_is_decided_by_one_function():
     assert HfEngineKwargs().dtype_on("cuda") == "bfloat16" and HfEngineKwargs().dtype_on("cpu") == "float32"
     assert HfEngineKwargs(dtype="float16").dtype_on("cpu") == "float16"
     assert HfEngineKwargs.of({"hf": None}) == HfEngineKwargs()
+
+
+REPO = Path(generation_core.__file__).parent.parent
+
+
+def _generation_reads(path: Path) -> list[str]:
+    """Where `path` reads a config's `generation` section: `<...cfg|config>.generation`,
+    `x["generation"]`, `x.get("generation")` (or any `generation.` key by name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "generation":
+            read = ast.unparse(node.value).endswith(("cfg", "config"))
+        elif isinstance(node, ast.Subscript):
+            read = isinstance(node.slice, ast.Constant) and node.slice.value == "generation"
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "select")
+        ):
+            keys = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+            read = any(key == "generation" or key.startswith("generation.") for key in keys)
+        else:
+            continue
+        if read:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_config_reads_the_generation_section():
+    """Issue 44 item 11 / review finding 3: 19 places outside config/ read `cfg.generation.*`
+    (`.get("gpu_hour_price")` with its own default, `finish_run` three ways in 27 lines); every
+    one now reads the settings (GenerationSettings.of, RunPlan.settings)."""
+    outside = [
+        path
+        for root in ("generation_core", "flows", "tasks")
+        for path in sorted((REPO / root).rglob("*.py"))
+        if not path.is_relative_to(REPO / "generation_core" / "config")
+    ]
+    assert [read for path in outside for read in _generation_reads(path)] == []
+    assert _generation_reads(REPO / "generation_core" / "config" / "settings.py"), "the scan finds the owner's read"
+
+
+@pytest.mark.parametrize(
+    "build, refusal",
+    [
+        (
+            lambda: GenerationSettings(max_inflight=0),
+            "invalid generation.max_inflight=0: must be null (twice actor_rollout_ref.rollout.max_num_seqs) "
+            "or an integer >= 1",
+        ),
+        (lambda: GenerationSettings(retries=True), "invalid generation.retries=True: must be an integer >= 0"),
+        (lambda: GenerationSettings(routing="random"), "invalid generation.routing='random': must be one of "),
+        (
+            lambda: GenerationSettings.of(
+                {"generation": {"adaptive": True, "adaptive_k": 4}, "actor_rollout_ref": {"rollout": {"n": 4}}}
+            ),
+            "invalid generation.adaptive_k=4: must be an integer from 1 to actor_rollout_ref.rollout.n - 1 (n=4) "
+            "with generation.adaptive=true",
+        ),
+        (
+            lambda: HfEngineKwargs(prefix_cache_bytes=-1),
+            "invalid actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes=-1: must be null",
+        ),
+    ],
+)
+def test_a_settings_class_refuses_its_own_bad_values(build, refusal):
+    """Issue 44 item 11: the checks live in the dataclasses (validation.py checked the raw
+    DictConfig apart from them and repeated a default): a bad value is refused, in one line, by
+    whoever builds the settings."""
+    with pytest.raises(GenrunError) as refused:
+        build()
+    assert str(refused.value).startswith(refusal) and "\n" not in str(refused.value)
+
+
+def test_load_config_writes_nothing_derived_back_into_the_config():
+    """Issue 44 item 11 / review finding 3: load_config wrote max_inflight, max_open_trajectories
+    and the three deadlines back into the DictConfig; now every process decides them from the
+    config as the user wrote it, the same way."""
+    cfg = load_config(["actor_rollout_ref.rollout.max_num_seqs=8"])
+    derived = ("max_inflight", "max_open_trajectories", "request_timeout", "sample_timeout_seconds", "stall_seconds")
+    assert {key: cfg.generation[key] for key in derived} == dict.fromkeys(derived)
+    settings = GenerationSettings.of(cfg)
+    assert (settings.max_inflight, settings.max_open_trajectories, settings.request_timeout) == (16, 128, 600 + 2 * 128)

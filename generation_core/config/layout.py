@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig
 
-from generation_core.config.settings import HfEngineKwargs, RemoteEngineKwargs, check_hf_device, hf_device
+from generation_core.config.engine_kwargs import HfEngineKwargs, RemoteEngineKwargs, check_hf_device, hf_device
 from generation_core.errors import GenrunError
 from generation_core.secrets import without_url_credentials
 
@@ -208,7 +208,7 @@ def _check_with_verl(rollout: DictConfig) -> None:
 
 
 def checked_hf_device(cfg: DictConfig) -> str:
-    """The transformers engine's device (settings.hf_device decides it), or a GenrunError."""
+    """The transformers engine's device (engine_kwargs.hf_device decides it), or a GenrunError."""
     return check_hf_device(
         hf_device(HfEngineKwargs.of(cfg.actor_rollout_ref.rollout.engine_kwargs).device, cfg.trainer.get("device"))
     )

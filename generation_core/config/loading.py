@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from generation_core.config import bundled
-from generation_core.config.settings import GenerationSettings, hf_device
+from generation_core.config.engine_kwargs import hf_device
 from generation_core.config.validation import check_verl_keys, validate_values, verl_key_values
 from generation_core.errors import GenrunError
 from generation_core.secrets import PLACEHOLDER, masked_paths
@@ -106,14 +106,8 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     # After the values' own checks (whose messages say more), before anything starts: a verl key
     # the user set that genrun would not act on is refused (config/verl_keys.py).
     check_verl_keys(cfg, verl_defaults, verl_settings)
-    # The defaults other settings decide, filled in so that run.json and every shard worker see
-    # the values that apply.
-    settings = GenerationSettings.of(cfg)
-    cfg.generation.max_inflight = settings.max_inflight
-    cfg.generation.max_open_trajectories = settings.max_open_trajectories
-    cfg.generation.request_timeout = settings.request_timeout
-    cfg.generation.sample_timeout_seconds = settings.sample_timeout_seconds
-    cfg.generation.stall_seconds = settings.stall_seconds
+    # The settings other settings decide (max_inflight, the deadlines) stay as the user wrote them:
+    # GenerationSettings.of decides them in every process that reads this config.
     return cfg
 
 

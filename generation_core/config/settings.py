@@ -1,11 +1,14 @@
-"""genrun's own settings as typed dataclasses, each default written once.
+"""genrun's `generation:` settings as a typed dataclass, each default written once, each value checked once.
 
-`generation:` and the `engine_kwargs` of genrun's engines (`hf`, `instant`, `remote`) are read
-through these classes, not through `cfg.generation.get(key, default)`: a default lives in the
-field, and a value derived from others (`max_inflight` from `max_num_seqs`, the request and
-sample deadlines from the response budget) is computed by `GenerationSettings.of`, here and
-nowhere else. `config/genrun.yaml` stays the reference a user reads; tests/test_settings.py
-fails when one of its defaults differs from the field's, or a field has no key there.
+The `generation:` section is read through `GenerationSettings` and nowhere else (config/ is the
+only room that reads `cfg.generation`: tests/test_settings.py holds it; genrun's engines' own kwargs:
+engine_kwargs.py). A default lives in the field; a bad value is refused by the class itself
+(`__post_init__`, GENERATION_RULES: one line naming the key and what it must be); a value derived
+from others (`max_inflight` from `max_num_seqs`, the request and sample deadlines from the
+response budget) is computed by `GenerationSettings.of` in every process that reads a config,
+never written back into it. `config/genrun.yaml` stays the reference a user reads;
+tests/test_settings.py fails when one of its defaults differs from the field's, or a field has no
+key there.
 
 Light to import (the standard library only): `genrun status`, `genrun merge` and the shard
 workers read run.json's config through it.
@@ -14,10 +17,11 @@ workers read run.json's config through it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Self
 
+from generation_core.config.checks import Rule, integer, is_bool, is_number, number, refuse_bad_values, section_of
 from generation_core.errors import GenrunError
 
 # The transformers engine on a small CPU model decodes ~3 tokens/s per sequence in a full batch
@@ -48,16 +52,67 @@ STALL_MIN_SECONDS = 120.0
 OPEN_TRAJECTORIES_PER_CALL_SLOT = 8
 
 
-def _section(mapping: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
-    """The keys of `mapping` that are fields of `cls`. A key absent keeps the field's default: a
-    run.json written by an older genrun may lack keys added since."""
-    names = {f.name for f in fields(cls)}
-    return {key: value for key, value in (mapping or {}).items() if key in names}
+_NULL_OR_SECONDS = "must be null or a number of seconds > 0"
+GENERATION_RULES: dict[str, Rule] = {
+    "num_shards": (integer(1), "must be an integer >= 1"),
+    "part_target_bytes": (integer(1), "must be an integer >= 1"),
+    "max_inflight": (
+        integer(1, null=True),
+        "must be null (twice actor_rollout_ref.rollout.max_num_seqs) or an integer >= 1",
+    ),
+    "max_open_trajectories": (integer(1, null=True), "must be null (8 x generation.max_inflight) or an integer >= 1"),
+    "inflight_share_cap": (integer(1), "must be an integer >= 1 (1: each shard keeps its own max_inflight)"),
+    "retries": (integer(0), "must be an integer >= 0"),
+    "retry_delay_seconds": (number(above=False), "must be a number of seconds >= 0"),
+    "lease_seconds": (number(4, above=False), "must be a number of seconds >= 4"),
+    "request_retries": (integer(0), "must be an integer >= 0"),
+    "request_backoff_seconds": (number(above=False), "must be a number of seconds >= 0"),
+    "request_timeout": (
+        number(null=True),
+        "must be null (derived from the response budget) or a number of seconds > 0",
+    ),
+    "sample_timeout_seconds": (
+        number(null=True),
+        "must be null (derived from turns, request_retries and request_timeout) or a number of seconds > 0",
+    ),
+    "max_failed_fraction": (lambda v: is_number(v) and 0 <= v <= 1, "must be a fraction between 0 and 1"),
+    "gpu_hour_price": (
+        number(above=False, null=True),
+        "must be null (no cost figures) or the price of one GPU-hour, a number >= 0 (e.g. 2.5)",
+    ),
+    "recheck_finished_rows": (is_bool, "must be true or false"),
+    "reward_workers": (integer(1), "must be an integer >= 1"),
+    "merge_chunk_size": (
+        integer(1, null=True),
+        "must be null (one trajectories.pkl) or an integer >= 1 (trajectories per chunk file)",
+    ),
+    "merge_max_file_bytes": (
+        integer(1 << 20),
+        "must be an integer number of bytes >= 1048576 (e.g. 4294967296 for 4 GiB)",
+    ),
+    "sample_seed": (integer(0, null=True), "must be null (no per-sample seeds) or an integer >= 0"),
+    "routing": (lambda v: v in ROUTING_MODES, f"must be one of {', '.join(ROUTING_MODES)}"),
+    "save_batch_size": (
+        integer(1, null=True),
+        "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
+    ),
+    "part_max_seconds": (number(), "must be a number of seconds > 0"),
+    "first_part_max_seconds": (number(null=True), _NULL_OR_SECONDS),
+    "pull_timeout": (number(), "must be a number of seconds > 0"),
+    "progress_seconds": (number(), "must be a number of seconds > 0"),
+    "stall_seconds": (
+        number(null=True),
+        "must be null (a quarter of generation.request_timeout) or a number of seconds > 0",
+    ),
+    "artifact_mode": (lambda v: v in ("upload", "reference"), "must be upload or reference"),
+}
+"""The checks of GenerationSettings, in the order a config's values are refused."""
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """The `generation:` section (genrun.yaml explains each key to the user)."""
+    """The `generation:` section (genrun.yaml explains each key to the user). Building one checks
+    every value (GENERATION_RULES); `of` also checks the values that depend on the rollout."""
 
     part_target_bytes: int = 64 << 20
     """A part is committed once it holds this many bytes (parts are few and large)."""
@@ -131,12 +186,21 @@ class GenerationSettings:
     prefix_affinity (global load, the n samples of a prompt together), least_loaded (global
     load), local (this worker's own requests outstanding)."""
 
+    def __post_init__(self) -> None:
+        refuse_bad_values(self, "generation", GENERATION_RULES)
+
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Self:
         """The settings of a whole run config (a DictConfig, or run.json's plain `config`), the
         derived defaults filled in from the rollout config beside it."""
-        settings = cls(**_section(config.get("generation"), cls))
+        settings = cls(**section_of(config.get("generation"), cls))
         rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
+        n = rollout.get("n")
+        if settings.adaptive and n is not None and not (integer(1)(settings.adaptive_k) and settings.adaptive_k < n):
+            raise GenrunError(
+                f"invalid generation.adaptive_k={settings.adaptive_k!r}: must be an integer from 1 to "
+                f"actor_rollout_ref.rollout.n - 1 (n={n}) with generation.adaptive=true"
+            )
         return settings.with_derived_defaults(rollout)
 
     def with_derived_defaults(self, rollout: Mapping[str, Any]) -> Self:
@@ -156,7 +220,7 @@ class GenerationSettings:
             sample_timeout = default_sample_timeout(model_turns(rollout), self.request_retries, request_timeout)
         stall_seconds = self.stall_seconds
         if stall_seconds is None and request_timeout is not None:
-            stall_seconds = default_stall_seconds(request_timeout)
+            stall_seconds = default_stallnumber(request_timeout)
         return dataclasses.replace(
             self,
             max_inflight=max_inflight,
@@ -196,7 +260,7 @@ def default_request_timeout(response_length: int) -> float:
     return REQUEST_TIMEOUT_BASE_SECONDS + REQUEST_TIMEOUT_SECONDS_PER_TOKEN * response_length
 
 
-def default_stall_seconds(request_timeout: float) -> float:
+def default_stallnumber(request_timeout: float) -> float:
     """generation.stall_seconds when left null: a share of the request timeout, at least STALL_MIN_SECONDS."""
     return max(STALL_MIN_SECONDS, STALL_SHARE_OF_REQUEST_TIMEOUT * float(request_timeout))
 
@@ -217,97 +281,3 @@ def default_sample_timeout(turns: int, request_retries: int, request_timeout: fl
     code nothing else bounds (a tool or reward function that never returns), never to cut a
     sample short that the request retries would have carried through."""
     return float(turns * (request_retries + 2) * request_timeout)
-
-
-# ---- the engine_kwargs of genrun's own engines -------------------------------------------------
-
-HF_PREFIX_CACHE_BYTES = 512 * 1024 * 1024
-"""The transformers engine's prefix cache when engine_kwargs.hf.prefix_cache_bytes is null:
-~11k tokens of the bundled 135M model."""
-
-
-@dataclass(frozen=True)
-class HfEngineKwargs:
-    """`actor_rollout_ref.rollout.engine_kwargs.hf`: the transformers engine."""
-
-    num_threads: int | None = None
-    """Torch threads per replica (None: the node's usable cores shared by its replicas)."""
-    ignore_eos: bool = False
-    """Benchmarks: every response runs to its length limit."""
-    device: str | None = None
-    """None: `hf_device` decides (trainer.device); load_config writes its decision here."""
-    dtype: str | None = None
-    """None: `dtype_on` decides (float32 on the CPU, bfloat16 on a GPU)."""
-    prefix_cache_bytes: int | None = None
-    """KV kept for prefix reuse (None: HF_PREFIX_CACHE_BYTES; 0: none)."""
-    later_turns_first: bool = True
-    shared_prefix_attention: bool = True
-    weight_first_linear: bool = True
-
-    @classmethod
-    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
-        """From the rollout's `engine_kwargs` mapping (its `hf` section may be absent or null)."""
-        return cls(**_section((engine_kwargs or {}).get("hf"), cls))
-
-    def dtype_on(self, device: str) -> str:
-        # bfloat16 on a GPU (what SGLang/vLLM serve), float32 on the CPU (bf16 matmuls are slow there).
-        return self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-
-    @property
-    def prefix_cache_bytes_or_default(self) -> int:
-        return HF_PREFIX_CACHE_BYTES if self.prefix_cache_bytes is None else int(self.prefix_cache_bytes)
-
-
-def hf_device(configured: str | None, trainer_device: str | None) -> str:
-    """The transformers engine's device: engine_kwargs.hf.device, else trainer.device (verl's key
-    for it), else cpu. load_config decides it once and writes it into engine_kwargs.hf.device,
-    because the replica actor sees only the rollout config (there trainer_device is None)."""
-    return configured or trainer_device or "cpu"
-
-
-def check_hf_device(device: Any) -> str:
-    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-        raise GenrunError(f"invalid actor_rollout_ref.rollout.engine_kwargs.hf.device={device!r}: use cpu or cuda")
-    return device
-
-
-@dataclass(frozen=True)
-class InstantEngineKwargs:
-    """`actor_rollout_ref.rollout.engine_kwargs.instant`: the benchmark/test engine."""
-
-    response_tokens: int = 8
-    delay_seconds: float = 0.0
-    """Seconds each request takes (tests use it to have requests in flight)."""
-
-    @classmethod
-    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
-        return cls(**_section((engine_kwargs or {}).get("instant"), cls))
-
-
-@dataclass(frozen=True)
-class RemoteEngineKwargs:
-    """`actor_rollout_ref.rollout.engine_kwargs.remote`: OpenAI-compatible servers by URL
-    (engines/layout.py `remote_urls` reads and checks base_urls)."""
-
-    base_urls: Sequence[str] | str = field(default_factory=list)
-    """The servers' base URLs (a list, or one comma-separated string)."""
-    model: str | None = None
-    """None: the first model the server lists at /v1/models."""
-    api_key: str | None = None
-    connect_timeout: float = 10.0
-    health_interval: float = 5.0
-    """Seconds between /health probes of a server out of rotation."""
-    max_connections: int = 256
-    """Most connections per server from one shard worker."""
-
-    @classmethod
-    def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
-        return cls(**_section((engine_kwargs or {}).get("remote"), cls))
-
-
-ENGINE_KWARGS: dict[str, type] = {
-    "hf": HfEngineKwargs,
-    "instant": InstantEngineKwargs,
-    "remote": RemoteEngineKwargs,
-}
-"""engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from generation_core.config.settings import GenerationSettings
 from generation_core.run_plan import DatasetFiles, RunPlan, plan_shards
 from generation_core.shard.finished import check_rows_unchanged, rows_digest_reader
 from generation_core.store.commit_log import ShardCheckpoint, read_marker
@@ -54,7 +55,11 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
     if record is None or record.pad_token_id is None or _logs_to_a_tracker(cfg):
         return None
     plan = RunPlan(
-        cfg, fingerprint, plan_shards(dataset.num_rows, cfg.generation.num_shards), record.pad_token_id, dataset
+        cfg,
+        fingerprint,
+        plan_shards(dataset.num_rows, GenerationSettings.of(cfg).num_shards),
+        record.pad_token_id,
+        dataset,
     )
     markers, recorded_digests = [], {}
     for shard in plan.shards:
@@ -71,7 +76,7 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
         return None
     if not folder.exists(REPORT_FILE):
         return None
-    if cfg.generation.final_merge and not (
+    if plan.settings.final_merge and not (
         "artifact" in manifest
         and (folder.exists(MERGED_FILE) or folder.exists(CHUNK_INDEX_FILE))
         and folder.exists(ZIP_FILE)

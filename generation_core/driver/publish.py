@@ -4,6 +4,7 @@ the S3 objects)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.tracking import Tracking
 
+from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.outputs.summary import throughput_metrics
 from generation_core.report.html import Report, write_report
@@ -72,7 +74,7 @@ def publish_run(
     folder = fenced(folder, fence)
     check = (lambda: fence.check(folder)) if fence is not None else (lambda: None)
     check()
-    gen = cfg.generation
+    gen = GenerationSettings.of(cfg)
     # The terminal summary (flows/cli.py) is where a run's figures are read: verl's console
     # backend would print them again as one raw `step:0 - generation/...` line.
     backends = [backend for backend in cfg.trainer.logger if backend != "console"]
@@ -151,7 +153,7 @@ def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
             "rollout": {key: rollout[key] for key in keep},
             "agent_loop": rollout["agent"]["default_agent_loop"],
             "data": OmegaConf.to_container(cfg.data, resolve=True),
-            "generation": OmegaConf.to_container(cfg.generation, resolve=True),
+            "generation": dataclasses.asdict(GenerationSettings.of(cfg)),
             "storage_options": OmegaConf.to_container(cfg.storage.options, resolve=True),
             "output": cfg.trainer.default_local_dir,
             # verl's Tracking reads trainer.wandb_proxy from here.
@@ -167,7 +169,7 @@ def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
 def _log_wandb_artifact(cfg: DictConfig, folder: StorageFolder, summary: dict[str, Any]) -> str:
     import wandb
 
-    mode = cfg.generation.artifact_mode
+    mode = GenerationSettings.of(cfg).artifact_mode
     name = f"trajectories-{cfg.trainer.experiment_name}"
     metadata = {
         "fingerprint": summary["fingerprint"],

@@ -156,7 +156,7 @@ def drive_run(
     per stall (stall_alarm.py; the terminal line is the driver's own)."""
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
-        with RunLease.acquire(plan.folder, plan.cfg.generation.lease_seconds) as lease:
+        with RunLease.acquire(plan.folder, plan.settings.lease_seconds) as lease:
             plan.claim_folder()
             return _drive_holding(plan, submitter, lease.fence(), started, finish, publish, on_progress, on_stall)
     except Stopped:
@@ -205,9 +205,8 @@ def _drive_holding(
     if stopping or STOP.requested():
         return None
     if failures:
-        gen = plan.cfg.generation
         raise ShardsFailed(
-            f"{len(failures)} of {len(plan.shards)} shards failed (generation.retries={gen.retries}): {'; '.join(failures)}; "
+            f"{len(failures)} of {len(plan.shards)} shards failed (generation.retries={plan.settings.retries}): {'; '.join(failures)}; "
             "committed trajectories are kept, run the same command again to resume"
         )
     manifests.sort(key=lambda m: m.shard_id)

@@ -19,7 +19,6 @@ from typing import Any
 
 import ray
 
-from generation_core.config.settings import GenerationSettings
 from generation_core.console import ProgressDisplay
 from generation_core.driver.run_progress import (
     ProgressTotals,
@@ -50,8 +49,8 @@ class RunWatch:
         update_seconds: float = UPDATE_SECONDS,
         on_stall: Callable[[Stall], None] | None = None,
     ):
-        gen = plan.cfg.generation
-        self.stall_watch = StallWatch(float(GenerationSettings.of(plan.cfg).stall_seconds or float("inf")))
+        gen = plan.settings
+        self.stall_watch = StallWatch(float(gen.stall_seconds or float("inf")))
         self.on_stall = on_stall
         self._pool: Any = None
         self._health_refs: list[Any] | None = None

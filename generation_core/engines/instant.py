@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from generation_core.config.settings import InstantEngineKwargs
+from generation_core.config.engine_kwargs import InstantEngineKwargs
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 
 

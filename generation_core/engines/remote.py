@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 from omegaconf import DictConfig
 
+from generation_core.config.engine_kwargs import RemoteEngineKwargs
 from generation_core.config.layout import remote_settings, remote_urls
-from generation_core.config.settings import RemoteEngineKwargs
 from generation_core.engines.base import STOP_LENGTH, EngineOutput, SamplingParams, response_budget
 from generation_core.errors import GenrunError
 from generation_core.secrets import without_url_credentials

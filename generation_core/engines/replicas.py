@@ -25,8 +25,8 @@ import ray
 from ray.actor import ActorHandle
 from verl.workers.rollout.replica import RolloutReplica
 
+from generation_core.config.engine_kwargs import HfEngineKwargs, InstantEngineKwargs, hf_device
 from generation_core.config.layout import CPU_CAPABLE_ENGINES
-from generation_core.config.settings import HfEngineKwargs, InstantEngineKwargs, hf_device
 from generation_core.engines import instant
 from generation_core.engines.base import Engine
 from generation_core.engines.hf import engine as hf

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from generation_core.build import describe_build
+from generation_core.config.settings import GenerationSettings
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_record import RunRecord
 
@@ -162,7 +163,7 @@ def render_section(
     config = record.config
     rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
     model = config.get("actor_rollout_ref", {}).get("model", {}).get("path")
-    generation = config.get("generation", {})
+    seed = GenerationSettings.of(config).sample_seed
     files = [f.get("url") for f in (record.dataset or {}).get("files", [])]
     lines = [
         f"## {out_name}",
@@ -176,7 +177,7 @@ def render_section(
         f"| model | `{model}` |",
         f"| engine | `{rollout.get('name')}` |",
         f"| sampling | temperature {rollout.get('temperature')}, top_p {rollout.get('top_p')}, top_k {rollout.get('top_k')}, "
-        f"n {rollout.get('n')}, generation.sample_seed {generation.get('sample_seed') if generation.get('sample_seed') is not None else 'none'} |",
+        f"n {rollout.get('n')}, generation.sample_seed {seed if seed is not None else 'none'} |",
         f"| lengths | prompt at most {rollout.get('prompt_length')} tokens, response at most {rollout.get('response_length')} tokens |",
         f"| agent loop | `{rollout.get('agent', {}).get('default_agent_loop')}` |",
         f"| run fingerprint | `{record.fingerprint}` |",

@@ -47,17 +47,16 @@ def finish_run(
     lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
     and a damaged part found by the merge is dropped under it."""
     failpoint("merge")
-    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n, GenerationSettings.of(plan.cfg).adaptive)
+    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n, plan.settings.adaptive)
     summary = summarize(plan, manifests, elapsed)
     # Every file below is published only while the run still holds the folder.
     folder = fenced(plan.folder, fence)
-    if plan.cfg.generation.final_merge:
+    gen = plan.settings
+    if gen.final_merge:
         padding = padding_of(plan.cfg.actor_rollout_ref.rollout, plan.pad_token_id)
         merged = merge_repairing(
             folder,
-            lambda: merge_output(
-                folder, padding, plan.cfg.generation.merge_chunk_size, plan.cfg.generation.merge_max_file_bytes
-            ),
+            lambda: merge_output(folder, padding, gen.merge_chunk_size, gen.merge_max_file_bytes),
             fence,
         )
         # The run's terminal says so once; `genrun merge` prints its own line (merge_folder).
@@ -81,7 +80,7 @@ def run_ledger(plan: RunPlan, summary: dict[str, Any], elapsed: float) -> dict[s
         replicas=layout.replicas,
         gpus_per_replica=layout.gpus_per_replica,
         output_tokens=summary["this_invocation"]["generated_tokens"],
-        gpu_hour_price=plan.cfg.generation.get("gpu_hour_price"),
+        gpu_hour_price=plan.settings.gpu_hour_price,
     )
 
 

@@ -28,6 +28,7 @@ from generation_core.build import other_build_warning
 from generation_core.config import bundled
 from generation_core.config.layout import REMOTE_ENGINE
 from generation_core.config.loading import finalize_run_location, load_config
+from generation_core.config.settings import GenerationSettings
 from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
@@ -148,7 +149,7 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
     tokenizer = hf_tokenizer(str(inputs.model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     check_overlong_sample(cfg, dataset.files, tokenizer)
-    shards = plan_shards(dataset.files.num_rows, cfg.generation.num_shards)
+    shards = plan_shards(dataset.files.num_rows, GenerationSettings.of(cfg).num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
     check_run_code(cfg, {name or default_loop for name in dataset.agent_names})
     fingerprint, model_digest = inputs.fingerprint, inputs.model_digest

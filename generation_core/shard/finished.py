@@ -111,7 +111,7 @@ def rows_digest_reader(
     """`finished_shard`'s `rows_digest_now` for a shard of `plan`: its rows read again (Arrow
     only: no tokenizer, no filter) and digested; None under `generation.recheck_finished_rows=false`.
     `options`: the input files' storage options, when the caller has them."""
-    if not plan.cfg.generation.recheck_finished_rows:
+    if not plan.settings.recheck_finished_rows:
         return None
     options = options if options is not None else data_storage_options(plan.cfg)
     return lambda: rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))

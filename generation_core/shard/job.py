@@ -150,7 +150,9 @@ async def run_shard_with_worker(
     """`run_shard_job` for a caller that brings its own worker (library use, tests): the same
     decision, then the same generation, then the marker; a finished shard's rows are checked
     against its recorded digest with the digest `prompts` carries (none: not checked)."""
-    rows_digest_now = (lambda: getattr(prompts, "rows_digest", None)) if cfg.generation.recheck_finished_rows else None
+    rows_digest_now = (
+        (lambda: getattr(prompts, "rows_digest", None)) if GenerationSettings.of(cfg).recheck_finished_rows else None
+    )
     finished = finished_shard(folder, shard, rows_digest_now=rows_digest_now, fence=fence)
     if finished is not None:
         return finished.as_skipped()

@@ -30,6 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.store.trajectory_record import score_or_none
 
@@ -89,11 +90,12 @@ class RewardScorer:
     @classmethod
     def from_config(cls, cfg: DictConfig, tokenizer) -> RewardScorer:
         function = load_reward_function(cfg)
+        workers = GenerationSettings.of(cfg).reward_workers
         if function is not None:
-            return cls(function, tokenizer, cfg.generation.reward_workers)
+            return cls(function, tokenizer, workers)
         from verl.utils.reward_score import default_compute_score
 
-        return cls(default_compute_score, tokenizer, cfg.generation.reward_workers, by_data_source=True)
+        return cls(default_compute_score, tokenizer, workers, by_data_source=True)
 
     async def score(
         self, response_ids: list[int], sample: dict[str, Any], num_turns: int, extra_fields: dict[str, Any]

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from generation_core.config.settings import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
+from generation_core.config.engine_kwargs import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
 from generation_core.engines.base import (
     STOP_EOS,
     STOP_LENGTH,
