@@ -14,10 +14,10 @@ the plain run's: the kept sets are compared prompt by prompt, side by side in on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import sys
 import tempfile
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -57,18 +57,39 @@ def write_inputs(folder: Path, prompts: int) -> tuple[Path, Path]:
     return folder / "prompts.parquet", folder / "reward.py"
 
 
+class InstantWorkers:
+    """The shard job's worker factory (shard/protocols.py): the shard's rows, and a worker on an
+    instant engine in this process with the run's reward function."""
+
+    def prompts(self, plan, shard):
+        from generation_core.shard.job import dataset_prompts
+
+        return dataset_prompts(plan, shard)
+
+    @asynccontextmanager
+    async def worker(self, plan, shard):
+        from generation_core.engines.instant import InstantEngine, InstantSettings
+        from generation_core.shard.job import run_tokenizer
+        from generation_core.shard.rewards import RewardScorer
+        from generation_core.shard.streaming import StreamingWorker
+
+        tokenizer = run_tokenizer(plan.cfg)
+        engine = InstantEngine(
+            InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)
+        )
+        worker = StreamingWorker(plan.cfg, engine, RewardScorer.from_config(plan.cfg, tokenizer))
+        try:
+            yield worker
+        finally:
+            worker.shutdown()
+
+
 def run(folder: Path, prompts: Path, reward: Path, n: int, k: int | None):
     """(committed rewards by prompt, response tokens committed) of one single-shard run."""
-    from verl.utils import hf_tokenizer
-
     from generation_core.config.bundled import prepare_bundled_model
-    from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.inputs.shard_rows import ShardPrompts
     from generation_core.outputs.rl_prompts import prompt_rewards
     from generation_core.preflight.preflight import preflight
-    from generation_core.shard.job import run_shard_with_worker
-    from generation_core.shard.rewards import RewardScorer
-    from generation_core.shard.streaming import StreamingWorker
+    from generation_core.shard.job import run_shard_job
     from generation_core.store.part_repair import committed_parts
 
     model = prepare_bundled_model()
@@ -89,18 +110,8 @@ def run(folder: Path, prompts: Path, reward: Path, n: int, k: int | None):
         ]
     )
     plan.claim_folder()
-    tokenizer = hf_tokenizer(str(model))
     [shard] = plan.shards
-    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
-    worker = StreamingWorker(plan.cfg, engine, RewardScorer.from_config(plan.cfg, tokenizer))
-    try:
-        marker = asyncio.run(
-            run_shard_with_worker(
-                plan.cfg, shard, plan.folder, ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer), worker
-            )
-        )
-    finally:
-        worker.shutdown()
+    marker = run_shard_job(plan, shard, worker_factory=InstantWorkers())
     rewards = {index: p.rewards for index, p in prompt_rewards(plan.folder, committed_parts(plan.folder)).items()}
     return rewards, marker.response_tokens
 

@@ -141,7 +141,7 @@ class ShardTasksOnRay:
         # The one decision, for every shard before any is submitted: Prefect's cache policy
         # (shard_task) needs it, and the rows of a finished shard are checked here because a
         # cached result never reaches the job.
-        markers = finished_shards(plan, plan.shards, verify="size", fence=fence)
+        markers = finished_shards(plan, plan.shards, fence=fence)
         known: list[SuccessMarker] = []
         for shard in plan.shards:
             marker = markers[shard.shard_id]

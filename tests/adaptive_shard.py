@@ -4,15 +4,14 @@ python -m tests.adaptive_shard PROMPTS REWARD OUT_DIR MODEL_DIR"""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from generation_core.engines.instant import InstantEngine, InstantSettings
-from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.inputs.shard_rows import DatasetPrompts
 from generation_core.preflight.preflight import preflight
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker, sample_seed
+from tests.shard_runs import run_shard
 
 N, K = 4, 2
 SEED = 11
@@ -66,12 +65,12 @@ def run_one_shard(prompts, reward, out, model_dir, *extra: str, failures: dict[t
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model_dir))
     [shard] = plan.shards
-    shard_prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    shard_prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     client = FailingEngine(engine, failures) if failures else engine
     worker = StreamingWorker(plan.cfg, client, RewardScorer.from_config(plan.cfg, tokenizer))
     try:
-        return plan, asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, shard_prompts, worker))
+        return plan, run_shard(plan.cfg, shard, plan.folder, shard_prompts, worker)
     finally:
         worker.shutdown()
 

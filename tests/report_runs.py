@@ -4,13 +4,11 @@ commit records and the merge exactly as a run writes them, with no Ray."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.inputs.shard_rows import DatasetPrompts
 from generation_core.outputs.finish import finish_run
 from generation_core.preflight.preflight import RunPlan, preflight
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker
 from generation_core.store.folder import StorageFolder
@@ -18,6 +16,7 @@ from generation_core.store.part_repair import committed_parts, read_verified_par
 from generation_core.store.trajectory_record import TrajectoryRecord, records_from_parquet
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
+from tests.shard_runs import run_shard
 
 TOOLS = REPO / "examples" / "tool_calling" / "tools.yaml"
 EXPRESSIONS = {"seven": "3+4", "twelve": "3*4", "nine": "(2+1)**2"}
@@ -84,11 +83,11 @@ def tool_run(directory: Path, model_dir: Path, output: str | None = None) -> Run
     tokenizer = hf_tokenizer(str(model_dir))
     manifests = []
     for shard in plan.shards:
-        prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+        prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
         engine = ScriptedEngine(tokenizer, EXPRESSIONS, failures={FAILING_TEXT: None})
         worker = StreamingWorker(plan.cfg, engine, RewardScorer.from_config(plan.cfg, tokenizer))
         try:
-            manifests.append(asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker)))
+            manifests.append(run_shard(plan.cfg, shard, plan.folder, prompts, worker))
         finally:
             worker.shutdown()
     finish_run(plan, manifests, 1.0)

@@ -14,7 +14,7 @@ import pytest
 from generation_core.errors import GenrunError
 from generation_core.outputs.merge import check_shard_counts, merge_run
 from generation_core.shard.adaptive import shard_rewards
-from generation_core.shard.job import ShardGeneration, TooManyFailedSamples
+from generation_core.shard.attempt import ShardGeneration, TooManyFailedSamples
 from generation_core.store.commit_log import ShardCheckpoint
 from tests.adaptive_shard import K, N, run_one_shard
 from tests.conftest import REPO, write_parquet

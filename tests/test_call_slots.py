@@ -11,15 +11,15 @@ import pytest
 from generation_core.config.loading import load_config
 from generation_core.config.settings import GenerationSettings
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.inputs.shard_rows import ShardPrompts, ShardSpec
+from generation_core.inputs.shard_rows import DatasetPrompts, ShardSpec
 from generation_core.outputs.merge import merge_run
 from generation_core.shard.call_slots import CallSlots, SlottedClient, sample_context
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.streaming import StreamingWorker
 from generation_core.store.folder import StorageFolder
 from tests.conftest import write_parquet
 from tests.run_folder_helpers import committed_keys
 from tests.scripted_engine import ScriptedEngine
+from tests.shard_runs import run_shard
 from tests.slow_tools import SlowCalculatorTool
 
 pytestmark = pytest.mark.timeout(180)
@@ -157,12 +157,12 @@ def test_a_tool_run_bounds_model_calls_not_trajectories_and_commits_each_once(mo
     folder = StorageFolder(str(tmp_path / "run"))
     dataset = inspect_dataset(cfg).files
     shard = ShardSpec(0, 0, dataset.num_rows)
-    prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(cfg, dataset, shard, tokenizer)
     # Model calls and tool calls of about the same length: half a trajectory's life is in its tool.
     engine = CountingEngine(tokenizer, seconds=0.02)
     worker = StreamingWorker(cfg, engine)
     open_now = open_peak = 0
-    original = worker.run_one
+    original = worker.samples.run_one
 
     async def counting_run_one(key, kwargs):
         nonlocal open_now, open_peak
@@ -173,10 +173,10 @@ def test_a_tool_run_bounds_model_calls_not_trajectories_and_commits_each_once(mo
         finally:
             open_now -= 1
 
-    worker.run_one = counting_run_one  # type: ignore[method-assign]
+    worker.samples.run_one = counting_run_one  # every sample of the worker's stream runs through it
     SlowCalculatorTool.peak_running = 0
     try:
-        asyncio.run(run_shard_with_worker(cfg, shard, folder, prompts, worker))
+        run_shard(cfg, shard, folder, prompts, worker)
     finally:
         worker.shutdown()
 
@@ -269,7 +269,7 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
     done, then 3x; every sample still comes out once."""
     from verl.utils import hf_tokenizer
 
-    from generation_core.shard.job import pending_samples
+    from generation_core.shard.attempt import pending_samples
 
     tokenizer = hf_tokenizer(str(model_dir))
     rows = [
@@ -287,7 +287,7 @@ def test_a_stream_follows_its_share_of_the_runs_in_flight_budget_and_yields_each
         "generation.max_inflight=2",
     )
     dataset = inspect_dataset(cfg).files
-    prompts = ShardPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
+    prompts = DatasetPrompts.for_shard(cfg, dataset, ShardSpec(0, 0, dataset.num_rows), tokenizer)
     engine = CountingEngine(tokenizer, seconds=0.05)
     worker = StreamingWorker(cfg, engine)
     share, finished, peak_before, open_seen = [1.0], [], 0, []

@@ -22,7 +22,6 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.outputs.merge import merge_run
 from generation_core.shard import part_writer
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, read_commit_records, sample_keys
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
@@ -39,6 +38,7 @@ from generation_core.store.trajectory_record import TrajectoryRecord, records_to
 from tests.conftest import REPO
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
+from tests.shard_runs import run_shard
 from tests.test_fencing import _folder, _snapshot, _stall_heartbeat, url_and_options  # noqa: F401 - a fixture
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
@@ -127,9 +127,7 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
         "generation.first_part_max_seconds=null",
         *([f"generation.save_batch_size={cap}"] if cap else []),
     )
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker())
-    )
+    manifest = run_shard(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), TokenWorker())
     commit_bytes = sum(_commit_sizes(tmp_path))
     part_bytes = sum(p.bytes for p in manifest.parts)
     ratio = commit_bytes / part_bytes
@@ -148,15 +146,14 @@ def test_commit_bytes_written_over_a_shard_next_to_its_part_bytes(tmp_path, cap)
 
 
 CRASHING_SHARD = """
-import asyncio
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
+from tests.shard_runs import run_shard
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 shard = ShardSpec(0, 0, 9)
 cfg = _cfg("generation.save_batch_size=3", "generation.max_inflight=1")
-asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder({run_dir!r}), FakePrompts(shard), ScriptedWorker()))
+run_shard(cfg, shard, StorageFolder({run_dir!r}), FakePrompts(shard), ScriptedWorker())
 """
 
 
@@ -191,10 +188,8 @@ def test_a_crash_between_a_part_and_its_record_regenerates_exactly_the_missing_s
     shard = ShardSpec(0, 0, 9)
     worker = ScriptedWorker()
     folder = StorageFolder(str(run_dir))
-    manifest = asyncio.run(
-        run_shard_with_worker(
-            _cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker
-        )
+    manifest = run_shard(
+        _cfg("generation.save_batch_size=3", "generation.max_inflight=1"), shard, folder, FakePrompts(shard), worker
     )
     assert sorted(worker.started) == [(100 + p, 0) for p in range(3, 9)], "exactly the samples no record holds"
     assert manifest.num_trajectories == 9 and manifest.attempts == 2
@@ -300,14 +295,12 @@ def test_parts_are_cut_by_size(tmp_path):
     shard = ShardSpec(0, 0, 200)
     target = 16 * 1024
     cfg = _cfg(f"generation.part_target_bytes={target}", "generation.max_inflight=8")
-    manifest = asyncio.run(
-        run_shard_with_worker(
-            cfg,
-            shard,
-            StorageFolder(str(tmp_path)),
-            FakePrompts(shard),
-            TokenWorker(prompt_tokens=32, response_tokens=128),
-        )
+    manifest = run_shard(
+        cfg,
+        shard,
+        StorageFolder(str(tmp_path)),
+        FakePrompts(shard),
+        TokenWorker(prompt_tokens=32, response_tokens=128),
     )
     sizes = [p.bytes for p in manifest.parts]
     print(f"{len(sizes)} parts of {sizes} bytes (target {target})")
@@ -322,9 +315,7 @@ def test_parts_are_cut_by_size(tmp_path):
 def test_parts_are_cut_by_age(tmp_path):
     shard = ShardSpec(0, 0, 6)
     cfg = _cfg("generation.part_max_seconds=0.000001", "generation.max_inflight=1")
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker())
-    )
+    manifest = run_shard(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), ScriptedWorker())
     assert [p.count for p in manifest.parts] == [1] * 6, (
         "each trajectory was older than part_max_seconds once it was added"
     )
@@ -333,14 +324,12 @@ def test_parts_are_cut_by_age(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_default_target_keeps_a_small_shard_in_one_part(tmp_path):
     shard = ShardSpec(0, 0, 300)
-    manifest = asyncio.run(
-        run_shard_with_worker(
-            _cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"),
-            shard,
-            StorageFolder(str(tmp_path)),
-            FakePrompts(shard),
-            TokenWorker(),
-        )
+    manifest = run_shard(
+        _cfg("generation.max_inflight=16", "generation.first_part_max_seconds=null"),
+        shard,
+        StorageFolder(str(tmp_path)),
+        FakePrompts(shard),
+        TokenWorker(),
     )
     assert len(manifest.parts) == 1 and manifest.parts[0].count == 300
     assert len(_commit_sizes(tmp_path)) == 3, "one attempt record, one part record, the done record"
@@ -487,22 +476,19 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
 
     running = {}
 
-    async def cancelled_shard():
-        running["loop"], running["task"] = (
-            asyncio.get_running_loop(),
-            asyncio.ensure_future(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())),
-        )
-        with pytest.raises(asyncio.CancelledError):
-            await running["task"]
+    def entered(worker):
+        # In the attempt's event loop: the task the flow's stop fallback would cancel.
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
 
-    asyncio.run(cancelled_shard())
+    with pytest.raises(asyncio.CancelledError):
+        run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), entered=entered)
     assert in_commit.is_set() and discarded.is_set()
     _, records = read_commit_records(folder, SHARD.name)
     parts = [record for record in records if record["kind"] == "part" and record["part"]]
     assert [(r["part"]["count"], len(sample_keys(r["samples"]))) for r in parts] == [(2, 2)], (
         "the record lists its part's samples"
     )
-    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     assert manifest.num_trajectories == 6
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
 
@@ -523,10 +509,8 @@ def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_pa
     assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
     assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
     assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
-    manifest = asyncio.run(
-        run_shard_with_worker(
-            _cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()
-        )
+    manifest = run_shard(
+        _cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()
     )
     assert manifest.num_trajectories == 6
     assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"

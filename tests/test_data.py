@@ -95,7 +95,7 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     from verl.utils import hf_tokenizer
 
     from flows.cli import _print_summary
-    from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.outputs.summary import summarize
     from generation_core.preflight.preflight import preflight
     from generation_core.store.run_folder import SuccessMarker
@@ -107,7 +107,7 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     plan = preflight(
         [f"data.train_files={path}", "data.max_prompt_length=128", f"trainer.default_local_dir={tmp_path / 'out'}"]
     )
-    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
     assert (len(prompts), prompts.filtered_overlong) == (2, 2)
     assert [prompts.sample_index(i) for i in range(len(prompts))] == [0, 2]
     manifest = SuccessMarker(

@@ -17,7 +17,7 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_files
 from generation_core.inputs.shard_rows import (
     OVERLONG_SAMPLE_ROWS,
-    ShardPrompts,
+    DatasetPrompts,
     read_rows,
     rows_digest,
 )
@@ -98,7 +98,7 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
     assert [(s.start, s.end) for s in shards] == [(0, 7), (7, 14), (14, 20)]
     kept, filtered = [], 0
     for shard in shards:
-        prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
+        prompts = DatasetPrompts.for_shard(cfg, dataset, shard, tokenizer)
         assert prompts.agent_names() <= {"single_turn_agent"}
         assert prompts.filtered_overlong == 0, "nothing is tokenized before a row is asked about"
         for position in range(len(prompts)):
@@ -113,7 +113,7 @@ def test_shard_rows_give_what_verls_dataset_gives(tmp_path, tokenizer):
     ), "the rows exercise both"
 
     # A range inside one row group of a.parquet into the middle of b.parquet.
-    middle = ShardPrompts(cfg, dataset, 5, 10, tokenizer)
+    middle = DatasetPrompts(cfg, dataset, 5, 10, tokenizer)
     assert [middle.sample_index(p) for p in range(len(middle))] == [5, 6, 8, 9]
     assert middle.filtered_overlong == 1
 
@@ -135,7 +135,7 @@ def test_rows_past_the_first_window_are_decided_in_batches_as_verl_decides_them(
         real = data._BatchedLengths.keeps
         monkeypatch.setattr(data._BatchedLengths, "keeps", lambda self, docs: [not k for k in real(self, docs)])
     reference = RLHFDataset([str(f) for f in files], tokenizer, cfg.data, processor=None, max_samples=-1)
-    prompts = ShardPrompts(cfg, inspect_dataset(cfg).files, 0, 200, tokenizer)
+    prompts = DatasetPrompts(cfg, inspect_dataset(cfg).files, 0, 200, tokenizer)
     with caplog.at_level("WARNING", logger="generation_core.inputs.shard_rows"):
         kept = [prompts.sample_index(p) for p in range(len(prompts))]
     assert kept == [reference[p]["extra_info"]["index"] for p in range(len(reference))]
@@ -334,8 +334,8 @@ def test_s3_input_by_url_and_glob_reads_the_same_rows(s3_input, tmp_path, tokeni
     on_disk = inspect_dataset(_cfg(local))
     assert remote.digest == on_disk.digest, "the same bytes elsewhere are the same dataset"
     shard = ShardSpec(1, 5, 15)
-    from_s3 = ShardPrompts.for_shard(cfg, remote.files, shard, tokenizer)
-    from_disk = ShardPrompts.for_shard(_cfg(local), on_disk.files, shard, tokenizer)
+    from_s3 = DatasetPrompts.for_shard(cfg, remote.files, shard, tokenizer)
+    from_disk = DatasetPrompts.for_shard(_cfg(local), on_disk.files, shard, tokenizer)
     assert from_s3.rows_digest == from_disk.rows_digest
     assert [from_s3.agent_kwargs(p) for p in range(len(from_s3))] == [
         from_disk.agent_kwargs(p) for p in range(len(from_disk))
@@ -424,15 +424,14 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     """A timestamp, a date, a decimal and a binary column (no JSON type) are carried as ISO text,
     the decimal's digits and base64: the shard commits (it used to fail at the part write,
     after generating every sample) and the merged DataProto holds the values."""
-    import asyncio
     import datetime
     import decimal
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.outputs.merge import merge_run
     from generation_core.preflight.preflight import preflight
-    from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
+    from tests.shard_runs import run_shard
 
     table = pa.Table.from_pylist(chat_rows(2))
     table = table.append_column(
@@ -457,13 +456,13 @@ def test_columns_json_has_no_type_for_reach_the_merged_output_as_text(tmp_path, 
     )
     plan.claim_folder()
     [shard] = plan.shards
-    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(
         plan.cfg,
         InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
     )
     try:
-        manifest = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker))
+        manifest = run_shard(plan.cfg, shard, plan.folder, prompts, worker)
     finally:
         worker.shutdown()
     assert (manifest.num_trajectories, manifest.failures) == (2, 0)
@@ -529,13 +528,12 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     included), so neither the sampled fingerprint nor the planned-file check can tell. The
     finished shard's rows are read again at resume and the digest its first attempt recorded
     refuses them, naming the shard and what to do; recheck_finished_rows=false gives that up."""
-    import asyncio
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.preflight.preflight import preflight
     from generation_core.shard.finished import finished_shards
-    from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
+    from tests.shard_runs import run_shard
 
     rows = chat_rows(6)
     for i, row in enumerate(rows):
@@ -559,14 +557,12 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     def run(shard):
         worker = StreamingWorker(plan.cfg, engine)
         try:
-            return asyncio.run(
-                run_shard_with_worker(
-                    plan.cfg,
-                    shard,
-                    plan.folder,
-                    ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
-                    worker,
-                )
+            return run_shard(
+                plan.cfg,
+                shard,
+                plan.folder,
+                DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
+                worker,
             )
         finally:
             worker.shutdown()

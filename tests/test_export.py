@@ -5,7 +5,6 @@ mask checked token by token) and by the chat template (token ids checked against
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
@@ -19,11 +18,10 @@ from examples.tool_calling.calculator import SCHEMA as CALCULATOR_SCHEMA
 from flows.cli import main
 from generation_core.engines.hf.engine import EngineSettings, HFEngine
 from generation_core.engines.instant import InstantEngine, InstantSettings
-from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.inputs.shard_rows import DatasetPrompts
 from generation_core.outputs.merge import scan_run
 from generation_core.preflight.preflight import preflight
 from generation_core.report.data import collect_report_data
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker
 from generation_core.store.folder import StorageFolder
@@ -33,6 +31,7 @@ from generation_core.store.trajectory_record import read_part_table, score_or_no
 from tests.conftest import REPO, write_parquet
 from tests.merge_oracles import read_committed_records
 from tests.scripted_engine import ScriptedEngine
+from tests.shard_runs import run_shard
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,10 +53,10 @@ def _run(plan, tokenizer, engine):
     plan.claim_folder()
     cfg = plan.cfg
     [shard] = plan.shards
-    prompts = ShardPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(cfg, engine, RewardScorer.from_config(cfg, tokenizer))
     try:
-        return asyncio.run(run_shard_with_worker(cfg, shard, plan.folder, prompts, worker))
+        return run_shard(cfg, shard, plan.folder, prompts, worker)
     finally:
         worker.shutdown()
 

@@ -53,15 +53,14 @@ def sft_model(request, tiny_chat_model, model_dir):
 @pytest.fixture(scope="module")
 def instant_run(tmp_path_factory, model_dir):
     """4 prompts, one sample each, of the instant engine, generated in this process (no Ray)."""
-    import asyncio
 
     from verl.utils import hf_tokenizer
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.preflight.preflight import preflight
-    from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
+    from tests.shard_runs import run_shard
 
     base = tmp_path_factory.mktemp("trl")
     rows = [
@@ -88,11 +87,11 @@ def instant_run(tmp_path_factory, model_dir):
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model_dir))
     [shard] = plan.shards
-    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
     worker = StreamingWorker(plan.cfg, engine)
     try:
-        assert asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker)).num_trajectories == 4
+        assert run_shard(plan.cfg, shard, plan.folder, prompts, worker).num_trajectories == 4
     finally:
         worker.shutdown()
     return base / "run"

@@ -6,7 +6,6 @@ record, no part, no failure log line, no error record. Commit records are create
 under the next number (storage.StorageFolder.create_exclusive) and the new holder claims that number
 first, which is what closes the window."""
 
-import asyncio
 import functools
 import json
 import threading
@@ -16,13 +15,13 @@ import pytest
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
 from generation_core.store.folder import StorageFolder, WriteConflict
 from generation_core.store.lease import LeaseLost, RunLease
 from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
+from tests.shard_runs import run_shard
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,7 +112,7 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
     worker = ScriptedWorker(fail_on=(100 + committed_before + 1, 0))
     try:
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker, old.fence()))
+            run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker, old.fence())
         assert stall.new_lease is not None, "the takeover happened"
         checkpoint = _checkpoint(folder)
         assert checkpoint.lease == stall.new_lease.record.generation and len(checkpoint.completed) == committed_before
@@ -126,10 +125,8 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
         assert _snapshot(folder) == stall.after_takeover, "the old run changed the folder after the new one started"
         assert not read_failure_log(folder, SHARD.name) and not folder.exists(shard_file(SHARD.name, "last_error.json"))
         # The new holder carries on from there and commits normally.
-        manifest = asyncio.run(
-            run_shard_with_worker(
-                cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()
-            )
+        manifest = run_shard(
+            cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), ScriptedWorker(), stall.new_lease.fence()
         )
         assert manifest.num_trajectories == 6 and sorted(_checkpoint(folder).completed) == [
             f"{100 + p}:0" for p in range(6)
@@ -142,7 +139,7 @@ def test_a_commit_in_flight_when_another_run_takes_over_is_refused_and_changes_n
 
 def _finished_shard_with_a_damaged_part(folder: StorageFolder) -> None:
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     part = _checkpoint(folder).parts[1].name
     folder.put_atomic(shard_file(SHARD.name, part), b"truncated")
 
@@ -157,7 +154,7 @@ def test_a_repair_by_a_run_that_lost_its_lease_changes_nothing(url_and_options):
         before = _snapshot(folder)
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost):
-            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence())
         assert _snapshot(folder) == before, "the repair dropped a part or the marker after the takeover"
     old.release()
 
@@ -170,15 +167,13 @@ def test_a_repair_in_flight_when_another_run_takes_over_writes_no_commit_record(
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 1, monkeypatch)
     try:
         with pytest.raises(LeaseLost):
-            asyncio.run(
-                run_shard_with_worker(
-                    _cfg("generation.save_batch_size=2"),
-                    SHARD,
-                    folder,
-                    FakePrompts(SHARD),
-                    ScriptedWorker(),
-                    old.fence(),
-                )
+            run_shard(
+                _cfg("generation.save_batch_size=2"),
+                SHARD,
+                folder,
+                FakePrompts(SHARD),
+                ScriptedWorker(),
+                old.fence(),
             )
         # The last record is the new holder's claim, the damaged part still listed: its own
         # verification drops it. (The old run removed the success marker before it stalled,
@@ -355,7 +350,7 @@ def test_a_commit_record_whose_answer_s3fs_lost_keeps_its_part_and_the_shard_fin
 
     monkeypatch.setattr(client, "put_object", put_object)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     assert fired and manifest.num_trajectories == 6 and manifest.failures == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], (
         "every listed part is there"
@@ -405,7 +400,7 @@ def test_a_merge_repair_and_a_marker_by_a_run_that_lost_its_lease_change_nothing
 
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     part = shard_file(SHARD.name, manifest.parts[0].name)
     old = RunLease.acquire(folder, seconds=60)
     _stall_heartbeat(folder, old)
@@ -437,17 +432,13 @@ def test_a_marker_in_flight_when_another_run_takes_over_writes_no_done_record(ur
     stall = _TakeoverBeforeWrite(folder, old, url_and_options, 2, monkeypatch)
     try:
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence()))
+            run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker(), old.fence())
         assert stall.new_lease is not None, "the takeover happened at the done record"
         assert _snapshot(folder) == stall.after_takeover, "no done record, no marker after the takeover"
         assert read_marker(folder, SHARD.name) is None
         # The new holder finishes the shard (nothing left to generate) under its own done record.
         worker = ScriptedWorker()
-        manifest = asyncio.run(
-            run_shard_with_worker(
-                cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence()
-            )
-        )
+        manifest = run_shard(cfg, SHARD, _folder(url_and_options), FakePrompts(SHARD), worker, stall.new_lease.fence())
         assert worker.started == [] and manifest.num_trajectories == 6
         assert read_marker(folder, SHARD.name).done_record == _checkpoint(folder).done_seq is not None
     finally:
@@ -464,18 +455,18 @@ def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_record
     markers' meaning."""
     folder = StorageFolder(str(tmp_path / "run"))
     cfg = _cfg("generation.save_batch_size=2")
-    asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     late_marker = folder.read_bytes(shard_file(SHARD.name, SUCCESS_FILE))
     ShardCheckpoint.start_attempt(folder, SHARD.name)  # a new holder claims the shard ...
     folder.put_atomic(shard_file(SHARD.name, SUCCESS_FILE), late_marker)  # ... and the old marker lands after
     assert read_marker(folder, SHARD.name) is None
     again = ScriptedWorker()
-    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), again))
+    manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), again)
     assert again.started == [] and manifest.num_trajectories == 6 and read_marker(folder, SHARD.name) is not None
 
     # The layout today's main wrote: records without a done record, a marker without done_record.
     legacy = StorageFolder(str(tmp_path / "legacy"))
-    asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker()))
+    run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker())
     sequences, records = read_commit_records(legacy, SHARD.name)
     legacy.remove(commit_file(SHARD.name, sequences[-1]))
     assert records[-1]["kind"] == "done"
@@ -484,10 +475,7 @@ def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_record
         shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"}
     )
     untouched = ScriptedWorker()
-    assert (
-        asyncio.run(run_shard_with_worker(cfg, SHARD, legacy, FakePrompts(SHARD), untouched)).last_attempt.skipped
-        and untouched.started == []
-    )
+    assert run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), untouched).last_attempt.skipped and untouched.started == []
 
 
 def _take_over(url_and_options, lease: RunLease, taken: list[RunLease]) -> None:
@@ -510,7 +498,7 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     url_and_options = (str(tmp_path / "run"), {})
     folder = _folder(url_and_options)
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
-    manifest = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+    manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     folder.put_json(RUN_FILE, {"fingerprint": "f" * 64})
     plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64)
     taken: list[RunLease] = []

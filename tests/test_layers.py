@@ -140,10 +140,7 @@ OVER_SINCE_FORMAT = {
     "generation_core/inputs/dataset_files.py",
     "generation_core/inputs/tasks.py",
     "generation_core/outputs/merge.py",
-    "generation_core/shard/job.py",
-    "generation_core/shard/streaming.py",
     "generation_core/outputs/export.py",
-    "generation_core/store/commit_log.py",
 }
 
 

@@ -2,7 +2,6 @@
 run's lease is taken over (at once when its process is gone, else after it expires); a run
 that lost its lease stops before committing. The two-`genrun`s-at-once case is in tests/chaos."""
 
-import asyncio
 import errno
 import json
 import os
@@ -164,7 +163,7 @@ def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
 
 def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     from generation_core.inputs.shard_rows import ShardSpec
-    from generation_core.shard.job import run_shard_with_worker
+    from tests.shard_runs import run_shard
     from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
     folder = StorageFolder(str(tmp_path / "run"))
@@ -177,11 +176,7 @@ def test_a_run_that_lost_its_lease_stops_before_committing(tmp_path):
     with RunLease.acquire(folder, seconds=60):
         cfg = _cfg("generation.save_batch_size=2")
         with pytest.raises(LeaseLost, match="taken over by another run"):
-            asyncio.run(
-                run_shard_with_worker(
-                    cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence
-                )
-            )
+            run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), ScriptedWorker(), fence)
     assert not folder.list("shards/shard-00000/commits"), "nothing committed after the takeover"
     assert LeaseFence(2).check(folder) is None
 
@@ -333,8 +328,8 @@ def test_a_folder_whose_lease_files_were_removed_resumes_exactly(tmp_path):
     import shutil
 
     from generation_core.inputs.shard_rows import ShardSpec
-    from generation_core.shard.job import run_shard_with_worker
     from tests.run_folder_helpers import committed_keys
+    from tests.shard_runs import run_shard
     from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
     run_dir = tmp_path / "run"
@@ -345,16 +340,12 @@ def test_a_folder_whose_lease_files_were_removed_resumes_exactly(tmp_path):
     for generation in (1, 2):
         with RunLease.acquire(folder, seconds=60) as lease:
             assert lease.record.generation == generation
-            asyncio.run(
-                run_shard_with_worker(
-                    cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence()
-                )
-            )
+            run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(101, 0)), lease.fence())
     shutil.rmtree(run_dir / LEASE_DIR)
     worker = ScriptedWorker()
     with RunLease.acquire(folder, seconds=60) as lease:
         assert lease.record.generation == 3, "numbered above the leases the commit records hold"
-        manifest = asyncio.run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), worker, lease.fence()))
+        manifest = run_shard(cfg, shard, folder, FakePrompts(shard), worker, lease.fence())
     assert worker.started == [(101, 0)], "exactly the one sample no record holds"
     assert manifest.num_trajectories == 6 and manifest.failures == 0
     assert sorted(committed_keys(run_dir, shard.name)) == sorted(f"{100 + p}:0" for p in range(6))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import pyarrow as pa
@@ -22,11 +21,11 @@ def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceba
     from verl.utils import hf_tokenizer
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
-    from generation_core.inputs.shard_rows import ShardPrompts
+    from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.preflight.preflight import preflight
-    from generation_core.shard.job import run_shard_with_worker
     from generation_core.shard.streaming import StreamingWorker
     from generation_core.store.run_folder import COMMITS_DIR
+    from tests.shard_runs import run_shard
 
     # One column of 3 MiB ahead of the ground truths: the file is fingerprinted by samples and
     # its footer holds no statistics, so an in-place edit of one ground truth keeps the
@@ -63,14 +62,12 @@ def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceba
     )
     try:
         assert (
-            asyncio.run(
-                run_shard_with_worker(
-                    plan.cfg,
-                    shard,
-                    plan.folder,
-                    ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
-                    worker,
-                )
+            run_shard(
+                plan.cfg,
+                shard,
+                plan.folder,
+                DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
+                worker,
             ).num_trajectories
             == 4
         )

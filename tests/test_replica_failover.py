@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -32,12 +33,12 @@ async def _health_once_restarted(handle, seconds: float = 300):
 
 
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
-    from verl.utils import hf_tokenizer
 
-    from generation_core.inputs.shard_rows import ShardPrompts
     from generation_core.preflight.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
-    from generation_core.shard.job import build_streaming_worker, run_shard_with_worker
+    from generation_core.shard.job import dataset_prompts, run_shard_job, run_tokenizer
+    from generation_core.shard.rewards import RewardScorer
+    from generation_core.shard.streaming import StreamingWorker
 
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(12))
     plan = preflight(
@@ -56,17 +57,42 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
         ]
     )
 
+    class BackInRotation:
+        """The job's worker factory: a worker on the booted pool's routing client. At its exit, in
+        the attempt's event loop (where the client's probes run), it waits for Ray to restart the
+        killed replica and for the client's probe to put it back in rotation."""
+
+        def __init__(self, pool):
+            self.pool, self.victim = pool, pool.manager.server_handles[0]
+            self.restarted, self.back = None, False
+
+        def prompts(self, plan, shard):
+            return dataset_prompts(plan, shard)
+
+        @asynccontextmanager
+        async def worker(self, plan, shard):
+            routing = self.pool.client()
+            worker = StreamingWorker(plan.cfg, routing, RewardScorer.from_config(plan.cfg, run_tokenizer(plan.cfg)))
+            try:
+                yield worker
+                self.restarted = await _health_once_restarted(self.victim)
+                for _ in range(40):
+                    if not routing.down:
+                        break
+                    await asyncio.sleep(0.25)
+                self.back = not routing.down and not routing.gone
+            finally:
+                await routing.aclose()
+                worker.shutdown()
+
     async def scenario():
         pool = await ReplicaPool.boot(plan.cfg)
         try:
             before = await pool.check_health()
             assert len(before) == 2
-            victim = pool.manager.server_handles[0]
-            routing = pool.client()
-            shard_prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, plan.shards[0], hf_tokenizer(str(model_dir)))
-            worker = build_streaming_worker(plan.cfg, routing, shard_prompts)
+            workers = BackInRotation(pool)
             shard = asyncio.ensure_future(
-                run_shard_with_worker(plan.cfg, plan.shards[0], plan.folder, shard_prompts, worker)
+                asyncio.to_thread(run_shard_job, plan, plan.shards[0], worker_factory=workers)
             )
             while not has_committed_part(tmp_path / "run"):
                 assert not shard.done(), shard.exception()
@@ -74,15 +100,8 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
             # Both replicas have requests in flight (least-outstanding routing, 6 in flight).
             os.kill(before[0]["pid"], signal.SIGKILL)
             marker = await shard
-            worker.shutdown()
-            restarted = await _health_once_restarted(victim)
-            # The client's probe sees the restarted replica too and puts it back in rotation.
-            for _ in range(40):
-                if not routing.down:
-                    break
-                await asyncio.sleep(0.25)
-            assert not routing.down and not routing.gone, "the restarted replica is back in rotation"
-            return before, marker, restarted
+            assert workers.back, "the restarted replica is back in rotation"
+            return before, marker, workers.restarted
         finally:
             pool.shutdown()
 

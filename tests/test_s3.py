@@ -20,11 +20,11 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardSpec
 from generation_core.outputs.padding import RUN_DEPENDENT_KEYS
 from generation_core.preflight.preflight import preflight
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
 from tests.conftest import GENRUN, REPO, chat_rows, kill_group, run_genrun, start_moto, write_parquet
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import committed_keys, has_committed_part
+from tests.shard_runs import run_shard
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 from tests.wandb_offline import artifacts, history_keys, offline_run_files
 
@@ -212,9 +212,7 @@ def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
     fault = _FailOnce(folder, marker, _s3_answer("SlowDown", 503, "Please reduce your request rate."))
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
     try:
-        manifest = asyncio_run(
-            run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker())
-        )
+        manifest = run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker())
     finally:
         fault.restore()
     assert fault.fired == 1 and manifest.num_trajectories == 6
@@ -225,18 +223,18 @@ def test_transient_s3_errors_are_retried_without_loss(s3_env, tmp_path, marker):
 def test_a_failed_put_fails_the_shard_and_resume_loses_nothing(s3_env, tmp_path, marker):
     folder = StorageFolder(f"s3://genrun-test/faults/permanent-{marker.strip('./-')}")
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=2")
-    asyncio_run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker())
+    run_shard(
+        cfg, ShardSpec(0, 0, 2), folder, FakePrompts(ShardSpec(0, 0, 2)), ScriptedWorker()
     )  # a first committed part
     folder.remove("shards/shard-00000/_SUCCESS.json")
     shard = ShardSpec(0, 0, 6)
     fault = _FailOnce(folder, marker, _s3_answer("AccessDenied", 403, "Access Denied"))
     try:
         with pytest.raises(PermissionError):
-            asyncio_run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
+            run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker())
     finally:
         fault.restore()
-    manifest = asyncio_run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker()))
+    manifest = run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker())
     keys = [r.key for r in read_committed_records(folder)]
     assert manifest.num_trajectories == 6 and keys == [(100 + p, 0) for p in range(6)], "nothing lost, nothing twice"
 

@@ -9,22 +9,25 @@ import pytest
 
 from generation_core.config.loading import load_config
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
-from generation_core.shard.streaming import StreamingWorker
+from generation_core.shard.attempt import TooManyFailedSamples
+from generation_core.shard.sample_stream import SampleStream
 from generation_core.store.commit_log import read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.trajectory_record import TrajectoryRecord
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict, committed_keys
 from tests.sample_deadline import failure_log
+from tests.shard_runs import run_shard
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class FakePrompts:
-    """A shard's prompts (data.ShardPrompts): dataset row p has sample id 100 + p; none filtered."""
+    """A shard's prompts (shard/protocols.py's ShardPrompts): dataset row p has sample id 100 + p;
+    none filtered; no rows digest unless a test sets one."""
 
     filtered_overlong = 0
+    rows_digest = None
 
     def __init__(self, shard):
         self.start, self.num_rows = shard.start, len(shard)
@@ -50,15 +53,31 @@ class FakePrompts:
     sample_index, agent_kwargs = row_index, row_kwargs
 
 
-class ScriptedWorker(StreamingWorker):
-    """The real streaming logic; only the per-sample agent loop is scripted."""
+class ScriptedWorker:
+    """A StreamWorker (shard/protocols.py) with the product's streaming (SampleStream: slots,
+    deadlines); only the per-sample agent loop is scripted. `sample_timeout`: each sample's
+    deadline (generation.sample_timeout_seconds)."""
 
-    def __init__(self, delays=None, fail_on=None):
+    postprocess_seconds = 0.0
+
+    def __init__(self, delays=None, fail_on=None, sample_timeout=float("inf")):
         self.delays = delays or {}
         self.fail_on = fail_on
         self.started: list[tuple[int, int]] = []
         self.inflight = 0
         self.max_seen_inflight = 0
+        self.provenance = {}
+        self.samples = SampleStream(self.run_one, sample_timeout)
+
+    def stream(self, samples, max_inflight, idle_timeout, max_open=None, scale=None):
+        return self.samples.stream(samples, max_inflight, idle_timeout, max_open, scale)
+
+    @property
+    def peak_calls_in_flight(self):
+        return self.samples.peak_calls_in_flight
+
+    def engine_counters(self):
+        return {"requests": 0, "request_retries": 0, "replica_failures": 0}
 
     async def run_one(self, key, kwargs):
         self.started.append(key)
@@ -81,9 +100,7 @@ def test_parts_stream_out_and_in_flight_is_bounded(tmp_path):
     cfg = _cfg("generation.save_batch_size=4", "generation.max_inflight=3", "actor_rollout_ref.rollout.n=2")
     folder = StorageFolder(str(tmp_path))
     worker = ScriptedWorker()
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 5), folder, FakePrompts(ShardSpec(0, 0, 5)), worker)
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 5), folder, FakePrompts(ShardSpec(0, 0, 5)), worker)
     assert worker.max_seen_inflight <= 3
     assert manifest.num_trajectories == 10 == manifest.expected_trajectories
     assert [p.count for p in manifest.parts] == [4, 4, 2]
@@ -99,20 +116,14 @@ def test_part_max_seconds_commits_a_partial_part(tmp_path):
     cfg = _cfg("generation.save_batch_size=100", "generation.part_max_seconds=0.3", "generation.max_inflight=4")
     folder = StorageFolder(str(tmp_path))
     worker = ScriptedWorker(delays={103: 1.5})
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), worker)
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 4), folder, FakePrompts(ShardSpec(0, 0, 4)), worker)
     assert [p.count for p in manifest.parts] == [3, 1], "the three fast samples were committed while the slow one ran"
 
 
 def test_the_first_part_is_cut_young_and_later_parts_by_part_max_seconds(tmp_path):
     cfg = _cfg("generation.part_max_seconds=100", "generation.first_part_max_seconds=0.3", "generation.max_inflight=4")
     worker = ScriptedWorker(delays={102: 1.0, 103: 1.0})
-    manifest = asyncio.run(
-        run_shard_with_worker(
-            cfg, ShardSpec(0, 0, 4), StorageFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 4)), worker
-        )
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 4), StorageFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 4)), worker)
     assert [p.count for p in manifest.parts] == [2, 2], (
         "the first part went out 0.3 s after its first trajectory; the second waited for the end"
     )
@@ -123,11 +134,7 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     folder = StorageFolder(str(tmp_path))
     shard_dir = tmp_path / "shards" / "shard-00000"
     with pytest.raises(TooManyFailedSamples, match=r"1 of 6 trajectories failed.*max_failed_fraction=0.0"):
-        asyncio.run(
-            run_shard_with_worker(
-                cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker(fail_on=(104, 0))
-            )
-        )
+        run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), ScriptedWorker(fail_on=(104, 0)))
     checkpoint = checkpoint_dict(tmp_path)
     assert checkpoint["completed"] == ["100:0", "101:0", "102:0", "103:0", "105:0"], (
         "the shard carried on past the failure"
@@ -144,15 +151,13 @@ def test_failed_sample_is_recorded_the_shard_carries_on_and_a_retry_regenerates_
     assert "TooManyFailedSamples" in json.loads((shard_dir / "last_error.json").read_text())["error"]
 
     retry = ScriptedWorker()
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), retry)
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), retry)
     assert retry.started == [(104, 0)], "only the failed sample runs again"
     assert manifest.attempts == 2 and manifest.num_trajectories == 6 and manifest.failures == 0
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)]
 
     done = ScriptedWorker()
-    again = asyncio.run(run_shard_with_worker(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), done))
+    again = run_shard(cfg, ShardSpec(0, 0, 6), folder, FakePrompts(ShardSpec(0, 0, 6)), done)
     assert done.started == [] and again.last_attempt.skipped
 
 
@@ -160,11 +165,11 @@ def test_an_agent_loop_that_never_returns_fails_its_sample_at_the_deadline_and_f
     cfg = _cfg(
         "generation.max_inflight=1", "generation.max_failed_fraction=0.5", "generation.sample_timeout_seconds=0.5"
     )
-    worker = ScriptedWorker(delays={102: 10**6})  # asyncio.sleep for ever
-    # What StreamingWorker.__init__ (which ScriptedWorker skips) takes from the config.
-    worker.sample_timeout = cfg.generation.sample_timeout_seconds
+    worker = ScriptedWorker(  # 102: asyncio.sleep for ever
+        delays={102: 10**6}, sample_timeout=cfg.generation.sample_timeout_seconds
+    )
     shard = ShardSpec(0, 0, 5)
-    manifest = asyncio.run(run_shard_with_worker(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), worker))
+    manifest = run_shard(cfg, shard, StorageFolder(str(tmp_path)), FakePrompts(shard), worker)
     assert worker.started == [(100 + p, 0) for p in range(5)], (
         "one slot: the samples after 102 ran only because its deadline freed it"
     )
@@ -187,9 +192,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
     )
     folder = StorageFolder(str(tmp_path))
     shard = ShardSpec(0, 0, 10)
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(107, 1)))
-    )
+    manifest = run_shard(cfg, shard, folder, FakePrompts(shard), ScriptedWorker(fail_on=(107, 1)))
     assert manifest.num_trajectories == 19 and manifest.expected_trajectories == 20
     assert manifest.failures == 1 and manifest.failed_samples == ["107:1"]
     marker = json.loads((tmp_path / "shards" / "shard-00000" / "_SUCCESS.json").read_text())
@@ -198,7 +201,7 @@ def test_failures_within_max_failed_fraction_finish_the_shard_and_a_later_run_re
 
     # The same run again: the finished shard is re-opened for its failed sample only.
     rerun = ScriptedWorker()
-    manifest = asyncio.run(run_shard_with_worker(cfg, shard, folder, FakePrompts(shard), rerun))
+    manifest = run_shard(cfg, shard, folder, FakePrompts(shard), rerun)
     assert rerun.started == [(107, 1)]
     assert manifest.failures == 0 and manifest.num_trajectories == 20
     keys = [r.key for r in read_committed_records(folder)]
@@ -218,9 +221,7 @@ def test_more_failures_than_allowed_fail_the_shard(tmp_path):
             return await super().run_one(key, kwargs)
 
     # 8 trajectories, 0.25 allows 2: two failures pass.
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(ShardSpec(0, 0, 8)), FailingTwo())
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 8), folder, FakePrompts(ShardSpec(0, 0, 8)), FailingTwo())
     assert manifest.failures == 2 and manifest.num_trajectories == 6
 
     class FailingThree(ScriptedWorker):
@@ -231,9 +232,7 @@ def test_more_failures_than_allowed_fail_the_shard(tmp_path):
 
     other = StorageFolder(str(tmp_path / "other"))
     with pytest.raises(TooManyFailedSamples, match="3 of 8 trajectories failed"):
-        asyncio.run(
-            run_shard_with_worker(cfg, ShardSpec(0, 0, 8), other, FakePrompts(ShardSpec(0, 0, 8)), FailingThree())
-        )
+        run_shard(cfg, ShardSpec(0, 0, 8), other, FakePrompts(ShardSpec(0, 0, 8)), FailingThree())
     checkpoint = checkpoint_dict(tmp_path / "other")
     assert len(checkpoint["completed"]) == 5 and sorted(checkpoint["failed"]) == ["101:0", "104:0", "106:0"]
 
@@ -248,11 +247,7 @@ def test_systematic_failures_stop_the_shard_early(tmp_path):
 
     worker = EngineDown()
     with pytest.raises(TooManyFailedSamples):
-        asyncio.run(
-            run_shard_with_worker(
-                cfg, ShardSpec(0, 0, 50), StorageFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 50)), worker
-            )
-        )
+        run_shard(cfg, ShardSpec(0, 0, 50), StorageFolder(str(tmp_path)), FakePrompts(ShardSpec(0, 0, 50)), worker)
     assert len(worker.started) < 10, "gave up after 2 x max_inflight failures instead of failing all 50"
 
 
@@ -267,14 +262,10 @@ def test_n_samples_resume_regenerates_only_the_missing_rollouts(tmp_path):
             return await super().run_one(key, kwargs)
 
     with pytest.raises(KeyboardInterrupt):
-        asyncio.run(
-            run_shard_with_worker(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), StopAfter())
-        )
+        run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), StopAfter())
     assert committed_keys(tmp_path, "shard-00000") == ["100:0", "100:1"]
     resumed = ScriptedWorker()
-    manifest = asyncio.run(
-        run_shard_with_worker(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), resumed)
-    )
+    manifest = run_shard(cfg, ShardSpec(0, 0, 3), folder, FakePrompts(ShardSpec(0, 0, 3)), resumed)
     assert resumed.started[:2] == [(100, 2), (100, 3)], "the prompt with 2 of 4 done regenerates only 2"
     assert len(resumed.started) == 10 and manifest.num_trajectories == 12
     keys = [r.key for r in read_committed_records(folder)]
@@ -295,11 +286,9 @@ def test_status_reports_done_failed_and_pending_shards(tmp_path, capsys):
             "shards": [{"name": s.name, "range": [s.start, s.end]} for s in shards],
         },
     )
-    asyncio.run(run_shard_with_worker(cfg, shards[0], folder, FakePrompts(shards[0]), ScriptedWorker()))
+    run_shard(cfg, shards[0], folder, FakePrompts(shards[0]), ScriptedWorker())
     with pytest.raises(TooManyFailedSamples):
-        asyncio.run(
-            run_shard_with_worker(cfg, shards[1], folder, FakePrompts(shards[1]), ScriptedWorker(fail_on=(107, 0)))
-        )
+        run_shard(cfg, shards[1], folder, FakePrompts(shards[1]), ScriptedWorker(fail_on=(107, 0)))
     assert print_status(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "shard-00000  done     4/4" in out

@@ -4,7 +4,6 @@ that says what to do, the committed parts and commit records stay intact, no tem
 behind, and once there is space the next attempt resumes: every sample exactly once. S3 errors
 (5xx retried, a refused PUT failing the shard) are in test_s3."""
 
-import asyncio
 import errno
 import hashlib
 import subprocess
@@ -12,10 +11,10 @@ import subprocess
 import pytest
 
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.store.folder import StorageFolder
 from tests.merge_oracles import read_committed_records
 from tests.run_folder_helpers import checkpoint_dict
+from tests.shard_runs import run_shard
 from tests.test_shard import FakePrompts, ScriptedWorker, _cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,7 +84,7 @@ def _assert_intact(run_dir):
 
 def _resume_and_check(cfg, folder, run_dir, committed_before):
     worker = ScriptedWorker()
-    marker = asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), worker))
+    marker = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), worker)
     assert len(worker.started) == 60 - committed_before, "only what was not committed runs again"
     assert marker.num_trajectories == 60
     completed = _assert_intact(run_dir)["completed"]
@@ -100,7 +99,7 @@ def test_a_real_full_disk_fails_the_shard_cleanly_and_the_retry_resumes(small_di
     with pytest.raises(
         OSError, match="no space left on the device of .*free space there or choose another trainer.default_local_dir"
     ):
-        asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
@@ -113,7 +112,7 @@ def test_an_injected_disk_full_fails_the_shard_cleanly_and_the_retry_resumes(tmp
     folder = StorageFolder(str(run_dir))
     disk = _DiskFullAfter(folder, allowed=9)
     with pytest.raises(OSError, match="(?i)no space left"):
-        asyncio.run(run_shard_with_worker(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker()))
+        run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     committed = len(_assert_intact(run_dir)["completed"])
     assert 0 < committed < 60
     disk.free()

@@ -9,7 +9,6 @@ RLHFDataset reads."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -24,14 +23,14 @@ from omegaconf import OmegaConf
 from flows.cli import main
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.errors import GenrunError
-from generation_core.inputs.shard_rows import ShardPrompts
+from generation_core.inputs.shard_rows import DatasetPrompts
 from generation_core.inputs.task_cache import input_files, log_hub_build
 from generation_core.inputs.tasks import build_tasks, task_configs
 from generation_core.preflight.preflight import preflight
-from generation_core.shard.job import run_shard_with_worker
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker
 from tests.conftest import write_parquet
+from tests.shard_runs import run_shard
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -223,14 +222,14 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     plan.claim_folder()
     tokenizer = hf_tokenizer(str(model_dir))
     [shard] = plan.shards
-    prompts = ShardPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(
         plan.cfg,
         InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
         RewardScorer.from_config(plan.cfg, tokenizer),
     )
     try:
-        manifest = asyncio.run(run_shard_with_worker(plan.cfg, shard, plan.folder, prompts, worker))
+        manifest = run_shard(plan.cfg, shard, plan.folder, prompts, worker)
     finally:
         worker.shutdown()
     assert manifest.num_trajectories == 8 * ROLLOUT_N

@@ -13,9 +13,9 @@ import torch
 
 from generation_core.config.loading import load_config
 from generation_core.inputs.dataset_files import inspect_dataset
-from generation_core.inputs.shard_rows import ShardPrompts, ShardSpec
+from generation_core.inputs.shard_rows import DatasetPrompts, ShardSpec
 from generation_core.outputs.merge import merge_run
-from generation_core.shard.job import TooManyFailedSamples, run_shard_with_worker
+from generation_core.shard.attempt import TooManyFailedSamples
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker
 from generation_core.store.commit_log import read_failure_log
@@ -23,6 +23,7 @@ from generation_core.store.folder import StorageFolder
 from tests import sample_deadline
 from tests.conftest import REPO, write_parquet
 from tests.scripted_engine import ScriptedEngine
+from tests.shard_runs import run_shard
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -110,11 +111,11 @@ def _run_shard(cfg, tokenizer, data_file, folder, engine, reward=True):
     cfg.data.train_files = str(data_file)
     dataset = inspect_dataset(cfg).files
     shard = ShardSpec(0, 0, dataset.num_rows)
-    prompts = ShardPrompts.for_shard(cfg, dataset, shard, tokenizer)
+    prompts = DatasetPrompts.for_shard(cfg, dataset, shard, tokenizer)
     scorer = RewardScorer.from_config(cfg, tokenizer) if reward else None
     worker = StreamingWorker(cfg, engine, scorer)
     try:
-        return asyncio.run(run_shard_with_worker(cfg, shard, folder, prompts, worker))
+        return run_shard(cfg, shard, folder, prompts, worker)
     finally:
         worker.shutdown()
 

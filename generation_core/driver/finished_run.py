@@ -18,10 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config.settings import GenerationSettings
 from generation_core.run_plan import DatasetFiles, RunPlan, plan_shards
-from generation_core.shard.finished import check_rows_unchanged, rows_digest_reader
-from generation_core.store.commit_log import ShardCheckpoint, read_marker
+from generation_core.shard.finished import check_rows_unchanged, finished_marker, rows_digest_reader
+from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import part_damage
 from generation_core.store.run_folder import (
     CHUNK_INDEX_FILE,
     MANIFEST_FILE,
@@ -29,9 +28,7 @@ from generation_core.store.run_folder import (
     REPORT_FILE,
     RUN_FILE,
     ZIP_FILE,
-    SuccessMarker,
     check_run_folder,
-    shard_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +61,7 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
     markers, recorded_digests = [], {}
     for shard in plan.shards:
         checkpoint = ShardCheckpoint.load(folder, shard.name)
-        marker = _finished_marker(folder, shard.name, checkpoint)
+        marker = finished_marker(folder, shard.name, checkpoint)
         if marker is None:
             return None
         markers.append(marker)
@@ -84,18 +81,6 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
         return None
     _check_rows_unchanged(plan, recorded_digests)
     return dict(manifest, report=folder.display(REPORT_FILE))
-
-
-def _finished_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint) -> SuccessMarker | None:
-    """The shard's marker when it stands, records no failed sample and every part it lists is
-    there at its recorded size (one listing, no reads)."""
-    marker = read_marker(folder, shard, checkpoint)
-    if marker is None or marker.failures:
-        return None
-    sizes = folder.list_sizes(shard_file(shard)) if checkpoint.parts else {}
-    if any(part_damage(folder, shard, part, sizes=sizes) for part in checkpoint.parts):
-        return None
-    return marker
 
 
 def _check_rows_unchanged(plan: RunPlan, recorded_digests: dict[int, str | None]) -> None:

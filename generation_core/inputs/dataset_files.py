@@ -56,7 +56,7 @@ _GLOB_CHARS = "*?["
 # file, a changed schema change the footer; what it can miss is an edit that keeps every size
 # and statistic (e.g. one prompt changed in the middle of a large file, same length) and falls
 # between the slices. That case is caught per shard: each shard has an exact digest of its own
-# rows (data.ShardPrompts.rows_digest), recorded in its checkpoint, and a resume over changed
+# rows (shard_rows.DatasetPrompts.rows_digest), recorded in its checkpoint, and a resume over changed
 # rows is refused. JSON files (small, see JSON_MAX_BYTES) are hashed whole.
 SAMPLE_SLICES = 64
 SAMPLE_SLICE_BYTES = 4096

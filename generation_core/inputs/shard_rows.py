@@ -1,7 +1,7 @@
 """A shard's own rows and prompts.
 
 Shards are ranges of raw dataset rows, planned from row counts alone (run_plan.plan_shards); each
-shard job reads only its rows (`ShardPrompts`: the row groups overlapping its range, through
+shard job reads only its rows (`DatasetPrompts`: the row groups overlapping its range, through
 fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
 arguments verl's `RLHFDataset` would give for those rows.
 """
@@ -127,7 +127,7 @@ class _BatchedLengths:
     and template kwargs, then the tokenizer without special tokens), ~6x cheaper per row because
     the template renders and the tokenizer encodes a whole window at once. Only for datasets
     without a processor (verl's multimodal rule stays per row), and only while it agrees with
-    verl's own predicate (ShardPrompts checks the first window of every shard against it)."""
+    verl's own predicate (DatasetPrompts checks the first window of every shard against it)."""
 
     def __init__(self, settings: PromptLengthSettings, tokenizer):
         self.prompt_key = settings.prompt_key
@@ -151,7 +151,7 @@ class _BatchedLengths:
         return [len(row) <= self.max_prompt_length for row in ids]
 
 
-class ShardPrompts:
+class DatasetPrompts:
     """The prompts of dataset rows [start, end), as the keyword arguments verl's agent loops take.
 
     The rows are held as Arrow (a `datasets.Dataset` over the shard's table) and become Python
@@ -161,8 +161,8 @@ class ShardPrompts:
     first request never waits for its whole range to be tokenized.
 
     Two views: raw rows (`num_rows`, `row_index`, `keeps`, `row_kwargs`: what the shard job
-    streams over) and kept rows (`len`, `sample_index`, `agent_kwargs`: decides every row at
-    once; library use and tests)."""
+    streams over, shard/protocols.py's ShardPrompts) and kept rows (`len`, `sample_index`,
+    `agent_kwargs`: decides every row at once; library use and tests)."""
 
     def __init__(self, cfg: DictConfig, dataset: DatasetFiles, start: int, end: int, tokenizer):
         # Here, not at the top: planning shards and digesting rows (a finished run's rerun, the
@@ -200,7 +200,7 @@ class ShardPrompts:
         """The raw rows in the order the shard job dispatches them: dataset order."""
 
     @classmethod
-    def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer) -> ShardPrompts:
+    def for_shard(cls, cfg: DictConfig, dataset: DatasetFiles, shard: ShardSpec, tokenizer) -> DatasetPrompts:
         """The shard's prompts."""
         return cls(cfg, dataset, shard.start, shard.end, tokenizer)
 
@@ -280,7 +280,7 @@ def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> 
     (preflight does not tokenize the dataset; each shard filters its own rows exactly)."""
     if not cfg.data.filter_overlong_prompts:
         return
-    sample = ShardPrompts(cfg, dataset, 0, min(OVERLONG_SAMPLE_ROWS, dataset.num_rows), tokenizer)
+    sample = DatasetPrompts(cfg, dataset, 0, min(OVERLONG_SAMPLE_ROWS, dataset.num_rows), tokenizer)
     if len(sample) == 0:
         raise GenrunError(
             f"no prompt left after filtering: all {sample.filtered_overlong} sampled prompts (the dataset's first rows) are longer "

@@ -35,10 +35,10 @@ def summarize(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float) -> 
         "generated_tokens": sum(m.generated_tokens for m in manifests),
         "failed_samples": sum(m.failures for m in manifests),
         "retries": sum(max(m.attempts - 1, 0) for m in manifests),
-        # Each shard filters its own rows (data.ShardPrompts); a finished shard's marker keeps its count.
+        # Each shard filters its own rows (shard_rows.DatasetPrompts); a finished shard's marker keeps its count.
         "filtered_overlong_prompts": sum(m.filtered_overlong for m in manifests),
         "replica_failures": sum(m.last_attempt.engine.get("replica_failures", 0) for m in manifests),
-        # Damaged parts found over the run's life, dropped and regenerated (part_repair.repair_shard).
+        # Damaged parts found over the run's life, dropped and regenerated (part_repair.repair_damaged_parts).
         "repaired_parts": [dict(repair, shard=m.shard) for m in manifests for repair in m.repaired_parts],
         "this_invocation": {
             "trajectories": generated_now,

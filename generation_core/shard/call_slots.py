@@ -16,21 +16,26 @@ tools sleep. Here a trajectory holds a slot only for the duration of one model c
   Which sample a call belongs to comes from a context variable the shard's stream sets in each
   sample's task (`sample_context`), so a later turn is recognised whatever request ids the agent
   loop sends, and calls from tasks a loop spawns itself count for their sample too.
-- The stream (shard/streaming.py) starts a new trajectory only while `spare` is positive: fewer
-  calls in flight, waiting or about to be made (started samples that made no call yet) than
-  slots. Trajectories in tools therefore let new ones start, up to
+- `OpenSamples`, the stream's open trajectories (shard/sample_stream.py), starts a new one only
+  while `spare` is positive: fewer calls in flight, waiting or about to be made (started samples
+  that made no call yet) than slots. Trajectories in tools therefore let new ones start, up to
   `generation.max_open_trajectories`, and a later turn back from its tool is never queued
-  behind a trajectory started after it.
+  behind a trajectory started after it. Both limits follow the shard's share of the run's
+  in-flight budget as it grows (`follow_share`, shard/progress_board.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SampleKey = tuple[int, int]
 
@@ -174,3 +179,77 @@ class SlottedClient:
             return await self.client.generate(request_id, **kwargs)
         finally:
             slots.release()
+
+
+class OpenSamples:
+    """A stream's open samples: their tasks and deadlines, and which pending sample starts when.
+    `run_one(key, kwargs)` runs one sample; each gets `sample_timeout` seconds from its start."""
+
+    def __init__(
+        self,
+        pending: Iterator[tuple[SampleKey, dict[str, Any]]],
+        slots: CallSlots,
+        limit: int,
+        run_one: Callable[[SampleKey, dict[str, Any]], Awaitable[Any]],
+        sample_timeout: float,
+    ):
+        self.pending, self.slots, self.limit = pending, slots, limit
+        self.run_one, self.sample_timeout = run_one, sample_timeout
+        self.own_limits = (slots.limit, limit)
+        """(model calls, open samples): the shard's own, before any share of the run's budget."""
+        self.tasks: dict[asyncio.Future, tuple[SampleKey, float]] = {}
+        """Each sample's task -> (its key, its deadline on the monotonic clock)."""
+        self.exhausted = False
+        """Every pending sample has started (a freed slot then has nothing new to start: the stream
+        stops waking for it)."""
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def follow_share(self, factor: float) -> None:
+        """Both limits at `factor` (>= 1) times the shard's own: its share of the run's
+        in-flight budget (shard/progress_board.py)."""
+        calls, samples = (round(own * max(factor, 1.0)) for own in self.own_limits)
+        if calls != self.slots.limit:
+            logger.debug(
+                "model calls in flight: at most %d (was %d; x%.2f, the shard's share of the run's budget)",
+                calls,
+                self.slots.limit,
+                factor,
+            )
+            self.slots.set_limit(calls)
+            self.limit = samples
+
+    def refill(self) -> None:
+        """Start samples while a model-call slot would otherwise go unused, up to `limit` open.
+        With nothing open, one starts whatever the slots say (a cancelled sample may not have
+        given its slot back yet): the stream never ends with samples left."""
+        while len(self.tasks) < self.limit and (self.slots.spare > 0 or not self.tasks):
+            try:
+                key, kwargs = next(self.pending)
+            except StopIteration:
+                self.exhausted = True
+                return
+            self.slots.sample_started(key)
+            self.tasks[asyncio.ensure_future(self.run_one(key, kwargs))] = (key, time.monotonic() + self.sample_timeout)
+
+    def seconds_to_next_deadline(self) -> float:
+        return max(0.0, min(deadline for _, deadline in self.tasks.values()) - time.monotonic())
+
+    def expired(self, done: set[asyncio.Future]) -> list[asyncio.Future]:
+        """The open samples past their deadline that did not finish (`done`)."""
+        now = time.monotonic()
+        return [task for task, (_, deadline) in self.tasks.items() if task not in done and deadline <= now]
+
+    def close(self, task: asyncio.Future) -> SampleKey:
+        """The sample of `task` is no longer open (finished, failed or past its deadline)."""
+        key, _ = self.tasks.pop(task)
+        self.slots.sample_ended(key)
+        return key
+
+    async def cancel_all(self) -> None:
+        """Cancel what is still open (the stream ended early) and wait for it to end."""
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

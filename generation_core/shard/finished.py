@@ -1,21 +1,23 @@
-"""Is this shard finished? One decision, asked by the shard job before any work, by the flow for
-every shard as a run starts (`finished_shards`), and handed on to Prefect's cache policy
-(tasks/run_shard.py: `shard_task`)."""
+"""Is this shard finished? One decision (`is_finished`, pure, over the shard's folded commit
+records and its marker), asked by the shard job before any work (after its repair), by the flow
+for every shard as a run starts (`finished_shards`, handed on to Prefect's cache policy:
+tasks/run_shard.py `shard_task`) and by a finished run's rerun (driver/finished_run.py). Only the
+job repairs; the answer itself never writes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, TypeGuard
 
 from generation_core.errors import InputChanged
 from generation_core.inputs.dataset_files import data_storage_options
 from generation_core.inputs.shard_rows import read_rows, rows_digest
 from generation_core.run_plan import RunPlan, ShardSpec
-from generation_core.store.commit_log import ShardCheckpoint, read_marker
+from generation_core.store.commit_log import ShardCheckpoint, marker_stands, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import LeaseFence
-from generation_core.store.part_repair import repair_shard
+from generation_core.store.part_repair import size_damage
 from generation_core.store.run_folder import COMMITS_DIR, SuccessMarker, shard_file
 
 # Shards decided at once by `finished_shards` (the flow, as a run starts): object stores answer
@@ -53,44 +55,55 @@ class FinishedRowsChanged(InputChanged):
         return refusal
 
 
+def is_finished(
+    marker: SuccessMarker | None, checkpoint: ShardCheckpoint, part_sizes: Mapping[str, int] | None = None
+) -> TypeGuard[SuccessMarker]:
+    """The one decision, pure: the shard has nothing left to do. Its success marker (as read)
+    stands for its commit records (`checkpoint`, folded: `marker_stands`), records no failed
+    samples (a later run retries those), and, given `part_sizes` (one listing of the shard's
+    folder), every committed part is there at its recorded size. The shard job reads every part
+    first (its repair) and asks without sizes; the readers ask with them (`finished_marker`)."""
+    if marker is None or not marker_stands(marker, checkpoint) or marker.failures:
+        return False
+    return part_sizes is None or not any(size_damage(part, part_sizes) for part in checkpoint.parts)
+
+
+def finished_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint) -> SuccessMarker | None:
+    """The shard's marker when `is_finished` says so, read only: the marker and one listing of
+    the shard's folder, no part read and nothing written (a damaged part is the job's to repair).
+    The flow's answer for every shard as a run starts, and a finished run's (driver/finished_run.py)."""
+    marker = read_marker(folder, shard, checkpoint)
+    if not is_finished(marker, checkpoint):
+        return None
+    sizes = folder.list_sizes(shard_file(shard)) if checkpoint.parts else {}
+    return marker if is_finished(marker, checkpoint, sizes) else None
+
+
 def finished_shard(
     folder: StorageFolder,
     shard: ShardSpec,
     *,
     rows_digest_now: Callable[[], str | None] | None,
-    verify: Literal["sha256", "size"] = "sha256",
     fence: LeaseFence | None = None,
 ) -> SuccessMarker | None:
-    """The shard's manifest when it has nothing left to do, else None: the one decision. The
-    job calls it before any work, the flow for every shard as the run starts (`finished_shards`)
-    and hands its answer to Prefect's cache policy (tasks/run_shard.py: `shard_task`).
-
-    Finished means: its success marker stands for its commit records (`read_marker`), records no
-    failed samples (a later run retries those), its committed parts are intact, and its rows are
-    those it was generated from. A damaged part is dropped here (its samples are pending again,
-    the marker goes). `verify="sha256"` (the job itself) reads every part and repairs an
-    unfinished shard too, before it resumes; `verify="size"` (the flow, deciding whether
-    Prefect's cached result of a shard may stand in) is one listing, no reads. `fence`: the
-    run's lease; a run that lost it repairs nothing (LeaseLost).
+    """The shard's marker when it has nothing left to do, else None; writes nothing. The flow asks
+    it for every shard as the run starts (`finished_shards`) and hands its answer to Prefect's
+    cache policy (tasks/run_shard.py: `shard_task`); the shard job asks `is_finished` itself,
+    after its repair, on the records it folded. `fence`: the run's lease; records of a later
+    lease stop it (ShardCheckpoint.load).
 
     The rows: the fingerprint samples the dataset (dataset_files.SAMPLE_SLICES) and can miss an
     in-place edit that keeps every size and statistic (one ground truth changed in an
     uncompressed file); each shard's first attempt recorded the exact digest of its rows
-    (data.rows_digest). `rows_digest_now` gives their digest now and is asked only for a
+    (shard_rows.rows_digest). `rows_digest_now` gives their digest now and is asked only for a
     finished shard that recorded one (a shard recorded without a digest is not checked);
     changed rows raise FinishedRowsChanged. None skips the check: `generation.recheck_finished_rows=false`
     (bench/RESULTS.md: what it costs; docs/reliability.md, Resume: what is given up), or rows
     this run has read and checked already."""
-    # One fold of the shard's records serves every step below (a repair folds into it).
-    checkpoint = ShardCheckpoint.load(folder, shard.name)
-    if verify == "sha256":
-        repair_shard(folder, shard.name, fence=fence, checkpoint=checkpoint)
-    marker = read_marker(folder, shard.name, checkpoint)
-    if marker is None or marker.failures:
-        return None
-    if verify == "size" and repair_shard(folder, shard.name, size_only=True, fence=fence, checkpoint=checkpoint):
-        return None
-    check_rows_unchanged(folder, shard, checkpoint.rows_digest, rows_digest_now)
+    checkpoint = ShardCheckpoint.load(folder, shard.name, fence)
+    marker = finished_marker(folder, shard.name, checkpoint)
+    if marker is not None:
+        check_rows_unchanged(folder, shard, checkpoint.rows_digest, rows_digest_now)
     return marker
 
 
@@ -118,11 +131,7 @@ def rows_digest_reader(
 
 
 def finished_shards(
-    plan: RunPlan,
-    shards: list[ShardSpec],
-    *,
-    verify: Literal["sha256", "size"] = "size",
-    fence: LeaseFence | None = None,
+    plan: RunPlan, shards: list[ShardSpec], *, fence: LeaseFence | None = None
 ) -> dict[int, SuccessMarker | None]:
     """`finished_shard` for each of `shards` (by shard id), RECHECK_THREADS at a time. Every
     shard is decided before a refusal of changed rows, which names all the shards it found."""
@@ -133,9 +142,7 @@ def finished_shards(
 
     def decide(shard: ShardSpec) -> tuple[SuccessMarker | None, FinishedRowsChanged | None]:
         try:
-            return finished_shard(
-                plan.folder, shard, rows_digest_now=readers[shard.shard_id], verify=verify, fence=fence
-            ), None
+            return finished_shard(plan.folder, shard, rows_digest_now=readers[shard.shard_id], fence=fence), None
         except FinishedRowsChanged as changed:
             return None, changed
 

@@ -23,7 +23,9 @@ failed sample), never on the shard's size.
 `ShardCheckpoint.load` lists the records and folds them in sequence order into one view; a part
 no record lists (a crash between the part and its record) is an orphan and is never read. The
 next attempt that holds the lease removes orphans and temporary files once its attempt record
-is created (`remove_unlisted_files`).
+is created (`remove_unlisted_files`). A shard job folds the log once per attempt and passes that
+view along: its repair, its finished decision, its attempt record, every part and its done
+record go through the one `ShardCheckpoint` (on S3 each fold is a listing plus a GET per record).
 
 No compaction is needed: records are per part, never rewritten, and a shard has one per part
 plus one per attempt. At the defaults 1M trajectories of the bundled demo (~290 bytes each in a
@@ -47,8 +49,8 @@ and always folded. The run's finishing steps (merge, manifest.json, zip, report)
 `FencedRunFolder` (fencing.py), which checks the lease before each write publishes.
 
 A committed part can still be damaged later (a truncated copy, a bad disk, someone editing the
-bucket): part_repair.py's `repair_shard` finds it against its record's size and sha256 and drops
-it with a `repair` record (`ShardCheckpoint.commit_repair`).
+bucket): the shard job's first step, part_repair.py's `repair_damaged_parts`, finds it against
+its record's size and sha256 and drops it with a `repair` record (`ShardCheckpoint.commit_repair`).
 """
 
 from __future__ import annotations
@@ -238,16 +240,26 @@ class ShardCheckpoint:
 
     @classmethod
     def start_attempt(
-        cls, folder: StorageFolder, shard: str, fence: Fence | None = None, rows_digest: str | None = None
+        cls,
+        folder: StorageFolder,
+        shard: str,
+        fence: Fence | None = None,
+        rows_digest: str | None = None,
+        *,
+        loaded: ShardCheckpoint | None = None,
     ) -> ShardCheckpoint:
         """Load the shard and record the start of an attempt: the attempt's number, its lease
         and (optionally) the shard's rows digest, refused (nothing written) when it differs from
         the digest the shard first recorded; the failed list starts empty. Under a lease
         this record is the run's claim on the shard: a commit an earlier holder still has in
         flight takes a number at most this one, so it lands before the claim (and is read
-        here) or finds its number taken and is refused."""
+        here) or finds its number taken and is refused. `loaded`: the shard's records as the
+        caller just folded them (`load`, with the same fence), so that an attempt folds its
+        commit log once; they are read again only when another writer took the next number."""
+        checkpoint = loaded
         for _ in range(_CONFLICT_RETRIES):
-            checkpoint = cls.load(folder, shard, fence)
+            if checkpoint is None:
+                checkpoint = cls.load(folder, shard, fence)
             if rows_digest is not None and checkpoint.rows_digest is not None and rows_digest != checkpoint.rows_digest:
                 raise InputChanged(
                     f"the dataset rows of {shard} changed since its first attempt (digest {rows_digest[:12]}, recorded "
@@ -264,7 +276,9 @@ class ShardCheckpoint:
                 }
                 checkpoint._commit(folder, shard, attempt, fence)
             except CheckpointConflict:
-                continue  # an earlier holder's last commit (or another writer) took the number: read it, claim again
+                # An earlier holder's last commit (or another writer) took the number: read it, claim again.
+                checkpoint = None
+                continue
             if fence is not None:
                 remove_unlisted_files(folder, shard, checkpoint, older_than=started)
             return checkpoint
@@ -345,57 +359,65 @@ class ShardCheckpoint:
         if lease is not None:
             self.lease = lease
         kind = record.get("kind")
-        if kind != "done":
-            self.done_seq = None  # work after the shard was finished: its marker is stale
+        # Work after the shard was finished makes its marker stale.
+        self.done_seq = None
         if kind == "done":
             self.done_seq, self.has_done_record = seq, True
         elif kind == "attempt":
-            self.attempts = max(self.attempts, int(record.get("attempt") or 0))
-            self.failed = []
-            if self.rows_digest is None:
-                self.rows_digest = record.get("rows_digest")
-            if record.get("build") and record["build"] not in self.builds:
-                self.builds.append(record["build"])
+            self._apply_attempt(record)
         elif kind == "part":
-            part = record_from_dict(PartEntry, record["part"]) if record.get("part") is not None else None
-            samples = sample_keys(record.get("samples") or [])
-            if part is not None and part.count != len(samples):
-                # A record that does not say which samples its part holds (a commit that raced
-                # the attempt's discard in genrun 0.1.0 could list none): folding it would count
-                # trajectories no key names, or keys of trajectories that are not there. The part
-                # is left unread (an orphan) and its samples stay pending: nothing is lost or
-                # duplicated.
-                logger.warning(
-                    "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, its samples "
-                    "will be generated again",
-                    seq,
-                    part.name,
-                    part.count,
-                    len(samples),
-                )
-                self.rejected_parts.append(part.name)
-                part = None
-            if part is not None:
-                self.parts.append(part)
-                self.part_samples[part.name] = samples
-                self.completed.extend(samples)
-                self.response_tokens += part.response_tokens or 0
-                self.generated_tokens += part.generated_tokens or 0
-            self.failed.extend(record.get("failed") or [])
-            self.failed_in_any_attempt.update(record.get("failed") or [])
+            self._apply_part(seq, record)
         elif kind == "repair":
-            dropped = set(record.get("dropped") or [])
-            self.parts = [p for p in self.parts if p.name not in dropped]
-            for name in dropped:
-                self.part_samples.pop(name, None)
-            self.completed = [key for p in self.parts for key in self.part_samples.get(p.name, [])]
-            self.response_tokens = sum(p.response_tokens or 0 for p in self.parts)
-            self.generated_tokens = sum(p.generated_tokens or 0 for p in self.parts)
-            self.repaired_parts.extend(record.get("repaired") or [])
+            self._apply_repair(record)
         else:
             raise GenrunError(
                 f"commit record {seq} of kind {kind!r} was written by a newer genrun; finish the run with that version"
             )
+
+    def _apply_attempt(self, record: dict[str, Any]) -> None:
+        self.attempts = max(self.attempts, int(record.get("attempt") or 0))
+        self.failed = []
+        if self.rows_digest is None:
+            self.rows_digest = record.get("rows_digest")
+        if record.get("build") and record["build"] not in self.builds:
+            self.builds.append(record["build"])
+
+    def _apply_part(self, seq: int, record: dict[str, Any]) -> None:
+        part = record_from_dict(PartEntry, record["part"]) if record.get("part") is not None else None
+        samples = sample_keys(record.get("samples") or [])
+        if part is not None and part.count != len(samples):
+            # A record that does not say which samples its part holds (a commit that raced the
+            # attempt's discard in genrun 0.1.0 could list none): folding it would count
+            # trajectories no key names, or keys of trajectories that are not there. The part is
+            # left unread (an orphan) and its samples stay pending: nothing is lost or duplicated.
+            logger.warning(
+                "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, "
+                "its samples will be generated again",
+                seq,
+                part.name,
+                part.count,
+                len(samples),
+            )
+            self.rejected_parts.append(part.name)
+            part = None
+        if part is not None:
+            self.parts.append(part)
+            self.part_samples[part.name] = samples
+            self.completed.extend(samples)
+            self.response_tokens += part.response_tokens or 0
+            self.generated_tokens += part.generated_tokens or 0
+        self.failed.extend(record.get("failed") or [])
+        self.failed_in_any_attempt.update(record.get("failed") or [])
+
+    def _apply_repair(self, record: dict[str, Any]) -> None:
+        dropped = set(record.get("dropped") or [])
+        self.parts = [p for p in self.parts if p.name not in dropped]
+        for name in dropped:
+            self.part_samples.pop(name, None)
+        self.completed = [key for p in self.parts for key in self.part_samples.get(p.name, [])]
+        self.response_tokens = sum(p.response_tokens or 0 for p in self.parts)
+        self.generated_tokens = sum(p.generated_tokens or 0 for p in self.parts)
+        self.repaired_parts.extend(record.get("repaired") or [])
 
 
 # --- the done record and the success marker -------------------------------------------------
@@ -411,28 +433,42 @@ def read_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint |
         return None
     marker = SuccessMarker.from_dict(folder.read_json(path))
     checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
+    return marker if marker_stands(marker, checkpoint) else None
+
+
+def marker_stands(marker: SuccessMarker, checkpoint: ShardCheckpoint) -> bool:
+    """Whether a success marker stands for the shard's records (`read_marker`): it names the done
+    record that ends them, or neither has one (a version that wrote no done records)."""
     if not checkpoint.has_done_record:
-        return marker
-    return marker if checkpoint.done_seq is not None and marker.done_record == checkpoint.done_seq else None
+        return True
+    return checkpoint.done_seq is not None and marker.done_record == checkpoint.done_seq
 
 
-def write_marker(folder: StorageFolder, manifest: SuccessMarker, fence: Fence | None = None) -> None:
+def write_marker(
+    folder: StorageFolder,
+    marker: SuccessMarker,
+    fence: Fence | None = None,
+    checkpoint: ShardCheckpoint | None = None,
+) -> None:
     """Finish the shard: its `done` commit record, created exclusively under the next number
     (with `fence`, refused once a later run claimed the shard: LeaseLost), then the success
     marker that names it. A marker that a run which lost the folder still writes after its
     fence check names a done record that is not the shard's last: read_marker ignores it and
-    the shard is finished again."""
-    checkpoint = ShardCheckpoint.load(folder, manifest.shard, fence)
+    the shard is finished again. `checkpoint`: the attempt's own view of the records (the shard
+    job's, which committed every part through it); None folds them here. A record some other
+    writer created since makes the done record's number taken: CheckpointConflict, no marker."""
+    if checkpoint is None:
+        checkpoint = ShardCheckpoint.load(folder, marker.shard, fence)
     checkpoint._commit(
         folder,
-        manifest.shard,
-        {"kind": "done", "trajectories": manifest.num_trajectories, "failures": manifest.failures},
+        marker.shard,
+        {"kind": "done", "trajectories": marker.num_trajectories, "failures": marker.failures},
         fence,
     )
-    manifest.done_record = checkpoint.done_seq
+    marker.done_record = checkpoint.done_seq
     if fence is not None:
         fence.check(folder)
-    folder.put_json(shard_file(manifest.shard, SUCCESS_FILE), manifest.to_dict())
+    folder.put_json(shard_file(marker.shard, SUCCESS_FILE), marker.to_dict())
 
 
 # --- what a killed writer left, and the failure log -----------------------------------------

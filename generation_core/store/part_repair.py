@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from generation_core.errors import GenrunError
 from generation_core.store.commit_log import ShardCheckpoint
@@ -66,16 +68,19 @@ def read_verified_part(folder: StorageFolder, part: CommittedPartRef) -> bytes:
     return data
 
 
-def part_damage(
-    folder: StorageFolder, shard: str, part: PartEntry, *, sizes: dict[str, int] | None = None
-) -> str | None:
-    """Why a committed part is damaged, or None when it is intact. With `sizes` (one listing of
-    the shard's folder) only presence and size are checked; otherwise the sha256 too."""
-    if sizes is not None:
-        size = sizes.get(part.name)
-        if size is None:
-            return "missing"
-        return f"size {size} bytes, checkpoint recorded {part.bytes}" if size != part.bytes else None
+def size_damage(part: PartEntry, sizes: Mapping[str, int]) -> str | None:
+    """Why a committed part is damaged, from one listing of its shard's folder (`sizes`: file name
+    -> bytes): missing, or of another size than its record says; None when it is there at its
+    recorded size (a same-size corruption needs `part_damage`). No part is read."""
+    size = sizes.get(part.name)
+    if size is None:
+        return "missing"
+    return f"size {size} bytes, checkpoint recorded {part.bytes}" if size != part.bytes else None
+
+
+def part_damage(folder: StorageFolder, shard: str, part: PartEntry) -> str | None:
+    """Why a committed part is damaged, read whole and checked against its record (size and
+    sha256), or None when it is intact."""
     try:
         data = folder.read_bytes(shard_file(shard, part.name))
     except FileNotFoundError:
@@ -115,28 +120,19 @@ def drop_damaged_parts(
     return checkpoint
 
 
-def repair_shard(
-    folder: StorageFolder,
-    shard: str,
-    *,
-    size_only: bool = False,
-    fence: Fence | None = None,
-    checkpoint: ShardCheckpoint | None = None,
-) -> int:
-    """Verify a shard's committed parts and drop the damaged ones; returns how many were dropped.
-    `size_only`: one listing, no reads (catches missing and truncated parts; a same-size
-    corruption needs the full check). `fence`: the run's lease, when the caller holds one.
-    `checkpoint`: the shard's records as the caller just loaded them."""
-    checkpoint = checkpoint if checkpoint is not None else ShardCheckpoint.load(folder, shard)
-    if not checkpoint.parts:
-        return 0
-    sizes = folder.list_sizes(shard_file(shard)) if size_only else None
-    reasons = {
-        part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part, sizes=sizes))
-    }
-    if reasons:
-        drop_damaged_parts(folder, shard, checkpoint, reasons, fence)
-    return len(reasons)
+def repair_damaged_parts(
+    folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint, fence: Fence | None = None
+) -> list[dict[str, Any]]:
+    """The shard job's first step: read every part `checkpoint` (the shard's records as the job
+    folded them) lists, check it against its record, and drop the damaged ones
+    (`drop_damaged_parts`, which logs each); returns what was repaired (`checkpoint` is updated
+    with the repair record). `fence`: the run's lease; a run that lost it repairs nothing."""
+    reasons = {part.name: reason for part in checkpoint.parts if (reason := part_damage(folder, shard, part))}
+    if not reasons:
+        return []
+    before = len(checkpoint.repaired_parts)
+    drop_damaged_parts(folder, shard, checkpoint, reasons, fence)
+    return checkpoint.repaired_parts[before:]
 
 
 def mark_for_repair(folder: StorageFolder, damaged: DamagedPart, fence: Fence | None = None) -> None:
