@@ -87,7 +87,7 @@ class InstantWorkers:
 def run(folder: Path, prompts: Path, reward: Path, n: int, k: int | None):
     """(committed rewards by prompt, response tokens committed) of one single-shard run."""
     from generation_core.config.bundled import prepare_bundled_model
-    from generation_core.outputs.rl_prompts import prompt_rewards
+    from generation_core.exports.rl_prompts import prompt_rewards
     from generation_core.preflight.preflight import preflight
     from generation_core.shard.job import run_shard_job
     from generation_core.store.part_repair import committed_parts

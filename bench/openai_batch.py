@@ -73,8 +73,8 @@ def main() -> int:
 
 def run(args, scratch: Path) -> int:
     from generation_core.driver.in_process import run_in_process
+    from generation_core.exports.export import ExportOptions, export_batch_output
     from generation_core.inputs.openai_batch import BatchLimits, batch_table
-    from generation_core.outputs.export import ExportOptions, export_batch_output
     from generation_core.preflight.preflight import preflight
     from generation_core.shard import part_writer
 

@@ -1,6 +1,6 @@
 """`genrun`: run generation (the same command resumes), show status, merge, inspect.
 
-    genrun [key=value ...]          run (or resume) generation with Hydra-style overrides
+    genrun [run] [key=value ...]    run (or resume) generation with Hydra-style overrides
     genrun status DIR [storage.options.KEY=VALUE ...]
                                     shards done / running / pending with counts; on a
                                     running run its ETA and "stalled since ..." if it is
@@ -15,21 +15,22 @@
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages),
                                     sorted by (index, rollout_n); `genrun export --help` explains each option
-    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
+    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] [key=value ...]
                                     the engine's own offline benchmark and a genrun run on the
                                     same prompts and lengths, per sitting: tokens/s and genrun/engine
 
 Reading a run folder runs no code from it: a tokenizer that is code in the run's model folder
 runs only with --trust-remote-code (the run's own trust_remote_code setting is not followed).
 
-Heavy imports (verl, torch, Prefect, Ray) wait until the command needs them: `genrun --help` and
-a refused input answer at once.
+Every subcommand is parsed by its own argparse parser (`genrun COMMAND --help` lists its options);
+a first word that is no subcommand starts a run. Heavy imports (verl, torch, Prefect, Ray) wait
+until the command needs them: `genrun --help` and a refused input answer at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
-import logging
 import os
 import sys
 import threading
@@ -38,22 +39,126 @@ from typing import Any, NoReturn, cast
 from generation_core.config.bundled import cache_root
 from generation_core.console import setup_logging
 from generation_core.errors import GenrunError
-from generation_core.instrumentation import mark
+from generation_core.exports.export_options import DESCRIPTION, SYNOPSIS, add_export_arguments, export_options_from
 from generation_core.secrets import without_url_credentials
 
 USAGE = __doc__
-logger = logging.getLogger("genrun")
 
-SUBCOMMANDS = ("status", "merge", "report", "export", "bench")
-HELP_FLAGS = ("-h", "--help")
+STORAGE_OPTIONS = "storage.options.KEY=VALUE"
 
 
-def subcommand_usage(name: str) -> str:
-    """`genrun NAME`'s own lines of the usage text (its synopsis and what it does)."""
-    lines = USAGE.split("\n\n")[1].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(f"genrun {name} "))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("genrun ")), len(lines))
-    return "usage:\n" + "\n".join(lines[start:end])
+class HelpRequested(Exception):
+    """`-h`/`--help` after a subcommand: its help text, which `main` prints (exit 0, nothing read)."""
+
+
+class _ShowHelp(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        raise HelpRequested(cast(CommandParser, parser).help_text())
+
+
+class CommandParser(argparse.ArgumentParser):
+    """One subcommand's parser: `--help` shows its synopsis and options, and a refusal is one
+    GenrunError line (the CLI prints it, exit 2) instead of argparse's usage-and-exit."""
+
+    def __init__(self, *, synopsis: str = "genrun [run] [key=value ...]", **kwargs: Any) -> None:
+        super().__init__(add_help=False, allow_abbrev=False, usage=argparse.SUPPRESS, **kwargs)
+        self.synopsis = synopsis
+        self.add_argument(
+            "-h", "--help", action=_ShowHelp, nargs=0, default=argparse.SUPPRESS, help="show this help and exit"
+        )
+
+    def help_text(self) -> str:
+        return f"usage:\n    {self.synopsis}\n\n{self.format_help()}"
+
+    def error(self, message: str) -> NoReturn:
+        raise GenrunError(f"{message}; usage: {self.synopsis} ({self.prog} --help lists the options)")
+
+
+def _positive_sample(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise GenrunError(f"--sample takes a positive number of trajectories (got {value!r})")
+    return int(value)
+
+
+def _folder_arguments(parser: CommandParser) -> CommandParser:
+    parser.add_argument("folder", metavar="DIR", help="the run folder (local or s3://)")
+    parser.add_argument(
+        "storage",
+        nargs="*",
+        default=[],
+        metavar=STORAGE_OPTIONS,
+        help="fsspec options (e.g. storage.options.endpoint_url=URL)",
+    )
+    return parser
+
+
+def subcommand_parsers() -> dict[str, CommandParser]:
+    """One parser per subcommand (the run is one), each argument with the help text its `--help` shows."""
+    commands = CommandParser(prog="genrun").add_subparsers(prog="genrun", parser_class=CommandParser)
+    run = commands.add_parser(
+        "run",
+        description="Run (or resume: the same command skips what is committed) generation over the bundled "
+        "config with Hydra-style overrides (docs/configuration.md). `run` may be left out.",
+    )
+    run.add_argument(
+        "overrides", nargs="*", default=[], metavar="key=value", help="e.g. data.train_files=prompts.parquet"
+    )
+    _folder_arguments(
+        commands.add_parser(
+            "status",
+            synopsis=f"genrun status DIR [{STORAGE_OPTIONS} ...]",
+            description="Shards done / running / pending with counts; on a running run its ETA and "
+            '"stalled since ..." if it is. Imports no torch, verl or Ray.',
+        )
+    )
+    _folder_arguments(
+        commands.add_parser(
+            "merge",
+            synopsis=f"genrun merge DIR [{STORAGE_OPTIONS} ...]",
+            description="(Re)build trajectories.pkl and manifest.json from the committed parts.",
+        )
+    )
+    report = _folder_arguments(
+        commands.add_parser(
+            "report",
+            synopsis=f"genrun report DIR [--sample N] [--trust-remote-code] [{STORAGE_OPTIONS} ...]",
+            description="Write DIR/report.html: plots, shard table, failures, a trajectory viewer.",
+        )
+    )
+    report.add_argument(
+        "--sample", type=_positive_sample, metavar="N", help="trajectories in the viewer at most (default 500)"
+    )
+    report.add_argument(
+        "--trust-remote-code", action="store_true", help="run the code of a tokenizer the run folder names"
+    )
+    add_export_arguments(commands.add_parser("export", synopsis=SYNOPSIS, description=DESCRIPTION))
+    commands.add_parser(
+        "bench",
+        synopsis="genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] "
+        "[key=value ...]",
+        description="The engine's own offline benchmark and a genrun run on the same prompts and lengths, per "
+        "sitting: tokens/s and genrun/engine. --keep keeps the scratch folder, --report puts the figures into the "
+        "last sitting's run report; key=value overrides as for a run.",
+    )
+    return commands.choices
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by its subcommand's parser (`args.command` names it); a first word that names
+    no subcommand is a run's first override."""
+    parsers = subcommand_parsers()
+    command = argv[0] if argv and argv[0] in parsers else "run"
+    arguments = argv[1:] if argv and argv[0] == command else argv
+    parser = parsers[command]
+    if command == "bench":
+        # The bench parses its own options (its module's entry point); here only --help is read.
+        parser.parse_known_args(arguments)
+        return argparse.Namespace(command=command, arguments=arguments)
+    args, unknown = parser.parse_known_intermixed_args(arguments)
+    if unknown:
+        parser.error(f"unknown option {unknown[0]!r}")
+    args.command = command
+    return args
 
 
 def _setup_environment() -> None:
@@ -62,82 +167,6 @@ def _setup_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # A few lines by default, everything at GENRUN_LOG_LEVEL=DEBUG (generation_core/console.py).
     setup_logging()
-
-
-def _print_summary(summary: dict, plan) -> None:
-    now = summary["this_invocation"]
-    print(f"output:        {summary['output']}")
-    if "artifact" in summary:
-        print(f"artifact:      {summary['artifact']} ({summary['merged_rows']} rows)")
-    print(f"trajectories:  {summary['num_trajectories']} ({now['trajectories']} generated by this invocation)")
-    # Per shard-second (the shards' generation time added up), not per second of the wall clock
-    # the progress line counts in: with several shards at once the two differ.
-    print(
-        f"tokens/s:      {now['tokens_per_second']} per shard ({now['generated_tokens']} tokens in {now['generation_seconds']} shard-s)"
-    )
-    if summary.get("ledger"):
-        from generation_core.outputs.ledger import ledger_lines
-
-        print("\n".join(ledger_lines(summary["ledger"])))
-    if summary.get("published", {}).get("report"):
-        print(f"report:        {summary['published']['report']} (plots, failures, trajectory viewer)")
-    if summary.get("replica_failures"):
-        print(
-            f"replicas:      {summary['replica_failures']} replica failure(s) during generation; their requests were sent again (log has details)"
-        )
-    repaired = summary.get("repaired_parts") or []
-    if repaired:
-        samples = sum(r["samples"] for r in repaired)
-        print(
-            f"repaired:      {len(repaired)} damaged part(s) dropped, their {samples} samples generated again ({repaired[0]['shard']}/{repaired[0]['name']}: {repaired[0]['reason']})"
-        )
-    if summary.get("filtered_overlong_prompts"):
-        print(
-            f"skipped:       {summary['filtered_overlong_prompts']} prompt(s) longer than data.max_prompt_length="
-            f"{plan.cfg.data.max_prompt_length} tokens (not generated; raise it to keep them)"
-        )
-    if summary.get("failed_samples"):
-        print(
-            f"failed:        {summary['failed_samples']} samples (within generation.max_failed_fraction; `genrun status` lists them,"
-        )
-        print("               running the same command again retries them)")
-    example = first_example(plan)
-    if example:
-        print("example:")
-        print(example)
-
-
-def _print_finished(manifest: dict) -> None:
-    """The same command on a finished run: what is there, and that nothing was started."""
-    print(f"output:        {manifest['output']}")
-    if "artifact" in manifest:
-        print(f"artifact:      {manifest['artifact']} ({manifest['merged_rows']} rows)")
-    print(
-        f"trajectories:  {manifest['num_trajectories']} (every shard finished, merged output current: nothing to generate)"
-    )
-    print(f"report:        {manifest['report']}")
-    print("               to generate again, give another trainer.default_local_dir (or remove this folder)")
-
-
-def first_example(plan) -> str | None:
-    """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
-    from generation_core.store.part_repair import committed_parts, read_verified_part
-    from generation_core.store.trajectory_record import records_from_parquet
-
-    parts = committed_parts(plan.folder)
-    if not parts:
-        return None
-    records = records_from_parquet(read_verified_part(plan.folder, parts[0]))
-    if not records:
-        return None
-    from verl.utils import hf_tokenizer
-
-    model = plan.cfg.actor_rollout_ref.model
-    tokenizer = hf_tokenizer(os.path.expanduser(model.path), trust_remote_code=model.trust_remote_code)
-    record = min(records, key=lambda r: r.key)
-    prompt = tokenizer.decode(record.prompt_ids, skip_special_tokens=True).strip()
-    response = tokenizer.decode(record.response_ids, skip_special_tokens=True).strip()
-    return f"  [{record.index}:{record.rollout_n}] prompt:   {prompt!r}\n  [{record.index}:{record.rollout_n}] response: {response!r}"
 
 
 # s3fs reads these from the environment; credentials given as overrides move there, so they
@@ -189,124 +218,59 @@ def storage_options_from(arguments: list[str]) -> dict[str, Any]:
     return options
 
 
-def _generate(argv: list[str]) -> int:
-    """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
-    resumes); a second exits at once (generation_core/interrupt.py)."""
-    from generation_core.driver.finished_run import finished_run
-    from generation_core.interrupt import STOP
-    from generation_core.preflight.preflight import check_inputs, plan_run
-    from generation_core.secrets import overrides_without_secrets
-    from generation_core.store.lease import check_lease_free
+def _run(args: argparse.Namespace) -> int:
+    from flows.run_command import generate_command
 
-    # Every input check first, so a bad input is one line here, not a failed flow run; the
-    # light checks first of all, so a typo or a finished run answers before the engine stack loads.
-    inputs = check_inputs(argv)
-    finished = finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files) if inputs.fingerprint else None
-    if finished is not None:
-        _print_finished(finished)
-        return 0
-    plan = plan_run(inputs)
-    # What reads this process's command line (W&B keeps it with the run) sees no secret.
-    sys.argv[1:] = overrides_without_secrets(sys.argv[1:])
-    # The flow takes the lease; refusing here spares the Prefect and Ray startup.
-    check_lease_free(plan.folder)
-    mark("inputs_checked")
-    import ray
-    from prefect.exceptions import CancelledRun
+    return generate_command(args.overrides)
 
-    from flows.generate import generate
-    from flows.prefect_api import prefect_api
-    from generation_core.driver.watchdog import Watchdog
-    from generation_core.serving.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
 
-    # The Prefect server and Ray that this run starts end with it, also after a kill -9.
-    watchdog = Watchdog.start()
-    STOP.install()
-    summary = None
-    temporary = "" if os.environ.get("PREFECT_API_URL") else " (a temporary server)"
-    try:
-        # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
-        with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)) as api_url:
-            mark("prefect_api_ready")
-            logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
-            if not STOP.requested():
-                # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
-                # parameters, which Prefect stores: secrets masked (generation_core.secrets).
-                # A State the flow returns on a Ctrl-C (Cancelled) is raised here as CancelledRun.
-                summary = cast(dict[str, Any], generate(overrides_without_secrets(argv), plan=plan.to_json()))
-    except CancelledRun:
-        pass  # the flow run stopped on a Ctrl-C; said below
-    finally:
-        ray.shutdown()
-        STOP.uninstall()
-        watchdog.stop()
-    if summary is None:
-        _print_stopped(plan)
-        return 130
-    _print_summary(summary, plan)
+def _status(args: argparse.Namespace) -> int:
+    from generation_core.outputs.status import print_status
+
+    return print_status(args.folder, storage_options_from(args.storage))
+
+
+def _merge(args: argparse.Namespace) -> int:
+    # The merge writes verl's DataProto: torch, tensordict and verl load here, not for status.
+    from generation_core.outputs.finish import merge_folder
+
+    merge_folder(args.folder, storage_options_from(args.storage))
     return 0
 
 
-def _print_stopped(plan) -> None:
-    from generation_core.driver.run_progress import committed_counts
+def _report(args: argparse.Namespace) -> int:
+    from generation_core.report.html import SAMPLE_SIZE, report_command
 
-    counts = committed_counts(plan.folder, [s.shard_id for s in plan.shards])
-    rollout_n = plan.cfg.actor_rollout_ref.rollout.n
-    total = sum((s.end - s.start) * rollout_n for s in plan.shards)
-    print(
-        f"genrun: stopped: {sum(counts.values()):,} of {total:,} trajectories committed in {plan.folder.display()}; "
-        "run the same command again to resume",
-        file=sys.stderr,
-    )
+    options = storage_options_from(args.storage)
+    return report_command(args.folder, options, args.sample or SAMPLE_SIZE, args.trust_remote_code)
 
 
-def _read_only_command(argv: list[str]) -> int | None:
-    """Run `bench`, `export`, `report`, `status` or `merge` (each imports only what it needs:
-    `status` no torch, verl or Ray); None when `argv` is a run."""
-    if argv and argv[0] == "export":
-        # export's own parser: its --help lists every option.
-        from generation_core.outputs.export_options import export_help, parse_export_arguments, wants_help
+def _export(args: argparse.Namespace) -> int:
+    from generation_core.exports.export import export_command
 
-        if wants_help(argv[1:]):
-            print(export_help())
-            return 0
-        run_dir, out, export_options, rest = parse_export_arguments(argv[1:])
-        storage_options = storage_options_from(rest)
-        from generation_core.outputs.export import export_command
+    # Storage options may stand anywhere among the positional arguments: the other two are the paths.
+    given = [args.run_dir, args.out, *args.storage]
+    storage = [argument for argument in given if argument.lstrip("+").startswith("storage.")]
+    paths = [argument for argument in given if argument not in storage]
+    if len(paths) != 2:
+        raise GenrunError(f"give the run folder and the output file; usage: {SYNOPSIS}")
+    return export_command(paths[0], paths[1], export_options_from(args), storage_options_from(storage))
 
-        return export_command(run_dir, out, export_options, storage_options)
-    if argv and argv[0] in SUBCOMMANDS and any(argument in HELP_FLAGS for argument in argv[1:]):
-        print(subcommand_usage(argv[0]))
-        return 0
-    if argv and argv[0] == "bench":
-        from generation_core.benchmark.command import bench_command
 
-        return bench_command(argv[1:])
-    if argv and argv[0] == "report":
-        from generation_core.report.html import report_command, split_report_arguments
+def _bench(args: argparse.Namespace) -> int:
+    from generation_core.benchmark.command import bench_command
 
-        sample, rest = split_report_arguments(argv[1:])
-        trust_remote_code = "--trust-remote-code" in rest
-        rest = [argument for argument in rest if argument != "--trust-remote-code"]
-        if not rest:
-            raise GenrunError(
-                "usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]"
-            )
-        return report_command(rest[0], storage_options_from(rest[1:]), sample, trust_remote_code)
-    if argv and argv[0] in ("status", "merge"):
-        if len(argv) < 2:
-            raise GenrunError(f"usage: genrun {argv[0]} DIR [storage.options.KEY=VALUE ...]")
-        options = storage_options_from(argv[2:])
-        if argv[0] == "status":
-            from generation_core.outputs.status import print_status
+    return bench_command(args.arguments)
 
-            return print_status(argv[1], options)
-        # The merge writes verl's DataProto: torch, tensordict and verl load here, not for status.
-        from generation_core.outputs.finish import merge_folder
 
-        merge_folder(argv[1], options)
-        return 0
-    return None
+COMMANDS = {
+    "run": _run,
+    "status": _status,
+    "merge": _merge,
+    "report": _report,
+    "export": _export,
+    "bench": _bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_environment()
     try:
-        argv = move_credentials_to_environment(argv)
-        answer = _read_only_command(argv)
-        return answer if answer is not None else _generate(argv)
+        args = parse_command(move_credentials_to_environment(argv))
+        return COMMANDS[args.command](args)
+    except HelpRequested as shown:
+        print(shown)
+        return 0
     except GenrunError as exc:
         # A message may quote a URL the user gave (a data file, a server): its credentials masked.
         print(f"genrun: error: {without_url_credentials(str(exc))}", file=sys.stderr)

@@ -61,14 +61,55 @@ def test_the_console_script_refuses_bad_input_in_one_line(tmp_path, model_dir):
         assert not out.exists(), "a refused run writes nothing"
 
 
-@pytest.mark.parametrize("command", ["status", "merge", "report", "export", "bench"])
+@pytest.mark.parametrize("command", ["run", "status", "merge", "report", "export", "bench"])
 def test_every_subcommand_answers_help(command, capsys):
-    """`genrun export --help` (and every other subcommand's) prints its usage and exits 0,
-    before reading any folder or loading anything."""
+    """`genrun export --help` (and every other subcommand's, the run's too: issue 44 item 6) prints
+    its usage and its options and exits 0, before reading any folder or loading anything."""
     from flows.cli import main
 
     for flag in ("--help", "-h"):
         assert main([command, flag]) == 0
         out = capsys.readouterr().out
-        assert out.startswith("usage:\n") and f"genrun {command} " in out
-        assert "genrun: error" not in out
+        assert out.startswith("usage:\n") and ("genrun [run] " if command == "run" else f"genrun {command} ") in out
+        assert "-h, --help" in out and "genrun: error" not in out
+
+
+def test_one_argparse_parser_per_subcommand_and_overrides_pass_through():
+    """Issue 44 item 6: every subcommand `genrun --help` lists has its own argparse parser (no
+    hand-written argv loop); a first word that names none starts a run, whose Hydra overrides
+    (`key=value`, `+key=value`, `~key`) pass through unchanged, `run` written or not."""
+    import re
+
+    from flows.cli import USAGE, parse_command, subcommand_parsers
+
+    listed = set(re.findall(r"^    genrun (\w+) ", USAGE, re.MULTILINE)) | {"run"}
+    assert set(subcommand_parsers()) == listed == {"run", "status", "merge", "report", "export", "bench"}
+    overrides = ["data.train_files=a.parquet", "+generation.extra=1", "~trainer.logger", "x='[1, -2]'"]
+    for argv in (overrides, ["run", *overrides]):
+        args = parse_command(argv)
+        assert (args.command, args.overrides) == ("run", overrides)
+    assert (parse_command([]).command, parse_command([]).overrides) == ("run", [])
+    # The bench parses its own options: its arguments reach it unchanged.
+    bench = ["--sittings", "2", "actor_rollout_ref.rollout.name=hf", "--keep"]
+    assert vars(parse_command(["bench", *bench])) == {"command": "bench", "arguments": bench}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--frobnicate"], "unknown option '--frobnicate'; usage: genrun [run] [key=value ...]"),
+        (["status"], "the following arguments are required: DIR; usage: genrun status DIR"),
+        (["merge", "DIR", "--sample", "3"], "unknown option '--sample'; usage: genrun merge DIR"),
+        (["export", "RUN"], "the following arguments are required: OUT; usage: genrun export RUN_DIR OUT"),
+        (["export", "storage.options.anon=true", "RUN"], "give the run folder and the output file"),
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_exit_2(argv, message, capsys):
+    """Issue 44 item 6: argparse's refusals come out as the CLI's one line (exit 2) naming the
+    subcommand's usage, not argparse's usage block and exit."""
+    from flows.cli import main
+
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"genrun: error: {message}"), captured.err
+    assert captured.err.count("\n") == 1

@@ -94,7 +94,7 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
 
     from verl.utils import hf_tokenizer
 
-    from flows.cli import _print_summary
+    from flows.run_command import print_summary
     from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.outputs.summary import summarize
     from generation_core.preflight.preflight import preflight
@@ -120,5 +120,5 @@ def test_overlong_prompts_dropped_are_counted_and_reported(tmp_path, model_dir, 
     )
     summary = summarize(plan, [SuccessMarker.from_dict(manifest.to_dict())], 0.0)
     assert summary["filtered_overlong_prompts"] == 2
-    _print_summary(summary, plan)
+    print_summary(summary, plan)
     assert re.search(r"skipped: +2 prompt\(s\) longer than data.max_prompt_length=128 tokens", capsys.readouterr().out)

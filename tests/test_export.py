@@ -498,7 +498,7 @@ def test_qwen_tool_turns_are_cut_back_into_tool_messages(model_dir):
     from transformers import AutoTokenizer
     from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
 
-    from generation_core.outputs.sft_messages import MessageRebuilder
+    from generation_core.exports.sft_messages import MessageRebuilder
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.chat_template = QWEN25_TEMPLATE

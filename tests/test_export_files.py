@@ -18,7 +18,7 @@ import pytest
 from flows.cli import USAGE, main
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.errors import GenrunError
-from generation_core.outputs.export import ExportOptions, export_batch_input, export_batch_output, export_run
+from generation_core.exports.export import ExportOptions, export_batch_input, export_batch_output, export_run
 from generation_core.preflight.preflight import preflight
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part

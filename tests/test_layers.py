@@ -99,6 +99,7 @@ ROOM_ORDER = [
     "shard",
     "preflight",
     "outputs",
+    "exports",
     "report",
     "driver",
     "benchmark",
@@ -140,7 +141,6 @@ OVER_SINCE_FORMAT = {
     "generation_core/inputs/dataset_files.py",
     "generation_core/inputs/tasks.py",
     "generation_core/outputs/merge.py",
-    "generation_core/outputs/export.py",
 }
 
 

@@ -192,7 +192,7 @@ def _run_args(batch, out, model_dir):
 
 
 def _export(run, out):
-    from generation_core.outputs.export import ExportOptions, export_batch_output
+    from generation_core.exports.export import ExportOptions, export_batch_output
 
     # overwrite: the crashed run is exported again, after its resume, to the same name.
     summary = export_batch_output(str(run), str(out), ExportOptions(format="openai-batch", overwrite=True))

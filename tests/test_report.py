@@ -17,7 +17,7 @@ from PIL import Image
 
 from flows.cli import main
 from generation_core.report.data import sample_hash
-from generation_core.report.html import REPORT_FILE, split_report_arguments
+from generation_core.report.html import REPORT_FILE
 from generation_core.report.stop_reasons import STOP_REASONS, Limits, stop_reasons
 from generation_core.store.folder import StorageFolder
 from generation_core.store.trajectory_record import TrajectoryRecord, records_to_table
@@ -89,12 +89,21 @@ def test_stop_reasons_are_read_from_the_tokens_and_the_limits():
 
 
 def test_sample_argument_is_read_and_checked():
-    assert split_report_arguments(["--sample", "7", "storage.options.anon=true"]) == (7, ["storage.options.anon=true"])
-    assert split_report_arguments(["--sample=3"]) == (3, [])
-    assert split_report_arguments([]) == (500, [])
-    for bad in (["--sample", "0"], ["--sample"], ["--sample=x"]):
-        with pytest.raises(Exception, match="--sample takes a positive number"):
-            split_report_arguments(bad)
+    """Issue 44 item 6: `genrun report`'s arguments are read by its argparse parser (no hand-written
+    argv loop): `--sample N` or `--sample=N` anywhere, the folder, then storage options."""
+    from flows.cli import parse_command
+
+    args = parse_command(["report", "DIR", "--sample", "7", "storage.options.anon=true"])
+    assert (args.folder, args.sample, args.storage) == ("DIR", 7, ["storage.options.anon=true"])
+    assert (parse_command(["report", "--sample=3", "DIR"]).sample, parse_command(["report", "DIR"]).sample) == (3, None)
+    for bad, message in (
+        (["--sample", "0"], "--sample takes a positive number of trajectories (got '0')"),
+        (["--sample=x"], "--sample takes a positive number of trajectories (got 'x')"),
+        (["--sample"], "argument --sample: expected one argument; usage: genrun report DIR"),
+    ):
+        with pytest.raises(Exception) as refused:
+            parse_command(["report", "DIR", *bad])
+        assert str(refused.value).startswith(message)
 
 
 def test_viewer_data_holding_html_markup_stays_valid_json_inside_its_script_element():
@@ -239,7 +248,8 @@ def test_refusals_are_one_line_with_exit_2(run_dir, capsys, tmp_path):
     assert (
         main(["report"]) == 2
         and capsys.readouterr().err
-        == "genrun: error: usage: genrun report DIR [--sample N] [--trust-remote-code] [storage.options.KEY=VALUE ...]\n"
+        == "genrun: error: the following arguments are required: DIR; usage: genrun report DIR [--sample N] "
+        "[--trust-remote-code] [storage.options.KEY=VALUE ...] (genrun report --help lists the options)\n"
     )
     assert main(["report", str(run_dir), "--sample", "-1"]) == 2
     assert capsys.readouterr().err == "genrun: error: --sample takes a positive number of trajectories (got '-1')\n"

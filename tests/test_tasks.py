@@ -215,7 +215,7 @@ def test_rl_prompts_export_gives_pass_rates_that_verls_dataset_reads(task_inputs
     from verl.utils import hf_tokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from generation_core.outputs.rl_prompts import prompt_rewards
+    from generation_core.exports.rl_prompts import prompt_rewards
     from generation_core.store.part_repair import committed_parts
 
     plan = preflight(_overrides(task_inputs, tmp_path, model_dir))

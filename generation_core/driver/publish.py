@@ -75,7 +75,7 @@ def publish_run(
     check = (lambda: fence.check(folder)) if fence is not None else (lambda: None)
     check()
     gen = GenerationSettings.of(cfg)
-    # The terminal summary (flows/cli.py) is where a run's figures are read: verl's console
+    # The terminal summary (flows/run_command.py) is where a run's figures are read: verl's console
     # backend would print them again as one raw `step:0 - generation/...` line.
     backends = [backend for backend in cfg.trainer.logger if backend != "console"]
     published: dict[str, Any] = {"metrics": throughput_metrics(summary)}

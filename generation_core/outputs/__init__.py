@@ -1,1 +1,1 @@
-"""What a finished run leaves: the merged DataProto, manifest.json, exports, publishing, status."""
+"""What a finished run leaves: the merged DataProto, manifest.json, publishing, status."""

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from generation_core.build import describe_build, same_build
-from generation_core.errors import GenrunError
 from generation_core.report.data import ReportData, collect_report_data
 from generation_core.report.plots import Plot, all_plots
 from generation_core.report.viewer import TOKEN_BUDGET, eos_token_ids, load_tokenizer, payload_json, viewer_payload
@@ -303,27 +302,6 @@ def write_report(folder: StorageFolder, sample_size: int = SAMPLE_SIZE, trust_re
     payload = viewer_payload(data, tokenizer)
     folder.put_atomic(REPORT_FILE, render_html(data, plots, payload, sample_size).encode())
     return Report(folder.display(REPORT_FILE), len(data.stats), len(payload["trajectories"]), plots)
-
-
-def split_report_arguments(arguments: list[str]) -> tuple[int, list[str]]:
-    """`--sample N` (or `--sample=N`) from `genrun report`'s arguments; the rest are storage options."""
-    sample, rest, position = SAMPLE_SIZE, [], 0
-    while position < len(arguments):
-        argument = arguments[position]
-        if argument == "--sample" or argument.startswith("--sample="):
-            value = (
-                argument.partition("=")[2]
-                if "=" in argument
-                else (arguments[position + 1] if position + 1 < len(arguments) else "")
-            )
-            position += 1 if "=" in argument else 2
-            if not value.isdigit() or int(value) < 1:
-                raise GenrunError(f"--sample takes a positive number of trajectories (got {value!r})")
-            sample = int(value)
-            continue
-        rest.append(argument)
-        position += 1
-    return sample, rest
 
 
 def report_command(

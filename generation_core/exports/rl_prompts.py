@@ -26,6 +26,10 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
+from generation_core.exports.dataset_card import pass_rate_lines, write_dataset_card
+from generation_core.exports.export_options import RL_PROMPTS, ExportOptions
+from generation_core.exports.export_target import output_location
+from generation_core.exports.key_order import committed_parts_to_export
 from generation_core.inputs.dataset_files import (
     data_storage_options,
     open_input,
@@ -34,12 +38,9 @@ from generation_core.inputs.dataset_files import (
     storage_errors,
 )
 from generation_core.inputs.shard_rows import planned_rows
-from generation_core.outputs.dataset_card import pass_rate_lines, write_dataset_card
-from generation_core.outputs.export_options import RL_PROMPTS, ExportOptions
-from generation_core.outputs.export_target import output_location
 from generation_core.run_plan import DatasetFiles
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
+from generation_core.store.part_repair import CommittedPartRef, read_verified_part
 from generation_core.store.run_folder import read_run_record
 from generation_core.store.trajectory_record import read_part_table, score_or_none
 
@@ -70,39 +71,58 @@ class PromptRewards:
 
 @dataclass
 class RlPromptsSummary:
+    """What an rl-prompts export wrote and left out: its line on the terminal and the counts and
+    filters its dataset card states."""
+
     output: str
+    threshold: float
+    pass_rate: tuple[float, float] | None
     prompts: int = 0
     rows: int = 0
     unscored: int = 0
     outside_band: int = 0
     card: str | None = None
 
-    def line(self, pass_rate: tuple[float, float] | None) -> str:
+    def line(self) -> str:
         text = f"exported {self.rows} of {self.prompts} prompts to {self.output} (layout {LAYOUT})"
         dropped = []
-        if pass_rate is not None:
-            dropped.append(f"{self.outside_band} with a pass rate outside [{pass_rate[0]:g}, {pass_rate[1]:g}]")
+        if self.pass_rate is not None:
+            low, high = self.pass_rate
+            dropped.append(f"{self.outside_band} with a pass rate outside [{low:g}, {high:g}]")
         if self.unscored:
             dropped.append(f"{self.unscored} with no scored sample")
         text += f"; left out: {', '.join(dropped)}" if dropped else ""
         return text + (f"; dataset card {self.card}" if self.card else "")
 
+    def card_counts(self) -> dict[str, int]:
+        return {
+            "prompts with committed samples": self.prompts,
+            "exported prompts (rows)": self.rows,
+            "prompts with no scored sample": self.unscored,
+        }
 
-def export_command(run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None) -> int:
+    def card_filters(self) -> list[str]:
+        filters = [f"a sample passes with a reward above {self.threshold:g} (`--pass-threshold`)"]
+        if self.pass_rate is not None:
+            low, high = self.pass_rate
+            filters.append(
+                f"`--pass-rate {low:g} {high:g}`: kept prompts whose pass rate is in the band "
+                f"({self.outside_band} dropped)"
+            )
+        return filters
+
+
+def export_prompts(
+    run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
+) -> RlPromptsSummary:
     """`genrun export --layout rl-prompts` (options checked by export_options.check_combination);
     no tokenizer is needed."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
-    parts = committed_parts(folder)
-    if not parts:
-        raise GenrunError(
-            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
-        )
+    parts = committed_parts_to_export(folder)
     out = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
     threshold = 0.0 if options.pass_threshold is None else options.pass_threshold
-    summary = export_rl_prompts(folder, config, parts, out, threshold, options.pass_rate)
-    print(summary.line(options.pass_rate))
-    return 0
+    return export_rl_prompts(folder, config, parts, out, threshold, options.pass_rate)
 
 
 def prompt_rewards(folder: StorageFolder, parts: list[CommittedPartRef]) -> dict[int, PromptRewards]:
@@ -153,7 +173,7 @@ def export_rl_prompts(
 ) -> RlPromptsSummary:
     """Write the rl-prompts layout (see the module's docstring) to `out` (folder, name)."""
     out_folder, out_name = out
-    summary = RlPromptsSummary(out_folder.display(out_name))
+    summary = RlPromptsSummary(out_folder.display(out_name), threshold, pass_rate)
     statistics = {}
     for index, rewards in prompt_rewards(folder, parts).items():
         summary.prompts += 1
@@ -185,30 +205,10 @@ def export_rl_prompts(
     summary.rows = len(rows)
     with out_folder.open_write(out_name) as sink:
         pq.write_table(pa.Table.from_pylist(rows), sink, compression="zstd")
-    summary.card = out_folder.display(_write_card(folder, out, summary, rows, threshold, pass_rate))
-    return summary
-
-
-def _write_card(
-    folder: StorageFolder,
-    out: tuple[StorageFolder, str],
-    summary: RlPromptsSummary,
-    rows: list[dict[str, Any]],
-    threshold: float,
-    pass_rate: tuple[float, float] | None,
-) -> str:
-    """The dataset card beside the export (dataset_card.py), its rows described by pass rates."""
-    counts = {
-        "prompts with committed samples": summary.prompts,
-        "exported prompts (rows)": summary.rows,
-        "prompts with no scored sample": summary.unscored,
-    }
-    filters = [f"a sample passes with a reward above {threshold:g} (`--pass-threshold`)"]
-    if pass_rate is not None:
-        filters.append(
-            f"`--pass-rate {pass_rate[0]:g} {pass_rate[1]:g}`: kept prompts whose pass rate is in the band ({summary.outside_band} dropped)"
-        )
-    extra = pass_rate_lines(
-        [row["extra_info"]["pass_rate"] for row in rows], [row["extra_info"]["num_samples"] for row in rows]
+    pass_rates = [row["extra_info"]["pass_rate"] for row in rows]
+    described = pass_rate_lines(pass_rates, [row["extra_info"]["num_samples"] for row in rows])
+    card = write_dataset_card(
+        out_folder, out_name, read_run_record(folder), summary.card_counts(), summary.card_filters(), LAYOUT, described
     )
-    return write_dataset_card(out[0], out[1], read_run_record(folder), counts, filters, LAYOUT, extra)
+    summary.card = out_folder.display(card)
+    return summary

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from generation_core.errors import GenrunError
+from generation_core.exports import export_tools
 from generation_core.inputs.openai_batch import CHAT_URL, COMPLETIONS_URL
 from generation_core.inputs.shard_rows import planned_rows
-from generation_core.outputs import export_tools
 from generation_core.run_plan import DatasetFiles
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import read_run_record

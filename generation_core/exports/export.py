@@ -24,31 +24,33 @@ may replace a file: export_target.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
-from generation_core.outputs import export_tools, rl_prompts
-from generation_core.outputs.dataset_card import RowStats, card_counts, card_filters, write_dataset_card
-from generation_core.outputs.export_options import (
+from generation_core.exports import export_tools, rl_prompts
+from generation_core.exports.dataset_card import RowStats, write_dataset_card
+from generation_core.exports.export_options import (
     OPENAI_BATCH,
     OPENAI_BATCH_INPUT,
     RL_PROMPTS,
     ExportOptions,
     check_combination,
 )
-from generation_core.outputs.export_target import output_location
-from generation_core.outputs.key_order import records_in_key_order
-from generation_core.outputs.openai_batch_input import BatchInputSummary, export_openai_batch_input
-from generation_core.outputs.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
-from generation_core.outputs.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
+from generation_core.exports.export_target import output_location
+from generation_core.exports.key_order import committed_parts_to_export, records_in_key_order
+from generation_core.exports.openai_batch_input import BatchInputSummary, export_openai_batch_input
+from generation_core.exports.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
+from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
+from generation_core.store.part_repair import CommittedPartRef, read_verified_part
 from generation_core.store.run_folder import read_run_record
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, score_or_none, to_json
 
@@ -62,7 +64,11 @@ ROWS_PER_GROUP = 1000
 
 @dataclass
 class ExportSummary:
+    """What an SFT export wrote and what its filters left out: its line on the terminal and the
+    counts and filters its dataset card states."""
+
     output: str
+    options: ExportOptions
     rows: int = 0
     committed: int = 0
     scored: int = 0
@@ -76,11 +82,32 @@ class ExportSummary:
     """Lengths and rewards of the exported rows, for the dataset card."""
     card: str | None = None
 
-    def line(self, options: ExportOptions) -> str:
+    def kept(self, record: TrajectoryRecord, keep: dict[int, int] | None) -> bool:
+        """Whether the filters keep `record`, counting it (committed, scored) and what dropped it."""
+        self.committed += 1
+        self.scored += record.reward_score is not None
+        if self.options.min_reward is not None and not _scored_at_least(record.reward_score, self.options.min_reward):
+            self.below_min_reward += 1
+            return False
+        if keep is not None and record.index not in keep:
+            self.unscored_prompts += 1
+            return False
+        if keep is not None and keep[record.index] != record.rollout_n:
+            self.not_best += 1
+            return False
+        return True
+
+    def add(self, record: TrajectoryRecord, rebuilt: RebuiltTrajectory) -> None:
+        self.rows += 1
+        self.truncated += rebuilt.truncated
+        self.unmatched_turns += rebuilt.unmatched_turns
+        self.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
+
+    def line(self) -> str:
         dropped = []
-        if options.min_reward is not None:
-            dropped.append(f"{self.below_min_reward} below --min-reward {options.min_reward:g} or unscored")
-        if options.best_of_n:
+        if self.options.min_reward is not None:
+            dropped.append(f"{self.below_min_reward} below --min-reward {self.options.min_reward:g} or unscored")
+        if self.options.best_of_n:
             dropped.append(f"{self.not_best} not the best of their prompt")
             if self.unscored_prompts:
                 dropped.append(f"{self.unscored_prompts} of prompts with no scored trajectory, which have no best")
@@ -89,31 +116,55 @@ class ExportSummary:
         text += f"; {self.truncated} cut at the length limit (truncated=true)"
         text += f"; dataset card {self.card}" if self.card else ""
         if self.unmatched_turns:
-            text += f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, kept as raw text in user messages"
+            text += (
+                f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, "
+                "kept as raw text in user messages"
+            )
         return text
+
+    def card_counts(self) -> dict[str, int]:
+        return {
+            "committed trajectories": self.committed,
+            "exported rows": self.rows,
+            "scored trajectories (of the committed)": self.scored,
+            "exported rows cut at the length limit (truncated)": self.truncated,
+        }
+
+    def card_filters(self) -> list[str]:
+        """The filters the export applied, with what each dropped."""
+        filters = []
+        if self.options.min_reward is not None:
+            filters.append(
+                f"`--min-reward {self.options.min_reward:g}`: kept trajectories scored at least "
+                f"{self.options.min_reward:g} ({self.below_min_reward} dropped, unscored ones included)"
+            )
+        if self.options.best_of_n:
+            filters.append(
+                "`--best-of-n`: kept the highest-scored trajectory of each prompt "
+                f"({self.not_best} dropped; {self.unscored_prompts} of prompts with no scored trajectory)"
+            )
+        return filters
 
 
 def export_command(
     run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
 ) -> int:
+    """`genrun export`: the layout or format `options` ask for, and its summary line."""
     check_combination(options)
     if options.layout == RL_PROMPTS:
-        return rl_prompts.export_command(run_url, out_url, options, storage_options)
-    if options.format == OPENAI_BATCH:
-        print(export_batch_output(run_url, out_url, options, storage_options).line())
-        return 0
-    if options.format == OPENAI_BATCH_INPUT:
-        print(export_batch_input(run_url, out_url, options, storage_options).line())
-        return 0
-    summary = export_run(run_url, out_url, options, storage_options)
-    print(summary.line(options))
+        export: Callable[..., Any] = rl_prompts.export_prompts
+    else:
+        export = {OPENAI_BATCH: export_batch_output, OPENAI_BATCH_INPUT: export_batch_input}.get(
+            options.format, export_run
+        )
+    print(export(run_url, out_url, options, storage_options).line())
     return 0
 
 
 def export_batch_output(
     run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
 ) -> BatchExportSummary:
-    """The run in the OpenAI batch output layout (outputs/openai_batch_output.py)."""
+    """The run in the OpenAI batch output layout (exports/openai_batch_output.py)."""
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
     errors = errors_name(str(out_url).rstrip("/").rpartition("/")[2])
@@ -134,7 +185,7 @@ def export_batch_output(
 def export_batch_input(
     run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
 ) -> BatchInputSummary:
-    """The run's prompts in the OpenAI batch input layout (outputs/openai_batch_input.py)."""
+    """The run's prompts in the OpenAI batch input layout (exports/openai_batch_input.py)."""
     folder = StorageFolder(run_url, storage_options)
     out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
     return export_openai_batch_input(folder, out_folder, out_name, options.trust_remote_code)
@@ -143,85 +194,67 @@ def export_batch_input(
 def export_run(
     run_url: str, out_url: str, options: ExportOptions, storage_options: dict[str, Any] | None = None
 ) -> ExportSummary:
+    """The run as SFT Parquet (see the module docstring), with its dataset card beside it."""
     folder = StorageFolder(run_url, storage_options)
     record = read_run_record(folder)
-    config = record.config
-    parts = committed_parts(folder)
-    if not parts:
-        raise GenrunError(
-            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
-        )
+    parts = committed_parts_to_export(folder)
     out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
-    tools = export_tools.run_tool_schemas(config, options.trust_remote_code)
+    tools = export_tools.run_tool_schemas(record.config, options.trust_remote_code)
     rebuilder = MessageRebuilder(
-        _tokenizer(config, options),
+        _tokenizer(record.config, options),
         tools,
-        config.get("data", {}).get("apply_chat_template_kwargs"),
-        _eos_ids(config, options.tokenizer),
+        record.config.get("data", {}).get("apply_chat_template_kwargs"),
+        _eos_ids(record.config, options.tokenizer),
     )
-    schema = export_schema(options.layout, tools)
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
-    summary = ExportSummary(out_folder.display(out_name))
+    summary = ExportSummary(out_folder.display(out_name), options)
     with out_folder.open_write(out_name) as sink:
-        writer = pq.ParquetWriter(sink, schema, compression="zstd")
-        try:
-            rows: list[dict[str, Any]] = []
-            for trajectory, part in records_in_key_order(folder, parts):
-                if not _kept(trajectory, options, keep, summary):
-                    continue
-                prompt = _prompt_of(trajectory)
-                rebuilt = rebuilder.rebuild(prompt, trajectory.response_ids, trajectory.response_mask)
-                summary.rows += 1
-                summary.truncated += rebuilt.truncated
-                summary.unmatched_turns += rebuilt.unmatched_turns
-                summary.stats.add(len(trajectory.response_ids), trajectory.reward_score, trajectory.num_turns)
-                rows.append(_row(trajectory, rebuilt, options.layout, tools, part.storage_seconds_per_row))
-                if len(rows) == ROWS_PER_GROUP:
-                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-                    rows = []
-            if rows:
-                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-        finally:
-            writer.close()
+        rows = _sft_rows(folder, parts, summary, keep, rebuilder, tools)
+        write_parquet(sink, export_schema(options.layout, tools), rows)
         if not summary.rows:
             # Raised inside the block: nothing is published.
-            if not summary.scored:
-                raise GenrunError(
-                    f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, reward.custom_reward_function.path, or an agent loop that scores); nothing written"
-                )
-            raise GenrunError(
-                f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, {summary.scored} scored); nothing written"
-            )
-    summary.card = out_folder.display(
-        write_dataset_card(
-            out_folder,
-            out_name,
-            record,
-            card_counts(summary),
-            card_filters(options, summary),
-            options.layout,
-            summary.stats,
-        )
+            _refuse_empty(folder, summary)
+    card = write_dataset_card(
+        out_folder, out_name, record, summary.card_counts(), summary.card_filters(), options.layout, summary.stats
     )
+    summary.card = out_folder.display(card)
     return summary
 
 
-def _kept(
-    record: TrajectoryRecord, options: ExportOptions, keep: dict[int, int] | None, summary: ExportSummary
-) -> bool:
-    """Whether the filters keep `record`, counting it (committed, scored) and what dropped it."""
-    summary.committed += 1
-    summary.scored += record.reward_score is not None
-    if options.min_reward is not None and not _scored_at_least(record.reward_score, options.min_reward):
-        summary.below_min_reward += 1
-        return False
-    if keep is not None and record.index not in keep:
-        summary.unscored_prompts += 1
-        return False
-    if keep is not None and keep[record.index] != record.rollout_n:
-        summary.not_best += 1
-        return False
-    return True
+def _sft_rows(
+    folder: StorageFolder,
+    parts: list[CommittedPartRef],
+    summary: ExportSummary,
+    keep: dict[int, int] | None,
+    rebuilder: MessageRebuilder,
+    tools: list[dict[str, Any]] | None,
+) -> Iterator[dict[str, Any]]:
+    """The trajectories the filters keep, as export rows in key order, counted in `summary`."""
+    for trajectory, part in records_in_key_order(folder, parts):
+        if summary.kept(trajectory, keep):
+            rebuilt = rebuilder.rebuild(_prompt_of(trajectory), trajectory.response_ids, trajectory.response_mask)
+            summary.add(trajectory, rebuilt)
+            yield _row(trajectory, rebuilt, summary.options.layout, tools, part.storage_seconds_per_row)
+
+
+def write_parquet(sink: Any, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -> None:
+    """`rows` as a zstd Parquet file into `sink`, ROWS_PER_GROUP rows at a time (never all held)."""
+    rows = iter(rows)
+    with pq.ParquetWriter(sink, schema, compression="zstd") as writer:
+        while group := list(itertools.islice(rows, ROWS_PER_GROUP)):
+            writer.write_table(pa.Table.from_pylist(group, schema=schema))
+
+
+def _refuse_empty(folder: StorageFolder, summary: ExportSummary) -> NoReturn:
+    if not summary.scored:
+        raise GenrunError(
+            f"no trajectory of {folder.display()} has a reward, which --min-reward needs (a reward function, "
+            "reward.custom_reward_function.path, or an agent loop that scores); nothing written"
+        )
+    raise GenrunError(
+        f"no trajectory of {folder.display()} passes the filters ({summary.committed} committed, "
+        f"{summary.scored} scored); nothing written"
+    )
 
 
 def _row(

@@ -1,15 +1,15 @@
-"""`genrun export`'s command line: one argparse parser, whose `--help` lists every option, and the
-options it fills (`ExportOptions`), checked together before any file is read.
+"""`genrun export`'s options: the arguments the CLI's export subcommand takes (flows/cli.py builds the
+parser; its `--help` lists every option), and the options they fill (`ExportOptions`), checked
+together before any file is read.
 
 Values are checked by the parser's type functions, which raise GenrunError with the one-line
-message the CLI prints (argparse's own messages would end the process, and name no fix)."""
+message the CLI prints (argparse's own messages name no fix)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from dataclasses import dataclass
-from typing import NoReturn
 
 from generation_core.errors import GenrunError
 
@@ -21,7 +21,11 @@ OPENAI_BATCH = "openai-batch"
 OPENAI_BATCH_INPUT = "openai-batch-input"
 FORMATS = ("parquet", OPENAI_BATCH, OPENAI_BATCH_INPUT)
 SYNOPSIS = "genrun export RUN_DIR OUT [options] [storage.options.KEY=VALUE ...]"
-SHORT_USAGE = f"usage: {SYNOPSIS} (genrun export --help lists the options)"
+DESCRIPTION = (
+    "A run's committed trajectories as a file (local or s3://), sorted by (index, rollout_n), with a "
+    "dataset card (README.md) beside a Parquet output. Nothing is written into the run folder, and an existing "
+    "output is replaced only with --overwrite (docs/outputs.md)."
+)
 
 
 @dataclass
@@ -32,8 +36,8 @@ class ExportOptions:
     """Keep the highest-scored trajectory of each prompt."""
     layout: str = "messages"
     format: str = "parquet"
-    """`openai-batch`: the OpenAI Batch API's output layout (outputs/openai_batch_output.py);
-    `openai-batch-input`: its input layout, the run's prompts (outputs/openai_batch_input.py)."""
+    """`openai-batch`: the OpenAI Batch API's output layout (exports/openai_batch_output.py);
+    `openai-batch-input`: its input layout, the run's prompts (exports/openai_batch_input.py)."""
     tokenizer: str | None = None
     """A tokenizer folder to use instead of the run's model path (when that is not on this machine)."""
     trust_remote_code: bool = False
@@ -44,11 +48,6 @@ class ExportOptions:
     """rl-prompts: a sample passes when its reward is above this (--pass-threshold; None: 0)."""
     overwrite: bool = False
     """Replace an existing output file (and the files written beside it under names derived from it)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise GenrunError(f"{message}; {SHORT_USAGE}")
 
 
 def _number(option: str, what_nan_does: str):
@@ -89,24 +88,17 @@ def _rate(value: str) -> float:
     return rate
 
 
-def export_parser() -> argparse.ArgumentParser:
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """Long: one add_argument per option, each with the help text `genrun export --help` shows."""
-    parser = _Parser(
-        prog="genrun export",
-        usage=argparse.SUPPRESS,
-        add_help=False,
-        allow_abbrev=False,
-        description="A run's committed trajectories as a file (local or s3://), sorted by (index, rollout_n), with a "
-        "dataset card (README.md) beside a Parquet output. Nothing is written into the run folder, and an existing "
-        "output is replaced only with --overwrite (docs/outputs.md).",
-    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    parser.add_argument("out", metavar="OUT", help="the output file (local or s3://)")
     parser.add_argument(
-        "arguments",
+        "storage",
         nargs="*",
-        metavar="RUN_DIR OUT [storage.options.KEY=VALUE ...]",
-        help="the run folder, the output file, and fsspec options for both (e.g. storage.options.endpoint_url=URL)",
+        default=[],
+        metavar="storage.options.KEY=VALUE",
+        help="fsspec options for both (e.g. storage.options.endpoint_url=URL)",
     )
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument(
         "--layout",
         type=_layout,
@@ -156,26 +148,10 @@ def export_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace an existing output file (and its error file); without it an existing one is refused",
     )
-    return parser
 
 
-def export_help() -> str:
-    return f"usage:\n    {SYNOPSIS}\n\n{export_parser().format_help()}"
-
-
-def wants_help(argv: list[str]) -> bool:
-    return any(argument in ("-h", "--help") for argument in argv)
-
-
-def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, list[str]]:
-    """(run folder, output, options, the remaining storage.options.KEY=VALUE arguments)."""
-    parsed, unknown = export_parser().parse_known_intermixed_args(argv)
-    if unknown:
-        raise GenrunError(f"unknown option {unknown[0]!r}; {SHORT_USAGE}")
-    positional = [argument for argument in parsed.arguments if not argument.lstrip("+").startswith("storage.")]
-    rest = [argument for argument in parsed.arguments if argument.lstrip("+").startswith("storage.")]
-    if len(positional) != 2:
-        raise GenrunError(f"give the run folder and the output file; {SHORT_USAGE}")
+def export_options_from(parsed: argparse.Namespace) -> ExportOptions:
+    """The options `add_export_arguments`' parser filled, checked together."""
     options = ExportOptions(
         min_reward=parsed.min_reward,
         best_of_n=parsed.best_of_n,
@@ -188,7 +164,7 @@ def parse_export_arguments(argv: list[str]) -> tuple[str, str, ExportOptions, li
         overwrite=parsed.overwrite,
     )
     check_combination(options)
-    return positional[0], positional[1], options, rest
+    return options
 
 
 def check_combination(options: ExportOptions) -> None:

@@ -36,9 +36,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
+from generation_core.exports.sft_messages import eos_token_ids_of
 from generation_core.inputs.dataset_files import read_json_table
 from generation_core.inputs.openai_batch import CHAT_URL
-from generation_core.outputs.sft_messages import eos_token_ids_of
 from generation_core.run_plan import DatasetFiles
 from generation_core.shard.adaptive import AdaptiveRule, decided_prompts
 from generation_core.store.commit_log import ShardCheckpoint, read_failure_log, read_marker

@@ -15,9 +15,20 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from generation_core.errors import GenrunError
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import CommittedPartRef, read_verified_part
+from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.trajectory_record import TrajectoryRecord, read_part_table, records_from_parquet
+
+
+def committed_parts_to_export(folder: StorageFolder) -> list[CommittedPartRef]:
+    """The run's committed parts; a run that has committed none is refused (nothing to export)."""
+    parts = committed_parts(folder)
+    if not parts:
+        raise GenrunError(
+            f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
+        )
+    return parts
 
 
 @dataclass(frozen=True)

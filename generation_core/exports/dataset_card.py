@@ -127,30 +127,6 @@ def render_card(sections: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def card_counts(summary: Any) -> dict[str, int]:
-    """The card's row counts from an export's summary (export.ExportSummary)."""
-    return {
-        "committed trajectories": summary.committed,
-        "exported rows": summary.rows,
-        "scored trajectories (of the committed)": summary.scored,
-        "exported rows cut at the length limit (truncated)": summary.truncated,
-    }
-
-
-def card_filters(options: Any, summary: Any) -> list[str]:
-    """The filters an export applied (export.ExportOptions), with what each dropped."""
-    filters = []
-    if options.min_reward is not None:
-        filters.append(
-            f"`--min-reward {options.min_reward:g}`: kept trajectories scored at least {options.min_reward:g} ({summary.below_min_reward} dropped, unscored ones included)"
-        )
-    if options.best_of_n:
-        filters.append(
-            f"`--best-of-n`: kept the highest-scored trajectory of each prompt ({summary.not_best} dropped; {summary.unscored_prompts} of prompts with no scored trajectory)"
-        )
-    return filters
-
-
 def render_section(
     out_name: str,
     record: RunRecord,
