@@ -25,11 +25,11 @@ def hf_static_batch(cfg, requests: list[list[int]], tokens: int) -> tuple[int, f
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from generation_core.config.settings import HfEngineKwargs
+    from generation_core.config.engine_kwargs import HfEngineKwargs
 
     rollout = cfg.actor_rollout_ref.rollout
     hf = HfEngineKwargs.of(rollout.engine_kwargs)
-    device = hf.device or "cpu"  # load_config has decided it (settings.hf_device)
+    device = hf.device or "cpu"  # load_config has decided it (engine_kwargs.hf_device)
     dtype = getattr(torch, hf.dtype) if hf.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if not device.startswith("cuda"):
         torch.set_num_threads(hf.num_threads or os.cpu_count() or 1)
@@ -77,6 +77,7 @@ def remote_direct(cfg, requests: list[list[int]], tokens: int) -> tuple[int, flo
     import httpx
 
     from generation_core.config.layout import remote_settings, remote_urls
+    from generation_core.config.settings import GenerationSettings
     from generation_core.engines.base import SamplingParams
     from generation_core.engines.remote import completion_request
 
@@ -95,7 +96,7 @@ def remote_direct(cfg, requests: list[list[int]], tokens: int) -> tuple[int, flo
     async def drive() -> int:
         async with httpx.AsyncClient(timeout=None, headers=headers) as client:
             model = settings.model or (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"]
-            gate = asyncio.Semaphore(cfg.generation.max_inflight)
+            gate = asyncio.Semaphore(GenerationSettings.of(cfg).inflight_limit)
 
             async def one(i: int, ids: list[int]) -> int:
                 async with gate:
