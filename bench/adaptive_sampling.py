@@ -69,11 +69,11 @@ class InstantWorkers:
     @asynccontextmanager
     async def worker(self, plan, shard):
         from generation_core.engines.instant import InstantEngine, InstantSettings
-        from generation_core.shard.job import run_tokenizer
+        from generation_core.inputs.tokenizer import run_tokenizer
         from generation_core.shard.rewards import RewardScorer
         from generation_core.shard.streaming import StreamingWorker
 
-        tokenizer = run_tokenizer(plan.cfg)
+        tokenizer = run_tokenizer(plan.cfg.actor_rollout_ref.model)
         engine = InstantEngine(
             InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)
         )

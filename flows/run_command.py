@@ -84,10 +84,9 @@ def first_example(plan) -> str | None:
     records = records_from_parquet(read_verified_part(plan.folder, parts[0]))
     if not records:
         return None
-    from verl.utils import hf_tokenizer
+    from generation_core.inputs.tokenizer import run_tokenizer
 
-    model = plan.cfg.actor_rollout_ref.model
-    tokenizer = hf_tokenizer(os.path.expanduser(model.path), trust_remote_code=model.trust_remote_code)
+    tokenizer = run_tokenizer(plan.cfg.actor_rollout_ref.model)
     record = min(records, key=lambda r: r.key)
     prompt = tokenizer.decode(record.prompt_ids, skip_special_tokens=True).strip()
     response = tokenizer.decode(record.response_ids, skip_special_tokens=True).strip()

@@ -34,9 +34,10 @@ async def _health_once_restarted(handle, seconds: float = 300):
 
 def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path, ray_local, model_dir, caplog):
 
+    from generation_core.inputs.tokenizer import run_tokenizer
     from generation_core.preflight.preflight import preflight
     from generation_core.serving.pool import ReplicaPool
-    from generation_core.shard.job import dataset_prompts, run_shard_job, run_tokenizer
+    from generation_core.shard.job import dataset_prompts, run_shard_job
     from generation_core.shard.rewards import RewardScorer
     from generation_core.shard.streaming import StreamingWorker
 
@@ -72,7 +73,9 @@ def test_killing_a_replica_mid_shard_fails_over_without_losing_a_sample(tmp_path
         @asynccontextmanager
         async def worker(self, plan, shard):
             routing = self.pool.client()
-            worker = StreamingWorker(plan.cfg, routing, RewardScorer.from_config(plan.cfg, run_tokenizer(plan.cfg)))
+            worker = StreamingWorker(
+                plan.cfg, routing, RewardScorer.from_config(plan.cfg, run_tokenizer(plan.cfg.actor_rollout_ref.model))
+            )
             try:
                 yield worker
                 self.restarted = await _health_once_restarted(self.victim)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from generation_core.errors import GenrunError
@@ -28,12 +27,10 @@ def write_prompts(source_files: list[str], out: Path, count: int, prompt_key: st
 def prompt_ids(cfg, prompts_file: Path) -> list[list[int]]:
     """The prompts as genrun's agent loop tokenizes them: the chat template, generation prompt added."""
     import pyarrow.parquet as pq
-    from verl.utils import hf_tokenizer
 
-    model = cfg.actor_rollout_ref.model
-    tokenizer = hf_tokenizer(
-        os.path.expanduser(model.get("tokenizer_path") or model.path), trust_remote_code=model.trust_remote_code
-    )
+    from generation_core.inputs.tokenizer import run_tokenizer
+
+    tokenizer = run_tokenizer(cfg.actor_rollout_ref.model)
     chats = pq.read_table(prompts_file, columns=[cfg.data.prompt_key]).column(0).to_pylist()
     return [
         list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -120,7 +120,10 @@ VERL_KEYS: dict[str, tuple[str, str]] = {
     "data.mm_processor_kwargs": (REFUSED, _MULTIMODAL),
     "data.return_multi_modal_inputs": (IRRELEVANT, f"{_UNREAD} (and multimodal prompts are refused)"),
     "data.seed": (IRRELEVANT, "verl uses it only to shuffle (data.shuffle, refused)"),
-    "data.tokenizer": (IRRELEVANT, f"{_UNREAD}; the tokenizer is actor_rollout_ref.model.path's"),
+    "data.tokenizer": (
+        IRRELEVANT,
+        f"{_UNREAD}; the tokenizer is actor_rollout_ref.model.tokenizer_path's, else model.path's",
+    ),
     "data.trust_remote_code": (
         IRRELEVANT,
         "verl's PPO trainer and genrun follow actor_rollout_ref.model.trust_remote_code",

@@ -49,6 +49,7 @@ from generation_core.exports.key_order import committed_parts_to_export, records
 from generation_core.exports.openai_batch_input import BatchInputSummary, export_openai_batch_input
 from generation_core.exports.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
 from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
+from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, read_verified_part
 from generation_core.store.run_folder import read_run_record
@@ -349,9 +350,10 @@ def _prompt_of(record: TrajectoryRecord) -> Any:
 
 def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
     model = config["actor_rollout_ref"]["model"]
-    path = os.path.expanduser(override or model.get("tokenizer_path") or model["path"])
+    path = os.path.expanduser(override) if override else tokenizer_dir(model)
     if not os.path.isdir(path):
-        where = "--tokenizer" if override else "the run's actor_rollout_ref.model.path (run.json)"
+        key = "tokenizer_path" if model.get("tokenizer_path") else "path"
+        where = "--tokenizer" if override else f"the run's actor_rollout_ref.model.{key} (run.json)"
         raise GenrunError(
             f"tokenizer folder {path} ({where}) does not exist here; give the run's model or tokenizer folder with --tokenizer DIR"
         )
@@ -361,11 +363,10 @@ def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:
 def _tokenizer(config: dict[str, Any], options: ExportOptions):
     """The run's tokenizer; code from its folder runs only with the user's --trust-remote-code
     (run.json's trust_remote_code is not followed: reading a folder runs no code it names)."""
-    from verl.utils import hf_tokenizer
-
     path = _tokenizer_dir(config, options.tokenizer)
+    model = dict(config["actor_rollout_ref"]["model"], tokenizer_path=path)
     try:
-        return hf_tokenizer(path, trust_remote_code=options.trust_remote_code)
+        return run_tokenizer(model, trust_remote_code=options.trust_remote_code)
     except ValueError as exc:
         # transformers' refusal to run a folder's code without trust_remote_code=True.
         if options.trust_remote_code or "trust_remote_code" not in str(exc):

@@ -34,6 +34,7 @@ from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import DatasetInspection, inspect_dataset
 from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
+from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
 from generation_core.preflight.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan, plan_shards
 from generation_core.secrets import keep_in_environment, split_secrets
@@ -57,10 +58,13 @@ def check_model_dir(cfg: DictConfig) -> Path:
             f"model path {path} has no config.json; set actor_rollout_ref.model.path to a Hugging Face model directory "
             "(config.json, weights and tokenizer files, as save_pretrained or huggingface-cli download write it)"
         )
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    tokenizer = Path(tokenizer_dir(cfg.actor_rollout_ref.model))
+    if not any((tokenizer / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        where = "tokenizer_path" if tokenizer != path else "path"
         raise GenrunError(
-            f"model path {path} has no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer "
-            "there too (tokenizer.save_pretrained) or set actor_rollout_ref.model.path to a complete model directory"
+            f"actor_rollout_ref.model.{where} {tokenizer} has no tokenizer files "
+            "(tokenizer.json / tokenizer_config.json); save the tokenizer there (tokenizer.save_pretrained), or set "
+            "actor_rollout_ref.model.tokenizer_path to a folder that has them"
         )
     return path
 
@@ -139,15 +143,13 @@ def check_inputs(overrides: list[str]) -> CheckedInputs:
 
 def plan_run(inputs: CheckedInputs) -> RunPlan:
     """The checks that load the engine registry, the tokenizer and the user's code, then the plan."""
-    from verl.utils import hf_tokenizer
-
     from generation_core.inputs.shard_rows import check_overlong_sample
     from generation_core.serving.pool import check_rollout_name
 
     cfg, dataset = inputs.cfg, inputs.dataset
     check_rollout_name(cfg)
-    # verl's loader, as AgentLoopWorker uses it: same pad token fallback, so the merge pads like verl.
-    tokenizer = hf_tokenizer(str(inputs.model_dir), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    # verl's loader and folder, as AgentLoopWorker uses them: same pad token fallback, so the merge pads like verl.
+    tokenizer = run_tokenizer(cfg.actor_rollout_ref.model)
     check_overlong_sample(cfg, dataset.files, tokenizer)
     shards = plan_shards(dataset.files.num_rows, GenerationSettings.of(cfg).num_shards)
     default_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop

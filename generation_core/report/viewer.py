@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from generation_core.inputs.tokenizer import tokenizer_dir
 from generation_core.report.data import ReportData, data_source_of, sample_hash
 from generation_core.report.stop_reasons import STOP_REASONS, stop_reasons
 from generation_core.report.token_decoder import TokenDecoder
@@ -36,16 +37,16 @@ _JOIN_AT_MOST = 4
 
 
 def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
-    """The run's tokenizer (run.json's model path), or None, and the viewer shows token ids,
-    when that path is not readable here (a report made on another machine than the run) or its
-    tokenizer is code from the model folder. Such code runs only when the user passes
+    """The run's tokenizer (run.json's tokenizer_path, else its model path), or None, and the viewer
+    shows token ids, when that folder is not readable here (a report made on another machine than
+    the run) or its tokenizer is code from that folder. Such code runs only when the user passes
     `--trust-remote-code` on the command line: run.json's own trust_remote_code is not followed,
     as reading a folder must run no code it names."""
-    model = run.config["actor_rollout_ref"]["model"]
-    path = os.path.expanduser(str(model["path"]))
+    path = tokenizer_dir(run.config["actor_rollout_ref"]["model"])
     if not Path(path).is_dir():
         logger.warning(
-            "report: the run's model %s is not on this machine; the viewer shows token ids instead of text", path
+            "report: the run's tokenizer %s is not on this machine; the viewer shows token ids instead of text",
+            path,
         )
         return None
     # tokenizer.json through the `tokenizers` library when the folder has one and no tokenizer

@@ -20,18 +20,16 @@ Ray worker, or the in-process dispatcher). It receives its `ShardSpec` and never
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import ray
-from omegaconf import DictConfig
-from verl.utils import hf_tokenizer
 
 from generation_core.inputs.agent_loops import check_agent_loops
 from generation_core.inputs.shard_rows import DatasetPrompts
+from generation_core.inputs.tokenizer import run_tokenizer
 from generation_core.instrumentation import mark
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.serving.pool import attach_client
@@ -120,7 +118,7 @@ class PoolWorkers:
     async def worker(self, plan: RunPlan, shard: ShardSpec) -> AsyncIterator[StreamingWorker]:
         cfg = plan.cfg
         client = attach_client(cfg, self.registry_name)
-        worker = StreamingWorker(cfg, client, RewardScorer.from_config(cfg, run_tokenizer(cfg)))
+        worker = StreamingWorker(cfg, client, RewardScorer.from_config(cfg, run_tokenizer(cfg.actor_rollout_ref.model)))
         mark(f"shard_worker_ready {shard.shard_id}")
         try:
             # The driver may still be loading the model: shard jobs start beside it.
@@ -135,22 +133,9 @@ def dataset_prompts(plan: RunPlan, shard: ShardSpec) -> DatasetPrompts:
     """The shard's prompts: only its rows, read and filtered here (never the whole dataset). The
     agent loops they name are checked again, as the preflight did: this process (a Ray worker)
     loads plugins and YAML itself."""
-    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, run_tokenizer(plan.cfg))
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, run_tokenizer(plan.cfg.actor_rollout_ref.model))
     check_agent_loops(plan.cfg, prompts.agent_names())
     return prompts
-
-
-def run_tokenizer(cfg: DictConfig):
-    """The run's tokenizer, loaded once per process (a Ray worker runs many shards)."""
-    return _tokenizer(
-        os.path.expanduser(cfg.actor_rollout_ref.model.path), cfg.actor_rollout_ref.model.trust_remote_code
-    )
-
-
-@functools.lru_cache(maxsize=2)
-def _tokenizer(model_path: str, trust_remote_code: bool):
-    """verl's tokenizer loader."""
-    return hf_tokenizer(model_path, trust_remote_code=trust_remote_code)
 
 
 def _where_this_runs() -> dict:
