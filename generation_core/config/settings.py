@@ -52,7 +52,6 @@ STALL_MIN_SECONDS = 120.0
 OPEN_TRAJECTORIES_PER_CALL_SLOT = 8
 
 
-_NULL_OR_SECONDS = "must be null or a number of seconds > 0"
 GENERATION_RULES: dict[str, Rule] = {
     "num_shards": (integer(1), "must be an integer >= 1"),
     "part_target_bytes": (integer(1), "must be an integer >= 1"),
@@ -97,7 +96,7 @@ GENERATION_RULES: dict[str, Rule] = {
         "must be null (parts cut by size and age only) or an integer >= 1 (most trajectories per part)",
     ),
     "part_max_seconds": (number(), "must be a number of seconds > 0"),
-    "first_part_max_seconds": (number(null=True), _NULL_OR_SECONDS),
+    "first_part_max_seconds": (number(null=True), "must be null or a number of seconds > 0"),
     "pull_timeout": (number(), "must be a number of seconds > 0"),
     "progress_seconds": (number(), "must be a number of seconds > 0"),
     "stall_seconds": (
@@ -127,9 +126,10 @@ class GenerationSettings:
     num_shards: int = 1
     """Fixed index ranges of the dataset; output-shaping (in the fingerprint)."""
     max_inflight: int | None = None
-    """Most model calls in flight per shard (None: INFLIGHT_PER_BATCH_SEQUENCE x
+    """A shard's model-call slots: its model calls in flight (None: INFLIGHT_PER_BATCH_SEQUENCE x
     actor_rollout_ref.rollout.max_num_seqs, filled in by `of`); a trajectory in its tool or
-    reward function holds none."""
+    reward function holds none. Open trajectories have their own setting (max_open_trajectories),
+    the failure slack its own name (systematic_failure_margin)."""
     max_open_trajectories: int | None = None
     """Most trajectories open per shard, in a model call or not (None:
     OPEN_TRAJECTORIES_PER_CALL_SLOT x max_inflight, filled in by `of`)."""
