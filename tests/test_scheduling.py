@@ -235,14 +235,17 @@ def test_a_second_shard_worker_routes_around_the_first_ones_load(routing, second
             asyncio.ensure_future(first.generate(f"w1-{k}", prompt_ids=[7, 7, 7], sampling_params=SAMPLING))
             for k in range(4)
         ]
-        await asyncio.sleep(0.01)
+        # Until the requests arrive (a wait, not a fixed sleep: a busy machine may take longer).
+        while not any(b.outstanding == 4 for b in backends.values()):
+            await asyncio.sleep(0.001)
         loaded = next(sid for sid, b in backends.items() if b.outstanding == 4)
         second = RoutingClient(config, SharedSource(backends), chooser=ReplicaChooser(routing, random.Random(2)))
         two = [
             asyncio.ensure_future(second.generate(f"w2-{k}", prompt_ids=[k, 9], sampling_params=SAMPLING))
             for k in range(4)
         ]
-        await asyncio.sleep(0.01)
+        while sum(b.outstanding for b in backends.values()) < 8:
+            await asyncio.sleep(0.001)
         placed = {sid: sum(r.startswith("w2") for r in b.served) for sid, b in backends.items()}
         for b in backends.values():
             b.release.set()
