@@ -92,6 +92,31 @@ def test_a_prefix_in_the_cache_costs_nothing_and_is_counted():
     assert prefix_hit_rate(s) == pytest.approx(8 / 20)
 
 
+def test_steps_follow_each_other_and_a_late_one_is_counted_not_hidden():
+    """Issue 46 item 2: at a GPU's rate the stand-in keeps its steps on its own clock (its Python
+    does not stretch them), and a step its busy process started late shows in `late_seconds`."""
+
+    def answered_at(busy_seconds: float) -> tuple[float, float]:
+        engine = _engine(response_tokens_median=4, prefill_seconds_per_token=0.0)
+
+        async def scenario():
+            loop = asyncio.get_running_loop()
+
+            async def busy():  # the process does other work for a while, inside the first step
+                await asyncio.sleep(0.01)
+                loop.now += busy_seconds  # VirtualClockLoop's clock
+
+            await asyncio.gather(engine.generate("r", prompt_ids=[5, 6], sampling_params=SAMPLING), busy())
+            return loop.time()
+
+        return _in_simulated_time(scenario()), engine.stats["late_seconds"]
+
+    assert answered_at(0.0) == (pytest.approx(4 * 0.02), 0.0)
+    # Busy from 0.01 to 0.06: the first step's end (0.02) is seen at 0.06, the next three follow it.
+    done, late = answered_at(0.05)
+    assert done == pytest.approx(0.06 + 3 * 0.02) and late == pytest.approx(0.04)
+
+
 def test_the_prefix_cache_is_bounded():
     engine = _engine(response_tokens_median=1, cache_block_tokens=4, prefix_cache_tokens=8)
 

@@ -22,7 +22,12 @@ The counters the pool reads (`stats`, a replica's `health()`): `running` and `wa
 `busy_slot_seconds` (running sequences x simulated seconds, summed over steps) and
 `simulated_seconds`, and the prefix cache's as the transformers engine names them:
 `prefix_hits` / `prefix_misses` (requests that reused a prefix or not), `prefix_reused_tokens`
-and `prefill_tokens` (prompt tokens reused, and prefilled).
+and `prefill_tokens` (prompt tokens reused, and prefilled); `late_seconds`, what the engine lost
+to steps that started late because its own process was busy.
+
+At time_scale 1 with no prefill cost and fixed lengths it stands in for a GPU engine at a given
+rate: `max_num_seqs / decode_seconds_per_step` tokens/s once its batch is full, each sequence one
+token per step (bench/sim/gpu_rate.py).
 """
 
 from __future__ import annotations
@@ -153,6 +158,7 @@ class SimulatedEngine:
             "prefix_hits": 0,
             "prefix_misses": 0,
             "prefix_reused_tokens": 0,
+            "late_seconds": 0.0,
         }
         self.cache = BlockPrefixCache(settings.prefix_cache_tokens, settings.cache_block_tokens)
         self._draws = random.Random(settings.seed)
@@ -161,6 +167,8 @@ class SimulatedEngine:
         self._wake: asyncio.Event | None = None
         self._stepper: asyncio.Task | None = None
         self._stopped = False
+        self._step_end: float | None = None
+        self._idle_since_step = False
 
     @property
     def load(self) -> int:
@@ -239,6 +247,7 @@ class SimulatedEngine:
         while not self._stopped:
             if not self._running and not self._waiting:
                 self._wake.clear()
+                self._idle_since_step = True
                 await self._wake.wait()
                 continue
             prefill = self._admit()
@@ -248,8 +257,22 @@ class SimulatedEngine:
             self.stats["steps"] += 1
             self.stats["simulated_seconds"] += step
             self.stats["busy_slot_seconds"] += step * len(self._running)
-            await asyncio.sleep(step * s.time_scale)
+            await self._step_ends(step * s.time_scale)
             self._decode()
+
+    async def _step_ends(self, seconds: float) -> None:
+        """A step ends `seconds` after the previous one ended, as a GPU's next kernel follows the
+        last: the engine's own Python (admitting, answering) does not stretch its steps. A step
+        that could not start on time (this process was busy: its event loop, the server actor
+        around it) starts late, and `late_seconds` counts what the engine lost that way."""
+        now = asyncio.get_running_loop().time()
+        if self._step_end is None or self._idle_since_step:
+            self._step_end, self._idle_since_step = now, False
+        elif now > self._step_end:
+            self.stats["late_seconds"] += now - self._step_end
+            self._step_end = now
+        self._step_end += seconds
+        await asyncio.sleep(self._step_end - now)
 
     def _admit(self) -> int:
         """Waiting sequences join the batch while a slot is free; the prompt tokens they prefill

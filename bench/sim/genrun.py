@@ -1,0 +1,17 @@
+"""`genrun`'s own command line with the simulated engine registered, for runs on it:
+
+    .venv/bin/python -m bench.sim.genrun actor_rollout_ref.rollout.name=simulated \
+        +actor_rollout_ref.rollout.engine_kwargs.simulated.time_scale=0.01 ...
+
+(from the repository root). Everything else is the product's CLI, unchanged.
+"""
+
+from __future__ import annotations
+
+from bench.sim import register
+
+if __name__ == "__main__":
+    from flows.cli import run
+
+    register()
+    run()
