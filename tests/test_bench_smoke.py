@@ -31,7 +31,6 @@ NOT_SCRIPTS = {
 HEAVY = [
     "merge_memory.py",
     "engine_streaming.py",
-    "pipeline_efficiency.py",
     "scale.py",
     "scheduling.py",
     "sim/gpu_rate.py",

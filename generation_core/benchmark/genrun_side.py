@@ -3,7 +3,7 @@ agent loops, parts, merge) in a subprocess, on the bench's prompts, every respon
 same length (verl's `actor_rollout_ref.rollout.ignore_eos=true`, which genrun sends with every
 request).
 
-Its figure is the generation phase, as bench/pipeline_efficiency.py defines it: tokens over
+Its figure is the generation phase (issue 6's pipeline efficiency, bench/RESULTS.md): tokens over
 (first shard worker ready with the engine up -> last shard done), from the run's timeline
 (generation_core/instrumentation.py); the whole command's wall time is reported beside it.
 """
