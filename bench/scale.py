@@ -233,7 +233,7 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     import resource
 
     from generation_core.config.bundled import prepare_bundled_model
-    from generation_core.inputs.dataset_files import data_storage_options
+    from generation_core.inputs.dataset_location import data_storage_options
     from generation_core.inputs.shard_rows import read_rows, rows_digest
     from generation_core.preflight.preflight import preflight
     from generation_core.shard.finished import RECHECK_THREADS, finished_shards

@@ -14,7 +14,8 @@ import torch
 
 from generation_core.config.loading import load_config
 from generation_core.errors import GenrunError
-from generation_core.inputs.dataset_files import inspect_dataset, resolve_train_files
+from generation_core.inputs.dataset_files import inspect_dataset
+from generation_core.inputs.dataset_location import resolve_train_files
 from generation_core.inputs.shard_rows import (
     OVERLONG_SAMPLE_ROWS,
     DatasetPrompts,
@@ -563,6 +564,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
                 plan.folder,
                 DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
                 worker,
+                dataset=plan.dataset,
             )
         finally:
             worker.shutdown()
@@ -589,7 +591,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     path.write_bytes(data)
     assert all(finished_shards(plan, plan.shards).values())  # restored: reused
     path.write_bytes(data.replace(b"GT04", b"GT03"))
-    # The opt-out: the finished shard is reused as it is.
-    plan.cfg.generation.recheck_finished_rows = False
+    # The opt-out: the finished shard is reused as it is (the plan's settings are decided once: a new plan).
+    plan = preflight([*overrides, "generation.recheck_finished_rows=false"])
     assert all(finished_shards(plan, plan.shards).values())
     assert run(plan.shards[1]).last_attempt.skipped

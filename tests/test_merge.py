@@ -157,7 +157,8 @@ import pickle  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from generation_core.outputs.merge import dump_dataproto, merge_run, merge_run_chunked  # noqa: E402
+from generation_core.outputs.dataproto_pickle import dump_dataproto  # noqa: E402
+from generation_core.outputs.merge import merge_run, merge_run_chunked  # noqa: E402
 from generation_core.store.folder import StorageFolder  # noqa: E402
 from generation_core.store.run_folder import CHUNK_INDEX_FILE, MERGED_FILE, merged_files  # noqa: E402
 from generation_core.store.trajectory_record import TrajectoryRecord, records_to_parquet  # noqa: E402
@@ -279,10 +280,10 @@ def test_merged_folder_equals_build_dataproto_of_its_records(tmp_path, with_logp
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("length_field", ["4 bytes", "8 bytes (blobs of 4 GiB and more)"])
 def test_the_low_memory_pickle_loads_as_verls_own_pickle_does(tmp_path, monkeypatch, length_field):
-    import generation_core.outputs.merge as merge
+    import generation_core.outputs.dataproto_pickle as dataproto_pickle
 
     if length_field.startswith("8"):
-        monkeypatch.setattr(merge, "_BINBYTES_LIMIT", 0)
+        monkeypatch.setattr(dataproto_pickle, "_BINBYTES_LIMIT", 0)
     data = build_dataproto(_random_records(9), **_lengths())
     path = tmp_path / "data.pkl"
     with open(path, "wb") as handle:

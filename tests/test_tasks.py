@@ -24,8 +24,8 @@ from flows.cli import main
 from generation_core.engines.instant import InstantEngine, InstantSettings
 from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import DatasetPrompts
+from generation_core.inputs.task_build import build_tasks, task_configs
 from generation_core.inputs.task_cache import input_files, log_hub_build
-from generation_core.inputs.tasks import build_tasks, task_configs
 from generation_core.preflight.preflight import preflight
 from generation_core.shard.rewards import RewardScorer
 from generation_core.shard.streaming import StreamingWorker

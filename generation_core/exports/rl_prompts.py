@@ -30,10 +30,10 @@ from generation_core.exports.dataset_card import pass_rate_lines, write_dataset_
 from generation_core.exports.export_options import RL_PROMPTS, ExportOptions
 from generation_core.exports.export_target import output_location
 from generation_core.exports.key_order import committed_parts_to_export
-from generation_core.inputs.dataset_files import (
+from generation_core.inputs.dataset_files import read_json_table
+from generation_core.inputs.dataset_location import (
     data_storage_options,
     open_input,
-    read_json_table,
     resolve_train_files,
     storage_errors,
 )

@@ -1,10 +1,7 @@
 """The input dataset as plain data: which files, how many rows, checked and fingerprinted from
 metadata, without reading the prompts.
 
-`data.train_files` entries are local paths (`~` expanded), fsspec URLs (`s3://bucket/key.parquet`),
-directories (every `*.parquet` directly inside) and globs (`s3://b/prompts/*.parquet`), each
-expanded in sorted order; the entries keep the order they are given in. Remote files are opened
-with `data.storage_options` (null: `storage.options`, the output's).
+Which files `data.train_files` names, and how they are opened: dataset_location.py.
 
 `inspect_dataset(cfg)` is what preflight runs once per command: Parquet footers (row counts,
 schemas), one nested column (`extra_info.index`, checked unique and non-null with Arrow compute)
@@ -17,21 +14,25 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from generation_core.config.loading import train_files
 from generation_core.errors import GenrunError, InputChanged
+from generation_core.inputs.dataset_location import (
+    HOW_TO_WRITE,
+    data_storage_options,
+    input_filesystem,
+    resolve_train_files,
+    storage_errors,
+)
 from generation_core.inputs.media_columns import check_text_only
 from generation_core.inputs.openai_batch import BatchLimits, FirstSeen, batch_table, is_batch_file
 from generation_core.run_plan import DataFile, DatasetFiles
@@ -41,9 +42,6 @@ SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
 JSON_MAX_BYTES = 256 << 20
 """JSON/JSONL files are read whole (preflight to count and check them, each shard for its rows):
 above this size they are refused with the command that converts them to Parquet."""
-
-_HOW_TO_WRITE = "data.train_files takes Parquet (or JSON/JSONL) files in verl's chat layout, e.g. written by pandas' DataFrame.to_parquet"
-_GLOB_CHARS = "*?["
 
 # ---- the fingerprint's view of the data (what it reads, what it can miss) -------------------
 #
@@ -75,91 +73,6 @@ class DatasetInspection:
     """The sample index (extra_info.index) of every row the run uses, in row order."""
 
 
-def data_storage_options(cfg: DictConfig) -> dict[str, Any]:
-    """fsspec options for the input files: data.storage_options, or when null storage.options."""
-    options = cfg.data.get("storage_options")
-    if options is None:
-        options = cfg.storage.options
-    return (
-        dict(options)
-        if isinstance(options, dict)
-        else dict(cast(dict[str, Any], OmegaConf.to_container(options, resolve=True)))
-    )
-
-
-def _filesystem(url: str, options: dict[str, Any]):
-    """(filesystem, path) for a URL; remote protocols get the storage options, local paths none."""
-    remote = "://" in url and not url.startswith("file://")
-    return url_to_fs(url, **(options if remote else {}))
-
-
-def _is_local(fs) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return "file" in protocols
-
-
-def resolve_train_files(cfg: DictConfig) -> list[str]:
-    """Every input file URL, in order: each entry of data.train_files, directories and globs
-    expanded and sorted."""
-    options = data_storage_options(cfg)
-    urls: list[str] = []
-    for entry in train_files(cfg):
-        entry = str(entry)
-        if "://" not in entry:
-            entry = os.path.expanduser(entry)
-        with storage_errors(entry):
-            fs, path = _filesystem(entry, options)
-            if any(char in path for char in _GLOB_CHARS):
-                matches = sorted(p for p in fs.glob(path) if not fs.isdir(p))
-                if not matches:
-                    raise GenrunError(
-                        f"data.train_files pattern {entry} matches no file; check the path and the bucket, or list the files"
-                    )
-            elif fs.isdir(path):
-                matches = sorted(p for p in fs.glob(path.rstrip("/") + "/*.parquet") if not fs.isdir(p))
-                if not matches:
-                    raise GenrunError(
-                        f"data file {entry} is a directory with no *.parquet file in it; put the Parquet files there "
-                        f"or list the files in data.train_files, e.g. data.train_files=[{entry}/part-0.parquet]"
-                    )
-            else:
-                matches = [path]
-        urls.extend(p if _is_local(fs) else fs.unstrip_protocol(p) for p in matches)
-    return urls
-
-
-@contextmanager
-def storage_errors(url: str):
-    """Storage and format errors of one input file, as the one line a user can act on."""
-    try:
-        yield
-    except GenrunError:
-        raise
-    except FileNotFoundError:
-        raise GenrunError(
-            f"data file {url} does not exist (or its bucket does not); set data.train_files to an existing file, directory or pattern"
-        ) from None
-    except IsADirectoryError:
-        raise GenrunError(
-            f"data file {url} is a directory, not a file; list the files in it in data.train_files, e.g. data.train_files=[{url}/part-0.parquet]"
-        ) from None
-    except PermissionError:
-        raise GenrunError(
-            f"data file {url} is not readable (permission denied); make it readable by this user, copy it to a readable place, "
-            "or give credentials in data.storage_options (default: storage.options)"
-        ) from None
-    except (pa.ArrowInvalid, OSError) as exc:
-        kind = url.rsplit(".", 1)[-1]
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GenrunError(f"data file {url} cannot be read as {kind} ({reason}); {_HOW_TO_WRITE}") from None
-
-
-def open_input(url: str, options: dict[str, Any]):
-    """A binary file object for an input file (the caller closes it)."""
-    fs, path = _filesystem(url, options)
-    return fs.open(path, "rb")
-
-
 def read_json_table(
     url: str,
     options: dict[str, Any],
@@ -174,7 +87,7 @@ def read_json_table(
     becomes rows in verl's layout (openai_batch.py), its lines checked against `batch_limits`
     and its custom_ids against `custom_ids` (the run's earlier batch files'), its requests
     numbered from the file's first dataset row (`planned.first_row`, else `first_row`)."""
-    fs, path = _filesystem(url, options)
+    fs, path = input_filesystem(url, options)
     size = fs.size(path)
     if size > JSON_MAX_BYTES:
         stem = url.rsplit(".", 1)[0]
@@ -343,10 +256,10 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
         first_row = sum(f.rows for f in files)
         if not url.endswith(SUPPORTED_SUFFIXES):
             raise GenrunError(
-                f"data file {url}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({_HOW_TO_WRITE})"
+                f"data file {url}: unsupported format; use {', '.join(SUPPORTED_SUFFIXES)} ({HOW_TO_WRITE})"
             )
         with storage_errors(url):
-            fs, path = _filesystem(url, options)
+            fs, path = input_filesystem(url, options)
             size = fs.size(path)
             if url.endswith(".parquet"):
                 with fs.open(path, "rb") as handle:

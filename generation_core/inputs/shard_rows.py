@@ -22,17 +22,13 @@ from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import (
-    DataFile,
-    DatasetFiles,
     check_planned,
-    data_storage_options,
     footer_bytes,
-    open_input,
     planned_digest,
     read_json_table,
-    storage_errors,
 )
-from generation_core.run_plan import ShardSpec
+from generation_core.inputs.dataset_location import data_storage_options, open_input, storage_errors
+from generation_core.run_plan import DataFile, DatasetFiles, ShardSpec
 from generation_core.verl_adapter import (
     PromptLengthSettings,
     hand_rows,

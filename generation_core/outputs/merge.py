@@ -8,28 +8,24 @@ memory.
 
 Memory: a merge holds the padded tensors of one output file plus one part. Token lists go from
 Arrow straight into the padded tensors (no Python list per token), and the pickle is written
-by `dump_dataproto` without the copies verl's `DataProto.__getstate__` makes.
+by `dump_dataproto` (dataproto_pickle.py) without the copies verl's `DataProto.__getstate__` makes.
 """
 
 from __future__ import annotations
 
-import copyreg
-import hashlib
-import io
 import json
 import logging
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 from verl.protocol import DataProto
 
 from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
+from generation_core.outputs.dataproto_pickle import dump_dataproto
 from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder, Padding, padded_row_bytes
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
@@ -48,7 +44,6 @@ from generation_core.store.trajectory_record import (
     read_part_table,
     scored_mask,
 )
-from generation_core.verl_adapter import dataproto_state
 
 logger = logging.getLogger(__name__)
 
@@ -207,77 +202,6 @@ def build_rows(
     return builder.finish()
 
 
-# --- writing --------------------------------------------------------------------------------
-
-
-class _Sink:
-    """A write-only file for torch.save that passes bytes on (or only counts them) and hashes them."""
-
-    def __init__(self, target=None):
-        self.target, self.size, self.digest = target, 0, hashlib.sha256()
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.size += len(view)
-        self.digest.update(view)
-        if self.target is not None:
-            self.target.write(view)
-        return len(view)
-
-    def flush(self) -> None:
-        pass
-
-
-# Stands for the tensor blob while pickling the rest: larger than pickle's frame target (64 KiB),
-# so the pickler writes it outside any frame, as opcode + length + payload, which can be replaced.
-_BLOB_PLACEHOLDER = hashlib.sha256(b"genrun tensor blob").digest() * 4096
-# Pickle's BINBYTES takes a 4-byte length; larger blobs need BINBYTES8 (protocol 4+).
-_BINBYTES_LIMIT = 1 << 32
-
-
-def dump_dataproto(data: DataProto, handle) -> tuple[int, str]:
-    """Write what `pickle.dump(data, handle, protocol=5)` writes in substance, streaming the
-    tensors to `handle` instead of through the copies verl's `DataProto.__getstate__` makes
-    (contiguous, consolidate, a BytesIO and its getvalue). The file is a plain pickle of a
-    DataProto whose state is (torch.save bytes of the TensorDict, non_tensor_batch, meta_info),
-    the state verl's `__setstate__` reads: `pickle.load` and `DataProto.load_from_disk` load it
-    wherever verl is installed. Returns the file's (size, sha256)."""
-
-    class _StatePickler(pickle.Pickler):
-        def reducer_override(self, obj):
-            if obj is data:
-                new_object = copyreg.__newobj__  # type: ignore[attr-defined]  # typeshed omits copyreg.__newobj__
-                return (
-                    new_object,
-                    (DataProto,),
-                    dataproto_state(_BLOB_PLACEHOLDER, data.non_tensor_batch, data.meta_info),
-                )
-            return NotImplemented
-
-    buffer = io.BytesIO()
-    _StatePickler(buffer, protocol=5).dump(data)
-    rest = buffer.getvalue()
-    at = rest.index(_BLOB_PLACEHOLDER)
-    if rest[at - 5 : at] != b"B" + len(_BLOB_PLACEHOLDER).to_bytes(4, "little"):
-        raise AssertionError("unexpected pickle layout around the tensor blob")
-    # torch.save twice: once to learn the blob's length (the opcode comes before the payload), once to write it.
-    counted = _Sink()
-    torch.save(data.batch, counted)  # type: ignore[arg-type]  # torch types a file as IO[bytes]; it calls only write and flush
-    out = _Sink(handle)
-    out.write(rest[: at - 5])
-    out.write(
-        b"B" + counted.size.to_bytes(4, "little")
-        if counted.size < _BINBYTES_LIMIT
-        else b"\x8e" + counted.size.to_bytes(8, "little")
-    )
-    blob_start = out.size
-    torch.save(data.batch, out)  # type: ignore[arg-type]  # as above
-    if out.size - blob_start != counted.size:
-        raise AssertionError("torch.save wrote a different blob the second time")
-    out.write(rest[at + len(_BLOB_PLACEHOLDER) :])
-    return out.size, out.digest.hexdigest()
-
-
 @dataclass
 class MergedOutput:
     """What a merge wrote, for the run summary."""
@@ -349,9 +273,7 @@ def merge_run_chunked(
         with folder.open_write(name) as handle:
             size, sha256 = dump_dataproto(data, handle)
         chunks.append({"name": name, "rows": stop - start, "first_row": start, "bytes": size, "sha256": sha256})
-        generate_seconds.append(
-            np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]], dtype=np.float64)
-        )
+        generate_seconds.append(_generate_seconds(data))
         del data  # before the next chunk is built: one chunk in memory
     folder.put_json(
         CHUNK_INDEX_FILE,
@@ -398,6 +320,9 @@ def merge_output(
     if chunk_size:
         return merge_run_chunked(folder, chunk_size=chunk_size, merge_input=merge_input, **lengths)
     data = merge_run(folder, merge_input=merge_input, **lengths)
-    return MergedOutput(
-        MERGED_FILE, len(data), np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]])
-    )
+    return MergedOutput(MERGED_FILE, len(data), _generate_seconds(data))
+
+
+def _generate_seconds(data: DataProto) -> np.ndarray:
+    """Each row's time waiting on the engine, from its metrics (verl's `generate_sequences`)."""
+    return np.array([m.get("generate_sequences", 0.0) for m in data.meta_info["metrics"]], dtype=np.float64)

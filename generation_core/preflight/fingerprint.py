@@ -28,7 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from generation_core.build import OUTPUT_FORMAT_VERSION
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file, plugin_entry_points
-from generation_core.inputs.tasks import task_configs
+from generation_core.inputs.task_build import task_configs
 from generation_core.inputs.user_code import CodeWalk
 from generation_core.run_plan import versions
 
@@ -80,7 +80,7 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.max_num_batched_tokens",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     # How sglang/vllm read model.path (auto, safetensors, pt: the same weights). dummy, random
-    # weights, is refused (engines/layout.py), so every value left loads the checkpoint.
+    # weights, is refused (config/layout.py), so every value left loads the checkpoint.
     "actor_rollout_ref.rollout.load_format",
     "actor_rollout_ref.rollout.agent.num_workers",
     # A metrics label (verl fills it with the model path, whose content is an input already).
@@ -312,7 +312,7 @@ def run_fingerprint(
     (dataset_files.inspect_dataset), the digests of its other files and user code, for
     remote servers the model they serve (also when engine_kwargs.remote.model is null), and for
     `data.train_tasks` the digest of the built files and the task classes' source
-    (inputs.tasks.tasks_digest), which stands in for the tasks' config."""
+    (inputs.task_build.tasks_digest), which stands in for the tasks' config."""
     return fingerprint_and_model(cfg, dataset_digest, served_model, tasks)[0]
 
 

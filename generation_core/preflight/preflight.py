@@ -33,7 +33,7 @@ from generation_core.engines.remote import check_servers
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import check_agent_loops, check_tools
 from generation_core.inputs.dataset_files import DatasetInspection, inspect_dataset
-from generation_core.inputs.tasks import resolve_train_tasks, tasks_digest
+from generation_core.inputs.task_build import resolve_train_tasks, tasks_digest
 from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
 from generation_core.preflight.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan, plan_shards
@@ -113,7 +113,7 @@ def preflight(overrides: list[str]) -> RunPlan:
 def check_inputs(overrides: list[str]) -> CheckedInputs:
     """The checks that need no engine stack (config, remote servers, tasks, dataset files, model
     folder) and the run's fingerprint and folder: a typo or a missing file is refused at once, and
-    a finished run is recognised before verl, torch or Ray load (outputs/finished_run.py)."""
+    a finished run is recognised before verl, torch or Ray load (driver/finished_run.py)."""
     cfg = load_config(overrides)
     served_model = None
     if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeGuard
 
 from generation_core.errors import InputChanged
-from generation_core.inputs.dataset_files import data_storage_options
+from generation_core.inputs.dataset_location import data_storage_options
 from generation_core.inputs.shard_rows import read_rows, rows_digest
 from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.store.commit_log import ShardCheckpoint, marker_stands, read_marker
