@@ -564,7 +564,6 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
                 plan.folder,
                 DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
                 worker,
-                dataset=plan.dataset,
             )
         finally:
             worker.shutdown()
@@ -591,7 +590,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     path.write_bytes(data)
     assert all(finished_shards(plan, plan.shards).values())  # restored: reused
     path.write_bytes(data.replace(b"GT04", b"GT03"))
-    # The opt-out: the finished shard is reused as it is (the plan's settings are decided once: a new plan).
-    plan = preflight([*overrides, "generation.recheck_finished_rows=false"])
+    # The opt-out: the finished shard is reused as it is.
+    plan.cfg.generation.recheck_finished_rows = False
     assert all(finished_shards(plan, plan.shards).values())
     assert run(plan.shards[1]).last_attempt.skipped
