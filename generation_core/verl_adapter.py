@@ -151,7 +151,7 @@ def _caching_builder(create: Callable[..., Any]) -> Callable[..., Any]:
     return shared_token_builder
 
 
-# ---- rollout replicas (verl/workers/rollout/replica.py, llm_server.py) ----
+# ---- rollout replicas (verl/workers/rollout/replica.py, verl/workers/rollout/llm_server.py) ----
 
 
 def registered_engine_names() -> list[str]:

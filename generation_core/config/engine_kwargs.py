@@ -95,7 +95,7 @@ class InstantEngineKwargs:
 @dataclass(frozen=True)
 class RemoteEngineKwargs:
     """`actor_rollout_ref.rollout.engine_kwargs.remote`: OpenAI-compatible servers by URL
-    (engines/layout.py `remote_urls` reads and checks base_urls)."""
+    (config/layout.py `remote_urls` reads and checks base_urls)."""
 
     base_urls: Sequence[str] | str = field(default_factory=list)
     """The servers' base URLs (a list, or one comma-separated string)."""

@@ -5,7 +5,7 @@
 
 A dispatcher brings a `ShardSubmitter`, the one thing that differs between them: how a shard job
 reaches a worker. The Prefect flow (flows/generate.py) submits a run_shard task per shard to Ray;
-the in-process dispatcher (dispatch.py) runs `run_shard_job` shard after shard in a thread. Either
+the in-process dispatcher (driver/in_process.py) runs `run_shard_job` shard after shard in a thread. Either
 way the driver shows the run's progress (RunWatch) and hears a Ctrl-C (interrupt.STOP) the same:
 no shard starts after it, running shard jobs commit what has finished and stop, and the run ends
 stopped (`drive_run` answers None) with its lease released; the same command resumes.

@@ -21,7 +21,7 @@ from generation_core.errors import GenrunError
 PROVENANCE_KEY = "genrun_provenance"
 """The merged DataProto's non-tensor column of each trajectory's provenance (records.PROVENANCE_KEYS)."""
 TIMINGS_KEY = "genrun_timings"
-"""The merged DataProto's non-tensor column of each trajectory's time split (records.TIMINGS and `storage`)."""
+"""The merged DataProto's non-tensor column of each trajectory's time split (trajectory_record.TIMINGS and `storage`)."""
 RUN_DEPENDENT_KEYS = (PROVENANCE_KEY, TIMINGS_KEY)
 """Non-tensor columns that differ between two runs that made the same trajectories (which
 replica, which attempt, how long): a resumed run equals an undisturbed one in every other."""
@@ -125,7 +125,7 @@ class PaddedBatchBuilder:
         *,
         storage_seconds: float | None,
     ) -> None:
-        """Each row's provenance and time split (records.TIMINGS, plus `storage`: its part's
+        """Each row's provenance and time split (trajectory_record.TIMINGS, plus `storage`: its part's
         write time over its rows); None for rows of parts written before genrun kept them."""
         self.provenance[positions] = object_array(provenance)
         self.timings[positions] = object_array(
@@ -175,7 +175,7 @@ class PaddedBatchBuilder:
         non_tensor["multi_modal_inputs"] = object_array([{} for _ in range(self.rows)])
         for key in layout.extra_keys:
             non_tensor[key] = self.objects[key]
-        # genrun's own: where each trajectory was made and where its time went (records.py).
+        # genrun's own: where each trajectory was made and where its time went (store/trajectory_record.py).
         non_tensor[PROVENANCE_KEY] = self.provenance
         non_tensor[TIMINGS_KEY] = self.timings
 

@@ -80,7 +80,7 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.max_num_batched_tokens",
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     # How sglang/vllm read model.path (auto, safetensors, pt: the same weights). dummy, random
-    # weights, is refused (engines/layout.py), so every value left loads the checkpoint.
+    # weights, is refused (config/layout.py), so every value left loads the checkpoint.
     "actor_rollout_ref.rollout.load_format",
     "actor_rollout_ref.rollout.agent.num_workers",
     # A metrics label (verl fills it with the model path, whose content is an input already).

@@ -113,7 +113,7 @@ def preflight(overrides: list[str]) -> RunPlan:
 def check_inputs(overrides: list[str]) -> CheckedInputs:
     """The checks that need no engine stack (config, remote servers, tasks, dataset files, model
     folder) and the run's fingerprint and folder: a typo or a missing file is refused at once, and
-    a finished run is recognised before verl, torch or Ray load (outputs/finished_run.py)."""
+    a finished run is recognised before verl, torch or Ray load (driver/finished_run.py)."""
     cfg = load_config(overrides)
     served_model = None
     if cfg.actor_rollout_ref.rollout.name == REMOTE_ENGINE:

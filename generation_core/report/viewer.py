@@ -168,7 +168,7 @@ def _trajectory(record: TrajectoryRecord, texts: TokenTexts, stop: str) -> dict[
 
 
 def _timing_fields(record: TrajectoryRecord) -> dict[str, Any]:
-    """Its time split (records.TIMINGS and `total`, seconds; None where unknown) and per model
+    """Its time split (trajectory_record.TIMINGS and `total`, seconds; None where unknown) and per model
     turn the replica that served it, its stop reason and seconds; empty for trajectories of
     genruns that did not keep them."""
     if record.timings is None:
