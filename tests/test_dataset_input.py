@@ -532,6 +532,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
 
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.preflight.preflight import preflight
+    from generation_core.run_plan import RunPlan
     from generation_core.shard.finished import finished_shards
     from generation_core.shard.streaming import StreamingWorker
     from tests.shard_runs import run_shard
@@ -564,6 +565,7 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
                 plan.folder,
                 DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer),
                 worker,
+                dataset=plan.dataset,
             )
         finally:
             worker.shutdown()
@@ -590,7 +592,9 @@ def test_a_resume_does_not_reuse_a_finished_shard_whose_rows_were_edited_in_plac
     path.write_bytes(data)
     assert all(finished_shards(plan, plan.shards).values())  # restored: reused
     path.write_bytes(data.replace(b"GT04", b"GT03"))
-    # The opt-out: the finished shard is reused as it is.
-    plan.cfg.generation.recheck_finished_rows = False
+    # The opt-out: the finished shard is reused as it is (a plan decides its settings once: a new plan).
+    opted_out = plan.cfg.copy()
+    opted_out.generation.recheck_finished_rows = False
+    plan = RunPlan(opted_out, plan.fingerprint, plan.shards, plan.pad_token_id, plan.dataset, plan.model_digest)
     assert all(finished_shards(plan, plan.shards).values())
     assert run(plan.shards[1]).last_attempt.skipped
