@@ -7,12 +7,16 @@
 - docs/configuration.md names only keys the loaded configuration has, and every `generation.*`
   key of genrun.yaml; no doc names a key that does not exist.
 - docs/architecture.md names every module under generation_core/, flows/ and tasks/, and no
-  module that does not exist."""
+  module that does not exist; no docstring or comment of the library names a file that is gone."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import sysconfig
+import tokenize
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +175,50 @@ def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
     assert len(modules) > 50
     assert sorted(modules - page) == [], "modules missing from docs/architecture.md's module map"
     assert sorted(page - modules) == [], "docs/architecture.md names modules that do not exist"
+
+
+# The library's docstrings and comments name files (`store/run_folder.py`, verl's
+# `verl/protocol.py`): a module renamed or removed must not leave its old name behind for a reader to
+# look for in vain. A bare name is a module of the library; a path is a file of this repository or
+# of an installed package.
+FILE_NAME = re.compile(r"(?<![\w./-])((?:[\w-]+/)*\w+\.py)\b")
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    source = path.read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                found.append((node.body[0].lineno, docstring))
+    return found
+
+
+def test_every_file_a_docstring_or_comment_names_exists():
+    library = [path for root in MODULE_ROOTS for path in sorted((REPO / root).rglob("*.py"))]
+    module_names = {path.name for path in library}
+    repo_files = {
+        str(path.relative_to(REPO))
+        for root in (*MODULE_ROOTS, "tests", "bench", "examples")
+        for path in (REPO / root).rglob("*.py")
+    }
+    installed = Path(sysconfig.get_paths()["purelib"])
+
+    def exists(name: str) -> bool:
+        if "/" not in name:
+            return name in module_names
+        return any(f == name or f.endswith("/" + name) for f in repo_files) or (installed / name).is_file()
+
+    stale = [
+        f"{path.relative_to(REPO)}:{line} names {name}"
+        for path in library
+        for line, text in _comments_and_docstrings(path)
+        for name in FILE_NAME.findall(text)
+        if not exists(name)
+    ]
+    assert stale == []

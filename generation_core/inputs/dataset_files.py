@@ -6,7 +6,8 @@ Which files `data.train_files` names, and how they are opened: dataset_location.
 `inspect_dataset(cfg)` is what preflight runs once per command: Parquet footers (row counts,
 schemas), one nested column (`extra_info.index`, checked unique and non-null with Arrow compute)
 and `agent_name` when present, plus a sampled content hash for the fingerprint. Its result,
-`DatasetFiles` (plan.py), is what travels to shard jobs; each shard then reads its own rows (data.py).
+`DatasetFiles` (run_plan.py), is what travels to shard jobs; each shard then reads its own rows
+(shard_rows.py).
 """
 
 from __future__ import annotations
