@@ -490,6 +490,7 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     manifest.json, and logs nothing to its trackers."""
     from types import SimpleNamespace
 
+    from generation_core.config.settings import GenerationSettings
     from generation_core.driver import publish
     from generation_core.outputs import merge
     from generation_core.outputs.finish import finish_run
@@ -500,7 +501,9 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
     cfg = _cfg("generation.save_batch_size=2", "generation.max_inflight=1")
     manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
     folder.put_json(RUN_FILE, {"fingerprint": "f" * 64})
-    plan = SimpleNamespace(folder=folder, cfg=cfg, pad_token_id=2, fingerprint="f" * 64)
+    plan = SimpleNamespace(
+        folder=folder, cfg=cfg, settings=GenerationSettings.of(cfg), pad_token_id=2, fingerprint="f" * 64
+    )
     taken: list[RunLease] = []
     old = RunLease.acquire(folder, seconds=60)
     real_dump = merge.dump_dataproto
