@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/mypy generation_core flows tasks
 
 test: setup lint browser
-	$(BIN)/python -m pytest -q --durations=25 -m "not extended and not vllm_server" tests
+	$(BIN)/python -m pytest -q -n 2 --durations=25 -m "not extended and not vllm_server" tests
 
 test-all: setup setup-vllm browser
 	$(BIN)/python -m pytest -q tests
