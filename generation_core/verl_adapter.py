@@ -102,6 +102,19 @@ def agent_loop_arguments(worker: AgentLoopWorker) -> dict[str, Any]:
     )
 
 
+def keeps_no_sample_state(agent_class: type) -> bool:
+    """Whether instances of `agent_class` hold nothing of one sample: verl 0.9.1's own
+    SingleTurnAgentLoop and ToolAgentLoop set attributes only in their constructors, from the
+    worker's config, tokenizer and tools (a trajectory's state lives in `run`'s locals and
+    ToolAgentLoop's AgentData). A copy of one built for an earlier sample is then the agent loop
+    a fresh construction gives, without the constructor's OmegaConf reads (about ten per sample).
+    A subclass, or any other loop, may keep a sample's state on itself: not these."""
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+
+    return agent_class in (SingleTurnAgentLoop, ToolAgentLoop)
+
+
 def rebind_worker_client(worker: AgentLoopWorker, client: Any) -> None:
     """Give an AgentLoopWorker built earlier a new llm client: what verl 0.9.1's
     `AgentLoopWorker.__init__` does with its `llm_client` argument (stores it as `llm_client`,

@@ -14,6 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop import agent_loop as verl_agent_loop
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.protocol import DataProto
 from verl.workers.rollout.replica import TokenOutput
 
@@ -76,6 +79,71 @@ def test_self_refine_masks_the_user_turns(model_dir):
     assert record.response_mask == [m for ids, m in turns for _ in ids]
     assert record.response_logprobs == [-1.0 if m else 0.0 for ids, m in turns for _ in ids]
     assert record.num_turns == 6 and record.extra_fields["self_refine_turns"] == [len(ids) for ids, _ in turns]
+
+
+class CountedLoop(SingleTurnAgentLoop):
+    """A user's loop built on verl's: it may keep a sample's state on itself, so each sample builds its own."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        CountedLoop.built += 1
+
+
+@pytest.mark.timeout(120)
+def test_verls_loops_are_copied_per_sample_and_a_users_loop_is_built_per_sample(model_dir, monkeypatch):
+    """Issue 46 item 1: verl's own single-turn and tool loops are built once per worker and event
+    loop, each sample getting a copy equal to a fresh construction (their constructor's OmegaConf
+    reads were most of genrun's CPU per trajectory); a user's loop is still constructed per sample."""
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+
+    from generation_core.verl_adapter import agent_loop_arguments, register_agent_loop
+
+    cfg = load_config(
+        [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'examples/tool_calling/tools.yaml'}"]
+    )
+    cfg.actor_rollout_ref.model.path = str(model_dir)
+    worker = StreamingWorker(cfg, ReplyInTurn(None))
+    constructed = []
+    for verl_class in (SingleTurnAgentLoop, ToolAgentLoop):
+        monkeypatch.setattr(verl_class, "__init__", _counting(verl_class.__init__, constructed))
+    monkeypatch.setitem(verl_agent_loop._agent_loop_registry, "counted_loop", None)
+    register_agent_loop("counted_loop", OmegaConf.create({"_target_": f"{__name__}.CountedLoop"}))
+    CountedLoop.built = 0
+
+    async def build_each_twice():
+        loops = {
+            name: [worker.build_agent_loop(name) for _ in range(2)] for name in ("single_turn_agent", "tool_agent")
+        }
+        fresh = {
+            "single_turn_agent": SingleTurnAgentLoop(**agent_loop_arguments(worker.worker)),
+            "tool_agent": ToolAgentLoop(**agent_loop_arguments(worker.worker)),
+        }
+        return loops, fresh, [worker.build_agent_loop("counted_loop") for _ in range(2)]
+
+    loops, fresh, counted = asyncio.run(build_each_twice())
+
+    def state(loop):
+        # The tool parser is a new object per construction (it keeps no state either).
+        return {key: value for key, value in vars(loop).items() if key != "tool_parser"}
+
+    for name, (first, second) in loops.items():
+        assert first is not second and type(first) is type(second) is type(fresh[name])
+        assert state(first) == state(second) == state(fresh[name])
+    assert sorted(constructed) == ["SingleTurnAgentLoop", "SingleTurnAgentLoop", "ToolAgentLoop", "ToolAgentLoop"], (
+        "one build per loop for the samples, one for the fresh comparison"
+    )
+    assert counted[0] is not counted[1] and CountedLoop.built == 2
+
+
+def _counting(init, constructed):
+    def counted(self, *args, **kwargs):
+        if type(self).__name__ in ("SingleTurnAgentLoop", "ToolAgentLoop"):
+            constructed.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    return counted
 
 
 def _user_plugin(site):

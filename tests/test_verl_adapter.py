@@ -245,6 +245,39 @@ def test_agent_loop_arguments_are_the_ones_run_agent_loop_passes():
     )
 
 
+def test_verls_own_agent_loops_keep_no_sample_state_on_themselves():
+    """Issue 46 item 1: the shard copies one built SingleTurnAgentLoop / ToolAgentLoop per sample
+    (verl_adapter.keeps_no_sample_state) instead of running the constructor again; that holds only
+    while no method of theirs, or of AgentLoopBase, assigns to the instance outside a constructor."""
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+
+    for agent_class in (SingleTurnAgentLoop, ToolAgentLoop, verl_agent_loop.AgentLoopBase):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(agent_class)))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name == "__init__":
+                continue
+            method = ast.Module(body=[node], type_ignores=[])
+            assigned = [
+                target
+                for inner in ast.walk(method)
+                for target in (
+                    inner.targets
+                    if isinstance(inner, ast.Assign)
+                    else [inner.target]
+                    if isinstance(inner, ast.AugAssign | ast.AnnAssign)
+                    else []
+                )
+                if isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ]
+            assert not assigned, f"{agent_class.__name__}.{node.name} assigns self.{assigned[0].attr}"
+            assert "setattr(self" not in ast.unparse(node), f"{agent_class.__name__}.{node.name} sets an attribute"
+    assert verl_adapter.keeps_no_sample_state(SingleTurnAgentLoop)
+    assert verl_adapter.keeps_no_sample_state(ToolAgentLoop)
+    assert not verl_adapter.keeps_no_sample_state(type("UserLoop", (SingleTurnAgentLoop,), {}))
+
+
 def test_rebinding_a_worker_client_is_what_its_init_does_with_one():
     source = _source(AgentLoopWorker.__init__)
     assert "self.llm_client = llm_client" in source

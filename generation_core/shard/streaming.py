@@ -9,15 +9,18 @@ each result the moment it completes (shard/sample_stream.py's `SampleStream`: sl
 as an unpadded record: verl's per-sample padding is skipped because the merge pads once, exactly
 as verl's postprocessing does (tested).
 
-Agent loops are built the way verl's `_run_agent_loop` builds them, with two shortcuts: a
+Agent loops are built the way verl's `_run_agent_loop` builds them, with three shortcuts: a
 registry entry that is only a class (what `@register` writes) is constructed directly instead of
 through `hydra.utils.instantiate`, which took most of the orchestration time of a sample;
-and every agent loop of a worker shares one Continuous Token builder
-(`verl_adapter.share_continuous_token_builders`).
+every agent loop of a worker shares one Continuous Token builder
+(`verl_adapter.share_continuous_token_builders`); and verl's own single-turn and tool loops,
+which keep no sample's state on themselves, are built once and copied for each sample.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -42,6 +45,7 @@ from generation_core.store.trajectory_record import SampleFailure, TrajectoryRec
 from generation_core.verl_adapter import (
     agent_loop_arguments,
     agent_loop_entry,
+    keeps_no_sample_state,
     rebind_worker_client,
     share_continuous_token_builders,
 )
@@ -123,6 +127,10 @@ class StreamingWorker:
         sets the model digest and its attempt number."""
         # agent name -> (class, plain arguments), or None where hydra must build it.
         self._direct_construction: dict[str, tuple[type, dict[str, Any]] | None] = {}
+        self._arguments: dict[str, Any] | None = None
+        # (agent name, event loop) -> a built loop that keeps no sample's state, copied per sample
+        # (its constructor read the OmegaConf config about ten times: most of a sample's cost in genrun).
+        self._reusable_loops: dict[tuple[str, asyncio.AbstractEventLoop], Any] = {}
         timeout = gen.sample_timeout_seconds
         self.samples = SampleStream(
             self.run_one, float("inf") if timeout is None else float(timeout), self.slotted_client
@@ -162,16 +170,26 @@ class StreamingWorker:
             self.reward_scorer.shutdown()
 
     def build_agent_loop(self, agent_name: str):
-        """A fresh agent loop for one sample, with the arguments verl's AgentLoopWorker passes."""
-        arguments = agent_loop_arguments(self.worker)
+        """A fresh agent loop for one sample, with the arguments verl's AgentLoopWorker passes.
+        A loop that keeps no sample's state on itself (verl_adapter.keeps_no_sample_state) is
+        built once per event loop and copied for each sample."""
+        built = self._reusable_loops.get((agent_name, asyncio.get_running_loop()))
+        if built is not None:
+            return copy.copy(built)
+        if self._arguments is None:
+            # The same for every sample of this worker: read once, not once per sample.
+            self._arguments = agent_loop_arguments(self.worker)
         config = agent_loop_entry(agent_name)
         if agent_name not in self._direct_construction:
             self._direct_construction[agent_name] = _plain_class_entry(config)
         direct = self._direct_construction[agent_name]
         if direct is None:
-            return hydra.utils.instantiate(config=config, **arguments)
+            return hydra.utils.instantiate(config=config, **self._arguments)
         agent_class, plain_arguments = direct
-        return agent_class(**plain_arguments, **arguments)
+        agent_loop = agent_class(**plain_arguments, **self._arguments)
+        if keeps_no_sample_state(agent_class):
+            self._reusable_loops[(agent_name, asyncio.get_running_loop())] = agent_loop
+        return agent_loop
 
     async def run_one(self, key: SampleKey, kwargs: dict[str, Any]) -> TrajectoryRecord:
         sample_kwargs = dict(kwargs)
