@@ -65,9 +65,9 @@ def generate(overrides: list[str] | None = None, plan: str | None = None) -> dic
         shard_tasks,
         started=started,
         # The tasks take the plan's text, not the driver's RunPlan (the first argument).
-        finish=lambda _run, manifests, elapsed, fence: merge(plan_text, manifests, elapsed, fence),
-        publish=lambda _run, summary, manifests, fence: publish(
-            plan_text, summary, manifests, shard_tasks.artifact_key, fence
+        finish=lambda _run, markers, elapsed, fence: merge(plan_text, markers, elapsed, fence),
+        publish=lambda _run, summary, markers, fence: publish(
+            plan_text, summary, markers, shard_tasks.artifact_key, fence
         ),
         on_progress=shard_tasks.update_progress_artifact,
         on_stall=shard_tasks.stall_alarm,
@@ -152,7 +152,7 @@ class ShardTasksOnRay:
         return known
 
     def _submit(self, shard: ShardSpec, retries: int, marker: SuccessMarker | None = None) -> None:
-        """`marker`: the finished shard's manifest as `finished_shards` found it when the run
+        """`marker`: the finished shard's marker as `finished_shards` found it when the run
         started; None for work left (a crashed worker's shard is submitted again as such)."""
         assert self.job is not None, "submit() first"
         task = shard_task(marker, retries=retries, retry_delay_seconds=self.plan.settings.retry_delay_seconds)
@@ -206,9 +206,9 @@ class ShardTasksOnRay:
             # stops it before any starts.
             raise GenrunError(state.message)
         if state.is_completed():
-            manifest = SuccessMarker.from_dict(future.result())
+            marker = SuccessMarker.from_dict(future.result())
             # A finished shard's result comes from Prefect's cache: it did no work now.
-            return ShardEnded(shard, manifest.as_skipped() if manifest.shard_id in self.cached else manifest)
+            return ShardEnded(shard, marker.as_skipped() if marker.shard_id in self.cached else marker)
         return ShardEnded(shard, None, f"{shard.name} {state.name}: {state.message}")
 
 

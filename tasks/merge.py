@@ -16,9 +16,9 @@ from generation_core.store.run_folder import SuccessMarker
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(
     plan: str,
-    manifests: list[SuccessMarker],
+    markers: list[SuccessMarker],
     elapsed: float,
     fence: LeaseFence | None = None,
 ) -> dict[str, Any]:
     """`plan`: the run's plan as JSON text (RunPlan.to_json), as every task of the flow takes it."""
-    return finish_run(RunPlan.from_json(plan), manifests, elapsed, fence)
+    return finish_run(RunPlan.from_json(plan), markers, elapsed, fence)

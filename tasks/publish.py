@@ -21,7 +21,7 @@ from generation_core.store.run_folder import SuccessMarker
 def publish(
     plan: str,
     summary: dict[str, Any],
-    manifests: list[SuccessMarker],
+    markers: list[SuccessMarker],
     artifact_key: str,
     fence: LeaseFence | None = None,
 ) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def publish(
         fence=fence,
     )
     create_table_artifact(
-        key=f"{artifact_key}-shards", table=[shard_stats(m) for m in manifests], description="Per-shard statistics"
+        key=f"{artifact_key}-shards", table=[shard_stats(m) for m in markers], description="Per-shard statistics"
     )
     lines = [
         f"# Trajectories: {summary['num_trajectories']}",

@@ -82,7 +82,7 @@ def run_shard(
     changed ends Failed as REFUSED (not retried, not cached), its message the refusal."""
     mark(f"shard_task_start {shard['shard_id']}")
     try:
-        manifest = run_shard_job(
+        marker = run_shard_job(
             parsed_plan(plan),
             ShardSpec.from_dict(shard),
             registry_name=registry_name,
@@ -94,4 +94,4 @@ def run_shard(
         return Cancelled(message=str(stopped))
     except InputChanged as changed:
         return Failed(name=REFUSED, message=str(changed))
-    return manifest.to_dict()
+    return marker.to_dict()

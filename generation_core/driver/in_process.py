@@ -101,7 +101,7 @@ class ShardsInThisProcess:
                     return
                 shard = self.waiting.popleft()
             try:
-                manifest = run_shard_job(
+                marker = run_shard_job(
                     self.plan,
                     shard,
                     registry_name=job.registry_name,
@@ -116,4 +116,4 @@ class ShardsInThisProcess:
                 self.ended.put(error)
                 return
             else:
-                self.ended.put(ShardEnded(shard, manifest))
+                self.ended.put(ShardEnded(shard, marker))

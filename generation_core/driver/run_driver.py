@@ -63,8 +63,8 @@ class ShardEnded:
     """A shard job that has ended, as its submitter reports it."""
 
     shard: ShardSpec
-    manifest: SuccessMarker | None
-    """Its manifest when it finished; None when it did not."""
+    marker: SuccessMarker | None
+    """Its marker when it finished; None when it did not."""
     failure: str | None = None
     """Why it did not finish, in one line (a failure once its retries are spent, or a stop: the
     driver counts it as a failure only while the run is not stopping)."""
@@ -79,7 +79,7 @@ class ShardSubmitter(Protocol):
     def __exit__(self, *exc_info: Any) -> None: ...
 
     def submit(self, job: ShardJobArgs) -> list[SuccessMarker]:
-        """Start (or queue) a job for every shard of the plan; answers the manifests of shards
+        """Start (or queue) a job for every shard of the plan; answers the markers of shards
         known to be finished already, without running anything (the display counts them done)."""
         ...
 
@@ -100,13 +100,13 @@ class ShardSubmitter(Protocol):
 
 
 Finish = Callable[[RunPlan, list[SuccessMarker], float, LeaseFence], dict[str, Any]]
-"""Merge and write manifest.json: (plan, manifests, elapsed seconds, fence) -> the summary."""
+"""Merge and write manifest.json: (plan, markers, elapsed seconds, fence) -> the summary."""
 Publish = Callable[[RunPlan, dict[str, Any], list[SuccessMarker], LeaseFence], dict[str, Any]]
-"""Publish: (plan, summary, manifests, fence) -> the summary with what was published."""
+"""Publish: (plan, summary, markers, fence) -> the summary with what was published."""
 
 
 def publish_summary(
-    plan: RunPlan, summary: dict[str, Any], manifests: list[SuccessMarker], fence: LeaseFence
+    plan: RunPlan, summary: dict[str, Any], markers: list[SuccessMarker], fence: LeaseFence
 ) -> dict[str, Any]:
     """The library's publish (no Prefect UI to fill): zip, report, metrics, W&B artifact."""
     return dict(summary, published=publish_run(plan.cfg, plan.folder, summary, fence=fence))
@@ -175,7 +175,7 @@ def _drive_holding(
     on_progress: Callable[[ProgressTotals], None] | None,
     on_stall: Callable[[Stall], None] | None = None,
 ) -> dict[str, Any] | None:
-    manifests: list[SuccessMarker] = []
+    markers: list[SuccessMarker] = []
     failures: list[str] = []
     with submitter, RunWatch(plan, on_update=on_progress, on_stall=on_stall) as watch:
         mark("ray_ready")
@@ -185,8 +185,8 @@ def _drive_holding(
         job = ShardJobArgs(
             registry_name=registry_name, lease_generation=fence.generation, progress_board=watch.board_name
         )
-        for manifest in submitter.submit(job):
-            watch.shard_finished(manifest)
+        for marker in submitter.submit(job):
+            watch.shard_finished(marker)
         try:
             # Minutes for SGLang: a Ctrl-C ends the boot at once (Ray's shutdown stops the replicas).
             starting = f"starting {resolve_layout(plan.cfg).describe()}: loading the model, then the first requests"
@@ -198,7 +198,7 @@ def _drive_holding(
         mark("engine_ready")
         watch.watch_engines(pool)
         try:
-            stopping = _until_every_shard_ended(submitter, watch, manifests, failures)
+            stopping = _until_every_shard_ended(submitter, watch, markers, failures)
         finally:
             prefix_cache = _prefix_cache_report(pool)
             pool.shutdown()
@@ -209,19 +209,19 @@ def _drive_holding(
             f"{len(failures)} of {len(plan.shards)} shards failed (generation.retries={plan.settings.retries}): {'; '.join(failures)}; "
             "committed trajectories are kept, run the same command again to resume"
         )
-    manifests.sort(key=lambda m: m.shard_id)
+    markers.sort(key=lambda m: m.shard_id)
     # Every shard is committed: a Ctrl-C ends the merge or the publish at once, and the same
     # command does them again (the merged files are written whole or not at all).
     with STOP.interruptible():
-        summary = finish(plan, manifests, time.perf_counter() - started, fence)
+        summary = finish(plan, markers, time.perf_counter() - started, fence)
         if prefix_cache is not None:
             summary = dict(summary, prefix_cache=prefix_cache)
         mark("merged")
-        return publish(plan, summary, manifests, fence)
+        return publish(plan, summary, markers, fence)
 
 
 def _until_every_shard_ended(
-    submitter: ShardSubmitter, watch: RunWatch, manifests: list[SuccessMarker], failures: list[str]
+    submitter: ShardSubmitter, watch: RunWatch, markers: list[SuccessMarker], failures: list[str]
 ) -> bool:
     """Watch the shard jobs until every one ended (or, after a first Ctrl-C, until they stopped
     or STOP_GRACE_SECONDS passed), collecting their success markers and failures; whether the
@@ -237,9 +237,9 @@ def _until_every_shard_ended(
         ended = submitter.next_ended(TICK_SECONDS)
         if ended is None:
             continue
-        if ended.manifest is not None:
-            watch.shard_finished(ended.manifest)
-            manifests.append(ended.manifest)
+        if ended.marker is not None:
+            watch.shard_finished(ended.marker)
+            markers.append(ended.marker)
         elif ended.failure is not None and not stopping:
             failures.append(ended.failure)
     if submitter.pending():

@@ -98,7 +98,7 @@ class _Shard:
     baseline: int | None = None
     report: ShardReport | None = None
     finished: tuple[int, int, int] | None = None
-    """(done, failed, expected) from the shard's manifest."""
+    """(done, failed, expected) from the shard's marker."""
     started: tuple[str, float, int] | None = None
     """(attempt, when its first report was sent, what it had generated then): its own rate."""
     reported_at: float = 0.0

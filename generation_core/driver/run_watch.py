@@ -3,7 +3,7 @@ display, periodic progress updates for elsewhere (the Prefect artifact), and the
 
 A dispatcher opens one `RunWatch` per run, passes `board_name` to its shard jobs, calls
 `tick()` while it waits for them (a non-blocking read of the board), `shard_finished()` as
-their manifests arrive, and `stop()` on a Ctrl-C: the shard jobs see the request within about
+their markers arrive, and `stop()` on a Ctrl-C: the shard jobs see the request within about
 a second, commit what has finished and stop. `tick()` also feeds the stall alarm
 (stall_alarm.py): the shards' counters and, once `watch_engines` gave it the replica pool, the
 engines' generated-token counters, read without blocking.
@@ -84,9 +84,9 @@ class RunWatch:
         except Exception as exc:  # noqa: BLE001 - the display then counts those shards from their reports
             logger.debug("could not count committed trajectories for the progress display: %s", exc)
 
-    def shard_finished(self, manifest: SuccessMarker) -> None:
+    def shard_finished(self, marker: SuccessMarker) -> None:
         self.progress.shard_finished(
-            manifest.shard_id, manifest.num_trajectories, manifest.failures, manifest.expected_trajectories
+            marker.shard_id, marker.num_trajectories, marker.failures, marker.expected_trajectories
         )
 
     def reported_shards(self) -> set[int]:

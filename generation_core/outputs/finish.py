@@ -38,7 +38,7 @@ def padding_of(rollout: Any, pad_token_id: int) -> Padding:
 
 def finish_run(
     plan: RunPlan,
-    manifests: list[SuccessMarker],
+    markers: list[SuccessMarker],
     elapsed: float,
     fence: LeaseFence | None = None,
 ) -> dict[str, Any]:
@@ -47,8 +47,8 @@ def finish_run(
     lease: the merged files and manifest.json are published only while it holds (else LeaseLost),
     and a damaged part found by the merge is dropped under it."""
     failpoint("merge")
-    check_shard_counts(manifests, plan.cfg.actor_rollout_ref.rollout.n, plan.settings.adaptive)
-    summary = summarize(plan, manifests, elapsed)
+    check_shard_counts(markers, plan.cfg.actor_rollout_ref.rollout.n, plan.settings.adaptive)
+    summary = summarize(plan, markers, elapsed)
     # Every file below is published only while the run still holds the folder.
     folder = fenced(plan.folder, fence)
     gen = plan.settings

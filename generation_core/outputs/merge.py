@@ -61,22 +61,22 @@ _TOKEN_COLUMNS = [
 ]
 
 
-def check_shard_counts(manifests: list[SuccessMarker], rollout_n: int, adaptive: bool = False) -> None:
+def check_shard_counts(markers: list[SuccessMarker], rollout_n: int, adaptive: bool = False) -> None:
     """Refuse to merge a run a shard of which does not account for every trajectory its range
     owes: committed + failed + filtered (overlong rows x n) + not owed (what adaptive sampling,
     on in the run's config, decided not to draw) must equal its rows x n. A shard
     that read fewer rows than planned (an input file cut or replaced under it) would otherwise
     be merged as complete, with trajectories missing."""
-    for manifest in manifests:
-        start, end = manifest.range
+    for marker in markers:
+        start, end = marker.range
         planned = (end - start) * rollout_n
-        filtered = manifest.filtered_overlong * rollout_n
-        not_owed = manifest.not_owed if adaptive else 0
-        accounted = manifest.num_trajectories + manifest.failures + filtered + not_owed
+        filtered = marker.filtered_overlong * rollout_n
+        not_owed = marker.not_owed if adaptive else 0
+        accounted = marker.num_trajectories + marker.failures + filtered + not_owed
         if accounted != planned:
             raise GenrunError(
-                f"{manifest.shard} accounts for {accounted} of the {planned} trajectories of its rows [{start}, {end}) x n={rollout_n} "
-                f"({manifest.num_trajectories} committed, {manifest.failures} failed, {filtered} filtered as overlong): its input changed "
+                f"{marker.shard} accounts for {accounted} of the {planned} trajectories of its rows [{start}, {end}) x n={rollout_n} "
+                f"({marker.num_trajectories} committed, {marker.failures} failed, {filtered} filtered as overlong): its input changed "
                 "since the run was planned; nothing merged. Restore the input files and run the command again with another "
                 "trainer.default_local_dir"
             )

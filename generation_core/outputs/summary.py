@@ -11,35 +11,35 @@ from generation_core.run_plan import RunPlan
 from generation_core.store.run_folder import SuccessMarker
 
 
-def shard_stats(manifest: SuccessMarker) -> dict[str, Any]:
+def shard_stats(marker: SuccessMarker) -> dict[str, Any]:
     """One row of the per-shard table (Prefect artifact, manifest.json)."""
     return {
-        "shard": manifest.shard,
-        "samples": manifest.num_trajectories,
-        "tokens": manifest.generated_tokens,
-        "tokens_per_s": manifest.tokens_per_second,
-        "failures": manifest.failures,
-        "attempts": manifest.attempts,
-        "retries": max(manifest.attempts - 1, 0),
+        "shard": marker.shard,
+        "samples": marker.num_trajectories,
+        "tokens": marker.generated_tokens,
+        "tokens_per_s": marker.tokens_per_second,
+        "failures": marker.failures,
+        "attempts": marker.attempts,
+        "retries": max(marker.attempts - 1, 0),
     }
 
 
-def summarize(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float) -> dict[str, Any]:
-    generated_now = sum(m.last_attempt.trajectories for m in manifests)
-    shard_seconds = sum(m.last_attempt.seconds for m in manifests)
-    tokens_now = sum(m.last_attempt.generated_tokens for m in manifests)
+def summarize(plan: RunPlan, markers: list[SuccessMarker], elapsed: float) -> dict[str, Any]:
+    generated_now = sum(m.last_attempt.trajectories for m in markers)
+    shard_seconds = sum(m.last_attempt.seconds for m in markers)
+    tokens_now = sum(m.last_attempt.generated_tokens for m in markers)
     return {
         "fingerprint": plan.fingerprint,
         "output": plan.folder.display(),
-        "num_trajectories": sum(m.num_trajectories for m in manifests),
-        "generated_tokens": sum(m.generated_tokens for m in manifests),
-        "failed_samples": sum(m.failures for m in manifests),
-        "retries": sum(max(m.attempts - 1, 0) for m in manifests),
+        "num_trajectories": sum(m.num_trajectories for m in markers),
+        "generated_tokens": sum(m.generated_tokens for m in markers),
+        "failed_samples": sum(m.failures for m in markers),
+        "retries": sum(max(m.attempts - 1, 0) for m in markers),
         # Each shard filters its own rows (shard_rows.DatasetPrompts); a finished shard's marker keeps its count.
-        "filtered_overlong_prompts": sum(m.filtered_overlong for m in manifests),
-        "replica_failures": sum(m.last_attempt.engine.get("replica_failures", 0) for m in manifests),
+        "filtered_overlong_prompts": sum(m.filtered_overlong for m in markers),
+        "replica_failures": sum(m.last_attempt.engine.get("replica_failures", 0) for m in markers),
         # Damaged parts found over the run's life, dropped and regenerated (part_repair.repair_damaged_parts).
-        "repaired_parts": [dict(repair, shard=m.shard) for m in manifests for repair in m.repaired_parts],
+        "repaired_parts": [dict(repair, shard=m.shard) for m in markers for repair in m.repaired_parts],
         "this_invocation": {
             "trajectories": generated_now,
             "generated_tokens": tokens_now,
@@ -48,7 +48,7 @@ def summarize(plan: RunPlan, manifests: list[SuccessMarker], elapsed: float) -> 
             "tokens_per_second": round(tokens_now / shard_seconds, 2) if shard_seconds else 0.0,
             "wall_seconds": round(elapsed, 3),
         },
-        "shards": [shard_stats(m) for m in manifests],
+        "shards": [shard_stats(m) for m in markers],
     }
 
 

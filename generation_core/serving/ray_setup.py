@@ -47,7 +47,7 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
         if init_kwargs["_node_ip_address"] == "127.0.0.1" and not os.environ.get("RAY_ADDRESS"):
             _keep_ray_on_loopback()
         init_kwargs.setdefault("include_dashboard", False)
-        # The object store takes 30% of RAM unless capped; we only pass small manifests through it.
+        # The object store takes 30% of RAM unless capped; we only pass small markers through it.
         init_kwargs.setdefault("object_store_memory", 256 * 1024 * 1024)
     init_kwargs.setdefault("namespace", f"genrun-{run_fingerprint[:12]}")
     verbose = debug_output()

@@ -154,4 +154,4 @@ def finished_shards(
         raise FinishedRowsChanged.of(
             plan.folder, first.shard, first.current, first.recorded, [other.shard.name for other in refused[1:]]
         )
-    return {shard.shard_id: manifest for shard, (manifest, _) in zip(shards, decided, strict=True)}
+    return {shard.shard_id: marker for shard, (marker, _) in zip(shards, decided, strict=True)}

@@ -176,16 +176,16 @@ class SuccessMarker:
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> SuccessMarker:
-        manifest = record_from_dict(cls, payload)
-        manifest.parts = [record_from_dict(PartEntry, part) for part in payload.get("parts", [])]
-        manifest.last_attempt = record_from_dict(AttemptStats, payload.get("last_attempt") or {})
-        return manifest
+        marker = record_from_dict(cls, payload)
+        marker.parts = [record_from_dict(PartEntry, part) for part in payload.get("parts", [])]
+        marker.last_attempt = record_from_dict(AttemptStats, payload.get("last_attempt") or {})
+        return marker
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def as_skipped(self) -> SuccessMarker:
-        """This manifest for an attempt that found the shard finished and did nothing."""
+        """This marker for an attempt that found the shard finished and did nothing."""
         skipped = SuccessMarker.from_dict(self.to_dict())
         skipped.last_attempt = AttemptStats(skipped=True)
         return skipped
