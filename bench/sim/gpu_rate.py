@@ -2,7 +2,7 @@
 survives the pipeline, and how many shard workers per replica that takes.
 
     .venv/bin/python bench/sim/gpu_rate.py [--tokens-per-second 40000] [--token-latency 0.01]
-        [--tokens 128] [--n 4] [--prompts 2400] [--workers 1 2 4 8] [--target 0.95] [key=value ...]
+        [--tokens 128] [--n 4] [--prompts 2400] [--workers 1,2,4,8] [--target 0.95] [key=value ...]
     .venv/bin/python bench/sim/gpu_rate.py --smoke
 
 The stand-in is bench/sim's simulated engine at time_scale 1: `--tokens-per-second x
@@ -15,12 +15,18 @@ replica, genrun's routing client in each shard worker, TokenOutput back through 
 For each `--workers` count (generation.num_shards on one replica, in order, until one keeps
 `--target`), one whole run through genrun's CLI (bench/sim/genrun.py: the CLI with the simulator
 registered; its own temporary Prefect server and local Ray with enough CPUs for the workers):
-rollout.n=`--n`, calculate_log_probs=true. Its figure is genrun's tokens over its generation
-phase (first shard worker ready -> last shard done, the run's timeline), divided by the
-stand-in's own rate on the same requests all sent at once (the engine alone, on a virtual clock:
-its ramp-up and drain included, as an engine's offline benchmark has them). Beside it, the CPU
-each role of the run's processes used during the phase (driver, shard workers, server actor):
-a role near one core per process is the one that saturated.
+rollout.n=`--n`, calculate_log_probs=true. Two figures, each a share of the stand-in's:
+  - steady (what decides the search): trajectories finished per second between the run's 10th
+    and 90th percentile of finish times (GENRUN_SAMPLE_TRACE), against the stand-in's rate with
+    its batch full: what a long run keeps once every worker is going;
+  - whole phase: genrun's tokens over its generation phase (first shard worker ready -> last shard
+    done, the run's timeline) against the stand-in alone on the same requests sent at once (on a
+    virtual clock: its own drain included, as an engine's offline benchmark has it); a short run's
+    start and end weigh on it.
+Beside them, per role of the run's processes during the phase (driver, shard workers, server
+actor): the cores its processes used, and the share of the time their event loop threads were
+running or waiting for a core (RoleCpu): near 1 per process, that role is the one that saturated
+(on a loaded machine it may use far less than a core and still be the bottleneck).
 
 `--smoke` (seconds): the stand-in alone, on the virtual clock and for a moment on the wall clock,
 and genrun's input checks of the command a run would use; no run.
@@ -136,15 +142,18 @@ def _role(process, root: int) -> str:
 
 
 class RoleCpu:
-    """Polls the CPU time of every process below `root`; each poll's increase goes to the role the
-    process's title names at that poll (a Ray worker's title follows the task it runs)."""
+    """Polls every process below `root`; each poll's increase goes to the role the process's title
+    names at that poll (a Ray worker's title follows the task it runs). Two figures per role:
+    CPU (all its threads), and how much of the time its main thread (the event loop) was running
+    or ready to run but waiting for a core (/proc/PID/schedstat): near 1 per process, it had all
+    it could take, on a machine where others took cores from it."""
 
     def __init__(self, root: int):
         import psutil
 
         self.root = psutil.Process(root)
-        self.last: dict[tuple[int, float], float] = {}
-        self.deltas: list[tuple[float, str, float]] = []
+        self.last: dict[tuple[int, float], tuple[float, float]] = {}
+        self.deltas: list[tuple[float, str, float, float]] = []
 
     def poll(self) -> None:
         import psutil
@@ -160,19 +169,28 @@ class RoleCpu:
                     key = (process.pid, process.create_time())
                     times = process.cpu_times()
                     role = _role(process, self.root.pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                with open(f"/proc/{process.pid}/schedstat") as handle:
+                    on_cpu, waiting = (int(field) / 1e9 for field in handle.read().split()[:2])
+            except (OSError, psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            cpu = times.user + times.system
-            self.deltas.append((now, role, cpu - self.last.get(key, cpu)))
-            self.last[key] = cpu
+            now_values = (times.user + times.system, on_cpu + waiting)
+            before = self.last.get(key, now_values)
+            self.deltas.append((now, role, now_values[0] - before[0], now_values[1] - before[1]))
+            self.last[key] = now_values
 
-    def cores(self, start: float, end: float) -> dict[str, float]:
-        """role -> cores busy on average between `start` and `end` (unix times)."""
-        used: dict[str, float] = {}
-        for moment, role, delta in self.deltas:
+    def cores(self, start: float, end: float) -> dict[str, str]:
+        """role -> "CPU cores busy / main threads runnable", averaged between `start` and `end`."""
+        used: dict[str, list[float]] = {}
+        for moment, role, cpu, runnable in self.deltas:
             if start < moment <= end:
-                used[role] = used.get(role, 0.0) + delta
-        return {role: round(cpu / (end - start), 2) for role, cpu in sorted(used.items(), key=lambda kv: -kv[1])}
+                row = used.setdefault(role, [0.0, 0.0])
+                row[0] += cpu
+                row[1] += runnable
+        seconds = end - start
+        return {
+            role: f"{cpu / seconds:.2f}/{runnable / seconds:.2f}"
+            for role, (cpu, runnable) in sorted(used.items(), key=lambda kv: -kv[1][0])
+        }
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -180,9 +198,11 @@ class RoleCpu:
 
 def run_once(args: argparse.Namespace, workers: int, prompts: Path, scratch: Path) -> dict:
     from bench.genrun_process import genrun_env
-    from generation_core.instrumentation import generation_phase_seconds, read_timeline
+    from generation_core.instrumentation import SAMPLE_TRACE_ENV, generation_phase_seconds, read_timeline
 
-    folder, timeline, log = (scratch / f"workers-{workers}{suffix}" for suffix in ("", ".timeline", ".log"))
+    folder, timeline, trace, log = (
+        scratch / f"workers-{workers}{suffix}" for suffix in ("", ".timeline", ".trace", ".log")
+    )
     command = [
         sys.executable,
         "-m",
@@ -198,7 +218,12 @@ def run_once(args: argparse.Namespace, workers: int, prompts: Path, scratch: Pat
     started = time.time()
     with log.open("w") as out:
         process = subprocess.Popen(
-            command, cwd=REPO, env=genrun_env(timeline), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=REPO,
+            env=dict(genrun_env(timeline), **{SAMPLE_TRACE_ENV: str(trace)}),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         cpu = RoleCpu(process.pid)
         while process.poll() is None:
@@ -214,9 +239,17 @@ def run_once(args: argparse.Namespace, workers: int, prompts: Path, scratch: Pat
         "workers": workers,
         "tokens": int(manifest["generated_tokens"]),
         "phase_seconds": round(phase, 2),
+        "steady_trajectories_per_second": round(steady_rate(trace), 1),
         "wall_seconds": round(wall, 1),
         "cores": cpu.cores(max(events["shard_done"]) - phase, max(events["shard_done"])),
     }
+
+
+def steady_rate(trace: Path) -> float:
+    """Trajectories per second between the 10th and the 90th percentile of their finish times."""
+    finished = sorted(float(line.split()[0]) for line in trace.read_text().splitlines())
+    first, last = len(finished) // 10, len(finished) * 9 // 10
+    return (last - first) / (finished[last] - finished[first])
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -255,7 +288,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="every answer's length")
     parser.add_argument("--n", type=int, default=4, help="rollout.n")
     parser.add_argument("--prompts", type=int, default=2400, help="prompts per run (x n requests)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8], help="shard workers to try, in order")
+    parser.add_argument(
+        "--workers", type=lambda text: [int(w) for w in text.split(",")], default=[1, 2, 4, 8], help="e.g. 1,2,4,8"
+    )
     parser.add_argument("--target", type=float, default=0.95, help="the kept share that ends the search")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between CPU polls")
     parser.add_argument("--json", help="write the figures here")
@@ -281,22 +316,24 @@ def main() -> None:
         row = run_once(args, workers, prompts, scratch)
         rate = row["tokens"] / row["phase_seconds"]
         row.update(tokens_per_second=round(rate), trajectories_per_second=round(rate / args.tokens, 1))
-        row["kept"] = round(rate / capacity, 3)
+        row["kept_phase"] = round(rate / capacity, 3)
+        row["kept_steady"] = round(row["steady_trajectories_per_second"] * args.tokens / args.tokens_per_second, 3)
         rows.append(row)
         print(
-            f"  {workers} shard worker(s): {row['trajectories_per_second']} trajectories/s, {rate:.0f} tokens/s over a "
-            f"{row['phase_seconds']} s generation phase ({row['wall_seconds']} s whole command): kept {row['kept']} "
-            f"of the stand-in's; cores busy: {', '.join(f'{r} {c}' for r, c in row['cores'].items())}",
+            f"  {workers} shard worker(s): steady {row['steady_trajectories_per_second']} trajectories/s, kept "
+            f"{row['kept_steady']}; whole phase {row['trajectories_per_second']} trajectories/s ({rate:.0f} tokens/s "
+            f"over {row['phase_seconds']} s, {row['wall_seconds']} s whole command), kept {row['kept_phase']}; "
+            f"cores busy/runnable: {', '.join(f'{r} {c}' for r, c in row['cores'].items())}",
             flush=True,
         )
-        if row["kept"] >= args.target:
+        if row["kept_steady"] >= args.target:
             took = workers
             break
-    best = max(rows, key=lambda r: r["kept"])
+    best = max(rows, key=lambda r: r["kept_steady"])
     print(
-        f"kept >= {args.target} with {took} shard worker(s) per replica"
+        f"steady kept >= {args.target} with {took} shard worker(s) per replica"
         if took
-        else f"no worker count tried kept {args.target} (best: {best['kept']} with {best['workers']})"
+        else f"no worker count tried kept {args.target} steady (best: {best['kept_steady']} with {best['workers']})"
     )
     if args.json:
         Path(args.json).write_text(
