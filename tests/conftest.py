@@ -285,3 +285,15 @@ def s3_server(tmp_path_factory):
         # fsspec keeps S3 filesystems per process, keyed by their options, not by the endpoint
         # they took from AWS_ENDPOINT_URL: one made for this server must not serve a later test.
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def fresh_tokenizer_cache():
+    """The run's tokenizer loads once per process (inputs/tokenizer.py): a test that watches the
+    loading (patching verl's `hf_tokenizer`) must see a load of its own, and must leave no patched
+    tokenizer behind for the tests after it in this worker."""
+    from generation_core.inputs.tokenizer import _load
+
+    _load.cache_clear()
+    yield
+    _load.cache_clear()

@@ -213,7 +213,7 @@ def test_the_fingerprint_reads_content_not_names_or_times(tmp_path):
     )
 
 
-def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, monkeypatch):
+def test_a_large_dataset_is_planned_without_tokenizing_it(tmp_path, model_dir, monkeypatch, fresh_tokenizer_cache):
     """50k rows: preflight reads footers and one column, and tokenizes a sample only."""
     from verl.utils import hf_tokenizer
 

@@ -21,7 +21,7 @@ def test_trust_remote_code_is_off_by_default():
     assert load_config([]).actor_rollout_ref.model.trust_remote_code is False
 
 
-def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch):
+def test_the_tokenizer_is_loaded_without_remote_code(tmp_path, model_dir, monkeypatch, fresh_tokenizer_cache):
     import verl.utils
 
     from generation_core.preflight.preflight import preflight
