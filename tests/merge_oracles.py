@@ -12,12 +12,12 @@ import pyarrow as pa
 from verl.protocol import DataProto
 
 from generation_core.errors import GenrunError
-from generation_core.outputs.merge import _DEFAULT_EXTRA_KEYS, _TOKEN_COLUMNS
+from generation_core.outputs.merge import _DEFAULT_EXTRA_KEYS
 from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import committed_parts, read_verified_part
 from generation_core.store.run_folder import CHUNK_INDEX_FILE
-from generation_core.store.trajectory_record import PART_SCHEMA, TrajectoryRecord, records_from_parquet
+from generation_core.store.trajectory_record import PART_SCHEMA, TOKEN_COLUMNS, TrajectoryRecord, records_from_parquet
 
 
 def layout_of_records(records: list[TrajectoryRecord]) -> BatchLayout:
@@ -47,8 +47,8 @@ def build_dataproto(
         pad_token_id=pad_token_id,
     )
     tokens = pa.table(
-        {name: [getattr(r, name) for r in records] for name in _TOKEN_COLUMNS},
-        schema=pa.schema([PART_SCHEMA.field(name) for name in _TOKEN_COLUMNS]),
+        {name: [getattr(r, name) for r in records] for name in TOKEN_COLUMNS},
+        schema=pa.schema([PART_SCHEMA.field(name) for name in TOKEN_COLUMNS]),
     )
     builder.add(
         tokens,

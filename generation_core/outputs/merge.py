@@ -39,6 +39,7 @@ from generation_core.store.run_folder import (
 from generation_core.store.trajectory_record import (
     OPTIONAL_COLUMNS,
     SHARED_RAW_PROMPT,
+    TOKEN_COLUMNS,
     decode_fields,
     decode_provenance,
     read_part_table,
@@ -49,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 # Keys verl's _postprocess always emits among the non-tensor fields, present or not.
 _DEFAULT_EXTRA_KEYS = {"turn_scores", "tool_rewards", "min_global_steps", "max_global_steps", "extras"}
-_TOKEN_COLUMNS = [
-    "index",
-    "rollout_n",
-    "prompt_ids",
-    "response_ids",
-    "response_mask",
-    "response_logprobs",
-    "reward_score",
-    "num_turns",
-]
 
 
 def check_shard_counts(markers: list[SuccessMarker], rollout_n: int, adaptive: bool = False) -> None:
@@ -186,7 +177,7 @@ def build_rows(
         table = read_part_table(
             read_verified_part(folder, part.ref),
             [
-                *_TOKEN_COLUMNS,
+                *TOKEN_COLUMNS,
                 "input_fields",
                 "extra_fields",
                 "metrics",

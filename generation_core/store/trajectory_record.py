@@ -328,23 +328,25 @@ def records_from_parquet(data: bytes) -> list[TrajectoryRecord]:
     return records_of_table(read_part_table(data))
 
 
+# The part columns a record carries as they are (one value per trajectory): what the merge reads
+# besides the encoded fields, and what records_of_table turns back into records.
+TOKEN_COLUMNS = (
+    "index",
+    "rollout_n",
+    "prompt_ids",
+    "response_ids",
+    "response_mask",
+    "response_logprobs",
+    "reward_score",
+    "num_turns",
+)
+
+
 def records_of_table(table: pa.Table) -> list[TrajectoryRecord]:
     """The records of a part table read with every column (`read_part_table(data)`)."""
     inputs, extras, metrics = decode_fields(table)
     provenance, timings = decode_provenance(table)
-    columns = {
-        name: table.column(name).to_pylist()
-        for name in (
-            "index",
-            "rollout_n",
-            "prompt_ids",
-            "response_ids",
-            "response_mask",
-            "response_logprobs",
-            "reward_score",
-            "num_turns",
-        )
-    }
+    columns = {name: table.column(name).to_pylist() for name in TOKEN_COLUMNS}
     return [
         TrajectoryRecord(
             index=columns["index"][row],
