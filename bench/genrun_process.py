@@ -24,3 +24,25 @@ def check_command(arguments: list[str]) -> None:
 
     check_inputs(arguments)
     print(f"smoke: genrun accepts {' '.join(arguments)}")
+
+
+def write_prompts(path: Path, count: int, example: str = "single") -> None:
+    """`count` one-line chat prompts ("Question number i?"), or the tool example's prompts repeated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if example == "tool":
+        source = pq.read_table(REPO / "examples" / "tool_calling" / "data" / "arithmetic.parquet").to_pylist()
+        rows = [dict(source[i % len(source)]) for i in range(count)]
+        for i, row in enumerate(rows):
+            row["extra_info"] = {**(row.get("extra_info") or {}), "index": i}
+    else:
+        rows = [
+            {
+                "data_source": "bench",
+                "prompt": [{"role": "user", "content": f"Question number {i}?"}],
+                "extra_info": {"index": i},
+            }
+            for i in range(count)
+        ]
+    pq.write_table(pa.Table.from_pylist(rows), path)

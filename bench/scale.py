@@ -6,36 +6,21 @@
     .venv/bin/python bench/scale.py --skip-first-part --skip-checkpoint --recheck-rows 10000000
     .venv/bin/python bench/scale.py --smoke              # seconds: genrun's checks of both runs, phase 3 at 400
 
-Every run is `genrun` as a user starts it (its own temporary Prefect server and Ray), on the
-instant engine (no model: what is measured is the pipeline), 16 shards, parts cut at 1,000
-trajectories (generation.save_batch_size=1000, as the issue's "before" figures were taken).
-
-1. Time to the first committed part. For each dataset size: a Parquet file of that many chat
-   prompts (written with Arrow, row groups of 100k), then `genrun` with GENRUN_TIMELINE set; the
-   clock starts just before the command. Reported: `inputs_checked` (the preflight: config,
-   dataset metadata and sampled checks, plan), the first committed part of any shard, the
-   genrun process's peak RSS (polled every 0.1 s: the driver; Prefect's server and Ray's daemons
-   are other processes) and the peak RSS of the Ray worker processes running shard jobs. The run
-   is stopped (its whole session killed) 15 s after its first part: a run over millions of
-   prompts would take hours here, and the costs measured are paid before the first part.
-2. Checkpoint bytes over a 100k-trajectory shard: one shard of 100k prompts run to the end at the
-   defaults (parts by size and age), instant engine answering 256 tokens with logprobs; bytes of
-   its commit records against bytes of its parts, and what that gives in files per 1M
-   trajectories.
+Every run is `genrun` as a user starts it, on the instant engine (no model: what is measured is the
+pipeline), 16 shards, parts cut at 1,000 trajectories.
+1. Time to the first committed part, per dataset size: the preflight (`inputs_checked`), the first
+   part of any shard, the peak RSS of the driver and of the shard workers (bench/process_roles.py).
+   The run is stopped 15 s after its first part: the costs measured are paid before it.
+2. Checkpoint bytes over one shard of 100k prompts run to the end at the defaults (parts by size
+   and age, 256 response tokens with logprobs): its commit records' bytes against its parts'.
 3. (`--recheck-rows N`) What a resume pays to re-check its finished shards' rows
-   (job.finished_shards, generation.recheck_finished_rows): a Parquet file of N prompts,
-   16 shards planned by preflight, each shard's rows digest recorded as its first attempt
-   records it (timed: the digests every shard computes anyway), then the resume's check of all
-   16 finished shards, timed in this process (no genrun subprocess: the check is the driver's
-   first step on resume), with this process's peak RSS.
+   (generation.recheck_finished_rows) on N prompts in 16 shards, timed in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,10 +28,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 from genrun_process import GENRUN, REPO, check_command, genrun_env
+from process_roles import follow, stop_session
 
 from generation_core.instrumentation import read_timeline
 
@@ -87,38 +72,6 @@ def write_dataset(path: Path, rows: int, row_group_size: int = 100_000) -> Path:
     return path
 
 
-def _session_processes(leader: int) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if os.getsid(process.pid) == leader:
-                found.append(process)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
-def _kill_session(leader: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for process in _session_processes(leader):
-            try:
-                process.send_signal(sig)
-            except psutil.Error:
-                pass
-        time.sleep(3)
-
-
-def _is_shard_worker(process: psutil.Process) -> bool:
-    try:
-        title = " ".join(process.cmdline())
-    except psutil.Error:
-        return False
-    # Ray names a worker process after what it runs; the replicas and Ray's own agents are actors.
-    return title.startswith("ray::") and not any(
-        word in title for word in ("Engine", "Replica", "Balancer", "IDLE", "Agent", "Dashboard")
-    )
-
-
 def first_part_arguments(dataset: Path, scratch: Path) -> list[str]:
     return [
         f"data.train_files=[{dataset}]",
@@ -130,53 +83,38 @@ def first_part_arguments(dataset: Path, scratch: Path) -> list[str]:
     ]
 
 
-def time_to_first_part(
-    dataset: Path, scratch: Path, *, after_first_part: float = 15.0, timeout: float = 1800.0
-) -> dict[str, float]:
+def time_to_first_part(dataset: Path, scratch: Path, after_first_part: float = 15.0) -> dict[str, float]:
     scratch.mkdir(parents=True, exist_ok=True)
-    timeline = scratch / "timeline.txt"
-    started = time.time()
-    process = subprocess.Popen(
-        [GENRUN, *first_part_arguments(dataset, scratch)],
-        cwd=REPO,
-        env=genrun_env(timeline),
-        stdout=open(scratch / "out.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    driver = psutil.Process(process.pid)
-    driver_peak = worker_peak = 0
-    first_part_at = None
-    try:
-        while time.time() - started < timeout:
-            if process.poll() is not None:
-                break
-            try:
-                driver_peak = max(driver_peak, driver.memory_info().rss)
-            except psutil.Error:
-                pass
-            for worker in _session_processes(process.pid):
-                if _is_shard_worker(worker):
-                    try:
-                        worker_peak = max(worker_peak, worker.memory_info().rss)
-                    except psutil.Error:
-                        pass
-            if first_part_at is None and timeline.exists() and "first_part_written" in timeline.read_text():
-                first_part_at = time.time()
-            if first_part_at is not None and time.time() - first_part_at >= after_first_part:
-                break
-            time.sleep(0.1)
-    finally:
-        _kill_session(process.pid)
-        process.wait(timeout=60)
+    timeline, log = scratch / "timeline.txt", scratch / "out.log"
+    started, first_part_at = time.time(), []
+
+    def stop() -> bool:  # 15 s after the first part, or half an hour without one
+        if not first_part_at and timeline.exists() and "first_part_written" in timeline.read_text():
+            first_part_at.append(time.time())
+        return time.time() - first_part_at[0] >= after_first_part if first_part_at else time.time() - started > 1800
+
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [GENRUN, *first_part_arguments(dataset, scratch)],
+            cwd=REPO,
+            env=genrun_env(timeline),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            roles = follow(process, 0.1, until=stop).roles(started, time.time())
+        finally:
+            stop_session(process.pid)
+            process.wait(timeout=60)
     events = read_timeline(timeline) if timeline.exists() else {}
     if "first_part_written" not in events:
-        sys.exit(f"no part was committed; the run's output:\n{(scratch / 'out.log').read_text()[-3000:]}")
+        sys.exit(f"no part was committed; the run's output:\n{log.read_text()[-3000:]}")
     return {
         "inputs_checked_s": events["inputs_checked"][0] - started,
         "first_part_s": events["first_part_written"][0] - started,
-        "driver_peak_rss_mib": driver_peak / 2**20,
-        "shard_worker_peak_rss_mib": worker_peak / 2**20,
+        "driver_peak_rss_mib": roles["driver"]["peak_rss"] / 2**20,
+        "shard_worker_peak_rss_mib": roles.get("shard worker", {}).get("peak_rss", 0) / 2**20,
     }
 
 
@@ -197,15 +135,9 @@ def checkpoint_arguments(dataset: Path, run: Path) -> list[str]:
 def checkpoint_bytes(scratch: Path, prompts: int = 100_000) -> dict[str, float]:
     """One shard of `prompts` trajectories to the end at the default part settings."""
     dataset = write_dataset(scratch / "prompts.parquet", prompts)
-    run = scratch / "run"
-    started = time.time()
-    finished = subprocess.run(
-        [GENRUN, *checkpoint_arguments(dataset, run)],
-        cwd=REPO,
-        env=genrun_env(scratch / "timeline.txt"),
-        capture_output=True,
-        text=True,
-    )
+    run, started = scratch / "run", time.time()
+    command, env = [GENRUN, *checkpoint_arguments(dataset, run)], genrun_env(scratch / "timeline.txt")
+    finished = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if finished.returncode != 0:
         sys.exit(f"the 100k run failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
     shard = run / "shards" / "shard-00000"
@@ -279,15 +211,40 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     }
 
 
+def first_part_table(sizes: list[int], tmp: Path) -> None:
+    results = {}
+    for rows in sizes:
+        started = time.time()
+        dataset = write_dataset(tmp / f"data-{rows}" / "prompts.parquet", rows)
+        mib = dataset.stat().st_size / 2**20
+        print(f"{rows:>10,} prompts: dataset written in {time.time() - started:.1f} s ({mib:.0f} MiB)", flush=True)
+        results[rows] = time_to_first_part(dataset, tmp / f"run-{rows}")
+        print(f"{rows:>10,} prompts: " + ", ".join(f"{k} {v:.1f}" for k, v in results[rows].items()), flush=True)
+        dataset.unlink()
+    base = results[min(results)]
+    print("\n   prompts  preflight s  first part s  vs smallest  driver RSS MiB  shard worker RSS MiB  vs smallest")
+    for rows, r in results.items():
+        first, worker = r["first_part_s"], r["shard_worker_peak_rss_mib"]
+        print(
+            f"{rows:>10,}  {r['inputs_checked_s']:11.1f}  {first:12.1f}  {first / base['first_part_s']:11.2f}"
+            f"  {r['driver_peak_rss_mib']:14.0f}  {worker:20.0f}  {worker / base['shard_worker_peak_rss_mib']:11.2f}"
+        )
+
+
+def print_figures(title: str, figures: dict, digits: int) -> None:
+    print(title)
+    for key, value in figures.items():
+        print(f"  {key}: {value:,.{digits}f}" if isinstance(value, float) else f"  {key}: {value:,}")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
     parser.add_argument("--skip-checkpoint", action="store_true")
     parser.add_argument("--skip-first-part", action="store_true")
     parser.add_argument("--recheck-rows", type=int, default=0, metavar="N", help="phase 3 at N prompts (0: skipped)")
     parser.add_argument("--smoke", action="store_true", help="seconds: genrun's checks of both runs, phase 3 at 400")
     args = parser.parse_args()
-    results = {}
     with tempfile.TemporaryDirectory(prefix="genrun-scale-") as tmp:
         tmp = Path(tmp)
         if args.smoke:
@@ -297,40 +254,17 @@ def main() -> None:
             args.skip_first_part = args.skip_checkpoint = True
             args.recheck_rows = 400
         if not args.skip_first_part:
-            for rows in args.sizes:
-                started = time.time()
-                dataset = write_dataset(tmp / f"data-{rows}" / "prompts.parquet", rows)
-                print(
-                    f"{rows:>10,} prompts: dataset written in {time.time() - started:.1f} s ({dataset.stat().st_size / 2**20:.0f} MiB)",
-                    flush=True,
-                )
-                results[rows] = time_to_first_part(dataset, tmp / f"run-{rows}")
-                print(
-                    f"{rows:>10,} prompts: " + ", ".join(f"{k} {v:.1f}" for k, v in results[rows].items()), flush=True
-                )
-                dataset.unlink()
-            smallest = min(results)
-            print(
-                "\n   prompts  preflight s  first part s  vs smallest  driver RSS MiB  shard worker RSS MiB  vs smallest"
-            )
-            for rows, r in results.items():
-                print(
-                    f"{rows:>10,}  {r['inputs_checked_s']:11.1f}  {r['first_part_s']:12.1f}  {r['first_part_s'] / results[smallest]['first_part_s']:11.2f}"
-                    f"  {r['driver_peak_rss_mib']:14.0f}  {r['shard_worker_peak_rss_mib']:20.0f}  {r['shard_worker_peak_rss_mib'] / results[smallest]['shard_worker_peak_rss_mib']:11.2f}"
-                )
+            first_part_table(args.sizes, tmp)
         if not args.skip_checkpoint:
             figures = checkpoint_bytes(tmp / "checkpoint")
-            print("\none shard, 100k prompts, defaults (parts by size and age), 256 response tokens with logprobs:")
-            for key, value in figures.items():
-                print(f"  {key}: {value:,.4f}" if isinstance(value, float) else f"  {key}: {value:,}")
+            title = "one shard, 100k prompts, defaults (parts by size and age), 256 response tokens with logprobs:"
+            print_figures("\n" + title, figures, 4)
             per_million = 1_000_000 * figures["part_bytes_per_trajectory"] / (64 << 20)
             print(f"  files per 1M trajectories at 64 MiB parts: {per_million:.0f} parts (+ as many commit records)")
             print(f"  checkpoint bytes / part bytes: {figures['ratio']:.4%} (target <= 2%)")
         if args.recheck_rows:
-            figures = recheck_rows(tmp / "recheck", args.recheck_rows)
-            print(f"\nre-checking the rows of {SHARDS} finished shards, {args.recheck_rows:,} prompts:")
-            for key, value in figures.items():
-                print(f"  {key}: {value:,.1f}" if isinstance(value, float) else f"  {key}: {value:,}")
+            title = f"re-checking the rows of {SHARDS} finished shards, {args.recheck_rows:,} prompts:"
+            print_figures("\n" + title, recheck_rows(tmp / "recheck", args.recheck_rows), 1)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 # Modules the scripts import, not scripts: the simulated engine (bench/sim), genrun's CLI with it
-# registered (sim/genrun.py, what gpu_rate.py's runs start) and the helper that runs genrun as a
-# user does.
+# registered (sim/genrun.py, what gpu_rate.py's runs start), the helper that runs genrun as a user
+# does and the one that reads its processes by role.
 NOT_SCRIPTS = {
     "__init__.py",
     "genrun_process.py",
+    "process_roles.py",
     "sim/__init__.py",
     "sim/engine.py",
     "sim/replica.py",
