@@ -1,19 +1,12 @@
 """The transformers engine under streaming load vs a static batch, side by side (issue 6, target 2).
 
-    .venv/bin/python bench/engine_streaming.py [--concurrency 32] [--seconds 40] [--smoke]
+    .venv/bin/python bench/engine_streaming.py [--concurrency 32] [--seconds 40] [--rounds 2] [--smoke]
 
-Static: `model.generate` on `concurrency` prompts at once, every sequence generating the same
-number of tokens (the mean of the streaming lengths): the best case of a static batch, where
-nobody waits for a longer member. Streaming: `concurrency` clients each send a request, wait
-for it, and send the next at once, with response lengths drawn uniformly from
-[mean/4, 7*mean/4] (`ignore_eos`, so lengths are exact). A static batcher would idle every row
-until the longest member finished; the engine must instead let finished sequences leave and
-waiting ones join. Its rate is counted over a window after the first wave has finished (engine
-token counter at the window's ends), so the ramp-up and the tail do not count.
-
-Both run in the same process on the bundled model, greedy, alternated `--rounds` times; the
-ratio streaming / static is printed last (target >= 0.90). `--smoke`: 2 clients, 4 tokens, one
-short round on one thread, the default engine only.
+Static: `model.generate` on `concurrency` prompts, each generating the mean length (a static
+batch's best case). Streaming: `concurrency` clients each keep one request in flight, lengths
+uniform in [mean/4, 7*mean/4] (`ignore_eos`), counted over a window after the first wave has
+finished. Both on the bundled model, greedy, alternated `--rounds` times in one process, with and
+without prefix reuse. `--smoke`: 2 clients, 4 tokens, one short round on one thread.
 """
 
 from __future__ import annotations
@@ -113,13 +106,8 @@ def main() -> None:
     threads = 1 if args.smoke else os.cpu_count()
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    settings = EngineSettings(
-        str(model_dir),
-        prompt_length=512,
-        response_length=args.mean_tokens * 2,
-        max_batch_size=args.concurrency,
-        num_threads=threads,
-    )
+    lengths = dict(prompt_length=512, response_length=args.mean_tokens * 2)
+    settings = EngineSettings(str(model_dir), **lengths, max_batch_size=args.concurrency, num_threads=threads)
     # The bundled prompts repeat over the run (48 of them), and every one starts with the same
     # system prompt: the default engine reuses those prefixes, which a static batch cannot. The
     # engine without any prefix reuse runs beside it, so the gain of each part shows.
@@ -133,21 +121,16 @@ def main() -> None:
         generated, seconds = static_generate(model, tokenizer, prompts[: args.concurrency], args.mean_tokens)
         static_rates.append(generated / seconds)
         for name, engine in engines.items():
-            streaming_rates[name].append(
-                asyncio.run(streaming(engine, prompts, args.concurrency, args.mean_tokens, args.seconds, seed=round_))
-            )
-        print(
-            f"round {round_ + 1}: static model.generate {static_rates[-1]:.1f} tokens/s, "
-            + ", ".join(
-                f"engine streaming ({name}) {rates[-1]:.1f} tokens/s" for name, rates in streaming_rates.items()
-            ),
-            flush=True,
-        )
+            load = streaming(engine, prompts, args.concurrency, args.mean_tokens, args.seconds, seed=round_)
+            streaming_rates[name].append(asyncio.run(load))
+        streamed = ", ".join(f"engine streaming ({name}) {r[-1]:.1f} tokens/s" for name, r in streaming_rates.items())
+        print(f"round {round_ + 1}: static model.generate {static_rates[-1]:.1f} tokens/s, {streamed}", flush=True)
     for engine in engines.values():
         engine.shutdown()
     static = sum(static_rates) / len(static_rates)
+    low, high = max(1, args.mean_tokens // 4), args.mean_tokens * 7 // 4
     print(
-        f"concurrency {args.concurrency}, streaming lengths uniform in [{max(1, args.mean_tokens // 4)}, {args.mean_tokens * 7 // 4}], static length {args.mean_tokens}"
+        f"concurrency {args.concurrency}, streaming lengths uniform in [{low}, {high}], static length {args.mean_tokens}"
     )
     print(f"static batch (model.generate): {static:.1f} tokens/s")
     for name, rates in streaming_rates.items():

@@ -3,19 +3,12 @@
     .venv/bin/python bench/merge_memory.py [--trajectories 20000] [--prompt-length 256]
         [--response-length 1024] [--chunk-size N] [--smoke]
 
-Definitions (the issue's target: peak <= 2x the DataProto):
-- size of the final DataProto: bytes of the trajectories.pkl the merge wrote (with --chunk-size:
-  of all chunk files; the ratio to the largest chunk is printed too, since a chunked merge
-  holds one chunk at a time);
-- peak memory of merging: in a fresh process with everything imported, the peak resident set
-  size (VmHWM, reset through /proc/self/clear_refs just before) during `merge_run` minus the
-  resident set size just before it.
-
-The run folder is built first, in its own process, the way shards commit it: parts of 16
-trajectories (generation.save_batch_size=16, the figures' setting) with checksums, one commit
-record per part. Lengths are drawn like real chat generations (prompts ~120 tokens, responses
-~400 with a long tail, clipped to the configured lengths), with float32 logprobs and a reward
-per trajectory. `--smoke`: 64 short trajectories merged whole and in chunks, in this process.
+A finished run folder is built in one process as shards commit it (parts of 16 with checksums, one
+commit record each; chat-like lengths with a long tail, float32 logprobs, a reward each), then
+merged in a fresh one: the peak is its VmHWM (reset just before) less its RSS before `merge_run`,
+over the bytes of the trajectories.pkl it wrote (with --chunk-size: of all chunks, and of the
+largest, since a chunked merge holds one at a time). `--smoke`: 64 short trajectories merged whole
+and in chunks, in this process.
 """
 
 from __future__ import annotations
@@ -143,7 +136,7 @@ def _status_kib(name: str) -> int:
     raise RuntimeError(f"no {name} in /proc/self/status")
 
 
-def _run_step(step: list[str]) -> dict:
+def _run_step(*step: str) -> dict:
     """One step in a fresh process: its peak memory is the merge's alone."""
     result = subprocess.run([sys.executable, __file__, *step], capture_output=True, text=True)
     if result.returncode:
@@ -157,9 +150,7 @@ def smoke() -> None:
         for chunk_size in (None, 16):
             result = measure_merge(scratch, 32, 64, chunk_size)
             assert result["rows"] == 64, result
-            print(
-                f"smoke: merged {result['rows']} trajectories into {result['files']} file(s), chunk_size {chunk_size}"
-            )
+            print(f"smoke: merged 64 trajectories into {result['files']} file(s), chunk_size {chunk_size}")
 
 
 def main() -> None:
@@ -169,24 +160,18 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=1024)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--smoke", action="store_true", help="seconds: a small folder merged in this process")
-    parser.add_argument("--step-build", help=argparse.SUPPRESS)
     parser.add_argument("--step-merge", help=argparse.SUPPRESS)
     args = parser.parse_args()
     lengths = (args.prompt_length, args.response_length)
     if args.smoke:
         return smoke()
-    if args.step_build:
-        build_folder(args.step_build, args.trajectories, *lengths)
-        return print(json.dumps({}))
     if args.step_merge:
         return print(json.dumps(measure_merge(args.step_merge, *lengths, args.chunk_size)))
     with tempfile.TemporaryDirectory(prefix="genrun-merge-bench-") as scratch:
-        folder = os.path.join(scratch, "run")
-        sizes = ["--trajectories", str(args.trajectories), "--prompt-length", str(lengths[0])]
-        sizes += ["--response-length", str(lengths[1])]
-        _run_step(["--step-build", folder, *sizes])
+        build_folder(scratch, args.trajectories, *lengths)
         chunk = [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
-        r = _run_step(["--step-merge", folder, *sizes, *chunk])
+        sizes = ["--prompt-length", str(lengths[0]), "--response-length", str(lengths[1])]
+        r = _run_step("--step-merge", scratch, *sizes, *chunk)
     mib = 1 / (1 << 20)
     what = "largest chunk" if args.chunk_size else "trajectories.pkl"
     print(f"{args.trajectories} trajectories, prompt_length {lengths[0]}, response_length {lengths[1]}")

@@ -1,27 +1,17 @@
-"""Routing at scale on the simulated engine: today's routing against the shared load and
-prefix-affinity groups, side by side in one run (issue 34, items 2 and 3).
+"""Routing at scale on the simulated engine (issue 34, items 2 and 3): each routing mode on the
+same samples, side by side.
 
-    .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8] [--smoke]
+    .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8] [--sigma 1.0] [--smoke]
 
-Shard workers, each a `RoutingClient` (genrun's own routing code) with its own samples and its
-own `max_inflight`, send their requests to simulated replicas (bench/sim/engine.py: max_num_seqs
-slots, a decode step per token, a prefill cost per prompt token not in the prefix cache,
-lognormal response lengths). Everything runs in one process on an event loop whose clock is
-simulated (`VirtualClockLoop`: where the loop would sleep, its clock jumps), so a figure is
-simulated seconds, the same on any machine, and thousands of trajectories take seconds of CPU.
-The replicas report their load as engines/server.EngineServer does, with every answer; a
-replica a client has not heard from lately is asked, as in a run.
-
-Each scenario runs every routing mode on the same samples (the same prompts, seeds and lengths):
-`local` (genrun's routing before: this worker's own requests outstanding), `least_loaded` (the
-shared load) and `prefix_affinity` (the shared load, the n samples of a prompt on one replica).
-Figures: trajectories and generated tokens per simulated second, the replica load imbalance
-(max/mean over replicas of each one's busy slots, time-averaged, and the instantaneous max/mean
-averaged over 0.1 s samples, both while work remains to be sent), the tail (the share of the
-run's time its last 1% of trajectories take: from the 99th-percentile finish to the last), and
-the prefix-cache hit rate:
-prompt tokens reused / prompt tokens, and reused / reusable (the prompt tokens an earlier request
-already had in its prompt, anywhere: what one shared, unbounded cache could have reused).
+Shard workers, each genrun's own `RoutingClient` with its own samples and `max_inflight`, send
+their requests to simulated replicas (bench/sim/engine.py), all in this process on a simulated
+clock (`VirtualClockLoop`): figures are simulated seconds, the same on any machine. Modes: `local`
+(this worker's own requests outstanding), `least_loaded` (the shared load), `prefix_affinity` (the
+shared load, a prompt's n samples on one replica). Figures: trajectories and tokens per simulated
+second, the replicas' load imbalance (max/mean of busy slots while work remains to be sent,
+time-averaged and instantaneous), the share of the run its last 1% of trajectories take, and the
+prefix-cache hit rate, of all prompt tokens and of the reusable ones (those an earlier request
+already had: what one shared, unbounded cache could have reused).
 """
 
 from __future__ import annotations
@@ -44,6 +34,7 @@ from generation_core.serving.replica_loads import ReplicaChooser  # noqa: E402
 from generation_core.serving.routing import RoutingClient  # noqa: E402
 
 MODES = ("local", "least_loaded", "prefix_affinity")
+FRACTIONS = ("imbalance", "inst_imbalance", "hit_rate", "hit_of_reusable")
 SAMPLE_SECONDS = 0.1
 
 
@@ -112,7 +103,6 @@ class Outcome:
     finished_at: list[float] = field(default_factory=list)
     reusable_tokens: int = 0
     samples: list[list[int]] = field(default_factory=list)
-    sent_all_at: float = 0.0
 
 
 def _prompts(s: Scenario) -> list[list[list[int]]]:
@@ -187,18 +177,16 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
             outcome.samples.append([e.stats["running"] for e in engines])
             await asyncio.sleep(SAMPLE_SECONDS)
 
-    start_busy = [0.0] * s.replicas
     watch = asyncio.ensure_future(sampler())
     workers = [asyncio.ensure_future(worker(w)) for w in range(s.workers)]
     # "While work remains": until the last sample of every worker is sent.
     sent_all = asyncio.ensure_future(_all_sent(engines, s))
     await asyncio.gather(*workers)
     makespan = loop.time()
-    busy_at_sent, sent_at, samples_at_sent = await sent_all
+    busy, samples_at_sent = await sent_all
     watch.cancel()
     for e in engines:
         e.shutdown()
-    busy = [b - a for a, b in zip(start_busy, busy_at_sent, strict=True)]
     steady = [row for row in outcome.samples[:samples_at_sent] if sum(row)]
     stats = [e.stats for e in engines]
     reused = sum(st["prefix_reused_tokens"] for st in stats)
@@ -216,21 +204,20 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
         ),
         "hit_of_reusable": reused / outcome.reusable_tokens if outcome.reusable_tokens else None,
         "replica_hit_rates": [prefix_hit_rate(st) for st in stats],
-        "sent_all_at": sent_at,
         # The tail (item 5): the share of the run's time its last 1% of trajectories take.
         "last_1pct_share": (makespan - sorted(outcome.finished_at)[int(0.99 * len(outcome.finished_at)) - 1])
         / makespan,
     }
 
 
-async def _all_sent(engines: list[SimulatedEngine], s: Scenario) -> tuple[list[float], float, int]:
+async def _all_sent(engines: list[SimulatedEngine], s: Scenario) -> tuple[list[float], int]:
     """The replicas' busy slot-seconds once every sample has been sent (requests counted by the
-    engines reach the total), with the time and the number of load samples taken by then."""
+    engines reach the total), and the number of load samples taken by then."""
     total = s.workers * s.prompts_per_worker * s.n
     loop = asyncio.get_running_loop()
     while sum(e.stats["requests"] for e in engines) < total:
         await asyncio.sleep(SAMPLE_SECONDS / 10)
-    return [e.stats["busy_slot_seconds"] for e in engines], loop.time(), int(loop.time() / SAMPLE_SECONDS) + 1
+    return [e.stats["busy_slot_seconds"] for e in engines], int(loop.time() / SAMPLE_SECONDS) + 1
 
 
 def run_scenario(s: Scenario, mode: str) -> dict[str, Any]:
@@ -265,23 +252,20 @@ def main() -> None:
         # As many requests in flight as the replicas have slots: where a pile-up leaves slots idle.
         Scenario("in flight = slots (8/worker)", max_inflight=8, **base),
     ]
-    print(
-        "| scenario | routing | trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant) | prefix hit rate | hit / reusable | per replica | last 1% share |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    columns = "trajectories (unique) | sim s | traj/s | tokens/s | imbalance (time-avg) | imbalance (instant)"
+    print(f"| scenario | routing | {columns} | prefix hit rate | hit / reusable | per replica | last 1% share |")
+    print("| --- " * 12 + "|")
     for s in scenarios:
         rows = {mode: run_scenario(s, mode) for mode in MODES}
         for mode, r in rows.items():
-            per_replica = " ".join(_fmt(h, 2) for h in r["replica_hit_rates"])
-            print(
-                f"| {s.name} | {mode} | {r['trajectories']} ({r['unique']}) | {r['seconds']:.1f} | {r['traj_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                f"{_fmt(r['imbalance'])} | {_fmt(r['inst_imbalance'])} | {_fmt(r['hit_rate'])} | {_fmt(r['hit_of_reusable'])} | {per_replica} | {_fmt(r['last_1pct_share'])} |"
-            )
+            figures = [f"{r['trajectories']} ({r['unique']})", f"{r['seconds']:.1f}", f"{r['traj_per_s']:.1f}"]
+            figures += [f"{r['tokens_per_s']:.0f}", *map(_fmt, [r[key] for key in FRACTIONS])]
+            figures += [" ".join(_fmt(h, 2) for h in r["replica_hit_rates"]), _fmt(r["last_1pct_share"])]
+            print(f"| {s.name} | {mode} | " + " | ".join(figures) + " |")
         local = rows["local"]
         for mode in MODES[1:]:
-            print(
-                f"| {s.name} | {mode} / local | | | {rows[mode]['traj_per_s'] / local['traj_per_s']:.2f} | {rows[mode]['tokens_per_s'] / local['tokens_per_s']:.2f} | | | | | | |"
-            )
+            gains = [rows[mode][key] / local[key] for key in ("traj_per_s", "tokens_per_s")]
+            print(f"| {s.name} | {mode} / local | | | {gains[0]:.2f} | {gains[1]:.2f} | | | | | | |")
 
 
 if __name__ == "__main__":

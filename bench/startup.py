@@ -4,11 +4,9 @@
     .venv/bin/python bench/startup.py --refusals     # CPU seconds of a refused input (target 2 s)
     .venv/bin/python bench/startup.py --smoke        # one refusal, and genrun's checks of the demo command
 
-Runs the demo command (`genrun` on the bundled defaults: CPU model, bundled prompts, local
-storage; what `make demo` runs once the venv exists) into a scratch folder with
-`GENRUN_TIMELINE` set, so each process of the run records when it reached each stage
-(generation_core/instrumentation.py). The clock starts just before the command is launched. The time
-to the first committed part is printed last, against the target of 60 s on 2 cores.
+Runs the demo command (`genrun` on the bundled defaults) into a scratch folder with
+`GENRUN_TIMELINE` set: each process of the run records when it reached each stage
+(generation_core/instrumentation.py), from the command's start.
 """
 
 from __future__ import annotations

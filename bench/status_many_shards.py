@@ -1,13 +1,10 @@
-"""`genrun status` on a finished 1,000-shard run folder: how long the read-only command takes
-(issue 32, item 2: it answers in under 1.5 s and imports no torch, verl or Ray).
+"""`genrun status` on a finished 1,000-shard run folder (issue 32, item 2: under 1.5 s, no torch,
+verl or Ray).
 
     .venv/bin/python bench/status_many_shards.py [--shards 1000] [--rounds 3] [--smoke]
 
-The folder is built without a run: run.json, and per shard one commit record (a part entry
-whose file is never read by status), its `done` record and its `_SUCCESS.json` marker, as a
-finished shard leaves them. Each round is a fresh `python -m flows.cli status DIR` process
-(interpreter start and imports included, as a user types it); printed: each round's wall
-time, the median, and the machine's load average at the start.
+The folder is built without a run (run.json; per shard a commit record, its `done` record and
+`_SUCCESS.json`); each round is a fresh `python -m flows.cli status DIR` process, imports included.
 """
 
 from __future__ import annotations

@@ -3,31 +3,15 @@ is simulated (`actor_rollout_ref.rollout.name=simulated` once bench/sim's `regis
 
 What decides how busy a GPU replica is, and nothing else: a decode batch of `max_num_seqs` slots
 (requests beyond it queue, in arrival order), one decode step of the whole batch every
-`decode_seconds_per_step` (each running sequence gets one token), a prefill cost per prompt token
-that is not found in the prefix cache, and a prefix cache keyed by token prefix in blocks
-(`cache_block_tokens`, as vLLM's and SGLang's caches reuse whole blocks), bounded
-(`prefix_cache_tokens`, LRU), whose hits cost nothing. Response lengths are drawn from a
-lognormal distribution around `response_tokens_median` (`response_tokens_sigma` sets its tail;
-`response_tokens_prompt_share` of its log-variance comes from the prompt alone, as hard prompts get
-long answers on every sample and in every run), seeded: a request with a `seed` gets its length from (engine seed, prompt, request seed), so a
-resumed run equals an uninterrupted one; one without draws from the engine's own seeded stream in
-arrival order. The tokens are the instant engine's (`instant.answer_tokens`).
-
-`time_scale` is wall seconds per simulated second: at 0.01 several replicas on one CPU run
-thousands of trajectories in seconds. bench/scheduling.py and the tests run it under
-`VirtualClockLoop` instead (every wait is a jump of the event loop's clock), where time_scale 1
-costs no wall time at all.
-
-The counters the pool reads (`stats`, a replica's `health()`): `running` and `waiting` now,
-`busy_slot_seconds` (running sequences x simulated seconds, summed over steps) and
-`simulated_seconds`, and the prefix cache's as the transformers engine names them:
-`prefix_hits` / `prefix_misses` (requests that reused a prefix or not), `prefix_reused_tokens`
-and `prefill_tokens` (prompt tokens reused, and prefilled); `late_seconds`, what the engine lost
-to steps that started late because its own process was busy.
-
-At time_scale 1 with no prefill cost and fixed lengths it stands in for a GPU engine at a given
-rate: `max_num_seqs / decode_seconds_per_step` tokens/s once its batch is full, each sequence one
-token per step (bench/sim/gpu_rate.py).
+`decode_seconds_per_step`, a prefill cost per prompt token not found in the prefix cache (whole
+blocks, bounded, LRU, as vLLM's and SGLang's), and seeded lognormal response lengths (a request
+with a `seed` gets its length from the engine seed, the prompt and that seed, so a resumed run
+equals an uninterrupted one). The tokens are the instant engine's (`instant.answer_tokens`).
+`time_scale` is wall seconds per simulated second; bench/scheduling.py and the tests run it under
+`VirtualClockLoop` instead, where every wait is a jump of the event loop's clock. At time_scale 1
+with no prefill cost and fixed lengths it stands in for a GPU engine of `max_num_seqs /
+decode_seconds_per_step` tokens/s (bench/sim/gpu_rate.py). `stats` holds the counters a replica's
+`health()` reports, the prefix cache's named as the transformers engine names them.
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ import random
 import selectors
 import struct
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from generation_core.engines.base import (
@@ -83,6 +67,13 @@ class SimulatedSettings:
     """Wall seconds per simulated second (0.01: a hundred times faster than simulated)."""
 
 
+COUNTERS = (
+    "requests generated_tokens running waiting steps prefill_tokens prefix_hits prefix_misses prefix_reused_tokens"
+)
+SECONDS = "busy_slot_seconds simulated_seconds late_seconds"
+"""`stats`: `running` and `waiting` now; `busy_slot_seconds` (running sequences x simulated seconds);
+`late_seconds`, what the engine lost to steps that started late because its own process was busy."""
+
 ROLLOUT_FIELDS = ("prompt_length", "response_length", "eos_token_id", "max_num_seqs", "vocab_size")
 """SimulatedSettings' fields that come from the rollout config and the model, not engine_kwargs."""
 
@@ -95,10 +86,6 @@ class BlockPrefixCache:
         self.block_tokens = max(1, block_tokens)
         self.capacity_blocks = capacity_tokens // self.block_tokens
         self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    def block_keys(self, token_ids: list[int]) -> list[int]:
-        """The keys of `token_ids`' whole blocks, in order."""
-        return block_keys(token_ids, self.block_tokens)
 
     def longest_prefix(self, keys: list[int]) -> int:
         """How many leading blocks of `keys` the cache holds (each found one becomes recent)."""
@@ -138,7 +125,6 @@ class _Sequence:
     answer: asyncio.Future
     logprobs: bool
     produced: int = 0
-    block_keys: list[int] = field(default_factory=list)
 
 
 class SimulatedEngine:
@@ -146,20 +132,7 @@ class SimulatedEngine:
 
     def __init__(self, settings: SimulatedSettings):
         self.settings = settings
-        self.stats: dict[str, Any] = {
-            "requests": 0,
-            "generated_tokens": 0,
-            "running": 0,
-            "waiting": 0,
-            "steps": 0,
-            "busy_slot_seconds": 0.0,
-            "simulated_seconds": 0.0,
-            "prefill_tokens": 0,
-            "prefix_hits": 0,
-            "prefix_misses": 0,
-            "prefix_reused_tokens": 0,
-            "late_seconds": 0.0,
-        }
+        self.stats: dict[str, Any] = dict.fromkeys(COUNTERS.split(), 0) | dict.fromkeys(SECONDS.split(), 0.0)
         self.cache = BlockPrefixCache(settings.prefix_cache_tokens, settings.cache_block_tokens)
         self._draws = random.Random(settings.seed)
         self._waiting: deque[_Sequence] = deque()
@@ -280,9 +253,9 @@ class SimulatedEngine:
         prefill = 0
         while self._waiting and len(self._running) < self.settings.max_num_seqs:
             seq = self._waiting.popleft()
-            seq.block_keys = self.cache.block_keys(seq.prompt_ids)
-            reused = self.cache.longest_prefix(seq.block_keys) * self.cache.block_tokens
-            self.cache.insert(seq.block_keys)
+            keys = block_keys(seq.prompt_ids, self.cache.block_tokens)
+            reused = self.cache.longest_prefix(keys) * self.cache.block_tokens
+            self.cache.insert(keys)
             prefill += len(seq.prompt_ids) - reused
             self.stats["prefill_tokens"] += len(seq.prompt_ids) - reused
             self.stats["prefix_reused_tokens"] += reused
@@ -299,7 +272,7 @@ class SimulatedEngine:
             if seq.produced < len(seq.tokens):
                 still.append(seq)
                 continue
-            self.cache.insert(self.cache.block_keys(seq.prompt_ids + seq.tokens))
+            self.cache.insert(block_keys(seq.prompt_ids + seq.tokens, self.cache.block_tokens))
             self.stats["generated_tokens"] += len(seq.tokens)
             if not seq.answer.done():
                 logprobs = [-1.0] * len(seq.tokens) if seq.logprobs else None
