@@ -1,18 +1,13 @@
 """CPU time per trajectory of a whole `genrun` run, per process role (issue 46 item 1).
 
     .venv/bin/python bench/cpu_per_trajectory.py [--tree DIR] [--prompts 8000] [--n 1] [--example single|tool]
-    .venv/bin/python bench/cpu_per_trajectory.py --smoke
 
-Runs `genrun` as a user does (instant engine, one shard, parts of 1,000, its own Prefect server and
-Ray) on the source tree `--tree` (default: this checkout; an old commit: `git worktree add
-/tmp/wt-SHA SHA`, run with this venv) and follows every process it starts (bench/process_roles.py)
-until all are gone. Per role, CPU microseconds per trajectory over the generation phase (first
-shard worker ready -> last shard done, interpolated between polls) and over each process's whole
-life. "genrun's own" sums the driver, the shard worker, the registry, the progress board and the
-server actor less the engine's compute (the instant engine's `generate`, timed in process on the
-same tree). Wall-clock throughput is printed too, as a secondary figure: CPU time moves far less
-with the machine's load. `--smoke`: genrun's input checks of the command, and the process
-sampler over a small tree of known CPU.
+`genrun` as a user runs it (instant engine, one shard, parts of 1,000) on the source tree `--tree`
+(default: this checkout; an old commit: `git worktree add /tmp/wt-SHA SHA`, run with this venv),
+every process it starts followed until all are gone (bench/process_roles.py). Per role, CPU us per
+trajectory over the generation phase and over each process's life; "genrun's own" is the driver,
+shard worker, registry, progress board and server actor less the instant engine's own compute
+(timed in process on the same tree). `--smoke`: genrun's checks of the command, the sampler.
 """
 
 from __future__ import annotations

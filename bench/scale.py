@@ -2,19 +2,13 @@
 
     .venv/bin/python bench/scale.py                      # 10k and 1M prompts, checkpoint bytes over 100k
     .venv/bin/python bench/scale.py --sizes 10000 1000000 3000000 10000000
-    .venv/bin/python bench/scale.py --skip-checkpoint    # only the time-to-first-part runs
     .venv/bin/python bench/scale.py --skip-first-part --skip-checkpoint --recheck-rows 10000000
-    .venv/bin/python bench/scale.py --smoke              # seconds: genrun's checks of both runs, phase 3 at 400
 
-Every run is `genrun` as a user starts it, on the instant engine (no model: what is measured is the
-pipeline), 16 shards, parts cut at 1,000 trajectories.
-1. Time to the first committed part, per dataset size: the preflight (`inputs_checked`), the first
-   part of any shard, the peak RSS of the driver and of the shard workers (bench/process_roles.py).
-   The run is stopped 15 s after its first part: the costs measured are paid before it.
-2. Checkpoint bytes over one shard of 100k prompts run to the end at the defaults (parts by size
-   and age, 256 response tokens with logprobs): its commit records' bytes against its parts'.
-3. (`--recheck-rows N`) What a resume pays to re-check its finished shards' rows
-   (generation.recheck_finished_rows) on N prompts in 16 shards, timed in this process.
+`genrun` as a user starts it, instant engine, 16 shards, parts of 1,000 trajectories:
+1. per dataset size, the preflight, the first committed part, the peak RSS of the driver and of the
+   shard workers (bench/process_roles.py); the run is stopped 15 s after its first part;
+2. checkpoint bytes over one 100k-prompt shard run to the end at the defaults (256 tokens, logprobs);
+3. (`--recheck-rows N`) a resume's re-check of 16 finished shards' rows at N prompts, in process.
 """
 
 from __future__ import annotations

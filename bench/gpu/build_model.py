@@ -2,10 +2,8 @@
 
     python3 bench/gpu/build_model.py TOKENIZER_DIR OUT_DIR
 
-Shapes follow Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied
-embeddings); the vocabulary is the bundled SmolLM2 tokenizer's (49152), whose files are copied
-next to the weights, so the directory loads like any Hugging Face checkpoint. Random weights
-generate gibberish: benchmarks use ignore_eos so every response has its fixed length.
+Llama-3.2-1B's shapes with the bundled SmolLM2 tokenizer (copied beside the weights); random
+weights generate gibberish, so benchmarks use fixed lengths.
 """
 
 import argparse

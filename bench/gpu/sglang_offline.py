@@ -3,15 +3,11 @@
     python3 bench/gpu/sglang_offline.py MODEL_DIR PROMPTS.parquet --n 4 --max-new-tokens 128 --json OUT.json
     python3 bench/gpu/sglang_offline.py --make-prompts OUT.parquet --repeat 11   # 48 bundled prompts x 11
 
-Drives `sglang.Engine` directly in this process (no HTTP, no Ray, no agent loop), with the settings
-the genrun run of the same sitting gives verl's SGLang server: the prompts through the model's chat
-template, each repeated n times, temperature 1 / top_p 1, per-token logprobs returned, the triton
-attention backend and PyTorch sampling (the kit carries no FA3 or flashinfer cubins). Every request
-is submitted at once, twice: first cold, straight after the boot, as a genrun run meets its freshly
-booted replica (first prefill shapes, kernels compiled at first use), then warm, as
-`sglang.bench_offline_throughput` measures after its warm-up batch. genrun / engine compares like
-with like only against the cold pass (bench/gpu/README.md, "What the sitting-1 figure was").
-Prints and writes: requests, generated tokens, wall seconds and tokens/s of each pass, boot, version.
+`sglang.Engine` in this process (no HTTP, Ray or agent loop) with the settings the genrun run of the
+same sitting gives verl's SGLang server (chat template, n copies, temperature 1, logprobs, triton
+attention, PyTorch sampling). Every request is submitted at once twice: cold, straight after the
+boot, as a genrun run meets its replica (the pass to compare with genrun: bench/gpu/README.md), then
+warm. Prints and writes requests, tokens, seconds and tokens/s of each pass, the boot, the version.
 """
 
 import argparse
@@ -40,23 +36,14 @@ def main() -> None:
     parser.add_argument("prompts", nargs="?")
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--mem-fraction", type=float, default=0.8)
-    parser.add_argument(
-        "--max-running", type=int, default=512, help="as actor_rollout_ref.rollout.max_num_seqs of the genrun run"
-    )
-    parser.add_argument(
-        "--no-piecewise-cuda-graph",
-        action="store_true",
-        help="as engine_kwargs.sglang.disable_piecewise_cuda_graph=true of the genrun run (a shorter boot)",
-    )
+    # As engine_kwargs.sglang.disable_piecewise_cuda_graph=true of the genrun run: a shorter boot.
+    parser.add_argument("--no-piecewise-cuda-graph", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--make-prompts")
     parser.add_argument("--repeat", type=int, default=11)
-    parser.add_argument("--source", default="generation_core/config/demo_prompts.parquet")
     args = parser.parse_args()
     if args.make_prompts:
-        make_prompts(args.source, args.make_prompts, args.repeat)
+        make_prompts("generation_core/config/demo_prompts.parquet", args.make_prompts, args.repeat)
         return
 
     import sglang
@@ -68,7 +55,7 @@ def main() -> None:
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in messages
     ]
     requests = [ids for ids in prompt_ids for _ in range(args.n)]
-    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": False}
     started = time.perf_counter()
     # bfloat16 and max_running_requests as verl's server gets them (rollout.dtype, max_num_seqs): the
     # bundled SmolLM2 directory is float32, and with dtype auto the first sitting's run did not finish in 120 s.
@@ -78,8 +65,8 @@ def main() -> None:
         attention_backend="triton",
         sampling_backend="pytorch",
         skip_tokenizer_init=True,
-        mem_fraction_static=args.mem_fraction,
-        max_running_requests=args.max_running,
+        mem_fraction_static=0.8,  # as rollout.gpu_memory_utilization of the genrun run
+        max_running_requests=512,  # as rollout.max_num_seqs
         disable_piecewise_cuda_graph=args.no_piecewise_cuda_graph,
         random_seed=0,
         log_level="error",
@@ -105,7 +92,7 @@ def main() -> None:
         "requests": len(requests),
         "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids),
         "max_new_tokens": args.max_new_tokens,
-        "ignore_eos": args.ignore_eos,
+        "ignore_eos": False,
         **passes["warm"],
         "cold": passes["cold"],
         "boot_s": round(boot, 1),

@@ -1,9 +1,7 @@
-"""`genrun`'s own command line with the simulated engine registered, for runs on it:
+"""`genrun`'s own command line with the simulated engine registered (from the repository root):
 
     .venv/bin/python -m bench.sim.genrun actor_rollout_ref.rollout.name=simulated \
         +actor_rollout_ref.rollout.engine_kwargs.simulated.time_scale=0.01 ...
-
-(from the repository root). Everything else is the product's CLI, unchanged.
 """
 
 from __future__ import annotations

@@ -3,22 +3,15 @@ survives the pipeline, and how many shard workers per replica that takes.
 
     .venv/bin/python bench/sim/gpu_rate.py [--tokens-per-second 40000] [--token-latency 0.01]
         [--tokens 128] [--n 4] [--prompts 2400] [--workers 1,2,4,8] [key=value ...]
-    .venv/bin/python bench/sim/gpu_rate.py --smoke
 
-The stand-in is bench/sim's simulated engine at time_scale 1: `--tokens-per-second x
---token-latency` slots, one decode step of the whole batch every `--token-latency` seconds, every
-answer `--tokens` long, no prefill cost, served like every engine (EngineServer actor, genrun's
-routing client, TokenOutput through Ray). For each `--workers` count (generation.num_shards on one
-replica), until one keeps 0.95: one whole run through genrun's CLI with the simulator registered
-(bench/sim/genrun.py), n=`--n`, log-probs on. Two shares of the stand-in's capacity: steady
-(trajectories/s between the 10th and 90th percentile of finish times, from the sample trace, over
-the stand-in's rate with its batch full: this one decides the search) and whole phase (genrun's
-tokens over its generation phase, over the stand-in alone on the same requests sent at once, on a
-virtual clock). Per role of the run's processes during the phase (bench/process_roles.py): the
-cores it used / how much of the time its main threads were running or waiting for a core (near 1
-per process: that role saturated, even while using far less than a core on a loaded machine).
-`--smoke`: the stand-in alone, on the virtual and the wall clock, and genrun's input checks of the
-command a run would use.
+The stand-in: bench/sim's engine at time_scale 1, `--tokens-per-second x --token-latency` slots,
+a decode step every `--token-latency` s, every answer `--tokens` long, served like every engine.
+Per worker count (generation.num_shards, until one keeps 0.95) one run through genrun's CLI
+(bench/sim/genrun.py), n=`--n`, log-probs on. The kept share, steady (trajectories/s between the
+10th and 90th percentile of finishes, over the stand-in's full-batch rate; it decides the search)
+and over the whole generation phase (over the stand-in alone on the same requests); per role of
+the run's processes (bench/process_roles.py), cores used / main threads running or waiting for a
+core (near 1 per process: that role saturated). `--smoke`: the stand-in alone and genrun's checks.
 """
 
 from __future__ import annotations

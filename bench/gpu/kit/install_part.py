@@ -2,12 +2,10 @@
 
     python3 bench/gpu/kit/install_part.py N      (receive.sh starts it in the background)
 
-Reads the chunks from /tmp/kit/in (receive.sh copies each part there), checks every chunked .xz
-against the manifest's sha256, unpacks it, checks the wheel's sha256, installs the part's wheels with
-`pip install --no-index --no-deps --no-compile --target /tmp/kit/site.N`, then merges that folder
-into /tmp/site under a lock (one pip --target per part: pip does not merge into a target that
-already holds a namespace folder such as nvidia/ or google/). Writes /tmp/kit/partN.ok or .failed.
-Standard library only: nothing of the kit is installed yet when this runs.
+Joins the chunks in /tmp/kit/in, checks each .xz and wheel against the manifest's sha256, installs
+the part's wheels with `pip install --no-index --no-deps --target /tmp/kit/site.N` (pip does not
+merge into a target that holds a namespace folder such as nvidia/), then copies that into /tmp/site
+under a lock. Writes /tmp/kit/partN.ok or .failed. Standard library only: nothing is installed yet.
 """
 
 import argparse
@@ -51,23 +49,9 @@ def main(part: int) -> None:
     if not mine:  # this part holds only leading chunks of files that a later part completes
         print(f"part {part}: no wheel completed yet", flush=True)
         return
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-deps",
-            "--no-compile",
-            "--disable-pip-version-check",
-            "--target",
-            str(site),
-            *map(str, sorted(wheels_dir.glob("*.whl"))),
-        ],
-        check=True,
-    )
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    pip += ["--disable-pip-version-check", "--target", str(site)]
+    subprocess.run([*pip, *map(str, sorted(wheels_dir.glob("*.whl")))], check=True)
     installed = time.monotonic()
     SITE.mkdir(exist_ok=True)
     with (KIT / "merge.lock").open("w") as lock:

@@ -2,20 +2,12 @@
 
     python3 bench/gpu/kit/prepare.py [--wheels DIR] [--out .gpukit] [--part-mib 60]
 
-Runs here (registries reachable), never on the GPU machine. Steps:
-1. `pip download --no-deps` each wheel of wheels.lock for CPython 3.12 / manylinux x86_64 into
-   --wheels (kept between runs) and check its published sha256; a pin published only as an sdist
-   (a `.tar.gz` line: antlr4-python3-runtime 4.9.3, which hydra pins) is downloaded, checked against
-   its published sha256 and built into a pure-Python wheel here (`pip wheel --no-deps`);
-2. trim the two wheels whose bulk an SGLang run with the triton attention backend never loads
-   (TRIM below), their RECORD rewritten to match;
-3. re-zip every wheel uncompressed and compress it with xz: wheel files are deflated, xz over the
-   raw members is about 30% smaller, and every transfer step is a call of the device tool;
-4. pack the .xz files into parts of at most --part-mib MiB (`.gpukit/part1/`, ...), splitting a
-   file larger than a part into chunks, and write `.gpukit/manifest.json`: per wheel, the part(s),
-   the sha256 of the .xz and of the wheel pip installs, and the published sha256.
-
-`.gpukit/` is git-ignored; each device call carries one part (`carry: [".gpukit/partN"]`).
+Runs here (registries reachable), never on the GPU machine: `pip download --no-deps` of each pin
+for CPython 3.12 / manylinux x86_64 into --wheels, checked against its published sha256 (the one
+sdist-only pin built into a pure-Python wheel here); TRIM's members left out; each wheel re-zipped
+uncompressed and xz-compressed (about 30% smaller); packed first-fit into `.gpukit/partN/` of at
+most --part-mib MiB (a larger file in chunks) with `manifest.json`: per wheel its chunks and the
+sha256 of the .xz, of the wheel pip installs and as published. Steps and sizes: README.md.
 """
 
 from __future__ import annotations
@@ -34,29 +26,13 @@ from pathlib import Path
 
 KIT = Path(__file__).resolve().parent
 LOCK = KIT / "wheels.lock"
-PLATFORM_ARGS = [
-    "--only-binary=:all:",
-    "--python-version",
-    "3.12",
-    "--implementation",
-    "cp",
-    *[
-        arg
-        for tag in (
-            "manylinux_2_34_x86_64",
-            "manylinux_2_28_x86_64",
-            "manylinux_2_27_x86_64",
-            "manylinux_2_24_x86_64",
-            "manylinux_2_17_x86_64",
-            "manylinux2014_x86_64",
-            "manylinux_2_12_x86_64",
-            "manylinux2010_x86_64",
-            "manylinux_2_5_x86_64",
-            "manylinux1_x86_64",
-        )
-        for arg in ("--platform", tag)
-    ],
-]
+PLATFORMS = (
+    "manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 "
+    "manylinux2014_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64"
+)
+PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+PLATFORM_ARGS += [arg for tag in PLATFORMS.split() for arg in ("--platform", tag)]
+PIP = [sys.executable, "-m", "pip"]
 # Members left out, by wheel-name prefix. With --attention-backend triton on a Hopper GPU SGLang
 # loads sgl_kernel's sm90 common ops only: flash_ops (FA3, 1.07 GB unpacked) and flashmla_ops load
 # only for those backends, sm100 only on Blackwell. flashinfer's cubins (427 MB) are read only by
@@ -104,30 +80,15 @@ def build_sdists(rows: list[tuple[str, str]], wheels: Path) -> list[tuple[str, s
             continue
         sdist = wheels / "sdist" / file_name
         if not sdist.exists():
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "-q",
-                    "--no-deps",
-                    "--no-binary=:all:",
-                    "-d",
-                    str(sdist.parent),
-                    requirement(file_name),
-                ],
-                check=True,
-            )
+            download = [*PIP, "download", "-q", "--no-deps", "--no-binary=:all:", "-d", str(sdist.parent)]
+            subprocess.run([*download, requirement(file_name)], check=True)
         if sha256(sdist) != published:
             sys.exit(f"{file_name}: sha256 differs from wheels.lock; delete {sdist} and run again")
         name, version = requirement(file_name).split("==")
         stem = f"{name.replace('-', '_')}-{version}-"
         found = sorted(wheels.glob(stem + "*.whl"))
         if not found:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(sdist)], check=True
-            )
+            subprocess.run([*PIP, "wheel", "-q", "--no-deps", "-w", str(wheels), str(sdist)], check=True)
             found = sorted(wheels.glob(stem + "*.whl"))
         if not found or not found[0].name.endswith("-py3-none-any.whl"):
             sys.exit(f"{file_name}: building it gave {[path.name for path in found]}, not one pure-Python wheel")
@@ -139,21 +100,8 @@ def download(rows: list[tuple[str, str]], wheels: Path) -> None:
     rows = [row for row in rows if row[0].endswith(".whl")]
     missing = [file_name for file_name, _ in rows if not (wheels / file_name).exists()]
     if missing:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                *PLATFORM_ARGS,
-                "-d",
-                str(wheels),
-                *[requirement(name) for name in missing],
-            ],
-            check=True,
-        )
+        download = [*PIP, "download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels)]
+        subprocess.run([*download, *[requirement(name) for name in missing]], check=True)
     for file_name, published in rows:
         path = wheels / file_name
         if not path.exists():
