@@ -78,6 +78,8 @@ class _Source:
 
 @dataclass
 class Scenario:
+    """The replicas' step and prefill costs and prefix cache: the simulated engine's defaults."""
+
     name: str
     workers: int = 16
     replicas: int = 4
@@ -90,9 +92,6 @@ class Scenario:
     median: int = 64
     sigma: float = 1.0
     response_length: int = 1024
-    decode_seconds_per_step: float = 0.02
-    prefill_seconds_per_token: float = 0.0001
-    prefix_cache_tokens: int = 65536
     seed: int = 0
 
 
@@ -123,9 +122,6 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
                 eos_token_id=2,
                 max_num_seqs=s.max_num_seqs,
                 vocab_size=50_000,
-                decode_seconds_per_step=s.decode_seconds_per_step,
-                prefill_seconds_per_token=s.prefill_seconds_per_token,
-                prefix_cache_tokens=s.prefix_cache_tokens,
                 response_tokens_median=s.median,
                 response_tokens_sigma=s.sigma,
                 seed=s.seed + r,
@@ -144,13 +140,8 @@ async def _run(s: Scenario, mode: str) -> dict[str, Any]:
     async def sample(client: RoutingClient, w: int, p: int, k: int) -> None:
         prompt = prompts[w][p]
         keys = block_keys(prompt, 16)
-        reusable = 0
-        for key in keys:
-            if key not in seen_blocks:
-                break
-            reusable += 16
+        outcome.reusable_tokens += 16 * next((i for i, key in enumerate(keys) if key not in seen_blocks), len(keys))
         seen_blocks.update(keys)
-        outcome.reusable_tokens += reusable
         request_id = f"w{w}-p{p}-s{k}"
         await client.generate(
             request_id, prompt_ids=prompt, sampling_params={"temperature": 1.0, "seed": (w * 1_000_003 + p) * 64 + k}

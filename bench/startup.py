@@ -1,6 +1,6 @@
 """Time from command to the first committed part of `make demo`, with its breakdown (issue 6, target 7).
 
-    .venv/bin/python bench/startup.py [--runs 1]
+    .venv/bin/python bench/startup.py
     .venv/bin/python bench/startup.py --refusals     # CPU seconds of a refused input (target 2 s)
     .venv/bin/python bench/startup.py --smoke        # one refusal, and genrun's checks of the demo command
 
@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import DEVNULL
 
 from genrun_process import GENRUN, REPO, check_command, genrun_env
 
@@ -59,56 +60,39 @@ def run_once(scratch: Path) -> dict[str, float]:
     return {name: stamps[0] - started for name, stamps in read_timeline(timeline).items()} | {"done": total}
 
 
-def cpu_seconds_of(command: list[str], env: dict[str, str]) -> tuple[int, float, float]:
-    """(exit code, wall seconds, user + system CPU seconds of the command and its children)."""
-    started = time.time()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    return os.waitstatus_to_exitcode(status), time.time() - started, usage.ru_utime + usage.ru_stime
-
-
 def time_refusals(refusals: list[tuple[str, list[str]]], scratch: Path) -> None:
     """How long a newcomer waits for a refused input (issue 45 item 3)."""
     env = genrun_env(scratch / "timeline.txt")
     for label, arguments in refusals:
-        code, wall, cpu = cpu_seconds_of([GENRUN, *arguments, *demo_arguments(scratch)], env)
+        started = time.time()
+        command = [GENRUN, *arguments, *demo_arguments(scratch)]
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=DEVNULL, stderr=DEVNULL)
+        _, status, usage = os.wait4(process.pid, 0)  # CPU of the command and its children
+        code, wall, cpu = os.waitstatus_to_exitcode(status), time.time() - started, usage.ru_utime + usage.ru_stime
         if code != 2:
             sys.exit(f"genrun {' '.join(arguments)} exited {code}, not 2 (a refusal)")
-        verdict = "met" if cpu <= REFUSAL_TARGET_CPU else "not met"
-        print(
-            f"refused {label:18s} {cpu:5.2f} s CPU  {wall:5.2f} s wall  (target {REFUSAL_TARGET_CPU:.0f} s CPU: {verdict})"
-        )
+        verdict = f"target {REFUSAL_TARGET_CPU} s CPU: " + ("met" if cpu <= REFUSAL_TARGET_CPU else "not met")
+        print(f"refused {label:18s} {cpu:5.2f} s CPU  {wall:5.2f} s wall  ({verdict})")
 
 
-def print_runs(results: list[dict[str, float]]) -> None:
-    for n, result in enumerate(results, start=1):
-        print(f"run {n}:")
-        previous = 0.0
-        for name, label in STAGES:
-            at = result[name]
-            print(f"  {at:6.1f} s  (+{at - previous:5.1f})  {label}")
-            previous = at
-        print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
-    first = sorted(r["first_part_written"] for r in results)[len(results) // 2]
-    verdict = "met" if first <= TARGET else "not met"
-    print(
-        f"time from command to first committed part: {first:.1f} s (median of {len(results)}; target {TARGET:.0f} s: {verdict})"
-    )
+def print_run(result: dict[str, float]) -> None:
+    previous = 0.0
+    for name, label in STAGES:
+        print(f"  {result[name]:6.1f} s  (+{result[name] - previous:5.1f})  {label}")
+        previous = result[name]
+    print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
+    first, verdict = result["first_part_written"], "met" if result["first_part_written"] <= TARGET else "not met"
+    print(f"time from command to first committed part: {first:.1f} s (target {TARGET:.0f} s: {verdict})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--refusals", action="store_true", help="time refused inputs only (no run)")
     parser.add_argument("--smoke", action="store_true", help="one refusal, the demo command checked, no run")
     args = parser.parse_args()
-    results = []
-    for _ in range(0 if args.refusals or args.smoke else args.runs):
+    if not (args.refusals or args.smoke):
         with tempfile.TemporaryDirectory(prefix="genrun-startup-", ignore_cleanup_errors=True) as scratch:
-            results.append(run_once(Path(scratch)))
-    if results:
-        print_runs(results)
-        return
+            return print_run(run_once(Path(scratch)))
     with tempfile.TemporaryDirectory(prefix="genrun-refusal-") as scratch:
         time_refusals(REFUSALS[:1] if args.smoke else REFUSALS, Path(scratch))
         if args.smoke:

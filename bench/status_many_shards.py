@@ -25,36 +25,20 @@ from generation_core.store.run_folder import PartEntry, SuccessMarker, shard_nam
 REPO = Path(__file__).resolve().parent.parent
 
 
-def build_folder(path: Path, shards: int, rows_per_shard: int = 4) -> None:
+def build_folder(path: Path, shards: int, rows: int = 4) -> None:
     folder = StorageFolder(str(path))
-    names = [shard_name(i) for i in range(shards)]
-    folder.put_json(
-        "run.json",
-        {
-            "fingerprint": "f" * 64,
-            "rollout_n": 1,
-            "pad_token_id": 0,
-            "shards": [
-                {"name": name, "range": [i * rows_per_shard, (i + 1) * rows_per_shard]} for i, name in enumerate(names)
-            ],
-            "config": {"actor_rollout_ref": {"rollout": {"prompt_length": 4, "response_length": 4}}, "generation": {}},
-        },
-    )
-    for i, name in enumerate(names):
-        keys = [f"{i * rows_per_shard + row}:0" for row in range(rows_per_shard)]
-        part = PartEntry(name="part-00000.parquet", count=rows_per_shard, bytes=1, sha256="0" * 64)
-        ShardCheckpoint.start_attempt(folder, name).commit_part(folder, name, part, keys)
-        write_marker(
-            folder,
-            SuccessMarker(
-                shard=name,
-                shard_id=i,
-                range=[i * rows_per_shard, (i + 1) * rows_per_shard],
-                num_trajectories=rows_per_shard,
-                expected_trajectories=rows_per_shard,
-                parts=[part],
-            ),
+    ranges = {shard_name(i): [i * rows, (i + 1) * rows] for i in range(shards)}
+    lengths = {"prompt_length": 4, "response_length": 4}
+    plan = {"fingerprint": "f" * 64, "rollout_n": 1, "pad_token_id": 0}
+    plan["shards"] = [{"name": name, "range": shard_range} for name, shard_range in ranges.items()]
+    folder.put_json("run.json", plan | {"config": {"actor_rollout_ref": {"rollout": lengths}, "generation": {}}})
+    for i, (name, (start, end)) in enumerate(ranges.items()):
+        part = PartEntry(name="part-00000.parquet", count=rows, bytes=1, sha256="0" * 64)
+        ShardCheckpoint.start_attempt(folder, name).commit_part(
+            folder, name, part, [f"{n}:0" for n in range(start, end)]
         )
+        marker = SuccessMarker(name, i, [start, end], num_trajectories=rows, expected_trajectories=rows, parts=[part])
+        write_marker(folder, marker)
 
 
 def main() -> None:
@@ -74,13 +58,8 @@ def main() -> None:
         times = []
         for _ in range(args.rounds):
             started = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, "-m", "flows.cli", "status", str(run)],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
+            command = [sys.executable, "-m", "flows.cli", "status", str(run)]
+            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
             times.append(time.perf_counter() - started)
         print(done.stdout.splitlines()[-2])
         print("rounds: " + ", ".join(f"{t:.2f} s" for t in times) + f"; median {statistics.median(times):.2f} s")

@@ -41,37 +41,35 @@ def standin_slots(args: argparse.Namespace) -> int:
     return max(1, round(args.tokens_per_second * args.token_latency))
 
 
+def standin_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The stand-in's `engine_kwargs.simulated`: fixed lengths, no prefill cost, on the wall clock."""
+    return {
+        "decode_seconds_per_step": args.token_latency,
+        "prefill_seconds_per_token": 0.0,
+        "response_tokens_median": args.tokens,
+        "response_tokens_sigma": 0.0,
+        "time_scale": 1.0,
+    }
+
+
 def standin_overrides(args: argparse.Namespace) -> list[str]:
-    kwargs = "+actor_rollout_ref.rollout.engine_kwargs.simulated"
+    rollout = "actor_rollout_ref.rollout"
     return [
-        "actor_rollout_ref.rollout.name=simulated",
-        f"actor_rollout_ref.rollout.max_num_seqs={standin_slots(args)}",
-        f"actor_rollout_ref.rollout.n={args.n}",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        f"{rollout}.name=simulated",
+        f"{rollout}.max_num_seqs={standin_slots(args)}",
+        f"{rollout}.n={args.n}",
+        f"{rollout}.calculate_log_probs=true",
         f"data.max_response_length={args.tokens}",
         "trainer.n_gpus_per_node=1",
-        f"{kwargs}.decode_seconds_per_step={args.token_latency}",
-        f"{kwargs}.prefill_seconds_per_token=0.0",
-        f"{kwargs}.response_tokens_median={args.tokens}",
-        f"{kwargs}.response_tokens_sigma=0.0",
-        f"{kwargs}.time_scale=1.0",
-    ]
+    ] + [f"+{rollout}.engine_kwargs.simulated.{key}={value}" for key, value in standin_settings(args).items()]
 
 
 def alone(args: argparse.Namespace, requests: int, *, wall_clock: bool = False) -> tuple[int, float, float]:
     """The stand-in by itself: `requests` sent at once -> (tokens, seconds, seconds it lost to
     steps that started late). On the virtual clock unless `wall_clock` (then its own Python counts)."""
-    engine = SimulatedEngine(
-        SimulatedSettings(
-            prompt_length=1024,
-            response_length=args.tokens,
-            eos_token_id=2,
-            max_num_seqs=standin_slots(args),
-            decode_seconds_per_step=args.token_latency,
-            prefill_seconds_per_token=0.0,
-            response_tokens_median=args.tokens,
-        )
-    )
+    lengths = dict(prompt_length=1024, response_length=args.tokens, eos_token_id=2)
+    settings = SimulatedSettings(**lengths, max_num_seqs=standin_slots(args), **standin_settings(args))
+    engine = SimulatedEngine(settings)
     params = {"temperature": 1.0, "logprobs": True}
 
     async def all_at_once() -> tuple[int, float]:
