@@ -80,13 +80,9 @@ def run_once(args: argparse.Namespace) -> dict:
         write_prompts(prompts, args.prompts, args.example)
         started = time.time()
         with open(Path(scratch) / "stderr", "w+") as stderr:
-            child = subprocess.Popen(
-                [GENRUN, *genrun_arguments(args, prompts, out)],
-                cwd=args.tree,
-                env=dict(genrun_env(timeline), PYTHONPATH=str(args.tree)),
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-            )
+            command, env = [GENRUN, *genrun_arguments(args, prompts, out)], genrun_env(timeline)
+            env["PYTHONPATH"] = str(args.tree)
+            child = subprocess.Popen(command, cwd=args.tree, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
             processes = follow(child, 0.2, linger=30.0)
             if child.returncode != 0:
                 stderr.seek(0)
@@ -154,17 +150,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1, help="actor_rollout_ref.rollout.n")
     parser.add_argument("--example", choices=("single", "tool"), default="single")
     parser.add_argument("--smoke", action="store_true", help="seconds: genrun's checks of the command, the sampler")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("override", nargs="*", help="more genrun overrides")
     args = parser.parse_args()
     if args.smoke:
         return smoke(args)
     args.tree = args.tree.resolve()
-    result = run_once(args)
-    engine_call = engine_seconds_per_call(args.tree)
-    report(result, engine_call)
-    if args.json:
-        args.json.write_text(json.dumps({**result, "engine_seconds_per_call": engine_call}, indent=1))
+    report(run_once(args), engine_seconds_per_call(args.tree))
 
 
 if __name__ == "__main__":

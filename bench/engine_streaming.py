@@ -46,14 +46,8 @@ def static_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> 
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
+        fixed_length = dict(max_new_tokens=tokens, min_new_tokens=tokens)
+        out = model.generate(input_ids=ids, attention_mask=mask, **fixed_length, do_sample=False, pad_token_id=pad)
     seconds = time.perf_counter() - started
     return (out.shape[1] - width) * len(prompts), seconds
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 REPO = Path(__file__).resolve().parent.parent
 GENRUN = str(REPO / ".venv" / "bin" / "genrun")
 
@@ -17,13 +19,14 @@ def genrun_env(timeline: Path) -> dict[str, str]:
     return env
 
 
-def check_command(arguments: list[str]) -> None:
+def check_command(arguments: list[str]) -> DictConfig:
     """A bench's `--smoke` in place of a whole run (Prefect and Ray take a minute to start): genrun's
-    own input checks (config keys, dataset, model folder) on the command the bench would run."""
+    own input checks (config keys, dataset, model folder) on the command the bench would run; its config."""
     from generation_core.preflight.preflight import check_inputs
 
-    check_inputs(arguments)
+    cfg = check_inputs(arguments).cfg
     print(f"smoke: genrun accepts {' '.join(arguments)}")
+    return cfg
 
 
 def write_prompts(path: Path, count: int, example: str = "single") -> None:
@@ -37,12 +40,8 @@ def write_prompts(path: Path, count: int, example: str = "single") -> None:
         for i, row in enumerate(rows):
             row["extra_info"] = {**(row.get("extra_info") or {}), "index": i}
     else:
+        messages = [[{"role": "user", "content": f"Question number {i}?"}] for i in range(count)]
         rows = [
-            {
-                "data_source": "bench",
-                "prompt": [{"role": "user", "content": f"Question number {i}?"}],
-                "extra_info": {"index": i},
-            }
-            for i in range(count)
+            {"data_source": "bench", "prompt": prompt, "extra_info": {"index": i}} for i, prompt in enumerate(messages)
         ]
     pq.write_table(pa.Table.from_pylist(rows), path)

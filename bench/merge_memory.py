@@ -109,12 +109,9 @@ def measure_merge(directory: str, prompt_length: int, response_length: int, chun
         handle.write("5")
     started = time.perf_counter()
     if chunk_size is None:
-        data = merge.merge_run(folder, **lengths)
-        rows = len(data)
-        files = [MERGED_FILE]
+        rows, files = len(merge.merge_run(folder, **lengths)), [MERGED_FILE]
     else:
-        merged = merge.merge_run_chunked(folder, chunk_size=chunk_size, **lengths)
-        rows = merged.rows
+        rows = merge.merge_run_chunked(folder, chunk_size=chunk_size, **lengths).rows
         files = [chunk["name"] for chunk in folder.read_json(CHUNK_INDEX_FILE)["chunks"]]
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM")

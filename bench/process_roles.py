@@ -5,6 +5,7 @@ time, its main thread's running-or-waiting time and its peak resident memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,13 +61,11 @@ def read_stat(pid: int) -> tuple[int, int, int, float, int] | None:
     return int(fields[1]), int(fields[3]), int(fields[19]), cpu, int(fields[21]) * PAGE_BYTES
 
 
-def _title_and_runnable(pid: int) -> tuple[str, float]:
+def _read(path: str) -> str:
     try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        on_cpu, waiting = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
-    except (OSError, ValueError):
-        return "", 0.0
-    return title, (int(on_cpu) + int(waiting)) / 1e9
+        return Path(path).read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _all_stats() -> dict[int, tuple[int, int, int, float, int]]:
@@ -94,9 +93,12 @@ class ProcessTree:
         for pid in tracked & set(table):
             _, _, start, cpu, rss = table[pid]
             process = self.processes.setdefault((pid, start), Process(pid))
-            title, runnable = _title_and_runnable(pid)
+            title = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
             if title and (not process.titles or process.titles[-1] != title):
                 process.titles.append(title)
+            # The main thread's nanoseconds on a core and waiting for one (the last value once gone).
+            schedstat = _read(f"/proc/{pid}/schedstat").split()[:2]
+            runnable = sum(map(int, schedstat)) / 1e9 if schedstat else (process.samples or [(0, 0, 0.0)])[-1][2]
             process.samples.append((now, cpu, runnable))
             process.peak_rss = max(process.peak_rss, rss)
         return len(tracked & set(table))
@@ -155,8 +157,6 @@ def stop_session(leader: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid, stat in _all_stats().items():
             if stat[1] == leader:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, sig)
-                except OSError:
-                    pass
         time.sleep(3)

@@ -43,20 +43,17 @@ def write_dataset(path: Path, rows: int, row_group_size: int = 100_000) -> Path:
         content = pa.array(
             [f"Write one short sentence about {TOPICS[i % len(TOPICS)]} (#{i})." for i in range(start, stop)]
         )
-        messages = pa.StructArray.from_arrays([pa.array(["user"] * count), content], names=["role", "content"])
+        messages = pa.StructArray.from_arrays([pa.repeat("user", count), content], names=["role", "content"])
         prompt = pa.ListArray.from_arrays(pa.array(np.arange(count + 1, dtype=np.int32)), messages)
+        reward = [pa.repeat("none", count), pa.repeat("", count)]
+        extra_info = [pa.repeat("train", count), pa.array(np.arange(start, stop, dtype=np.int64))]
         table = pa.table(
             {
-                "data_source": pa.array(["scale"] * count),
+                "data_source": pa.repeat("scale", count),
                 "prompt": prompt,
-                "ability": pa.array(["chat"] * count),
-                "reward_model": pa.StructArray.from_arrays(
-                    [pa.array(["none"] * count), pa.array([""] * count)], names=["style", "ground_truth"]
-                ),
-                "extra_info": pa.StructArray.from_arrays(
-                    [pa.array(["train"] * count), pa.array(np.arange(start, stop, dtype=np.int64))],
-                    names=["split", "index"],
-                ),
+                "ability": pa.repeat("chat", count),
+                "reward_model": pa.StructArray.from_arrays(reward, names=["style", "ground_truth"]),
+                "extra_info": pa.StructArray.from_arrays(extra_info, names=["split", "index"]),
             }
         )
         if writer is None:
@@ -182,17 +179,12 @@ def recheck_rows(scratch: Path, prompts: int) -> dict[str, float]:
     options = data_storage_options(plan.cfg)
     started = time.time()
     for shard in plan.shards:
-        ShardCheckpoint.start_attempt(
-            plan.folder, shard.name, rows_digest=rows_digest(read_rows(plan.dataset, shard.start, shard.end, options))
-        )
+        rows = read_rows(plan.dataset, shard.start, shard.end, options)
+        ShardCheckpoint.start_attempt(plan.folder, shard.name, rows_digest=rows_digest(rows))
     recorded = time.time() - started
     for shard in plan.shards:  # finished (no parts): only a finished shard's rows are read again
-        write_marker(
-            plan.folder,
-            SuccessMarker(
-                shard.name, shard.shard_id, [shard.start, shard.end], num_trajectories=0, expected_trajectories=0
-            ),
-        )
+        marker = SuccessMarker(shard.name, shard.shard_id, [shard.start, shard.end], 0, expected_trajectories=0)
+        write_marker(plan.folder, marker)
     started = time.time()
     assert all(finished_shards(plan, plan.shards).values())
     return {

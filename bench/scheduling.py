@@ -3,15 +3,11 @@ same samples, side by side.
 
     .venv/bin/python bench/scheduling.py [--workers 16] [--replicas 4] [--prompts 32] [--n 8] [--sigma 1.0] [--smoke]
 
-Shard workers, each genrun's own `RoutingClient` with its own samples and `max_inflight`, send
-their requests to simulated replicas (bench/sim/engine.py), all in this process on a simulated
-clock (`VirtualClockLoop`): figures are simulated seconds, the same on any machine. Modes: `local`
-(this worker's own requests outstanding), `least_loaded` (the shared load), `prefix_affinity` (the
-shared load, a prompt's n samples on one replica). Figures: trajectories and tokens per simulated
-second, the replicas' load imbalance (max/mean of busy slots while work remains to be sent,
-time-averaged and instantaneous), the share of the run its last 1% of trajectories take, and the
-prefix-cache hit rate, of all prompt tokens and of the reusable ones (those an earlier request
-already had: what one shared, unbounded cache could have reused).
+Shard workers (genrun's `RoutingClient` each) send their samples to simulated replicas, all in this
+process on a simulated clock (`VirtualClockLoop`: the same figures on any machine), routed `local`
+(by this worker's own outstanding requests), `least_loaded` (the shared load) or `prefix_affinity`
+(a prompt's n samples on one replica). Prefix hits count against all prompt tokens and against the
+reusable ones (those an earlier request had: what one shared, unbounded cache could reuse).
 """
 
 from __future__ import annotations
@@ -114,21 +110,10 @@ def _prompts(s: Scenario) -> list[list[list[int]]]:
 
 
 async def _run(s: Scenario, mode: str) -> dict[str, Any]:
-    engines = [
-        SimulatedEngine(
-            SimulatedSettings(
-                prompt_length=s.system_tokens + s.prompt_tokens,
-                response_length=s.response_length,
-                eos_token_id=2,
-                max_num_seqs=s.max_num_seqs,
-                vocab_size=50_000,
-                response_tokens_median=s.median,
-                response_tokens_sigma=s.sigma,
-                seed=s.seed + r,
-            )
-        )
-        for r in range(s.replicas)
-    ]
+    shape = dict(prompt_length=s.system_tokens + s.prompt_tokens, response_length=s.response_length, eos_token_id=2)
+    shape.update(max_num_seqs=s.max_num_seqs, vocab_size=50_000)
+    lengths = dict(response_tokens_median=s.median, response_tokens_sigma=s.sigma)
+    engines = [SimulatedEngine(SimulatedSettings(**shape, **lengths, seed=s.seed + r)) for r in range(s.replicas)]
     backends = {f"replica-{r}": SimulatedBackend(e) for r, e in enumerate(engines)}
     config = OmegaConf.create(
         {"actor_rollout_ref": {"rollout": {"name": "simulated"}}, "generation": {"routing": mode}}

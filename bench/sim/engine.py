@@ -1,17 +1,13 @@
 """A simulated engine for scheduling work: a continuous-batching engine with no model, whose time
 is simulated (`actor_rollout_ref.rollout.name=simulated` once bench/sim's `register()` ran).
 
-What decides how busy a GPU replica is, and nothing else: a decode batch of `max_num_seqs` slots
-(requests beyond it queue, in arrival order), one decode step of the whole batch every
-`decode_seconds_per_step`, a prefill cost per prompt token not found in the prefix cache (whole
-blocks, bounded, LRU, as vLLM's and SGLang's), and seeded lognormal response lengths (a request
-with a `seed` gets its length from the engine seed, the prompt and that seed, so a resumed run
-equals an uninterrupted one). The tokens are the instant engine's (`instant.answer_tokens`).
-`time_scale` is wall seconds per simulated second; bench/scheduling.py and the tests run it under
-`VirtualClockLoop` instead, where every wait is a jump of the event loop's clock. At time_scale 1
-with no prefill cost and fixed lengths it stands in for a GPU engine of `max_num_seqs /
-decode_seconds_per_step` tokens/s (bench/sim/gpu_rate.py). `stats` holds the counters a replica's
-`health()` reports, the prefix cache's named as the transformers engine names them.
+What decides how busy a GPU replica is, and nothing else: `max_num_seqs` slots (the rest queue in
+arrival order), one decode step of the whole batch every `decode_seconds_per_step`, a prefill cost
+per prompt token missing from the prefix cache (whole blocks, bounded, LRU), and seeded lognormal
+response lengths (from the engine seed, the prompt and a request's `seed`: a resumed run equals an
+uninterrupted one) of the instant engine's tokens. `time_scale` is wall seconds per simulated
+second; under `VirtualClockLoop` every wait is a jump of the loop's clock instead. At time_scale 1,
+without prefill cost or length spread, it stands in for a GPU engine (bench/sim/gpu_rate.py).
 """
 
 from __future__ import annotations
@@ -155,9 +151,8 @@ class SimulatedEngine:
             raise EngineStopped("the simulated engine is shut down")
         params = SamplingParams.from_request(sampling_params)
         tokens, stop_reason = self._response(prompt_ids, params)
-        seq = _Sequence(
-            list(prompt_ids), tokens, stop_reason, asyncio.get_running_loop().create_future(), params.logprobs
-        )
+        answer = asyncio.get_running_loop().create_future()
+        seq = _Sequence(list(prompt_ids), tokens, stop_reason, answer, params.logprobs)
         self._waiting.append(seq)
         self.stats["requests"] += 1
         self._start()
@@ -171,8 +166,6 @@ class SimulatedEngine:
             if not seq.answer.done():
                 seq.answer.set_exception(EngineStopped("the simulated engine shut down before it answered"))
         self._running, self._waiting = [], deque()
-
-    # ---- the response ------------------------------------------------------------------------
 
     def _response(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
         s = self.settings
@@ -189,24 +182,17 @@ class SimulatedEngine:
             return max(1, s.response_tokens_median)
         draw = self._draws
         if params.seed is not None:
-            digest = hashlib.blake2b(
-                struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids), digest_size=16
-            )
-            draw = random.Random(digest.digest())
+            key = struct.pack(f"<{len(prompt_ids) + 2}q", s.seed, params.seed, *prompt_ids)
+            draw = random.Random(hashlib.blake2b(key, digest_size=16).digest())
         normal = draw.gauss(0.0, 1.0)
         share = min(max(s.response_tokens_prompt_share, 0.0), 1.0)
         if share > 0:
             # The prompt's part is keyed by the prompt alone: every replica and every run agree on it.
-            prompt_digest = hashlib.blake2b(
+            key = hashlib.blake2b(
                 struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16, person=b"prompt-length"
             )
-            normal = (
-                math.sqrt(share) * random.Random(prompt_digest.digest()).gauss(0.0, 1.0)
-                + math.sqrt(1.0 - share) * normal
-            )
+            normal = math.sqrt(share) * random.Random(key.digest()).gauss(0.0, 1.0) + math.sqrt(1.0 - share) * normal
         return max(1, round(math.exp(math.log(max(1, s.response_tokens_median)) + s.response_tokens_sigma * normal)))
-
-    # ---- the batch ---------------------------------------------------------------------------
 
     def _start(self) -> None:
         if self._stepper is None or self._stepper.done():

@@ -134,7 +134,6 @@ def steady_rate(trace: Path) -> float:
 def smoke(args: argparse.Namespace) -> None:
     from bench.sim import register
     from bench.sim.replica import simulated_kwargs
-    from generation_core.config.loading import load_config
     from generation_core.serving.pool import check_rollout_name
 
     small = argparse.Namespace(**dict(vars(args), tokens_per_second=2000.0, token_latency=0.01, tokens=16))
@@ -148,8 +147,7 @@ def smoke(args: argparse.Namespace) -> None:
         prompts = Path(scratch) / "prompts.parquet"
         write_prompts(prompts, 8)
         arguments = [*standin_overrides(args), f"data.train_files={prompts}", *args.overrides]
-        check_command(arguments)
-        cfg = load_config(arguments)
+        cfg = check_command(arguments)
         check_rollout_name(cfg)
         simulated_kwargs(cfg.actor_rollout_ref.rollout.engine_kwargs)
 
@@ -162,7 +160,6 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="rollout.n")
     parser.add_argument("--prompts", type=int, default=2400, help="prompts per run (x n requests)")
     parser.add_argument("--workers", type=lambda text: [int(w) for w in text.split(",")], default=[1, 2, 4, 8])
-    parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--smoke", action="store_true", help="seconds: the stand-in alone and genrun's input checks")
     args, args.overrides = parser.parse_known_args()
     if args.smoke:
@@ -201,9 +198,6 @@ def main() -> None:
         if best["kept_steady"] >= TARGET
         else f"no worker count tried kept {TARGET} steady (best: {best['kept_steady']} with {best['workers']})"
     )
-    if args.json:
-        figures = {"arguments": vars(args), "capacity_tokens_per_second": capacity, "runs": rows}
-        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":
