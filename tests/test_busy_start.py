@@ -59,6 +59,58 @@ def _left_in_session(session: int, settle: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
+START_RAY = """
+from omegaconf import OmegaConf
+from generation_core.console import setup_logging
+from generation_core.serving.ray_setup import describe_ray, start_ray
+import ray
+
+setup_logging()
+start_ray(OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 1}}}), "0" * 64)
+print(describe_ray())
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_start_that_misses_its_deadline_is_cleared_and_started_once_more(tmp_path):
+    """Issue 43 item 11, make test's twin of the busy-loops run below (extended): the first start
+    of Ray's node misses its deadline as on a loaded machine (its DashboardAgent held past the
+    15 s the raylet gives it, tests/held_ray_agent); genrun's start_ray clears it away, says so in
+    one line, starts Ray once more, and nothing either start left runs once Ray is shut down."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("GENRUN_LOG_LEVEL", "RAY_ADDRESS")}
+    env.update(
+        PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
+        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold),
+        GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", START_RAY],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+        left = _left_in_session(process.pid)
+    finally:
+        kill_group(process)
+    assert process.returncode == 0, stderr[-3000:]
+    assert (hold / "held").exists()
+    assert "Ray's local node did not start (The current node timed out during startup." in stderr, stderr[-3000:]
+    assert "starting it once more" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "Started a local Ray instance" in stdout, stdout
+    assert left == []
+
+
+# The same failure under busy loops on every core, through a whole run: the twin above holds the
+# retry in make test (issue 44: CI's time budget).
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_genrun_starts_and_finishes_while_busy_loops_hold_every_core(tmp_path, prefect_server):
     """Issue 43 item 11: at a load of 10-30 on 2 cores `ray.init` failed with "The current node

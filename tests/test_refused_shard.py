@@ -12,7 +12,7 @@ from tests.conftest import chat_rows, run_genrun
 
 
 @pytest.mark.timeout(600)
-def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceback(tmp_path, model_dir):
+def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceback(tmp_path, model_dir, prefect_server):
     """Issue 43 item 8: a shard refused inside its task for a changed input file (its rows'
     digest no longer the one its first attempt recorded: a GenrunError raised in the shard task)
     was retried twice for nothing, then the run ended with Prefect's flow-engine traceback (~20
@@ -86,7 +86,8 @@ def test_a_shard_refused_for_a_changed_input_file_prints_one_line_and_no_traceba
     path.write_bytes(data.replace(b"GT02", b"GT01"))
     assert preflight(overrides).fingerprint == plan.fingerprint, "the same run: only the shard's rows digest tells"
 
-    result = run_genrun(overrides, timeout=480)
+    # The session's Prefect server: a temporary one would add its start and nothing to this test.
+    result = run_genrun(overrides, timeout=480, env=prefect_server.env)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]

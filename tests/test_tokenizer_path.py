@@ -62,7 +62,7 @@ def test_the_run_tokenizer_is_tokenizer_path_else_the_model_path_with_the_custom
 
 @pytest.mark.timeout(300)
 def test_a_run_tokenizes_filters_and_decodes_with_the_tokenizer_path(
-    marked_tokenizer, model_without_tokenizer, tmp_path
+    marked_tokenizer, model_without_tokenizer, tmp_path, prefect_server
 ):
     """Issue 44 item 14: a run whose model folder has no tokenizer files and whose tokenizer_path
     names one (with a chat template that adds a system turn) runs: its prompt ids are that
@@ -95,7 +95,8 @@ def test_a_run_tokenizes_filters_and_decodes_with_the_tokenizer_path(
             "data.max_prompt_length=80",
             "data.max_response_length=16",
             "generation.show_progress=false",
-        ]
+        ],
+        env=prefect_server.env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     tokenizer = run_tokenizer({"path": str(model_without_tokenizer), "tokenizer_path": str(marked_tokenizer)})
