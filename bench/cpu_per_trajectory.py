@@ -24,9 +24,10 @@ from pathlib import Path
 from genrun_process import GENRUN, REPO, check_command, genrun_env, write_prompts
 from process_roles import follow
 
+from generation_core.benchmark.process_cpu import GENRUN_OWN_ROLES
 from generation_core.instrumentation import generation_phase_seconds, read_timeline
 
-OWN_ROLES = ("driver", "shard worker", "server registry", "progress board", "server actor")
+OWN_ROLES = (*GENRUN_OWN_ROLES, "server actor")
 
 
 def genrun_arguments(args: argparse.Namespace, prompts: Path, out: Path) -> list[str]:

@@ -137,8 +137,9 @@ def subcommand_parsers() -> dict[str, CommandParser]:
         synopsis="genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] "
         "[key=value ...]",
         description="The engine's own offline benchmark and a genrun run on the same prompts and lengths, per "
-        "sitting: tokens/s and genrun/engine. --keep keeps the scratch folder, --report puts the figures into the "
-        "last sitting's run report; key=value overrides as for a run.",
+        "sitting: tokens/s, genrun/engine and genrun's own CPU per trajectory outside the engine. --keep keeps "
+        "the scratch folder, --report puts the figures into the last sitting's run report; key=value overrides as "
+        "for a run.",
     )
     return commands.choices
 

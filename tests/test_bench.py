@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -48,6 +49,13 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
     )
     assert bench["ratio"]["min"] <= bench["ratio"]["median"] <= bench["ratio"]["max"]
     assert "genrun/engine: median" in result.stdout and "sitting 1: engine" in result.stdout
+    # Issue 46 item 1: genrun's own CPU per trajectory (its processes outside the engine) beside the ratio.
+    cpu = sitting["genrun_own_cpu_us_per_trajectory"]
+    assert sitting["genrun_trajectories"] == 12 and cpu > 0
+    [line] = [line for line in result.stdout.splitlines() if "sitting 1: engine" in line]
+    assert line.endswith(f"; genrun's own CPU outside the engine: {cpu:.0f} us per trajectory")
+    assert bench["genrun_own_cpu_us_per_trajectory"] == dict.fromkeys(("median", "min", "max"), round(cpu, 3))
+    assert f"genrun's own CPU outside the engine: median {cpu:.0f} us per trajectory" in result.stdout
     # --report: the figures beside the last sitting's run, and in its report.
     scratch = result.stdout.split("scratch: ")[1].split()[0]
     run_folder = os.path.join(scratch, "sitting-1")
@@ -70,6 +78,58 @@ def test_the_scratch_folder_goes_once_the_json_is_elsewhere_unless_kept(tmp_path
     args, _ = parse_bench_arguments([])
     _write_figures(args, figures, scratch)  # no --json: the scratch folder holds the only copy
     assert json.loads((scratch / "bench.json").read_text()) == figures
+
+
+# A driver that starts a shard worker and a server actor (titled as Ray titles them), each burning a known CPU time.
+_BURN = "import sys, time\nend = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\n"
+# The children are reaped 0.3 s after they end: the follower (a poll every 0.05 s) sees their final CPU time.
+_DRIVER = f"""import os, subprocess, sys, time
+children = [subprocess.Popen(["ray::" + title, "-c", {_BURN!r}, "0.3"], executable=sys.executable)
+            for title in ("run_shard", "EngineServer.generate")]
+exec({_BURN!r})
+[os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT) for child in children]
+time.sleep(0.3)
+[child.wait() for child in children]
+"""
+
+
+@pytest.mark.timeout(60)
+def test_genruns_own_cpu_is_its_processes_below_the_command_by_role_the_engines_actor_left_out():
+    """Issue 46 item 1: `genrun bench`'s CPU figure follows every process below the command through
+    /proc and counts the driver and shard worker, not the server actor."""
+    import subprocess
+    import sys
+
+    from generation_core.benchmark.process_cpu import GENRUN_OWN_ROLES, follow
+
+    started = time.time()
+    tree = follow(subprocess.Popen([sys.executable, "-c", _DRIVER, "0.2"]), 0.05)
+    assert sorted(tree.role_of(process) for process in tree.processes.values()) == [
+        "driver",
+        "server actor",
+        "shard worker",
+    ]
+    # The burnt time plus each interpreter's start (hundredths of a second each).
+    assert 0.5 <= tree.cpu_seconds(GENRUN_OWN_ROLES, started, time.time()) <= 1.0
+    assert 0.3 <= tree.cpu_seconds(("server actor",), started, time.time()) <= 0.6
+
+
+def test_a_process_cpu_between_polls_is_interpolated_and_without_proc_the_figure_says_so():
+    """Issue 46 item 1: the CPU of a span is each process's CPU at its ends, linear between polls;
+    where /proc cannot be read the bench prints that the figure is not available."""
+    from generation_core.benchmark.command import Sitting, cpu_summary
+    from generation_core.benchmark.process_cpu import Process
+
+    process = Process(7, samples=[(10.0, 1.0), (12.0, 2.0), (14.0, 2.5)])
+    assert [process.at(moment) for moment in (9.0, 10.0, 11.0, 13.0, 20.0)] == [0.0, 1.0, 1.5, 2.25, 2.5]
+    assert (
+        Sitting(10, 1.0, 10, 1.0, 2.0, 2, None)
+        .line(1)
+        .endswith(
+            "genrun/engine 1.00; genrun's own CPU outside the engine: not available (it is read from Linux's /proc)"
+        )
+    )
+    assert cpu_summary(None).startswith("genrun's own CPU outside the engine: not available")
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@
 
 Each sitting runs, on the same prompts, rollout.n and response length, the engine's own offline
 benchmark (engine_side.py) and then a whole `genrun` run (genrun_side.py), and prints tokens/s of
-each and genrun/engine. Machines are noisy (bench/RESULTS.md), so the answer is the median and the
-spread over sittings, not one number. The engine comes from the overrides
-(`actor_rollout_ref.rollout.name`).
+each, genrun/engine and genrun's own CPU per trajectory outside the engine (process_cpu.py).
+Machines are noisy (bench/RESULTS.md), so the answer is the median and the spread over sittings,
+not one number. The engine comes from the overrides (`actor_rollout_ref.rollout.name`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from generation_core.benchmark.genrun_side import genrun_run, override_key
 from generation_core.benchmark.workload import prompt_ids, write_prompts
 from generation_core.errors import GenrunError
 
+CPU_NOT_AVAILABLE = "not available (it is read from Linux's /proc)"
 USAGE = "usage: genrun bench [--sittings N] [--prompts N] [--tokens N] [--json OUT] [--keep] [--report] [key=value ...]"
 
 
@@ -34,6 +35,8 @@ class Sitting:
     genrun_tokens: int
     genrun_generation_seconds: float
     genrun_wall_seconds: float
+    genrun_trajectories: int
+    genrun_own_cpu_us_per_trajectory: float | None
 
     @property
     def engine_rate(self) -> float:
@@ -48,11 +51,13 @@ class Sitting:
         return self.genrun_rate / self.engine_rate
 
     def line(self, number: int) -> str:
+        cpu = self.genrun_own_cpu_us_per_trajectory
         return (
             f"  sitting {number}: engine {self.engine_rate:.1f} tokens/s ({self.engine_tokens} tokens in "
             f"{self.engine_seconds:.1f} s); genrun {self.genrun_rate:.1f} tokens/s ({self.genrun_tokens} tokens in a "
             f"{self.genrun_generation_seconds:.1f} s generation phase, {self.genrun_wall_seconds:.1f} s whole command); "
-            f"genrun/engine {self.ratio:.2f}"
+            f"genrun/engine {self.ratio:.2f}; genrun's own CPU outside the engine: "
+            + (CPU_NOT_AVAILABLE if cpu is None else f"{cpu:.0f} us per trajectory")
         )
 
 
@@ -116,10 +121,8 @@ def bench_command(argv: list[str]) -> int:
     sittings = []
     for number in range(1, args.sittings + 1):
         engine_tokens, engine_seconds = ENGINE_BENCHMARKS[work.engine](work.cfg, work.requests, args.tokens)
-        tokens, generation_seconds, wall = genrun_run(
-            overrides, work.prompts_file, args.tokens, work.scratch / f"sitting-{number}"
-        )
-        sittings.append(Sitting(engine_tokens, engine_seconds, tokens, generation_seconds, wall))
+        run = genrun_run(overrides, work.prompts_file, args.tokens, work.scratch / f"sitting-{number}")
+        sittings.append(Sitting(engine_tokens, engine_seconds, *run))
         print(sittings[-1].line(number), flush=True)
     result = _figures(work, args, sittings)
     ratio = result["ratio"]
@@ -127,8 +130,18 @@ def bench_command(argv: list[str]) -> int:
         f"genrun/engine: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}) "
         f"over {len(sittings)} sitting(s)"
     )
+    print(cpu_summary(result["genrun_own_cpu_us_per_trajectory"]))
     _write_figures(args, result, work.scratch)
     return 0
+
+
+def cpu_summary(cpu: dict[str, float] | None) -> str:
+    figure = f"median {cpu['median']:.0f} us per trajectory (min {cpu['min']:.0f}, max {cpu['max']:.0f})" if cpu else ""
+    return (
+        f"genrun's own CPU outside the engine: {figure or CPU_NOT_AVAILABLE} over the generation phase "
+        "(driver, shard workers, progress board, server registry; the engine's server-actor processes are left out "
+        "whole: there the engine's compute cannot be told apart from the actor's own work)"
+    )
 
 
 def _workload(args: argparse.Namespace, overrides: list[str]) -> Workload:
@@ -151,6 +164,7 @@ def _workload(args: argparse.Namespace, overrides: list[str]) -> Workload:
 
 
 def _figures(work: Workload, args: argparse.Namespace, sittings: list[Sitting]) -> dict[str, Any]:
+    cpu = [s.genrun_own_cpu_us_per_trajectory for s in sittings if s.genrun_own_cpu_us_per_trajectory is not None]
     return {
         "engine": work.engine,
         "engine_side": ENGINE_SIDE[work.engine],
@@ -171,6 +185,7 @@ def _figures(work: Workload, args: argparse.Namespace, sittings: list[Sitting]) 
         "ratio": spread([s.ratio for s in sittings]),
         "engine_tokens_per_s": spread([s.engine_rate for s in sittings]),
         "genrun_tokens_per_s": spread([s.genrun_rate for s in sittings]),
+        "genrun_own_cpu_us_per_trajectory": spread(cpu) if len(cpu) == len(sittings) else None,
     }
 
 

@@ -5,7 +5,9 @@ request).
 
 Its figure is the generation phase (issue 6's pipeline efficiency, bench/RESULTS.md): tokens over
 (first shard worker ready with the engine up -> last shard done), from the run's timeline
-(generation_core/instrumentation.py); the whole command's wall time is reported beside it.
+(generation_core/instrumentation.py); the whole command's wall time is reported beside it, and
+genrun's own CPU per trajectory over the same phase (process_cpu.py: its processes followed while
+it runs, the engine's server actors left out).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+from generation_core.benchmark.process_cpu import GENRUN_OWN_ROLES, PROC_READABLE, follow
 from generation_core.errors import GenrunError
 
 
@@ -25,8 +29,18 @@ def override_key(override: str) -> str:
     return override.lstrip("+").split("=")[0]
 
 
-def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Path) -> tuple[int, float, float]:
-    """(generated tokens, generation-phase seconds, wall seconds) of one whole `genrun` run."""
+class GenrunRun(NamedTuple):
+    tokens: int
+    generation_seconds: float
+    wall_seconds: float
+    trajectories: int
+    own_cpu_us_per_trajectory: float | None
+    """CPU microseconds of genrun's own processes (GENRUN_OWN_ROLES) over the generation phase per
+    trajectory; None where /proc cannot be read (or the run finished no trajectory)."""
+
+
+def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Path) -> GenrunRun:
+    """One whole `genrun` run, its processes followed while it runs."""
     from generation_core.instrumentation import TIMELINE_ENV, generation_phase_seconds, read_timeline
 
     timeline = folder.with_suffix(".timeline")
@@ -44,13 +58,19 @@ def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Pa
     fixed.append("actor_rollout_ref.rollout.ignore_eos=true")
     log = folder.with_suffix(".log")
     started = time.perf_counter()
-    with log.open("w") as out:
-        finished = subprocess.run(
-            [sys.executable, "-m", "flows.cli", *overrides, *fixed], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+    command = [sys.executable, "-m", "flows.cli", *overrides, *fixed]
+    # Ctrl-C reaches the run too (the same process group), which stops as a user's run does.
+    with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT) as child:
+        processes = follow(child, 0.2) if PROC_READABLE else None
     wall = time.perf_counter() - started
-    if finished.returncode != 0:
+    if child.returncode != 0:
         tail = log.read_text()[-2000:]
-        raise GenrunError(f"the genrun run of the bench failed (exit {finished.returncode}); its log: {log}\n{tail}")
+        raise GenrunError(f"the genrun run of the bench failed (exit {child.returncode}); its log: {log}\n{tail}")
     manifest = json.loads((folder / "manifest.json").read_text())
-    return int(manifest["generated_tokens"]), generation_phase_seconds(read_timeline(timeline)), wall
+    events = read_timeline(timeline)
+    phase, phase_end = generation_phase_seconds(events), max(events["shard_done"])
+    trajectories = int(manifest["num_trajectories"])
+    own_cpu = None
+    if processes is not None and trajectories:
+        own_cpu = processes.cpu_seconds(GENRUN_OWN_ROLES, phase_end - phase, phase_end) / trajectories * 1e6
+    return GenrunRun(int(manifest["generated_tokens"]), phase, wall, trajectories, own_cpu)
