@@ -51,10 +51,15 @@ def _not_run_reason(command: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def runs(prefect_server, tmp_path_factory):
+def runs(prefect_server, ray_local, tmp_path_factory):
     """The folders the README's later commands read: the bundled defaults' run (block 2's first
     command, as `make demo` runs it) and the tool-calling example's run with 4 samples per prompt,
-    which has rewards (what block 6 says it needs)."""
+    which has rewards (what block 6 says it needs). That one runs the example's arguments in this
+    process (`run_in_process`: the same preflight and driver, the CLI path being the demo run's),
+    which spares a second start of genrun (CI's time budget)."""
+    from generation_core.driver.in_process import run_in_process
+    from generation_core.preflight.preflight import preflight
+
     tmp = tmp_path_factory.mktemp("readme")
     demo = tmp / "demo"
     done = run_genrun([INSTANT, f"trainer.default_local_dir={demo}"], env=prefect_server.env)
@@ -63,17 +68,19 @@ def runs(prefect_server, tmp_path_factory):
     example = (REPO / "examples" / "tool_calling" / "README.md").read_text()
     command = shlex.split(re.sub(r"\\\n\s*", " ", re.search(r"```bash\n(.*?)```", example, re.S).group(1)))
     assert command[0] == ".venv/bin/genrun", command
-    done = run_genrun(
-        [
-            *command[1:],
-            "actor_rollout_ref.rollout.n=4",
-            INSTANT,
-            "data.train_max_samples=6",
-            f"trainer.default_local_dir={tools}",
-        ],
-        env=prefect_server.env,
+    run_in_process(
+        preflight(
+            [
+                *command[1:],
+                "actor_rollout_ref.rollout.n=4",
+                INSTANT,
+                "data.train_max_samples=6",
+                f"trainer.default_local_dir={tools}",
+                "generation.show_progress=false",
+            ]
+        )
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tools / "trajectories.pkl").exists()
     return {"demo": demo, "tools": tools, "tmp": tmp}
 
 
