@@ -59,6 +59,29 @@ def _left_in_session(session: int, settle: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
+def _start_held(command: list[str], hold, timeout: float, **env_extra: str) -> tuple[int, str, str, list[str]]:
+    """Run `command` in a session of its own with the first Ray DashboardAgent it starts held past
+    the raylet's deadline (tests/held_ray_agent, marker in `hold`): (exit status, stdout, stderr,
+    the processes of its session still running once they had time to end)."""
+    hold.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("GENRUN_LOG_LEVEL", "RAY_ADDRESS")}
+    env.update(
+        env_extra,
+        PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
+        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold),
+        GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
+    )
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        left = _left_in_session(process.pid)
+    finally:
+        kill_group(process)
+    return process.returncode, stdout, stderr, left
+
+
 START_RAY = """
 from omegaconf import OmegaConf
 from generation_core.console import setup_logging
@@ -79,28 +102,8 @@ def test_a_ray_start_that_misses_its_deadline_is_cleared_and_started_once_more(t
     15 s the raylet gives it, tests/held_ray_agent); genrun's start_ray clears it away, says so in
     one line, starts Ray once more, and nothing either start left runs once Ray is shut down."""
     hold = tmp_path / "hold"
-    hold.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("GENRUN_LOG_LEVEL", "RAY_ADDRESS")}
-    env.update(
-        PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
-        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold),
-        GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-c", START_RAY],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-        left = _left_in_session(process.pid)
-    finally:
-        kill_group(process)
-    assert process.returncode == 0, stderr[-3000:]
+    returncode, stdout, stderr, left = _start_held([sys.executable, "-c", START_RAY], hold, timeout=240)
+    assert returncode == 0, stderr[-3000:]
     assert (hold / "held").exists()
     assert "Ray's local node did not start (The current node timed out during startup." in stderr, stderr[-3000:]
     assert "starting it once more" in stderr and "Traceback" not in stderr, stderr[-3000:]
@@ -120,16 +123,6 @@ def test_genrun_starts_and_finishes_while_busy_loops_hold_every_core(tmp_path, p
     clears that start away, starts Ray once more and finishes; nothing it started runs on."""
     prompts = write_parquet(tmp_path / "prompts.parquet", chat_rows(PROMPTS))
     out = tmp_path / "run"
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    # The session's Prefect server (a temporary one would add its start, under the busy loops).
-    env = {k: v for k, v in os.environ.items() if k != "GENRUN_LOG_LEVEL"}
-    env.update(
-        prefect_server.env,
-        PYTHONPATH=f"{HOLD_HOOK}{os.pathsep}{REPO}",
-        GENRUN_TEST_HOLD_RAY_AGENT_DIR=str(hold),
-        GENRUN_TEST_HOLD_RAY_AGENT_SECONDS=str(HOLD_SECONDS),
-    )
     args = [
         f"data.train_files={prompts}",
         f"trainer.default_local_dir={out}",
@@ -137,25 +130,15 @@ def test_genrun_starts_and_finishes_while_busy_loops_hold_every_core(tmp_path, p
         "actor_rollout_ref.rollout.n=1",
         "generation.show_progress=false",
     ]
+    # The session's Prefect server (a temporary one would add its start, under the busy loops).
     with busy_loops():
-        process = subprocess.Popen(
-            [*GENRUN, *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        returncode, stdout, stderr, left = _start_held(
+            [*GENRUN, *args], tmp_path / "hold", timeout=800, **prefect_server.env
         )
-        try:
-            stdout, stderr = process.communicate(timeout=800)
-            left = _left_in_session(process.pid)
-        finally:
-            kill_group(process)
     print(stderr[-3000:])
-    assert process.returncode == 0, stderr[-3000:]
+    assert returncode == 0, stderr[-3000:]
     # The hold did make the first start fail, and genrun said so in one line.
-    assert (hold / "held").exists()
+    assert (tmp_path / "hold" / "held").exists()
     assert "Ray's local node did not start (The current node timed out during startup." in stderr, stderr[-3000:]
     assert "starting it once more" in stderr and "Traceback" not in stderr, stderr[-3000:]
     keys = committed_keys(out)
