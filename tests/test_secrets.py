@@ -297,8 +297,9 @@ def test_remote_server_messages_and_replica_names_hold_no_url_credentials():
 def test_no_default_key_of_verl_or_genrun_is_a_secret_but_the_remote_api_key():
     """Issue 43 item 6: the wider rule must not mask verl's own settings. Every key of verl's
     generated ppo_trainer config and genrun's defaults, each given a value: only the remote
-    server's api_key is masked (before: `engine_kwargs.simulated.prefill_seconds_per_token`, a
-    rate, and verl's distillation `teacher_models.*.key`, a dataset name, were)."""
+    server's api_key is masked (before: the simulated engine's `prefill_seconds_per_token`, a rate,
+    when that engine was in genrun's defaults, and verl's distillation `teacher_models.*.key`, a
+    dataset name, were)."""
     from omegaconf import OmegaConf
 
     from generation_core.config.loading import GENRUN_DEFAULTS, VERL_BASE_CONFIG
