@@ -706,3 +706,42 @@ def test_the_export_writes_a_dataset_card_beside_its_file(nan_run, tmp_path):
     card = (tmp_path / "mine" / "best.parquet.README.md").read_text()
     assert "| exported rows | 2 |" in card and "2 of 2 rows scored: mean 3, std 0, min 3, max 3" in card
     assert "- `--min-reward 2.5`: kept trajectories scored at least 2.5 (4 dropped, unscored ones included)" in card
+
+
+def test_prompt_message_keys_the_layout_cannot_hold_are_named_not_dropped_silently(
+    model_dir, tokenizer, tmp_path, capsys
+):
+    """A prompt message's `name` (or `tool_calls`, ...) has no field in the {"role", "content"}
+    layouts: the export still writes the row, and its summary line names each such key with the
+    number of rows whose prompt set it, instead of leaving it out without a word."""
+    rows = [
+        {
+            "data_source": "test/named",
+            "prompt": [{"role": "user", "content": q, "name": "alice" if i == 1 else None}],
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
+        for i, q in enumerate(QUESTIONS[:3])
+    ]
+    plan = preflight(
+        [
+            f"data.train_files={write_parquet(tmp_path / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+        ]
+    )
+    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
+    assert _run(plan, tokenizer, engine).num_trajectories == 3
+    capsys.readouterr()
+    exported = _export(tmp_path / "run", tmp_path / "sft.parquet")
+    line = capsys.readouterr().out
+    assert "exported 3 of 3 committed trajectories" in line
+    assert line.rstrip().endswith("; prompt message keys the layout has no field for, not exported: name (1 rows)"), (
+        line
+    )
+    assert [message.keys() for row in exported for message in row["messages"]] == [{"role", "content"}] * 6

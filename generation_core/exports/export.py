@@ -79,6 +79,9 @@ class ExportSummary:
     """Trajectories of prompts none of whose trajectories is scored: --best-of-n has no best there."""
     truncated: int = 0
     unmatched_turns: int = 0
+    dropped_prompt_keys: dict[str, int] = field(default_factory=dict)
+    """Per key of prompt messages the layout has no field for (`name`, `tool_calls`, ...): the
+    exported rows whose prompt set it (the summary line names them)."""
     stats: RowStats = field(default_factory=RowStats)
     """Lengths and rewards of the exported rows, for the dataset card."""
     card: str | None = None
@@ -102,6 +105,8 @@ class ExportSummary:
         self.rows += 1
         self.truncated += rebuilt.truncated
         self.unmatched_turns += rebuilt.unmatched_turns
+        for key in rebuilt.dropped_prompt_keys:
+            self.dropped_prompt_keys[key] = self.dropped_prompt_keys.get(key, 0) + 1
         self.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
 
     def line(self) -> str:
@@ -121,6 +126,9 @@ class ExportSummary:
                 f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, "
                 "kept as raw text in user messages"
             )
+        if self.dropped_prompt_keys:
+            keys = ", ".join(f"{key} ({rows} rows)" for key, rows in sorted(self.dropped_prompt_keys.items()))
+            text += f"; prompt message keys the layout has no field for, not exported: {keys}"
         return text
 
     def card_counts(self) -> dict[str, int]:

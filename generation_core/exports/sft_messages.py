@@ -75,6 +75,9 @@ class RebuiltTrajectory:
     """The last assistant turn has no end-of-sequence token (cut at the length limit)."""
     unmatched_turns: int = 0
     """Mask-0 runs the template's tool/user shapes did not explain (kept as raw user text)."""
+    dropped_prompt_keys: frozenset[str] = frozenset()
+    """Keys of the prompt's messages other than role and content (`name`, `tool_calls`, ...): the
+    layouts hold {"role", "content"} only, so the export says which it left out."""
 
     @property
     def prompt(self) -> list[dict[str, str]]:
@@ -171,7 +174,9 @@ class MessageRebuilder:
                 turns.extend(messages)
                 unmatched += not matched
         prompt_messages = prompt_chat_messages(prompt)
-        return RebuiltTrajectory([*prompt_messages, *turns], len(prompt_messages), truncated, unmatched)
+        return RebuiltTrajectory(
+            [*prompt_messages, *turns], len(prompt_messages), truncated, unmatched, extra_message_keys(prompt)
+        )
 
 
 def _runs(ids: list[int], mask: list[int]):
@@ -183,8 +188,18 @@ def _runs(ids: list[int], mask: list[int]):
             start = position
 
 
+def extra_message_keys(prompt: Any) -> frozenset[str]:
+    """The keys of the prompt's messages that `prompt_chat_messages` leaves out (set ones only)."""
+    if isinstance(prompt, str):
+        return frozenset()
+    return frozenset(
+        key for message in prompt or [] for key, value in message.items() if key not in ("role", "content") and value
+    )
+
+
 def prompt_chat_messages(prompt: Any) -> list[dict[str, str]]:
-    """The prompt's messages as {"role", "content"} strings (other keys are not exported)."""
+    """The prompt's messages as {"role", "content"} strings (other keys are not exported: the
+    export's summary names them, `extra_message_keys`)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     messages = []
