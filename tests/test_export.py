@@ -152,20 +152,8 @@ def tool_run(tmp_path_factory, model_dir, tokenizer):
     return base / "run"
 
 
-@pytest.fixture(scope="module")
-def unscored_run(tmp_path_factory, model_dir, tokenizer):
-    """The instant engine (no model), no reward function: 3 prompts, one sample each."""
-    base = tmp_path_factory.mktemp("unscored")
-    rows = [
-        {
-            "data_source": "test/unscored",
-            "prompt": [{"role": "user", "content": q}],
-            "ability": "chat",
-            "reward_model": {"style": "none", "ground_truth": ""},
-            "extra_info": {"split": "test", "index": i},
-        }
-        for i, q in enumerate(QUESTIONS[:3])
-    ]
+def _instant_run(base, model_dir, tokenizer, rows: list[dict]):
+    """A one-shard run over `rows` on the instant engine (no model), no reward function; its folder."""
     plan = preflight(
         [
             f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
@@ -178,8 +166,30 @@ def unscored_run(tmp_path_factory, model_dir, tokenizer):
         ]
     )
     engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
-    assert _run(plan, tokenizer, engine).num_trajectories == 3
+    assert _run(plan, tokenizer, engine).num_trajectories == len(rows)
     return base / "run"
+
+
+def _chat_rows(data_source: str, messages: list[list[dict]]) -> list[dict]:
+    return [
+        {
+            "data_source": data_source,
+            "prompt": prompt,
+            "ability": "chat",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
+        for i, prompt in enumerate(messages)
+    ]
+
+
+@pytest.fixture(scope="module")
+def unscored_run(tmp_path_factory, model_dir, tokenizer):
+    """The instant engine (no model), no reward function: 3 prompts, one sample each."""
+    messages = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    return _instant_run(
+        tmp_path_factory.mktemp("unscored"), model_dir, tokenizer, _chat_rows("test/unscored", messages)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -714,31 +724,12 @@ def test_prompt_message_keys_the_layout_cannot_hold_are_named_not_dropped_silent
     """A prompt message's `name` (or `tool_calls`, ...) has no field in the {"role", "content"}
     layouts: the export still writes the row, and its summary line names each such key with the
     number of rows whose prompt set it, instead of leaving it out without a word."""
-    rows = [
-        {
-            "data_source": "test/named",
-            "prompt": [{"role": "user", "content": q, "name": "alice" if i == 1 else None}],
-            "ability": "chat",
-            "reward_model": {"style": "none", "ground_truth": ""},
-            "extra_info": {"split": "test", "index": i},
-        }
-        for i, q in enumerate(QUESTIONS[:3])
+    messages = [
+        [{"role": "user", "content": q, "name": "alice" if i == 1 else None}] for i, q in enumerate(QUESTIONS[:3])
     ]
-    plan = preflight(
-        [
-            f"data.train_files={write_parquet(tmp_path / 'prompts.parquet', rows)}",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-            f"actor_rollout_ref.model.path={model_dir}",
-            "actor_rollout_ref.rollout.name=instant",
-            "data.max_prompt_length=64",
-            "data.max_response_length=16",
-            "generation.show_progress=false",
-        ]
-    )
-    engine = InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id))
-    assert _run(plan, tokenizer, engine).num_trajectories == 3
+    run = _instant_run(tmp_path, model_dir, tokenizer, _chat_rows("test/named", messages))
     capsys.readouterr()
-    exported = _export(tmp_path / "run", tmp_path / "sft.parquet")
+    exported = _export(run, tmp_path / "sft.parquet")
     line = capsys.readouterr().out
     assert "exported 3 of 3 committed trajectories" in line
     assert line.rstrip().endswith("; prompt message keys the layout has no field for, not exported: name (1 rows)"), (
