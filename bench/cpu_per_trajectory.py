@@ -25,7 +25,7 @@ from genrun_process import GENRUN, REPO, check_command, genrun_env, write_prompt
 from process_roles import follow
 
 from generation_core.benchmark.process_cpu import GENRUN_OWN_ROLES
-from generation_core.instrumentation import generation_phase_seconds, read_timeline
+from generation_core.instrumentation import generation_phase, read_timeline
 
 OWN_ROLES = (*GENRUN_OWN_ROLES, "server actor")
 
@@ -88,9 +88,7 @@ def run_once(args: argparse.Namespace) -> dict:
             if child.returncode != 0:
                 stderr.seek(0)
                 raise SystemExit(f"genrun failed ({child.returncode}):\n{stderr.read()[-3000:]}")
-        events = read_timeline(timeline)
-        phase_end = max(events["shard_done"])
-        phase_start = phase_end - generation_phase_seconds(events)
+        phase_start, phase_end = generation_phase(read_timeline(timeline))
         trajectories = json.loads((out / "manifest.json").read_text())["num_trajectories"]
     assert processes.exited_at is not None
     return {

@@ -55,14 +55,14 @@ def read_timeline(timeline: str | os.PathLike) -> dict[str, list[float]]:
     return events
 
 
-def generation_phase_seconds(events: dict[str, list[float]]) -> float:
-    """A run's generation phase, as the benchmarks define it: from the first shard worker ready
-    with an engine up (engine_ready; engines that boot nothing, such as remote, mark none) to
-    the last shard done."""
+def generation_phase(events: dict[str, list[float]]) -> tuple[float, float]:
+    """(start, end) unix times of a run's generation phase, as the benchmarks define it: from the
+    first shard worker ready with an engine up (engine_ready; engines that boot nothing, such as
+    remote, mark none) to the last shard done."""
     started = min(events["shard_worker_ready"])
     if "engine_ready" in events:
         started = max(events["engine_ready"][0], started)
-    return max(events["shard_done"]) - started
+    return started, max(events["shard_done"])
 
 
 class SampleTrace:

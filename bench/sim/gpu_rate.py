@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from bench.genrun_process import check_command, genrun_env, write_prompts  # noqa: E402
 from bench.process_roles import follow  # noqa: E402
 from bench.sim.engine import SimulatedEngine, SimulatedSettings, VirtualClockLoop  # noqa: E402
-from generation_core.instrumentation import SAMPLE_TRACE_ENV, generation_phase_seconds, read_timeline  # noqa: E402
+from generation_core.instrumentation import SAMPLE_TRACE_ENV, generation_phase, read_timeline  # noqa: E402
 
 TARGET = 0.95  # the steady share of the stand-in's capacity that ends the search
 PROMPT_TOKENS = 24  # about what the prompts below become with the bundled model's chat template
@@ -108,9 +108,9 @@ def run_once(args: argparse.Namespace, workers: int, prompts: Path, scratch: Pat
         processes = follow(process, 0.5)
     if process.returncode != 0:
         sys.exit(f"the run with {workers} worker(s) failed (exit {process.returncode}); its log: {log}")
-    events = read_timeline(timeline)
-    phase, phase_end = generation_phase_seconds(events), max(events["shard_done"])
-    roles = processes.roles(phase_end - phase, phase_end)
+    phase_start, phase_end = generation_phase(read_timeline(timeline))
+    phase = phase_end - phase_start
+    roles = processes.roles(phase_start, phase_end)
     busiest = sorted((role for role in roles if roles[role]["phase"] > 0), key=lambda role: -roles[role]["phase"])
     return {
         "workers": workers,

@@ -41,7 +41,7 @@ class GenrunRun(NamedTuple):
 
 def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Path) -> GenrunRun:
     """One whole `genrun` run, its processes followed while it runs."""
-    from generation_core.instrumentation import TIMELINE_ENV, generation_phase_seconds, read_timeline
+    from generation_core.instrumentation import TIMELINE_ENV, generation_phase, read_timeline
 
     timeline = folder.with_suffix(".timeline")
     env = dict(os.environ, **{TIMELINE_ENV: str(timeline)})
@@ -67,10 +67,9 @@ def genrun_run(overrides: list[str], prompts_file: Path, tokens: int, folder: Pa
         tail = log.read_text()[-2000:]
         raise GenrunError(f"the genrun run of the bench failed (exit {child.returncode}); its log: {log}\n{tail}")
     manifest = json.loads((folder / "manifest.json").read_text())
-    events = read_timeline(timeline)
-    phase, phase_end = generation_phase_seconds(events), max(events["shard_done"])
+    phase_start, phase_end = generation_phase(read_timeline(timeline))
     trajectories = int(manifest["num_trajectories"])
     own_cpu = None
     if processes is not None and trajectories:
-        own_cpu = processes.cpu_seconds(GENRUN_OWN_ROLES, phase_end - phase, phase_end) / trajectories * 1e6
-    return GenrunRun(int(manifest["generated_tokens"]), phase, wall, trajectories, own_cpu)
+        own_cpu = processes.cpu_seconds(GENRUN_OWN_ROLES, phase_start, phase_end) / trajectories * 1e6
+    return GenrunRun(int(manifest["generated_tokens"]), phase_end - phase_start, wall, trajectories, own_cpu)
