@@ -546,15 +546,14 @@ def test_a_genrun_killed_with_kill_9_leaves_no_prefect_server_or_ray_behind(few_
     the raylet died with genrun). At a moment of KILL_MOMENTS a genrun is killed with kill -9: soon after,
     nothing it started runs, neither a process seen below it (its watchdog included) nor one in
     its session."""
-    run_dir = tmp_path
-    timeline = run_dir / "timeline.txt"
+    timeline = tmp_path / "timeline.txt"
     # Requests take a while, so the run is still generating when the kill comes.
     args = [
-        *_stage_args(few_prompts, run_dir / "run"),
+        *_stage_args(few_prompts, tmp_path / "run"),
         "generation.max_inflight=1",
         "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=5",
     ]
-    stage = Stage(args, run_dir, env={"GENRUN_TIMELINE": str(timeline)})
+    stage = Stage(args, tmp_path, env={"GENRUN_TIMELINE": str(timeline)})
     noted: dict[tuple[int, int], str] = {}
     try:
         noted = _kill_9_when(stage, moment, timeline)
