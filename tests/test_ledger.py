@@ -128,6 +128,86 @@ def test_the_ledger_adds_up_to_what_the_trajectories_say(finished_run):
     }
 
 
+def test_the_ledger_comes_from_the_parts_counters_and_equals_the_trajectories_own(finished_run):
+    """Issue 53 item 4: finish adds up the counters each part's commit record carries (the markers
+    list them) and reads no trajectory: the figures equal those folded from every trajectory's
+    provenance (replica_activity takes the parts' entries, not the folder)."""
+    from generation_core.outputs.ledger import ReplicaActivity, capacity_ledger, replica_activity
+    from generation_core.store.commit_log import read_marker
+    from generation_core.store.run_folder import SHARDS_DIR
+
+    out, summary = finished_run
+    ledger = summary["ledger"]
+    folder = StorageFolder(str(out))
+    markers = [read_marker(folder, shard) for shard in folder.list(SHARDS_DIR)]
+    parts = [part for marker in markers for part in marker.parts]
+    assert parts and all(part.activity is not None for part in parts)
+    records = [r for part in committed_parts(folder) for r in records_from_parquet(folder.read_bytes(part.path))]
+    by_trajectory = ReplicaActivity()
+    for record in records:
+        by_trajectory.add_trajectory(record.provenance, since=0.0)
+        for name, seconds in record.timings.items():
+            by_trajectory.time_split[name] += seconds or 0.0
+    by_trajectory.time_split["storage"] = sum(part.storage_seconds for part in parts)
+    layout = dict(
+        wall_seconds=ledger["wall_seconds"],
+        replicas=ledger["replicas"],
+        gpus_per_replica=ledger["gpus_per_replica"],
+        output_tokens=ledger["output_tokens"],
+        gpu_hour_price=ledger["gpu_hour_price"],
+    )
+    expected = capacity_ledger(by_trajectory, **layout)
+    assert capacity_ledger(replica_activity(parts), **layout) == expected
+    assert {
+        key: value
+        for key, value in ledger.items()
+        if key not in ("wall_seconds", "replica_seconds", "gpu_seconds", "cost", "cost_per_million_output_tokens")
+    } == {
+        key: value
+        for key, value in expected.items()
+        if key not in ("wall_seconds", "replica_seconds", "gpu_seconds", "cost", "cost_per_million_output_tokens")
+    }
+
+
+def test_a_part_keeps_few_busy_spans_and_its_busy_seconds_bound_the_union():
+    """A part's commit record keeps at most BUSY_SPANS spans per replica (joined across the
+    shortest gaps); the ledger's busy time is then the smaller of their union and the sum of the
+    parts' own busy seconds, so a replica that ran one part at a time stays exact."""
+    from generation_core.outputs.ledger import capacity_ledger, replica_activity
+    from generation_core.store.run_folder import BUSY_SPANS, PartActivity, PartEntry
+
+    def part(first_start: float) -> PartEntry:
+        counted = PartActivity()
+        for turn in range(3 * BUSY_SPANS):  # 0.1 s turns 1 s apart: 48 spans of one replica
+            counted.add(
+                {"started_at": first_start, "turns": [{"replica": "r0", "start": turn, "seconds": 0.1, "tokens": 2}]},
+                {"decode": 0.1},
+            )
+        return PartEntry(name="p", count=3 * BUSY_SPANS, bytes=0, sha256="", activity=counted.to_dict())
+
+    first, second = part(1000.0), part(2000.0)
+    assert len(first.activity["busy"]["r0"]) == BUSY_SPANS and first.activity["busy_seconds"]["r0"] == pytest.approx(
+        4.8
+    )
+    assert first.activity["busy"]["r0"][0][0] == 1000.0 and first.activity["busy"]["r0"][-1][1] == pytest.approx(1047.1)
+    ledger = capacity_ledger(
+        replica_activity([first, second], since=1500.0),
+        wall_seconds=1.0,
+        replicas=1,
+        gpus_per_replica=0,
+        output_tokens=0,
+        gpu_hour_price=None,
+    )
+    # Only the part started since `since` counts per replica; both count in the time split.
+    assert (
+        ledger["per_replica"]["r0"]["requests"] == 3 * BUSY_SPANS
+        and ledger["per_replica"]["r0"]["output_tokens"] == 6 * BUSY_SPANS
+    )
+    assert ledger["per_replica"]["r0"]["busy_seconds"] == pytest.approx(4.8)
+    assert ledger["generation_window_seconds"] == pytest.approx(47.1)
+    assert ledger["time_split_seconds"]["decode"] == pytest.approx(2 * 4.8)
+
+
 def test_status_shows_the_ledger(finished_run, capsys):
     from generation_core.outputs.status import print_status
 

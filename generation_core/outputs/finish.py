@@ -64,16 +64,17 @@ def finish_run(
         summary["artifact"] = folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
-    summary["ledger"] = run_ledger(plan, summary, elapsed)
+    summary["ledger"] = run_ledger(plan, summary, markers, elapsed)
     folder.put_json(MANIFEST_FILE, summary)
     return summary
 
 
-def run_ledger(plan: RunPlan, summary: dict[str, Any], elapsed: float) -> dict[str, Any]:
+def run_ledger(plan: RunPlan, summary: dict[str, Any], markers: list[SuccessMarker], elapsed: float) -> dict[str, Any]:
     """The run's capacity ledger (outputs/ledger.py): this invocation's wall time and replicas,
-    every committed trajectory's time split."""
+    the counters of every part the shards' markers list (no trajectory is read)."""
     layout = resolve_layout(plan.cfg)
-    activity = replica_activity(plan.folder, since=time.time() - elapsed)
+    parts = (part for marker in markers for part in marker.parts)
+    activity = replica_activity(parts, since=time.time() - elapsed)
     return capacity_ledger(
         activity,
         wall_seconds=elapsed,

@@ -1,64 +1,75 @@
 """The capacity ledger of a run: what it cost and where its time went.
 
-Read from what the run committed (light to read: only the `provenance` and timing columns of
-each part, and the parts' commit records), beside the run's wall time and replica layout:
+Added up from the counters each committed part carries in its commit record (`PartActivity`,
+counted by the shard as it wrote the part; the success markers hold them), beside the run's
+wall time and replica layout: no trajectory is read at finish, so its memory does not grow with
+the run's turns.
 
 - wall seconds, replica-seconds (replicas x wall) and GPU-seconds (x GPUs per replica; a replica
   on the CPU counts as one device for the cost);
 - per replica (the server that answered each turn): requests, output tokens, tokens/s over the
   generation window and its idle fraction: the share of the window (first request sent to last
-  answer of this invocation, while work remained) in which it ran no request;
+  answer of this invocation, while work remained) in which it ran no request. Its busy time is
+  the union of its parts' busy spans, at most the sum of each part's own busy seconds: exact
+  unless parts running at once each had more than BUSY_SPANS gaps on one replica;
 - the prefix-cache hit rate, where the engine reports hits (hf);
 - the time split totals of every trajectory (store/trajectory_record.TIMINGS) plus storage (the parts' write time);
 - with `generation.gpu_hour_price`, the cost in total and per 1M output tokens.
 
 Trajectories of earlier invocations (a resumed run) count in the time split; the per-replica
-figures and the window are this invocation's (`since`).
+figures and the window are this invocation's (`since`: parts whose first trajectory started since).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow.parquet as pq
-
-from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
-from generation_core.store.run_folder import MANIFEST_FILE, SHARDS_DIR, shard_file
+from generation_core.store.run_folder import MANIFEST_FILE, PartActivity, PartEntry, busy_spans
 from generation_core.store.trajectory_record import TIMINGS
-
-LEDGER_COLUMNS = ["provenance", *(f"seconds_{name}" for name in TIMINGS)]
 
 
 @dataclass
 class ReplicaActivity:
-    """What the trajectories say each replica did: its turns' busy intervals (Unix seconds)."""
+    """What the trajectories say each replica did: its busy spans (Unix seconds), requests and tokens."""
 
     intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    busy_bound: dict[str, float] = field(default_factory=dict)
+    """The sum of each part's own busy seconds per replica (none when counted trajectory by trajectory)."""
     tokens: dict[str, int] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
     prefix_hits: int = 0
     prefix_reported: int = 0
     time_split: dict[str, float] = field(default_factory=lambda: dict.fromkeys([*TIMINGS, "storage"], 0.0))
-    trajectories: int = 0
-    """Trajectories that carry provenance (parts of earlier genruns do not)."""
+
+    def add(self, counted: PartActivity, since: float, bound: bool = True) -> None:
+        """Add one part's (or one trajectory's) counters; the per-replica ones only when its
+        first trajectory started at or after `since`. `bound`: `counted.busy_seconds` is known."""
+        self.prefix_hits += counted.prefix_hits
+        self.prefix_reported += counted.prefix_reported
+        for name, seconds in counted.time_split.items():
+            self.time_split[name] = self.time_split.get(name, 0.0) + seconds
+        if (counted.started_at or 0.0) < since:
+            return
+        for replica, spans in counted.busy.items():
+            self.intervals.setdefault(replica, []).extend(spans)
+            self.tokens[replica] = self.tokens.get(replica, 0) + counted.tokens.get(replica, 0)
+            self.requests[replica] = self.requests.get(replica, 0) + counted.requests.get(replica, 0)
+            if bound:
+                self.busy_bound[replica] = self.busy_bound.get(replica, 0.0) + counted.busy_seconds.get(replica, 0.0)
 
     def add_trajectory(self, provenance: dict[str, Any], since: float) -> None:
-        self.trajectories += 1
-        started_at = float(provenance.get("started_at") or 0.0)
-        for turn in provenance.get("turns") or []:
-            if "prefix_hit" in turn:
-                self.prefix_reported += 1
-                self.prefix_hits += bool(turn["prefix_hit"])
-            replica = turn.get("replica")
-            if replica is None or started_at < since:
-                continue
-            start = started_at + float(turn.get("start") or 0.0)
-            self.intervals.setdefault(replica, []).append((start, start + float(turn.get("seconds") or 0.0)))
-            self.tokens[replica] = self.tokens.get(replica, 0) + int(turn.get("tokens") or 0)
-            self.requests[replica] = self.requests.get(replica, 0) + 1
+        """One trajectory's provenance (its time split is added apart: the report sums the columns)."""
+        one = PartActivity()
+        one.add(provenance, None)
+        self.add(one, since, bound=False)
+
+    def busy_seconds(self, replica: str) -> float:
+        union = sum(end - start for start, end in busy_spans(self.intervals[replica]))
+        return min(union, self.busy_bound.get(replica, union))
 
     @property
     def window(self) -> tuple[float, float] | None:
@@ -69,38 +80,14 @@ class ReplicaActivity:
         return min(start for start, _ in spans), max(end for _, end in spans)
 
 
-def busy_spans(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of `intervals`, as sorted disjoint spans."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def replica_activity(folder: StorageFolder, since: float = 0.0) -> ReplicaActivity:
-    """Every committed trajectory's provenance and time split, folded (see the module docstring)."""
+def replica_activity(parts: Iterable[PartEntry], since: float = 0.0) -> ReplicaActivity:
+    """The committed parts' counters, added up (see the module docstring); parts written before
+    genrun counted them add only their storage time."""
     activity = ReplicaActivity()
-    for shard in folder.list(SHARDS_DIR):
-        checkpoint = ShardCheckpoint.load(folder, shard)
-        for part in checkpoint.parts:
-            activity.time_split["storage"] += part.storage_seconds or 0.0
-            with folder.open_read(shard_file(shard, part.name)) as handle:
-                parquet = pq.ParquetFile(handle)
-                present = [name for name in LEDGER_COLUMNS if name in parquet.schema_arrow.names]
-                if "provenance" not in present:
-                    continue
-                table = parquet.read(columns=present)
-            for name in TIMINGS:
-                if f"seconds_{name}" in present:
-                    activity.time_split[name] += sum(
-                        v for v in table.column(f"seconds_{name}").to_pylist() if v is not None
-                    )
-            for text in table.column("provenance").to_pylist():
-                if text is not None:
-                    activity.add_trajectory(json.loads(text), since)
+    for part in parts:
+        activity.time_split["storage"] += part.storage_seconds or 0.0
+        if part.activity is not None:
+            activity.add(PartActivity.from_dict(part.activity), since)
     return activity
 
 
@@ -121,7 +108,7 @@ def capacity_ledger(
     window_seconds = (window[1] - window[0]) if window else 0.0
     per_replica = {}
     for replica in sorted(activity.intervals):
-        busy = sum(end - start for start, end in busy_spans(activity.intervals[replica]))
+        busy = activity.busy_seconds(replica)
         per_replica[replica] = {
             "requests": activity.requests[replica],
             "output_tokens": activity.tokens[replica],
@@ -154,8 +141,9 @@ def capacity_ledger(
     return ledger
 
 
-def ledger_lines(ledger: dict[str, Any]) -> list[str]:
-    """The ledger in a few terminal lines (the run's summary, `genrun status`)."""
+def ledger_lines(ledger: dict[str, Any], trajectories: int | None = None) -> list[str]:
+    """The ledger in a few terminal lines (the run's summary, `genrun status`). `trajectories`:
+    the committed trajectories, whose seconds the time split adds up."""
     split = ledger.get("time_split_seconds") or {}
     total = sum(split.values()) or 1.0
     lines = [
@@ -164,7 +152,9 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
         "time split:    "
         + ", ".join(
             f"{name} {seconds:.1f} s ({100 * seconds / total:.0f}%)" for name, seconds in split.items() if seconds
-        ),
+        )
+        # Each trajectory's own seconds, added up: with many in flight the sum exceeds the wall time.
+        + f" (summed over {_trajectories(trajectories)})",
     ]
     for replica, row in (ledger.get("per_replica") or {}).items():
         lines.append(
@@ -179,6 +169,10 @@ def ledger_lines(ledger: dict[str, Any]) -> list[str]:
             + (f", {per_million:.4g} per 1M output tokens" if per_million is not None else "")
         )
     return lines
+
+
+def _trajectories(count: int | None) -> str:
+    return "trajectories" if count is None else f"{count:,} trajectories"
 
 
 def read_ledger(folder: StorageFolder) -> dict[str, Any] | None:

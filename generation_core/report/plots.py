@@ -13,9 +13,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from generation_core.outputs.ledger import busy_spans
 from generation_core.report.data import ReportData
 from generation_core.report.stop_reasons import STOP_REASONS
+from generation_core.store.run_folder import busy_spans
 
 SOURCES_DRAWN = 8
 """Data sources drawn in the reward plot (the most frequent); the rest are pooled as "other"."""

@@ -40,7 +40,7 @@ from generation_core.instrumentation import failpoint, mark
 from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint, write_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import LeaseFence, LeaseLost
-from generation_core.store.run_folder import FAILURES_DIR, PartEntry, new_part_name, shard_file
+from generation_core.store.run_folder import FAILURES_DIR, PartActivity, PartEntry, new_part_name, shard_file
 from generation_core.store.trajectory_record import (
     SampleFailure,
     TrajectoryRecord,
@@ -171,6 +171,8 @@ class PartWriter:
         self.part_generated_tokens = 0
         self.part_storage_seconds = 0.0
         """Serialization and storage time of the open part (its entry's `storage_seconds`)."""
+        self.part_activity = PartActivity()
+        """The capacity ledger's counters of the open part (its entry's `activity`)."""
         self.new_failures: list[SampleFailure] = []
         self.first_buffered_at: float | None = None
         self.stage_seconds = {"serialization": 0.0, "storage": 0.0}
@@ -188,6 +190,7 @@ class PartWriter:
         # Per part, so dropping a damaged part keeps the shard's totals right.
         self.part_response_tokens += len(record.response_ids)
         self.part_generated_tokens += sum(record.response_mask)
+        self.part_activity.add(record.provenance, record.timings)
 
     def add_failure(self, failure: SampleFailure) -> None:
         if not self.has_uncommitted():
@@ -270,6 +273,7 @@ class PartWriter:
         self.part_keys, self.new_failures = [], []
         self.part_response_tokens = self.part_generated_tokens = 0
         self.part_storage_seconds = 0.0
+        self.part_activity = PartActivity()
         self.first_buffered_at = None
         if part is not None:
             part.discard()
@@ -329,6 +333,7 @@ class PartWriter:
         self.part_keys = []
         self.part_response_tokens = self.part_generated_tokens = 0
         self.part_storage_seconds = 0.0
+        self.part_activity = PartActivity()
         self.new_failures = []
         self.first_buffered_at = None
         self.parts_committed += 1
@@ -353,6 +358,7 @@ class PartWriter:
             response_tokens=self.part_response_tokens,
             generated_tokens=self.part_generated_tokens,
             storage_seconds=round(self.part_storage_seconds, 6),
+            activity=self.part_activity.to_dict(),
         )
 
     def _failure_lines(self) -> str:

@@ -125,6 +125,90 @@ class PartEntry:
     storage_seconds: float | None = None
     """Seconds spent serializing and writing the part (its commit record not counted), shared
     over its rows as each trajectory's storage time; None in parts of earlier versions."""
+    activity: dict[str, Any] | None = None
+    """What its trajectories' provenance and time split say they cost (`PartActivity.to_dict`):
+    the capacity ledger adds these up instead of reading the trajectories."""
+
+
+BUSY_SPANS = 16
+"""Busy spans a part keeps per replica; beyond, the shortest gaps between them count as busy."""
+
+
+def busy_spans(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals`, as sorted disjoint spans."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def fewer_spans(spans: list[tuple[float, float]], most: int) -> list[tuple[float, float]]:
+    """Sorted disjoint `spans` as at most `most`, joined across their shortest gaps."""
+    if len(spans) <= most:
+        return spans
+    gaps = sorted(range(1, len(spans)), key=lambda i: spans[i][0] - spans[i - 1][1], reverse=True)
+    cuts = sorted(gaps[: most - 1])
+    starts = [0, *cuts]
+    ends = [*(cut - 1 for cut in cuts), len(spans) - 1]
+    return [(spans[first][0], spans[last][1]) for first, last in zip(starts, ends, strict=True)]
+
+
+@dataclass
+class PartActivity:
+    """The capacity ledger's counters (outputs/ledger.py) for one part, counted from its
+    trajectories' provenance and time split as the part is written: per replica (the server
+    that answered a turn) its requests, model tokens, busy seconds (the union of its turns) and
+    busy spans (Unix seconds, at most BUSY_SPANS); the prefix-cache hits among the turns that
+    report one; the time split's totals (TIMINGS); when its first trajectory started."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    busy_seconds: dict[str, float] = field(default_factory=dict)
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    prefix_hits: int = 0
+    prefix_reported: int = 0
+    time_split: dict[str, float] = field(default_factory=dict)
+    started_at: float | None = None
+
+    def add(self, provenance: dict[str, Any] | None, timings: dict[str, float | None] | None) -> None:
+        """Count one trajectory (its `provenance` and `timings`, as TrajectoryRecord holds them)."""
+        for name, seconds in (timings or {}).items():
+            if seconds is not None:
+                self.time_split[name] = self.time_split.get(name, 0.0) + seconds
+        if provenance is None:
+            return
+        started_at = float(provenance.get("started_at") or 0.0)
+        self.started_at = started_at if self.started_at is None else min(self.started_at, started_at)
+        for turn in provenance.get("turns") or []:
+            if "prefix_hit" in turn:
+                self.prefix_reported += 1
+                self.prefix_hits += bool(turn["prefix_hit"])
+            replica = turn.get("replica")
+            if replica is None:
+                continue
+            start = started_at + float(turn.get("start") or 0.0)
+            self.busy.setdefault(replica, []).append((start, start + float(turn.get("seconds") or 0.0)))
+            self.tokens[replica] = self.tokens.get(replica, 0) + int(turn.get("tokens") or 0)
+            self.requests[replica] = self.requests.get(replica, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counters as the part's commit record holds them: each replica's turns as its busy
+        seconds and at most BUSY_SPANS spans."""
+        busy = {replica: busy_spans(turns) for replica, turns in self.busy.items()}
+        return dict(
+            asdict(self),
+            busy_seconds={replica: sum(end - start for start, end in spans) for replica, spans in busy.items()},
+            busy={replica: [list(span) for span in fewer_spans(spans, BUSY_SPANS)] for replica, spans in busy.items()},
+        )
+
+    @classmethod
+    def from_dict(cls, payload: dict[str, Any]) -> PartActivity:
+        activity = record_from_dict(cls, payload)
+        activity.busy = {replica: [(start, end) for start, end in spans] for replica, spans in activity.busy.items()}
+        return activity
 
 
 @dataclass
