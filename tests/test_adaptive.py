@@ -13,6 +13,8 @@ import pytest
 
 from generation_core.errors import GenrunError
 from generation_core.outputs.merge import check_shard_counts, merge_run
+from generation_core.outputs.status import print_status
+from generation_core.outputs.summary import summarize
 from generation_core.shard.adaptive import shard_rewards
 from generation_core.shard.attempt import ShardGeneration, TooManyFailedSamples
 from generation_core.store.commit_log import ShardCheckpoint
@@ -62,7 +64,7 @@ def _keys(folder) -> list[str]:
     return sorted(ShardCheckpoint.load(folder, shard).completed)
 
 
-def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, model_dir):
+def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, model_dir, capsys):
     prompts, reward = _inputs(tmp_path)
     plan, marker = run_one_shard(prompts, reward, tmp_path / "whole", model_dir)
     rewards = _samples(plan.folder)
@@ -79,6 +81,12 @@ def test_adaptive_sampling_stops_decided_prompts_and_resumes_exactly(tmp_path, m
     assert len(merged) == marker.num_trajectories
     with pytest.raises(GenrunError, match="accounts for"):
         check_shard_counts([marker], N, adaptive=False)
+    # What the summary and `genrun status` say: drawn and not needed, not "26/48" as if unfinished (issue 51 item 2).
+    assert summarize(plan, [marker], 1.0)["not_needed"] == marker.not_owed
+    print_status(plan.folder.url)
+    drawn = f"{marker.num_trajectories}/{9 * N} drawn, {marker.not_owed} not needed"
+    out = capsys.readouterr().out
+    assert f"done     {drawn}\n" in out and f"trajectories {drawn} (adaptive sampling);" in out, out
 
     # kill -9 after the third part is written (round 1), then the same command resumes.
     env = {**os.environ, "PYTHONPATH": str(REPO), "GENRUN_FAILPOINTS": "after_part_write@3:kill"}

@@ -80,6 +80,49 @@ def test_done_total_rate_and_eta_across_shards():
     assert totals.line().startswith("trajectories 196/196 (100.0%), ")
 
 
+def test_the_closing_line_gives_the_whole_runs_average_beside_the_whole_time():
+    """Issue 51 item 2: "0.2/s in 4m40s" paired the last minute's rate with the whole time."""
+    clock = Clock()
+    progress = RunProgress(_shards()[:1], rollout_n=2, clock=clock)
+    board = ProgressBoard()
+    board.report(vars(_report(0)))
+    progress.update(board.snapshot())
+    # 80 in the first 200 s, then only 16 in the last 80 s: the last minute's rate is 0.2/s.
+    for second in range(1, 281):
+        clock.now += 1
+        generated = second * 80 // 200 if second <= 200 else 80 + (second - 200) // 5
+        board.report(vars(_report(0, generated=generated)))
+        progress.update(board.snapshot())
+    progress.shard_finished(0, done=96, failed=0, expected=96)
+    totals = progress.totals()
+    assert totals.rate == pytest.approx(0.2, abs=0.02)
+    assert totals.line() == "trajectories 96/96 (100.0%), 0.34/s on average over 4m40s, 0 failed, shards 1/1 done"
+
+
+def test_an_adaptive_run_says_what_it_drew_and_what_it_did_not_need():
+    """Issue 51 item 2: "26/26" read as if the 22 samples adaptive sampling decided against never existed."""
+    clock = Clock()
+    progress = RunProgress([ShardSpec(shard_id=0, start=0, end=12)], rollout_n=4, clock=clock)
+    clock.now += 100
+    progress.shard_finished(0, done=26, failed=0, expected=26, not_needed=22)
+    totals = progress.totals()
+    assert totals.not_needed == 22
+    assert totals.line() == (
+        "trajectories 26/26 drawn (100.0%), 22 not needed (adaptive sampling), in 1m40s, 0 failed, shards 1/1 done"
+    )
+
+
+def test_a_resumed_run_says_up_front_what_is_committed_already():
+    """Issue 51 item 2: the first progress line of a resume came minutes in, already at 24/32."""
+    progress = RunProgress(_shards(), rollout_n=2)
+    progress.set_baseline({0: 0, 1: 0})
+    assert progress.resume_line() is None
+    progress.set_baseline({0: 18, 1: 0})
+    assert progress.resume_line() == (
+        "resuming: 18 of 200 trajectories already committed in this folder (kept; only the others are generated)"
+    )
+
+
 def test_a_retried_attempt_adds_to_the_rate_and_restarts_from_its_commits():
     clock = Clock()
     progress = RunProgress(_shards()[:1], rollout_n=2, clock=clock)

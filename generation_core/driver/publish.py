@@ -85,6 +85,8 @@ def publish_run(
     report = _write_report(folder, bool(cfg.actor_rollout_ref.model.trust_remote_code))
     if report is not None:
         published["report"] = report.location
+        if report.rewards is not None:
+            published["rewards"] = report.rewards
         if on_report is not None:
             on_report(report)
     if not backends:

@@ -56,6 +56,11 @@ def committed_counts(folder: StorageFolder, shard_ids: Iterable[int], threads: i
         return dict(zip(ids, pool.map(count, ids), strict=True))
 
 
+def rate_text(rate: float) -> str:
+    """A rate in trajectories/s: two decimals below 1/s (0.34, not 0.3), one above."""
+    return f"{rate:.2f}" if rate < 1 else f"{rate:.1f}"
+
+
 @dataclass
 class ProgressTotals:
     done: int
@@ -71,22 +76,27 @@ class ProgressTotals:
     eta: float | None
     """Seconds left: shard/eta.py's estimate from the rate since generation started and each
     running shard's rows left (None: not measurable yet)."""
+    not_needed: int = 0
+    """Samples adaptive sampling decided not to draw, in finished shards (their markers' not_owed):
+    `total` no longer counts them."""
 
     @property
     def percent(self) -> float:
         return 100.0 if self.total <= 0 else min(100.0, 100.0 * (self.done + self.failed) / self.total)
 
     def line(self) -> str:
-        parts = [f"trajectories {self.done:,}/{self.total:,} ({self.percent:.1f}%)"]
+        drawn = " drawn" if self.not_needed else ""
+        parts = [f"trajectories {self.done:,}/{self.total:,}{drawn} ({self.percent:.1f}%)"]
+        if self.not_needed:
+            parts.append(f"{self.not_needed:,} not needed (adaptive sampling)")
         if self.done + self.failed < self.total:
             parts.append(f"{self.rate:.1f}/s" if self.rate is not None else "-/s")
             parts.append(f"ETA {format_seconds(self.eta)}" if self.eta is not None else "ETA -")
+        elif self.generated and self.elapsed > 0:
+            # The whole run's average beside the whole run's time (the running rate is the last minute's).
+            parts.append(f"{rate_text(self.generated / self.elapsed)}/s on average over {format_seconds(self.elapsed)}")
         else:
-            parts.append(
-                f"{self.rate:.1f}/s in {format_seconds(self.elapsed)}"
-                if self.rate is not None
-                else f"in {format_seconds(self.elapsed)}"
-            )
+            parts.append(f"in {format_seconds(self.elapsed)}")
         parts.append(f"{self.failed:,} failed")
         parts.append(f"shards {self.shards_done}/{self.shards} done")
         return ", ".join(parts)
@@ -99,6 +109,8 @@ class _Shard:
     report: ShardReport | None = None
     finished: tuple[int, int, int] | None = None
     """(done, failed, expected) from the shard's marker."""
+    not_needed: int = 0
+    """Its marker's not_owed (adaptive sampling)."""
     started: tuple[str, float, int] | None = None
     """(attempt, when its first report was sent, what it had generated then): its own rate."""
     reported_at: float = 0.0
@@ -129,8 +141,21 @@ class RunProgress:
             if shard_id in self._state:
                 self._state[shard_id].baseline = count
 
-    def shard_finished(self, shard_id: int, done: int, failed: int, expected: int) -> None:
+    def resume_line(self) -> str | None:
+        """What a resumed run says before it generates: the trajectories earlier runs committed
+        (set_baseline); None for a run that starts from nothing."""
+        committed = sum(s.baseline or 0 for s in self._state.values())
+        if not committed:
+            return None
+        planned = sum(s.expected for s in self._state.values())
+        return (
+            f"resuming: {committed:,} of {planned:,} trajectories already committed in this folder "
+            "(kept; only the others are generated)"
+        )
+
+    def shard_finished(self, shard_id: int, done: int, failed: int, expected: int, not_needed: int = 0) -> None:
         self._state[shard_id].finished = (done, failed, expected)
+        self._state[shard_id].not_needed = not_needed
 
     def update(self, snapshot: dict[str, Any]) -> None:
         """Take a board snapshot (ProgressBoard.snapshot)."""
@@ -220,4 +245,5 @@ class RunProgress:
             elapsed=now - self._started,
             rate=rate,
             eta=self._eta(remaining, now),
+            not_needed=sum(s.not_needed for s in self._state.values() if s.finished is not None),
         )

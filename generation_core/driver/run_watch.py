@@ -81,12 +81,15 @@ class RunWatch:
     def _load_baseline(self) -> None:
         try:
             self.progress.set_baseline(committed_counts(self.plan.folder, [s.shard_id for s in self.plan.shards]))
+            resuming = self.progress.resume_line()
+            if resuming:
+                logger.info(resuming)
         except Exception as exc:  # noqa: BLE001 - the display then counts those shards from their reports
             logger.debug("could not count committed trajectories for the progress display: %s", exc)
 
     def shard_finished(self, marker: SuccessMarker) -> None:
         self.progress.shard_finished(
-            marker.shard_id, marker.num_trajectories, marker.failures, marker.expected_trajectories
+            marker.shard_id, marker.num_trajectories, marker.failures, marker.expected_trajectories, marker.not_owed
         )
 
     def reported_shards(self) -> set[int]:

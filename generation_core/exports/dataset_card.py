@@ -23,11 +23,13 @@ import json
 import re
 import statistics
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from generation_core.build import describe_build
 from generation_core.config.settings import GenerationSettings
+from generation_core.outputs.summary import agent_loops_text
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_record import RunRecord
 
@@ -42,8 +44,11 @@ class RowStats:
     response_tokens: array = field(default_factory=lambda: array("q"))
     rewards: list[float] = field(default_factory=list)
     turns: array = field(default_factory=lambda: array("q"))
+    agent_loops: Counter = field(default_factory=Counter)
+    """Rows by the agent loop that made them (agent_name; None: the run's default loop)."""
 
-    def add(self, response_tokens: int, reward: float | None, num_turns: int) -> None:
+    def add(self, response_tokens: int, reward: float | None, num_turns: int, agent_name: str | None = None) -> None:
+        self.agent_loops[agent_name] += 1
         self.response_tokens.append(response_tokens)
         self.turns.append(num_turns)
         if reward is not None:
@@ -64,17 +69,20 @@ def write_dataset_card(
     filters: list[str],
     layout: str,
     stats: RowStats | list[str],
+    agent_loops: Counter | None = None,
 ) -> str:
     """Write the card (see the module docstring) with this export's entry; returns its name in
     `out_folder`. `stats`: the exported trajectories' rewards and lengths, or (a layout whose rows
-    are not trajectories) the Markdown lines that describe its rows instead."""
+    are not trajectories) the Markdown lines that describe its rows instead, and then `agent_loops`
+    counts its rows by agent loop (RowStats.agent_loops otherwise)."""
     name = card_name(out_folder, out_name)
     sections = {}
     if name == "README.md" and out_folder.exists(name):
         sections = card_sections(out_folder.read_bytes(name).decode(errors="replace"))
     # In place when the name is listed already (the default config stays the folder's first export).
     sections = {file: body for file, body in sections.items() if file == out_name or out_folder.exists(file)}
-    sections[out_name] = render_section(out_name, record, counts, filters, layout, stats)
+    loops = stats.agent_loops if isinstance(stats, RowStats) else agent_loops
+    sections[out_name] = render_section(out_name, record, counts, filters, layout, stats, loops)
     out_folder.put_atomic(name, render_card(sections).encode())
     return name
 
@@ -134,6 +142,7 @@ def render_section(
     filters: list[str],
     layout: str,
     stats: RowStats | list[str],
+    agent_loops: Counter | None = None,
 ) -> str:
     """One export's section of the card: the run that generated the rows, their counts, the filters and statistics."""
     config = record.config
@@ -155,7 +164,7 @@ def render_section(
         f"| sampling | temperature {rollout.get('temperature')}, top_p {rollout.get('top_p')}, top_k {rollout.get('top_k')}, "
         f"n {rollout.get('n')}, generation.sample_seed {seed if seed is not None else 'none'} |",
         f"| lengths | prompt at most {rollout.get('prompt_length')} tokens, response at most {rollout.get('response_length')} tokens |",
-        f"| agent loop | `{rollout.get('agent', {}).get('default_agent_loop')}` |",
+        f"| agent loop | {agent_loops_text(agent_loops or {}, rollout.get('agent', {}).get('default_agent_loop'))} |",
         f"| run fingerprint | `{record.fingerprint}` |",
         f"| genrun build | {describe_build(record.build)} |",
         f"| input | {', '.join(f'`{url}`' for url in files) or 'unknown'} ({(record.dataset or {}).get('num_rows', '?')} prompts) |",

@@ -107,7 +107,9 @@ class ExportSummary:
         self.unmatched_turns += rebuilt.unmatched_turns
         for key in rebuilt.dropped_prompt_keys:
             self.dropped_prompt_keys[key] = self.dropped_prompt_keys.get(key, 0) + 1
-        self.stats.add(len(record.response_ids), record.reward_score, record.num_turns)
+        self.stats.add(
+            len(record.response_ids), record.reward_score, record.num_turns, record.input_fields.get("agent_name")
+        )
 
     def line(self) -> str:
         dropped = []

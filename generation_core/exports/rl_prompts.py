@@ -18,6 +18,7 @@ verl's `RLHFDataset` reads for training (`data.train_files=out.parquet`).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,7 +209,14 @@ def export_rl_prompts(
     pass_rates = [row["extra_info"]["pass_rate"] for row in rows]
     described = pass_rate_lines(pass_rates, [row["extra_info"]["num_samples"] for row in rows])
     card = write_dataset_card(
-        out_folder, out_name, read_run_record(folder), summary.card_counts(), summary.card_filters(), LAYOUT, described
+        out_folder,
+        out_name,
+        read_run_record(folder),
+        summary.card_counts(),
+        summary.card_filters(),
+        LAYOUT,
+        described,
+        Counter(row.get("agent_name") for row in rows),
     )
     summary.card = out_folder.display(card)
     return summary

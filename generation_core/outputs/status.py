@@ -43,8 +43,10 @@ def shard_states(folder: StorageFolder, run: RunRecord) -> list[dict[str, Any]]:
         expected = shard.rows * run.samples_per_prompt
         checkpoint = ShardCheckpoint.load(folder, name)
         marker = read_marker(folder, name, checkpoint)
+        not_needed = 0
         if marker is not None:
             done, failed, state, builds = marker.num_trajectories, marker.failures, "done", []
+            not_needed = marker.not_owed  # adaptive sampling's decision: owed no more
         else:
             done, failed, builds = len(checkpoint.completed), len(checkpoint.failed), checkpoint.builds
             state = "partial" if done or failed else "pending"
@@ -60,6 +62,7 @@ def shard_states(folder: StorageFolder, run: RunRecord) -> list[dict[str, Any]]:
                 "committed": done,
                 "failed_samples": failed,
                 "expected": expected,
+                "not_needed": not_needed,
                 "error": error,
                 "builds": builds,
             }
@@ -93,20 +96,23 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
             else ""
         )
         detail += f"  last error: {s['error']}" if s["error"] else ""
-        print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{detail}")
+        drawn = f" drawn, {s['not_needed']} not needed" if s["not_needed"] else ""
+        print(f"  {s['shard']}  {s['state']:<8} {s['committed']}/{s['expected']}{drawn}{detail}")
     counts = {k: sum(1 for s in states if s["state"] == k) for k in ("done", "partial", "failed", "pending")}
     total = sum(s["committed"] for s in states)
     expected = sum(s["expected"] for s in states)
     failed_samples = sum(s["failed_samples"] for s in states)
+    not_needed = sum(s["not_needed"] for s in states)
+    drawn = f" drawn, {not_needed} not needed (adaptive sampling)" if not_needed else ""
     print(
         f"shards: {counts['done']} done, {counts['partial']} running or interrupted, {counts['failed']} failed, "
-        f"{counts['pending']} pending; trajectories {total}/{expected}; failed samples {failed_samples}"
+        f"{counts['pending']} pending; trajectories {total}/{expected}{drawn}; failed samples {failed_samples}"
     )
     output = merged_files(folder)
     print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
     ledger = read_ledger(folder)
     if ledger:
-        print("\n".join(ledger_lines(ledger)))
+        print("\n".join(ledger_lines(ledger, total)))
     return 0
 
 

@@ -3,6 +3,8 @@ lines, the Prefect shard table, tracker metrics). Rates are computed here and no
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ def summarize(plan: RunPlan, markers: list[SuccessMarker], elapsed: float) -> di
         "num_trajectories": sum(m.num_trajectories for m in markers),
         "generated_tokens": sum(m.generated_tokens for m in markers),
         "failed_samples": sum(m.failures for m in markers),
+        # Samples adaptive sampling decided not to draw (generation.adaptive): not owed, not missing.
+        "not_needed": sum(m.not_owed for m in markers),
         "retries": sum(max(m.attempts - 1, 0) for m in markers),
         # Each shard filters its own rows (shard_rows.DatasetPrompts); a finished shard's marker keeps its count.
         "filtered_overlong_prompts": sum(m.filtered_overlong for m in markers),
@@ -50,6 +54,42 @@ def summarize(plan: RunPlan, markers: list[SuccessMarker], elapsed: float) -> di
         },
         "shards": [shard_stats(m) for m in markers],
     }
+
+
+def reward_figures(rewards: np.ndarray) -> dict[str, Any] | None:
+    """What the terminal says of a run's rewards (one per trajectory, NaN where unscored): how
+    many are scored, their mean, the highest and how many reached it; None when none is."""
+    scored = rewards[np.isfinite(rewards)]
+    if not len(scored):
+        return None
+    highest = float(scored.max())
+    return {
+        "trajectories": int(len(rewards)),
+        "scored": int(len(scored)),
+        "mean": round(float(scored.mean()), 4),
+        "max": round(highest, 4),
+        "at_max": int((scored == highest).sum()),
+    }
+
+
+def reward_line(figures: dict[str, Any]) -> str:
+    """reward_figures in a few words: `96 scored, mean 0.02, 2 at 1.0 (the highest)`."""
+    scored = f"{figures['scored']:,}" + (
+        f" of {figures['trajectories']:,}" if figures["scored"] != figures["trajectories"] else ""
+    )
+    return f"{scored} scored, mean {figures['mean']:.3g}, {figures['at_max']:,} at {figures['max']} (the highest)"
+
+
+def agent_loops_text(counts: Mapping[str | None, int], default: str | None) -> str:
+    """The agent loops rows ran, most used first, with counts: `tool_agent (96)`. A row without
+    an `agent_name` (None; parts written before genrun kept it) ran `default`, the run's
+    rollout.agent.default_agent_loop."""
+    merged: Counter[str] = Counter()
+    for name, count in counts.items():
+        merged[str(name if name is not None else default)] += count
+    if not merged:
+        return str(default)
+    return ", ".join(f"{name} ({count:,})" for name, count in merged.most_common())
 
 
 def latency_percentiles(latencies: np.ndarray) -> dict[str, float]:

@@ -104,6 +104,8 @@ class ReportData:
     """Each replica's busy spans and the time split totals, from the trajectories' provenance."""
     ledger: dict[str, Any] | None = None
     """manifest.json's capacity ledger (outputs/ledger.py), once a run has finished."""
+    agent_loops: Counter = field(default_factory=Counter)
+    """Trajectories by the agent loop they ran (input_fields' agent_name; None: parts that do not say)."""
 
     @property
     def has_rewards(self) -> bool:
@@ -138,6 +140,7 @@ class _Collector:
         self.limits = limits
         self.sample_size = sample_size
         self.sources: dict[str, int] = {}
+        self.agent_loops: Counter[str | None] = Counter()
         self.chunks: list[tuple[np.ndarray, ...]] = []
         # Max-heap of the lowest hashes kept so far: (-hash, index, rollout_n, record).
         self.heap: list[tuple[int, int, int, TrajectoryRecord]] = []
@@ -164,13 +167,12 @@ class _Collector:
             pc.fill_null(table.column("reward_score"), float("nan")).to_numpy(zero_copy_only=False).astype(np.float64)
         )
         turns = table.column("num_turns").to_numpy(zero_copy_only=False).astype(np.int32)
+        fields = [json.loads(text) for text in table.column("input_fields").to_pylist()]
         source = np.array(
-            [
-                self.sources.setdefault(data_source_of(json.loads(text)), len(self.sources))
-                for text in table.column("input_fields").to_pylist()
-            ],
-            dtype=np.int32,
+            [self.sources.setdefault(data_source_of(row), len(self.sources)) for row in fields], dtype=np.int32
         )
+        # The loop each row ran (the shard fills in the default for rows that name none).
+        self.agent_loops.update(row.get("agent_name") for row in fields)
         self.chunks.append((lengths.astype(np.int32), model_tokens.astype(np.int32), reward, turns, source, stop))
         self._fold_provenance(table)
         self._sample(table)
@@ -313,6 +315,7 @@ def collect_report_data(
         bench=read_bench_figures(folder),
         activity=collector.activity,
         ledger=read_ledger(folder),
+        agent_loops=collector.agent_loops,
     )
 
 

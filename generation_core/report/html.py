@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from generation_core.build import describe_build, same_build
+from generation_core.outputs.summary import agent_loops_text, reward_figures
 from generation_core.report.data import ReportData, collect_report_data
 from generation_core.report.plots import Plot, all_plots
 from generation_core.report.viewer import TOKEN_BUDGET, eos_token_ids, load_tokenizer, payload_json, viewer_payload
@@ -33,6 +34,8 @@ class Report:
     shown: int
     """Trajectories in the viewer."""
     plots: list[Plot]
+    rewards: dict[str, Any] | None = None
+    """outputs/summary.reward_figures of every committed trajectory (None: none is scored)."""
 
     def markdown(self) -> str:
         """The plots as markdown (a Prefect artifact), images inline."""
@@ -71,7 +74,7 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
         ("shards", f"{len(data.shards):,}"),
         ("model", str(config["actor_rollout_ref"]["model"]["path"])),
         ("engine", str(rollout.get("name"))),
-        ("agent loop", str((rollout.get("agent") or {}).get("default_agent_loop"))),
+        ("agent loop", agent_loops_text(data.agent_loops, (rollout.get("agent") or {}).get("default_agent_loop"))),
         ("samples per prompt (n)", str(run.samples_per_prompt)),
         ("temperature", str(rollout.get("temperature"))),
         ("prompt / response length", f"{data.limits.prompt_length} / {data.limits.response_length}"),
@@ -301,7 +304,13 @@ def write_report(folder: StorageFolder, sample_size: int = SAMPLE_SIZE, trust_re
     plots = all_plots(data)
     payload = viewer_payload(data, tokenizer)
     folder.put_atomic(REPORT_FILE, render_html(data, plots, payload, sample_size).encode())
-    return Report(folder.display(REPORT_FILE), len(data.stats), len(payload["trajectories"]), plots)
+    return Report(
+        folder.display(REPORT_FILE),
+        len(data.stats),
+        len(payload["trajectories"]),
+        plots,
+        reward_figures(data.stats.reward),
+    )
 
 
 def report_command(
