@@ -126,3 +126,14 @@ def test_the_time_split_of_an_older_manifest_still_says_it_is_a_sum():
         == "time split:    decode 2240.6 s (100%), storage 1.2 s (0%) (summed over 48 trajectories)"
     )
     assert ledger_lines(ledger)[1].endswith("(summed over trajectories)")
+
+
+def test_the_instant_engine_is_not_said_to_load_a_model(finished):
+    """Issue 51 item 3: the instant engine loads no model, yet the wait said "loading the model"."""
+    from generation_core.config.layout import resolve_layout
+    from generation_core.driver.run_driver import boot_words
+
+    plan, _ = finished
+    assert boot_words(resolve_layout(plan.cfg)) == (
+        "starting 1 instant replica(s) on the CPU (no model to load), then the first requests"
+    )

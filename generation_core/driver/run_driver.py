@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from generation_core.config.layout import resolve_layout
+from generation_core.config.layout import REMOTE_ENGINE, ReplicaLayout, resolve_layout
 from generation_core.console import prints_to_debug_log
 from generation_core.driver.publish import publish_run
 from generation_core.driver.run_progress import ProgressTotals, committed_counts
@@ -118,6 +118,16 @@ def stopped_message(plan: RunPlan) -> str:
     return f"stopped on request: {sum(counts.values()):,} trajectories committed in {plan.folder.display()}; run the same command again to resume"
 
 
+def boot_words(layout: ReplicaLayout) -> str:
+    """What the terminal says while the replicas start: the instant engine (tests, benchmarks)
+    loads no model, and remote servers are running already."""
+    if layout.engine == "instant":
+        return f"starting {layout.describe()} (no model to load), then the first requests"
+    if layout.engine == REMOTE_ENGINE:
+        return f"connecting to {layout.describe()}, then the first requests"
+    return f"starting {layout.describe()}: loading the model, then the first requests"
+
+
 def boot_pool(plan: RunPlan, registry_name: str) -> ReplicaPool:
     """Boot the run's replicas (once per run); the caller tears them down."""
     failpoint("boot_pool")
@@ -189,7 +199,7 @@ def _drive_holding(
             watch.shard_finished(marker)
         try:
             # Minutes for SGLang: a Ctrl-C ends the boot at once (Ray's shutdown stops the replicas).
-            starting = f"starting {resolve_layout(plan.cfg).describe()}: loading the model, then the first requests"
+            starting = boot_words(resolve_layout(plan.cfg))
             with prints_to_debug_log("verl"), STOP.interruptible(), watch.display.while_waiting(starting):
                 pool = boot_pool(plan, registry_name)
         except BaseException:
