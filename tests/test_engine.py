@@ -152,25 +152,9 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_recovers(engine, pr
     assert _generate_all(engine, [prompts[0]], {"temperature": 0})[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def system_prompted(model_dir):
-    """Chat prompts that start with the same long system prompt (as a tool example's do), and
-    one without it: rows that read the batch's shared prefix beside one that cannot."""
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    system = "You are a careful assistant. Answer in one short sentence, use plain words, and check every number twice before you answer."
-    shared = [
-        _chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": t}]) for t in TEXTS
-    ]
-    return [*shared, _chat_ids(tokenizer, [{"role": "user", "content": "Count to five."}])]
-
-
-@pytest.mark.parametrize(
-    "mixed_steps,shared_prefix",
-    [(True, False), (False, False), (True, True)],
-    ids=["mixed-steps", "plain-steps", "mixed-steps-shared-prefix"],
-)
+@pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed-steps", "plain-steps"])
 def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_choice(
-    model_dir, reference, prompts, system_prompted, mixed_steps, shared_prefix
+    model_dir, reference, prompts, mixed_steps
 ):
     """Three slots, nine requests of very different lengths arriving over time: slots are
     reused, sequences move down into slots others left, the KV store grows past its first size
@@ -178,8 +162,7 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
     prompt joins a batch whose timeline is shorter than it. Every token must still be the
     model's greedy choice given everything before it, and its logprob the re-scored one; with
     joiners prefilled in the decode step (mixed) and apart (plain, the path for models the
-    packed attention cannot drive); and with prompts that start with one long system prompt,
-    whose KV the mixed steps read once for every row that shares it (shared_prefix.py)."""
+    packed attention cannot drive)."""
     small = HFEngine(
         EngineSettings(
             str(model_dir),
@@ -190,10 +173,9 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
             mixed_steps=mixed_steps,
         )
     )
-    assert small._mixed is mixed_steps and small._share_prefixes is mixed_steps
+    assert small._mixed is mixed_steps
     lengths = [100, 4, 40, 9, 70, 1, 25, 50, 12]
-    chosen_prompts = system_prompted if shared_prefix else prompts
-    requests = [(chosen_prompts[i % len(chosen_prompts)], n) for i, n in enumerate(lengths)]
+    requests = [(prompts[i % len(prompts)], n) for i, n in enumerate(lengths)]
 
     async def one(i, prompt, n):
         await asyncio.sleep(0.2 * i)
@@ -209,12 +191,6 @@ def test_slots_reused_store_shifted_and_grown_every_token_is_still_the_greedy_ch
         small.shutdown()
     # Sequences were moved down into slots that shorter ones left (SlotBatch.compact).
     assert small.stats["slot_moves"] > 0
-    # Rows read the batch's shared prefix (in the other mixed case too: a prompt sent again
-    # shares all of itself), and never in plain steps.
-    if shared_prefix:
-        assert small.stats["shared_prefix_reads"] > 0
-    if not mixed_steps:
-        assert small.stats["shared_prefix_reads"] == 0
     for (prompt, n), out in zip(requests, outputs, strict=True):
         assert len(out.token_ids) == n
         with torch.no_grad():

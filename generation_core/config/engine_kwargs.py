@@ -26,7 +26,6 @@ HF_RULES: dict[str, Rule] = {
         "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
     ),
     "later_turns_first": (is_bool, "must be true or false"),
-    "shared_prefix_attention": (is_bool, "must be true or false"),
     "weight_first_linear": (is_bool, "must be true or false"),
 }
 
@@ -46,7 +45,6 @@ class HfEngineKwargs:
     prefix_cache_bytes: int | None = None
     """KV kept for prefix reuse (None: HF_PREFIX_CACHE_BYTES; 0: none)."""
     later_turns_first: bool = True
-    shared_prefix_attention: bool = True
     weight_first_linear: bool = True
 
     def __post_init__(self) -> None:

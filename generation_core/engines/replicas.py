@@ -101,7 +101,6 @@ class HFReplica(EngineReplica):
             prefix_cache_bytes=hf_kwargs.prefix_cache_bytes_or_default,
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
             later_turns_first=bool(hf_kwargs.later_turns_first),
-            shared_prefix_attention=bool(hf_kwargs.shared_prefix_attention),
             weight_first_linear=bool(hf_kwargs.weight_first_linear),
         )
         # verl's gpus_per_node (trainer.n_gpus_per_node): the CPU replicas a node holds.

@@ -91,8 +91,6 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
     # Which waiting request joins the batch first: scheduling, as max_num_seqs.
     "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
-    # Reading a shared prefix once computes the same attention in another order (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.shared_prefix_attention",
     # Weight-first linear layers compute the same products in another call (float rounding).
     "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear",
     "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",

@@ -1,1 +1,1 @@
-"""The transformers engine (engine.py) and its internals: the decode batch's slots, the packed step, the prefix cache, shared-prefix attention, sampling, weight-first CPU linears, admission order. A CPU demo and test engine; GPU runs use SGLang or vLLM."""
+"""The transformers engine (engine.py) and its internals: the decode batch's slots, the packed step, the prefix cache, sampling, weight-first CPU linears, admission order. A CPU demo and test engine; GPU runs use SGLang or vLLM."""

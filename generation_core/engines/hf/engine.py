@@ -82,10 +82,6 @@ class EngineSettings:
     """Most tokens one mixed step runs (decode tokens + joiners' new prompt tokens): joiners beyond
     it wait for the next step (rollout.max_num_batched_tokens). A prompt is never split: one
     longer than this still joins, alone."""
-    shared_prefix_attention: bool = HfEngineKwargs.shared_prefix_attention
-    """On a CPU, mixed steps read the prompt prefix the running sequences share (a system prompt,
-    a trajectory's first turn) once per step for all of them, not once per sequence
-    (shared_prefix.py); false: every sequence reads its own copy."""
     later_turns_first: bool = HfEngineKwargs.later_turns_first
     """A trajectory's next turn (same trajectory key: the agent loop's id) joins the batch before
     queued first turns (admission.py); false: arrival order."""
@@ -150,9 +146,6 @@ def _new_stats() -> dict[str, Any]:
         "later_turns": 0,
         # Sequences moved down into slots that others left (SlotBatch.compact).
         "slot_moves": 0,
-        # Decode rows that read the batch's shared prefix once instead of their own copy
-        # (shared_prefix.py), summed over steps.
-        "shared_prefix_reads": 0,
     }
 
 
@@ -183,9 +176,6 @@ class HFEngine:
         self.name = f"transformers engine ({path.name} on {settings.device})"
         """How errors name this engine."""
         self._kv_shape = KVShape.of(self.config, self.model.dtype, settings.device)
-        # Set by the start-up check below: mixed steps read a shared prefix once (CPU only: the
-        # kernel that returns the log-sum-exp the merge needs is the CPU one).
-        self._share_prefixes = False
         self._mixed = settings.mixed_steps and self._mixed_steps_work()
         self._incoming = AdmissionQueue()
         self._request_ids = RequestIds()
@@ -286,7 +276,7 @@ class HFEngine:
             self._fail_waiting("shut down" if self._stopped else "stopped (its decode loop ended)")
 
     def _loop(self) -> None:
-        batch = SlotBatch(self.settings.max_batch_size, self._share_prefixes)
+        batch = SlotBatch(self.settings.max_batch_size)
         while not self._stopped:
             if not batch.live_slots() and self._incoming.empty():
                 self._wakeup.wait(timeout=0.5)
@@ -305,7 +295,7 @@ class HFEngine:
                     failure = EngineStepFailed(f"{self.name}: a batch step failed with {type(exc).__name__}: {exc}")
                     failure.__cause__ = exc
                     _resolve(seq, failure)
-                batch = SlotBatch(self.settings.max_batch_size, self._share_prefixes)
+                batch = SlotBatch(self.settings.max_batch_size)
             finally:
                 self._joining = []
             self.stats["busy_seconds"] += time.perf_counter() - started
@@ -322,25 +312,16 @@ class HFEngine:
     def _mixed_steps_work(self) -> bool:
         """Switch the model to the packed attention and check, on a scratch batch, that mixed
         steps give the logits plain forwards give (two joiners, then a decode step with a third
-        joining), reading a shared prefix once where the settings allow it, else without;
-        otherwise stay with plain steps."""
+        joining); otherwise stay with plain steps."""
         previous = self.model.config._attn_implementation
-        wants_shared = self.settings.shared_prefix_attention and torch.device(self.settings.device).type == "cpu"
         try:
             packed_step.register()
             self.model.set_attn_implementation(packed_step.PACKED_ATTENTION)
             with torch.inference_mode():
-                for share in (True, False) if wants_shared else (False,):
-                    if packed_step.agrees_with_plain_forwards(
-                        self.model, self._kv_shape, self.settings.device, bool(self._last_logits_only), share
-                    ):
-                        self._share_prefixes = share
-                        return True
-                    if share:
-                        logger.warning(
-                            "%s: mixed steps that read a shared prefix once disagree with plain forwards; each sequence reads its own",
-                            self.name,
-                        )
+                if packed_step.agrees_with_plain_forwards(
+                    self.model, self._kv_shape, self.settings.device, bool(self._last_logits_only)
+                ):
+                    return True
             logger.warning(
                 "%s: mixed prefill+decode steps disagree with plain forwards for this model; using plain steps",
                 self.name,
@@ -396,8 +377,6 @@ class HFEngine:
             device,
         )
         self.stats["prefill_tokens"] += sum(len(seq.prompt_ids) - reused for seq, reused, _ in joiners)
-        if packed.step.cascade is not None:
-            self.stats["shared_prefix_reads"] += packed.step.cascade.reading
         logits = packed_step.forward(self.model, packed, device, bool(self._last_logits_only))
         batch.advance()
         if self._prefix_cache is not None:

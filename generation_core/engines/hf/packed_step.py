@@ -8,8 +8,7 @@ tokens], so the projections and MLPs (most of the work) run once over all of the
 attention is split, in `packed_attention`:
 
 - the decoding slots' tokens attend, as one batched call, to their own columns of the slot store
-  (slot_batch.py), exactly as a plain decode step does; on a CPU, those that share the batch's
-  shared prefix read one copy of it and their own columns after it (shared_prefix.py);
+  (slot_batch.py), exactly as a plain decode step does;
 - each joiner's new tokens attend causally to its own prompt columns (a reused prefix first).
 
 The attention function is registered with transformers under `PACKED_ATTENTION` and receives
@@ -31,7 +30,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from generation_core.engines.hf.shared_prefix import MIN_SHARED_TOKENS, CascadeStep, cascade_decode_attention
 from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 
 PACKED_ATTENTION = "genrun_packed_sdpa"
@@ -52,10 +50,7 @@ class PackedStep:
     decode_start: int
     """First column any decoding slot attends to in the store."""
     decode_mask: torch.Tensor | None
-    """[decode_rows, 1, 1, end - decode_start + 1] (slot_batch.decode_mask): bool, or additive
-    when the batch shares prefixes (the CPU kernel that attention then runs takes that)."""
-    cascade: CascadeStep | None
-    """The shared prefix and which rows read it (None: no decoding row does)."""
+    """[decode_rows, 1, 1, end - decode_start + 1] bool (slot_batch.decode_mask)."""
     joiners: list[tuple[int, int, int]]
     """(slot, first prompt column, new tokens) per joiner: its new tokens are its prompt's last
     ones, ending at column `batch.end`."""
@@ -77,22 +72,14 @@ class PackedStep:
             keep.append(len(ids) - 1)
             layout.append((slot, batch.row_start[slot], len(prompt_ids) - reused))
         rows = max(decoding) + 1 if decoding else 0
-        batch.share_prefix(decoding)
-        decode_start = min((batch.own_start(slot) for slot in decoding), default=batch.end)
-        additive = batch.keys[0].dtype if batch.share_prefixes else None
-        cascade = None
-        reading = sum(bool(batch.shares[slot]) for slot in decoding)
-        if reading:
-            assert batch.prefix is not None, "a slot reads only a prefix that exists"
-            cascade = CascadeStep(batch.prefix, batch.prefix_bias(rows, decoding, device), reading)
+        decode_start = min((batch.row_start[slot] for slot in decoding), default=batch.end)
         step = cls(
             batch=batch,
             decoding=decoding,
             decoding_index=torch.tensor(decoding, dtype=torch.long, device=device),
             decode_rows=rows,
             decode_start=decode_start,
-            decode_mask=batch.decode_mask(rows, decoding, decode_start, device, additive) if decoding else None,
-            cascade=cascade,
+            decode_mask=batch.decode_mask(rows, decoding, decode_start, device) if decoding else None,
             joiners=layout,
         )
         return PackedInput(step, ids, positions, keep)
@@ -166,11 +153,7 @@ def packed_attention(
         q[step.decoding_index, :, 0] = query[0, :, :n].transpose(0, 1)
         window = slice(step.decode_start, b.end + 1)
         k, v = keys[: step.decode_rows, :, window], values[: step.decode_rows, :, window]
-        if b.share_prefixes:
-            assert step.decode_mask is not None, "slots decode: build gave them a mask"
-            o = cascade_decode_attention(q, k, v, step.decode_mask, step.cascade, module.layer_idx, scaling)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=gqa)
         out[0, :n] = o[step.decoding_index, :, 0]
     offset = n
     for slot, first, count in step.joiners:
@@ -215,20 +198,14 @@ class _Probe:
     token_ids: list[int]
 
 
-def agrees_with_plain_forwards(
-    model, shape: KVShape, device: str, accepts_logits_to_keep: bool, share_prefixes: bool = False
-) -> bool:
+def agrees_with_plain_forwards(model, shape: KVShape, device: str, accepts_logits_to_keep: bool) -> bool:
     """Two mixed steps on a scratch batch (two prompts joining; then both decoding while a third
-    joins) give the last-position logits of plain forwards over the same tokens. The first two
-    prompts start with the same MIN_SHARED_TOKENS + 8 tokens: with `share_prefixes`, the decode
-    step reads those once for both."""
+    joins) give the last-position logits of plain forwards over the same tokens."""
     vocab = int(model.config.get_text_config().vocab_size)
-    common = [(13 * j + 7) % vocab for j in range(MIN_SHARED_TOKENS + 8)]
-    tails = [[(37 * i + 11 * j + 5) % vocab for j in range(length)] for i, length in enumerate((5, 9, 3))]
-    prompts = [common + tails[0], common + tails[1], tails[2]]
-    probes = [_Probe(prompt, []) for prompt in prompts]
+    tails = [[(37 * i + 11 * j + 5) % vocab for j in range(length)] for i, length in enumerate((45, 49, 3))]
+    probes = [_Probe(prompt, []) for prompt in tails]
     tolerance = 1e-3 if shape.dtype == torch.float32 else 5e-2
-    batch = SlotBatch(4, share_prefixes)
+    batch = SlotBatch(4)
 
     def plain(tokens: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens], device=device)).logits[0, -1].float()
@@ -252,10 +229,6 @@ def agrees_with_plain_forwards(
     for n, probe in enumerate(probes[:2]):
         probe.token_ids.append(int(first[n].argmax()))
     second = step(decoding, probes[2:])
-    if share_prefixes and not (
-        batch.prefix is not None and len(batch.prefix) == len(common) and all(batch.shares[s] for s in decoding)
-    ):
-        return False
     wanted = [plain(probe.prompt_ids + probe.token_ids) for probe in probes[:2]] + [plain(probes[2].prompt_ids)]
     return all(close(second[n], wanted[n]) for n in range(3))
 

@@ -10,11 +10,6 @@ freed slot (`compact`, one slot's columns copied), so a step's rows are its live
 Attention sees the window [start, end], where `start` is the oldest live sequence's first column;
 the store is shifted left (one copy) only when it runs out of room. A row in a step that does not
 decode (a joiner, a free slot) rides along masked to the column being written.
-
-With `share_prefixes` (the mixed steps on a CPU), the batch also keeps one copy of the longest
-prompt prefix its sequences share (shared_prefix.py): a decoding slot whose prompt starts with it
-attends to that copy and to its own columns after it (`own_start`), so a step's window starts
-after the shared prefix.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from generation_core.engines.hf.prefix_cache import KV
-from generation_core.engines.hf.shared_prefix import MIN_SHARED_TOKENS, SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -51,15 +45,10 @@ class KVShape:
 class SlotBatch:
     """The running decode batch (see the module docstring)."""
 
-    def __init__(self, num_slots: int, share_prefixes: bool = False):
+    def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.sequences: list[Any] = [None] * num_slots  # an engine's sequence per slot; None: free
         self.row_start = [0] * num_slots
-        self.share_prefixes = share_prefixes
-        self.prefix: SharedPrefix | None = None
-        # Per slot: its prompt starts with `prefix` (True), does not (False), or not looked at
-        # yet (None: it has not decoded since it joined).
-        self.shares: list[bool | None] = [None] * num_slots
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.start = 0
@@ -127,7 +116,6 @@ class SlotBatch:
     def _occupy(self, slot: int, seq: Any, first_column: int) -> None:
         self.sequences[slot] = seq
         self.row_start[slot] = first_column
-        self.shares[slot] = None
         self.start = min(self.row_start[s] for s in self.live_slots())
 
     def kv_of(self, slot: int) -> KV:
@@ -140,7 +128,6 @@ class SlotBatch:
 
     def leave(self, slot: int) -> None:
         self.sequences[slot] = None
-        self.shares[slot] = None
         live = self.live_slots()
         if not live:
             # Empty: the next joiner starts a fresh timeline (memory is kept for it).
@@ -164,68 +151,19 @@ class SlotBatch:
                 for layer in store:
                     layer[hole, :, lo : self.end] = layer[slot, :, lo : self.end]
             self.sequences[hole], self.sequences[slot] = self.sequences[slot], None
-            self.shares[hole], self.shares[slot] = self.shares[slot], None
             self.row_start[hole] = lo
         return len(holes)
 
-    # ---- the shared prefix -----------------------------------------------------------------
-
-    def share_prefix(self, decoding: list[int]) -> None:
-        """Decide, for each slot in `decoding` that joined since the last step, whether it reads
-        the shared prefix: its prompt starts with it; or with at least MIN_SHARED_TOKENS of it
-        (the prefix is cut to what they have in common, which every sharing slot still starts
-        with); or no live slot shares the prefix, and this slot's prompt becomes it. Every
-        prompt column is in the store by then (a slot decodes after its prefill)."""
-        if not self.share_prefixes:
-            return
-        for slot in decoding:
-            if self.shares[slot] is None:
-                self.shares[slot] = self._reads_prefix(slot, self.sequences[slot].prompt_ids)
-
-    def _reads_prefix(self, slot: int, prompt_ids: list[int]) -> bool:
-        if self.prefix is not None:
-            common = self.prefix.common_length(prompt_ids)
-            if common == len(self.prefix):
-                return True
-            if common >= MIN_SHARED_TOKENS:
-                self.prefix.shorten(common)
-                return True
-            if any(self.shares[s] for s in self.live_slots() if s != slot):
-                return False
-        if len(prompt_ids) < MIN_SHARED_TOKENS:
-            return False
-        self.prefix = SharedPrefix.copy_of(prompt_ids, self.keys, self.values, slot, self.row_start[slot])
-        return True
-
-    def own_start(self, slot: int) -> int:
-        """The first column `slot` attends to in the store: after the shared prefix if it reads it."""
-        if not self.shares[slot]:
-            return self.row_start[slot]
-        assert self.prefix is not None, "a slot shares only a prefix that exists"
-        return self.row_start[slot] + len(self.prefix)
-
     # ---- one step --------------------------------------------------------------------------
 
-    def decode_mask(
-        self, rows: int, decoding: list[int], first_column: int, device: str, additive: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """[rows, 1, 1, end - first_column + 1]: a decoding slot attends to its own columns
-        (`own_start` on); any other slot (free, or joining this step) to the column being
-        written only, so that no row's softmax is empty. bool (True: attend), or with `additive`
-        0 and -inf of that dtype."""
+    def decode_mask(self, rows: int, decoding: list[int], first_column: int, device: str) -> torch.Tensor:
+        """[rows, 1, 1, end - first_column + 1] bool (True: attend): a decoding slot attends to its
+        own columns; any other slot (free, or joining this step) to the column being written only,
+        so that no row's softmax is empty."""
         decoding_set = set(decoding)
-        starts = torch.tensor([self.own_start(s) if s in decoding_set else self.end for s in range(rows)]).unsqueeze(1)
+        starts = torch.tensor([self.row_start[s] if s in decoding_set else self.end for s in range(rows)]).unsqueeze(1)
         columns = torch.arange(first_column, self.end + 1).unsqueeze(0)
-        attend = (columns >= starts).view(rows, 1, 1, -1)
-        if additive is not None:
-            return torch.zeros(attend.shape, dtype=additive).masked_fill_(~attend, float("-inf")).to(device)
-        return attend.to(device)
-
-    def prefix_bias(self, rows: int, decoding: list[int], device: str) -> torch.Tensor:
-        """[rows, 1, 1] float: 0 for the decoding slots that read the shared prefix, -inf for every other row."""
-        decoding_set = set(decoding)
-        reads = torch.tensor([bool(self.shares[s]) and s in decoding_set for s in range(rows)])
-        return torch.zeros(rows, 1, 1).masked_fill_(~reads.view(rows, 1, 1), float("-inf")).to(device)
+        return (columns >= starts).view(rows, 1, 1, -1).to(device)
 
     def step_inputs(self, device: str) -> dict[str, torch.Tensor]:
         """Model inputs for one plain decode step over slots [0, highest live slot] (the path for
