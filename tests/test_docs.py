@@ -5,7 +5,7 @@
   promise without its holder unnoticed.
 - Every relative link of the README and docs/ reaches a file (and a heading, when it names one).
 - docs/configuration.md names only keys the loaded configuration has, and every `generation.*`
-  key of genrun.yaml; no doc names a key that does not exist.
+  key as declared; no doc names a key that does not exist.
 - docs/architecture.md names every module under generation_core/, flows/ and tasks/, and no
   module that does not exist; no docstring or comment of the library names a file that is gone."""
 
@@ -140,14 +140,29 @@ def test_every_config_key_a_doc_names_exists(doc, loaded_config):
     assert not unknown, f"{doc} names config keys the loaded configuration does not have: {unknown}"
 
 
-def test_the_configuration_page_covers_every_generation_key_of_genrun_yaml():
-    import yaml
+KEY_TABLE = re.compile(r"(<!-- key_table ([\w.]+):[^\n]*-->\n)((?:\|[^\n]*\n)*)")
+"""A table of genrun's own keys in docs/configuration.md: its marker line, its section, its rows."""
 
-    defaults = yaml.safe_load((REPO / "generation_core" / "config" / "genrun.yaml").read_text())
-    page = set(CONFIG_KEY.findall((REPO / "docs" / "configuration.md").read_text()))
-    generation_keys = [f"generation.{key}" for key in defaults["generation"]]
-    assert len(generation_keys) > 20
-    assert [key for key in generation_keys if key not in page] == []
+
+def with_key_tables(page: str, declared: dict[str, type] | None = None) -> str:
+    """The configuration page with each marked table as its section's declarations give it
+    (`checks.key_table`); `python -m tests.test_docs` writes it."""
+    from generation_core.config.checks import key_table
+    from generation_core.config.settings import DECLARED
+
+    sections = DECLARED if declared is None else declared
+    return KEY_TABLE.sub(lambda found: found[1] + key_table(found[2], sections[found[2]]), page)
+
+
+def test_the_configuration_page_tables_every_declared_key_as_declared():
+    """Issue 53 item 1: a generation: key was written in five places (field, rule, genrun.yaml,
+    this page, the fingerprint's OPERATIONAL_KEYS); now its declaration is the one, and each table
+    of genrun's own keys on the page is the one its declarations give."""
+    from generation_core.config.settings import DECLARED
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert sorted(found[2] for found in KEY_TABLE.finditer(page)) == sorted(DECLARED), "one marked table per section"
+    assert page == with_key_tables(page), "docs/configuration.md: run `.venv/bin/python -m tests.test_docs`"
 
 
 # docs/architecture.md's module map names every module; the list comes from the file system at
@@ -222,3 +237,8 @@ def test_every_file_a_docstring_or_comment_names_exists():
         if not exists(name)
     ]
     assert stale == []
+
+
+if __name__ == "__main__":
+    CONFIGURATION = REPO / "docs" / "configuration.md"
+    CONFIGURATION.write_text(with_key_tables(CONFIGURATION.read_text()))

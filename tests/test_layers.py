@@ -133,6 +133,7 @@ ONE_JOB_THOUGH_LONG = {
     "generation_core/engines/hf/engine.py": "one engine: its request queue, decode loop and KV bookkeeping share one thread's state",
     "generation_core/store/folder.py": "StorageFolder and the two atomic writers (local rename, S3 multipart) its `open_write` returns",
     "generation_core/store/commit_log.py": "a shard's commit records and their fold; repair and fencing live beside it",
+    "generation_core/config/settings.py": "the generation: section, each of its 33 keys declared once (default, rule, doc)",
 }
 
 

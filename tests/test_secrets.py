@@ -302,7 +302,7 @@ def test_no_default_key_of_verl_or_genrun_is_a_secret_but_the_remote_api_key():
     dataset name, were)."""
     from omegaconf import OmegaConf
 
-    from generation_core.config.loading import GENRUN_DEFAULTS, VERL_BASE_CONFIG
+    from generation_core.config.loading import default_config
     from generation_core.secrets import split_secrets
 
     def filled(node):
@@ -312,8 +312,7 @@ def test_no_default_key_of_verl_or_genrun_is_a_secret_but_the_remote_api_key():
             return [filled(value) for value in node] or ["value"]
         return "value"
 
-    merged = OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
-    defaults = OmegaConf.to_container(merged)
+    defaults = OmegaConf.to_container(default_config())
     masked = [".".join(map(str, path)) for path, _ in split_secrets(filled(defaults))[1]]
     assert masked == ["actor_rollout_ref.rollout.engine_kwargs.remote.api_key"]
 

@@ -1,8 +1,10 @@
-"""genrun.yaml is the reference a user reads, generation_core/config/settings.py and engine_kwargs.py
-the defaults the code uses: every default written in both must be the same value, and every setting
-the code reads must have its key in genrun.yaml, so the two can never disagree. The settings classes
-are the one owner of the `generation:` section: nothing outside config/ reads it, they check their
-own values, and nothing they derive is written back into the config."""
+"""genrun's own config keys (`generation:`, engine_kwargs.{hf,remote,instant}) are each declared
+once, as a settings field made by `checks.key` (default, rule, whether it shapes output, its doc):
+load_config takes the defaults from there (genrun.yaml repeats none), the settings check their own
+values as they are built, the fingerprint leaves out the keys that do not shape output, and
+docs/configuration.md's tables are generated from them. The settings classes are the one owner of
+the `generation:` section: nothing outside config/ reads it, and nothing they derive is written
+back into the config."""
 
 from __future__ import annotations
 
@@ -14,39 +16,85 @@ import pytest
 from omegaconf import OmegaConf
 
 import generation_core
-from generation_core.config.engine_kwargs import ENGINE_KWARGS, HfEngineKwargs, check_hf_device, hf_device
+from generation_core.config.checks import declared, defaults_of, integer, key, key_table
+from generation_core.config.engine_kwargs import HfEngineKwargs, InstantEngineKwargs, check_hf_device, hf_device
 from generation_core.config.loading import load_config
-from generation_core.config.settings import GenerationSettings
+from generation_core.config.settings import DECLARED, GenerationSettings
 from generation_core.errors import GenrunError
 
 pytestmark = pytest.mark.timeout(120)
 
 GENRUN_YAML = Path(generation_core.__file__).parent / "config" / "genrun.yaml"
 
-SECTIONS = {
-    "generation": GenerationSettings,
-    **{f"actor_rollout_ref.rollout.engine_kwargs.{engine}": cls for engine, cls in ENGINE_KWARGS.items()},
-}
+
+def test_genrun_yaml_repeats_no_declared_key_and_the_config_holds_every_declared_default():
+    """Issue 53 item 1: genrun.yaml carried every generation: and engine_kwargs.{hf,remote,instant}
+    key again beside the field's default (a test kept the two equal); now load_config merges the
+    declarations' defaults, so a new key is written once."""
+    yaml_tree = OmegaConf.load(GENRUN_YAML)
+    assert sorted(DECLARED) == [
+        "actor_rollout_ref.rollout.engine_kwargs.hf",
+        "actor_rollout_ref.rollout.engine_kwargs.instant",
+        "actor_rollout_ref.rollout.engine_kwargs.remote",
+        "generation",
+    ]
+    assert [section for section in DECLARED if OmegaConf.select(yaml_tree, section) is not None] == []
+    cfg = load_config([])
+    for section, cls in DECLARED.items():
+        loaded = dict(OmegaConf.to_container(OmegaConf.select(cfg, section)))
+        if section.endswith(".hf"):
+            assert loaded.pop("device") == "cpu", "load_config decides the device (trainer.device)"
+            loaded["device"] = None
+        assert loaded == defaults_of(cls), section
+    assert len(declared(GenerationSettings)) == 33
 
 
-def _default(field: dataclasses.Field):
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+def test_a_key_declared_without_the_declaration_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        plain: int = 1
+
+    with pytest.raises(TypeError, match="Undeclared.plain is not declared with config.checks.key"):
+        declared(Undeclared)
 
 
-@pytest.mark.parametrize("section", sorted(SECTIONS))
-def test_every_default_in_genrun_yaml_is_the_settings_default(section):
-    yaml_section = OmegaConf.to_container(OmegaConf.select(OmegaConf.load(GENRUN_YAML), section))
-    assert isinstance(yaml_section, dict)
-    settings_fields = {field.name: field for field in dataclasses.fields(SECTIONS[section])}
-    assert sorted(yaml_section) == sorted(settings_fields), (
-        f"{section}: genrun.yaml's keys and {SECTIONS[section].__name__}'s fields differ"
-    )
-    disagree = {
-        key: (value, _default(settings_fields[key]))
-        for key, value in yaml_section.items()
-        if value != _default(settings_fields[key])
-    }
-    assert disagree == {}, f"{section}: genrun.yaml vs settings.py (key: (yaml, code))"
+def test_a_key_declared_in_one_place_is_validated_fingerprinted_and_documented(monkeypatch):
+    """Issue 53 item 1: one declaration is all a new key needs: load_config knows it with its
+    default, a bad value is refused in one line, the fingerprint takes it in (or leaves it out,
+    for an operational key, so a resumed run may change it) and the docs table lists it."""
+    from generation_core.preflight.fingerprint import fingerprint, operational_keys
+    from tests.test_docs import with_key_tables
+
+    rule = (integer(1), "must be an integer >= 1")
+
+    @dataclasses.dataclass(frozen=True)
+    class WithNewKeys(GenerationSettings):
+        output_key: int = key(3, rule, True, "a key of this test that shapes output")
+        operational_key: int = key(3, rule, False, "a key of this test that does not")
+
+    monkeypatch.setitem(DECLARED, "generation", WithNewKeys)
+    defaults = load_config([])
+    assert (defaults.generation.output_key, defaults.generation.operational_key) == (3, 3)
+    with pytest.raises(GenrunError) as refused:
+        load_config(["generation.operational_key=0"])
+    assert str(refused.value) == "invalid generation.operational_key=0: must be an integer >= 1"
+    assert "generation.operational_key" in operational_keys() and "generation.output_key" not in operational_keys()
+    before = fingerprint(defaults, "d", {})
+    assert fingerprint(load_config(["generation.operational_key=5"]), "d", {}) == before, "a resume may change it"
+    assert fingerprint(load_config(["generation.output_key=5"]), "d", {}) != before, "another run"
+    table = key_table("generation", WithNewKeys)
+    assert "| `generation.output_key` | 3 | output | a key of this test that shapes output |" in table
+    assert "| `generation.operational_key` | 3 | operational | a key of this test that does not |" in table
+    page = (Path(generation_core.__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert "generation.output_key" in with_key_tables(page) and "generation.output_key" not in page
+
+
+def test_the_stall_alarms_default_is_named_for_what_it_decides():
+    """Review 2026-11-28 §6.3: a search-and-replace had named it `default_stallnumber`, while the
+    field's doc named `default_stall_seconds`."""
+    from generation_core.config.settings import default_stall_seconds
+
+    assert default_stall_seconds(856) == 214 and default_stall_seconds(10) == 120
 
 
 def test_a_run_record_written_before_a_key_existed_reads_with_the_default():
@@ -138,6 +186,11 @@ def test_only_config_reads_the_generation_section():
             ),
             "invalid generation.adaptive_k=4: must be an integer from 1 to actor_rollout_ref.rollout.n - 1 (n=4) "
             "with generation.adaptive=true",
+        ),
+        (lambda: GenerationSettings(final_merge="yes"), "invalid generation.final_merge='yes': must be true or false"),
+        (
+            lambda: InstantEngineKwargs(delay_seconds=-1),
+            "invalid actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds=-1: must be a number of seconds >= 0",
         ),
         (
             lambda: HfEngineKwargs(prefix_cache_bytes=-1),

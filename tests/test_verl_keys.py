@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from generation_core.config.loading import ADDED_DATA_KEYS, GENRUN_DEFAULTS, VERL_BASE_CONFIG, load_config
+from generation_core.config.loading import ADDED_DATA_KEYS, VERL_BASE_CONFIG, default_config, load_config
 from generation_core.config.validation import verl_key_values
 from generation_core.config.verl_keys import HONOURED, IRRELEVANT, REFUSED, SECTIONS, VERL_KEYS, engines_of, placement
 from generation_core.errors import GenrunError
@@ -53,7 +53,7 @@ def verl_tree() -> DictConfig:
 
 @pytest.fixture(scope="module")
 def genrun_tree() -> DictConfig:
-    return OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
+    return default_config()
 
 
 def test_every_key_of_verls_generation_sections_is_placed(verl_tree, genrun_tree):

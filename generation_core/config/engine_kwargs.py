@@ -1,6 +1,6 @@
 """The settings of genrun's own engines: `actor_rollout_ref.rollout.engine_kwargs.<engine>` for
-`hf`, `instant` and `remote`, as typed dataclasses (each default once, each value checked as the
-class is built: checks.py), and the transformers engine's device rule.
+`hf`, `instant` and `remote`, as typed dataclasses (each key declared once with `checks.key`, each
+value checked as the class is built), and the transformers engine's device rule.
 
 Light to import (the standard library only): every engine process reads its kwargs through these.
 """
@@ -8,47 +8,76 @@ Light to import (the standard library only): every engine process reads its kwar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
 
-from generation_core.config.checks import Rule, integer, is_bool, refuse_bad_values, section_of
+from generation_core.config.checks import BOOL, integer, key, number, refuse_bad_values, section_of
 from generation_core.errors import GenrunError
 
 HF_PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 """The transformers engine's prefix cache when engine_kwargs.hf.prefix_cache_bytes is null:
 ~11k tokens of the bundled 135M model."""
 
+ENGINE_KWARGS_SECTION = "actor_rollout_ref.rollout.engine_kwargs"
 
-HF_RULES: dict[str, Rule] = {
-    "num_threads": (integer(1, null=True), "must be null or an integer >= 1"),
-    "prefix_cache_bytes": (
-        integer(0, null=True),
-        "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)",
-    ),
-    "later_turns_first": (is_bool, "must be true or false"),
-    "weight_first_linear": (is_bool, "must be true or false"),
-}
+
+def _null_or_text(what: str):
+    return (lambda value: value is None or isinstance(value, str), f"must be null or {what}")
 
 
 @dataclass(frozen=True)
 class HfEngineKwargs:
-    """`actor_rollout_ref.rollout.engine_kwargs.hf`: the transformers engine (its values checked: HF_RULES)."""
+    """`actor_rollout_ref.rollout.engine_kwargs.hf`: the transformers engine."""
 
-    num_threads: int | None = None
-    """Torch threads per replica (None: the node's usable cores shared by its replicas)."""
-    ignore_eos: bool = False
-    """Benchmarks: every response runs to its length limit."""
-    device: str | None = None
-    """None: `hf_device` decides (trainer.device); load_config writes its decision here."""
-    dtype: str | None = None
-    """None: `dtype_on` decides (float32 on the CPU, bfloat16 on a GPU)."""
-    prefix_cache_bytes: int | None = None
-    """KV kept for prefix reuse (None: HF_PREFIX_CACHE_BYTES; 0: none)."""
-    later_turns_first: bool = True
-    weight_first_linear: bool = True
+    SECTION: ClassVar[str] = f"{ENGINE_KWARGS_SECTION}.hf"
+
+    num_threads: int | None = key(
+        None,
+        (integer(1, null=True), "must be null or an integer >= 1"),
+        False,
+        "torch threads per replica (null: the node's usable cores shared by the replicas on that node)",
+    )
+    ignore_eos: bool = key(
+        False,
+        BOOL,
+        True,
+        "benchmarks: every response runs to `max_response_length` (the `instant` engine is the other benchmark "
+        "tool: a fixed short completion at once)",
+    )
+    device: str | None = key(
+        None,
+        _null_or_text("cpu or cuda"),
+        True,
+        "null: `trainer.device` (cpu); `cuda`: each replica holds one GPU of the Ray cluster (load_config writes "
+        "the device it decides here)",
+    )
+    dtype: str | None = key(
+        None, _null_or_text("a torch dtype name"), True, "null: float32 on the CPU, bfloat16 on a GPU"
+    )
+    prefix_cache_bytes: int | None = key(
+        None,
+        (integer(0, null=True), "must be null (the engine's default) or an integer >= 0 (0: no prefix reuse)"),
+        False,
+        "KV kept so that a prompt prefills only what earlier ones have not (a trajectory's previous turn, a shared "
+        "system prompt, another sample of the same prompt; null: 512 MiB; 0: no reuse)",
+    )
+    later_turns_first: bool = key(
+        True,
+        BOOL,
+        False,
+        "a multi-turn trajectory's next turn joins the decode batch before first turns that wait, so a started "
+        "trajectory does not queue behind new ones; false: arrival order",
+    )
+    weight_first_linear: bool = key(
+        True,
+        BOOL,
+        False,
+        "on a CPU, linear layers of 2-128 rows compute `W @ x^T` instead of `x @ W^T`, which MKL runs slowly with "
+        "few rows (bench/RESULTS.md); false: transformers' `nn.Linear` (the same tokens up to float rounding)",
+    )
 
     def __post_init__(self) -> None:
-        refuse_bad_values(self, "actor_rollout_ref.rollout.engine_kwargs.hf", HF_RULES)
+        refuse_bad_values(self, self.SECTION)
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
@@ -81,9 +110,24 @@ def check_hf_device(device: Any) -> str:
 class InstantEngineKwargs:
     """`actor_rollout_ref.rollout.engine_kwargs.instant`: the benchmark/test engine."""
 
-    response_tokens: int = 8
-    delay_seconds: float = 0.0
-    """Seconds each request takes (tests use it to have requests in flight)."""
+    SECTION: ClassVar[str] = f"{ENGINE_KWARGS_SECTION}.instant"
+
+    response_tokens: int = key(
+        8,
+        (integer(0), "must be an integer >= 0"),
+        True,
+        "`rollout.name=instant` (benchmark/test engine): tokens per completion, derived from the prompt and (when "
+        "sampling) temperature, top_p, top_k and the request's seed",
+    )
+    delay_seconds: float = key(
+        0.0,
+        (number(above=False), "must be a number of seconds >= 0"),
+        False,
+        "seconds each request takes (0: instant; tests use it to have requests in flight)",
+    )
+
+    def __post_init__(self) -> None:
+        refuse_bad_values(self, self.SECTION)
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:
@@ -95,16 +139,44 @@ class RemoteEngineKwargs:
     """`actor_rollout_ref.rollout.engine_kwargs.remote`: OpenAI-compatible servers by URL
     (config/layout.py `remote_urls` reads and checks base_urls)."""
 
-    base_urls: Sequence[str] | str = field(default_factory=list)
-    """The servers' base URLs (a list, or one comma-separated string)."""
-    model: str | None = None
-    """None: the first model the server lists at /v1/models."""
-    api_key: str | None = None
-    connect_timeout: float = 10.0
-    health_interval: float = 5.0
-    """Seconds between /health probes of a server out of rotation."""
-    max_connections: int = 256
-    """Most connections per server from one shard worker."""
+    SECTION: ClassVar[str] = f"{ENGINE_KWARGS_SECTION}.remote"
+
+    base_urls: Sequence[str] | str = key(
+        [],
+        (lambda value: isinstance(value, str | Sequence), "must be a list of URLs or one comma-separated string"),
+        False,
+        "`rollout.name=remote`: OpenAI-compatible servers that already run (vLLM, SGLang), e.g. "
+        '`["http://10.0.0.5:8000", "http://10.0.0.6:8000"]`; requests go to `/v1/completions` as token ids '
+        "([engines.md](engines.md#external-inference-servers-rolloutnameremote))",
+    )
+    model: str | None = key(
+        None, _null_or_text("a model name"), True, "null: the first model the server lists at `/v1/models`"
+    )
+    api_key: str | None = key(
+        None,
+        _null_or_text("a key"),
+        False,
+        "sent as `Authorization: Bearer ...` (`vllm serve --api-key`); never written to run.json",
+    )
+    connect_timeout: float = key(
+        10.0,
+        (number(), "must be a number of seconds > 0"),
+        False,
+        "seconds to connect to a server; a server that does not answer is out of rotation until its `/health` "
+        "answers again",
+    )
+    health_interval: float = key(
+        5.0,
+        (number(), "must be a number of seconds > 0"),
+        False,
+        "seconds between `/health` probes of a server out of rotation",
+    )
+    max_connections: int = key(
+        256, (integer(1), "must be an integer >= 1"), False, "most connections per server from one shard worker"
+    )
+
+    def __post_init__(self) -> None:
+        refuse_bad_values(self, self.SECTION)
 
     @classmethod
     def of(cls, engine_kwargs: Mapping[str, Any] | None) -> Self:

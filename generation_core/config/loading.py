@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from generation_core.config import bundled
 from generation_core.config.engine_kwargs import hf_device
+from generation_core.config.settings import declared_defaults
 from generation_core.config.validation import check_verl_keys, validate_values, verl_key_values
 from generation_core.errors import GenrunError
 from generation_core.secrets import PLACEHOLDER, masked_paths
@@ -62,7 +63,7 @@ FREE_FORM_SECTIONS = (
     "custom_reward_function.reward_kwargs",
     "actor_rollout_ref.rollout.custom",
 )
-# genrun's own engines read exactly the keys genrun.yaml lists.
+# genrun's own engines read exactly the keys their settings classes declare (config/engine_kwargs.py).
 CLOSED_SECTIONS = tuple(f"actor_rollout_ref.rollout.engine_kwargs.{engine}" for engine in ("hf", "remote", "instant"))
 # data.* keys verl's RLHFDataset (which each shard builds) reads with a default, absent from the defaults.
 ADDED_DATA_KEYS = ("data.cache_dir", "data.chat_template_func", "data.filter_prompts", "data.need_tools_kwargs")
@@ -87,9 +88,7 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     """Defaults + Hydra-style overrides -> a resolved, validated config (no fingerprint yet)."""
     overrides = () if overrides is None else overrides
     _check_override_list(overrides)
-    cfg = cast(
-        DictConfig, OmegaConf.merge(OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS))
-    )  # two mappings
+    cfg = default_config()
     known_keys = _flat_keys(cfg)
     verl_defaults = verl_key_values(cfg)
     for override in _parse_overrides(list(overrides)):
@@ -109,6 +108,17 @@ def load_config(overrides: list[str] | tuple[str, ...] | None = ()) -> DictConfi
     # The settings other settings decide (max_inflight, the deadlines) stay as the user wrote them:
     # GenerationSettings.of decides them in every process that reads this config.
     return cfg
+
+
+def default_config() -> DictConfig:
+    """The defaults before any override: verl's ppo_trainer config, genrun.yaml over it, and the
+    sections genrun declares key by key (settings.DECLARED) over both."""
+    return cast(
+        DictConfig,
+        OmegaConf.merge(
+            OmegaConf.load(VERL_BASE_CONFIG), OmegaConf.load(GENRUN_DEFAULTS), OmegaConf.create(declared_defaults())
+        ),
+    )
 
 
 def _refuse_masked_secrets(cfg: DictConfig) -> None:

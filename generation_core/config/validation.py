@@ -11,10 +11,9 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from generation_core.config.checks import is_number
-from generation_core.config.engine_kwargs import HfEngineKwargs
+from generation_core.config.checks import is_number, section_of
 from generation_core.config.layout import resolve_layout
-from generation_core.config.settings import GenerationSettings
+from generation_core.config.settings import DECLARED, GenerationSettings
 from generation_core.config.verl_keys import REFUSED, SECTIONS, engines_of, is_placed_whole, placement
 from generation_core.errors import GenrunError
 
@@ -87,8 +86,9 @@ def _check_settings(cfg: DictConfig) -> None:
     """genrun's own settings check themselves as they are built (settings.py, engine_kwargs.py);
     what also depends on the engine is checked here."""
     rollout = cfg.actor_rollout_ref.rollout
+    for section, cls in DECLARED.items():  # every declared key against its rule
+        cls(**section_of(OmegaConf.select(cfg, section), cls))
     settings = GenerationSettings.of(cfg)
-    HfEngineKwargs.of(rollout.engine_kwargs)
     _require(
         settings.sample_seed is None or rollout.name in SEEDED_ENGINES,
         "generation.sample_seed",

@@ -3,7 +3,7 @@ digests of those files, and the hash over them.
 
 A run folder belongs to one fingerprint (run.json); the same command computes the same one and
 resumes there, and anything that would change the trajectories changes it. Its pieces, in one
-place: OPERATIONAL_KEYS (config keys left out), OUTPUT_FILES (config keys whose files enter by
+place: `operational_keys` (config keys left out), OUTPUT_FILES (config keys whose files enter by
 content), the file digests (`output_file_digests`: the model by `model_identity`, the agent
 loops with their classes' source, the user code `code_inputs.CodeWalk` finds), the versions of
 the code that produces trajectories (plan.versions) and genrun's output format
@@ -26,53 +26,27 @@ import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from generation_core.build import OUTPUT_FORMAT_VERSION
+from generation_core.config.checks import operational_keys as declared_operational_keys
+from generation_core.config.settings import DECLARED
 from generation_core.errors import GenrunError
 from generation_core.inputs.agent_loops import existing_config_file, plugin_entry_points
 from generation_core.inputs.task_build import task_configs
 from generation_core.inputs.user_code import CodeWalk
 from generation_core.run_plan import versions
 
-# Output-shaping: every config key that OPERATIONAL_KEYS does not list (engine and sampling
-# settings, lengths, the agent loop, reward, data and shard settings, engine_kwargs such as
-# instant.response_tokens, hf.dtype, hf.device, hf.ignore_eos, remote.model, and any key a user
-# adds), and the content of the files that OUTPUT_FILES lists. A key nobody classified counts as
+# Output-shaping: every config key that `operational_keys` does not list (engine and sampling
+# settings, lengths, the agent loop, reward, data and shard settings, and any key a user adds),
+# and the content of the files that OUTPUT_FILES lists. A key nobody classified counts as
 # output-shaping: forgetting one costs a new folder, never someone else's trajectories.
 # Operational: how the run executes (threads, timeouts, retries, workers, progress, logging,
-# storage, where the servers are); a resumed run may change them.
+# storage, where the servers are); a resumed run may change them. genrun's own keys say which
+# they are where they are declared (`shapes_output`, settings.DECLARED); verl's are listed here.
 
 OPERATIONAL_KEYS = (
     "trainer.default_local_dir",
     "trainer.experiment_name",
     "trainer.project_name",
     "trainer.logger",
-    "generation.save_batch_size",
-    "generation.part_target_bytes",
-    "generation.part_max_seconds",
-    "generation.first_part_max_seconds",
-    "generation.pull_timeout",
-    "generation.max_inflight",
-    "generation.max_open_trajectories",
-    "generation.inflight_share_cap",
-    "generation.final_merge",
-    "generation.merge_chunk_size",
-    "generation.merge_max_file_bytes",
-    "generation.retries",
-    "generation.recheck_finished_rows",
-    "generation.retry_delay_seconds",
-    "generation.lease_seconds",
-    "generation.request_retries",
-    "generation.request_backoff_seconds",
-    "generation.request_timeout",
-    "generation.sample_timeout_seconds",
-    "generation.max_failed_fraction",
-    "generation.reward_workers",
-    "generation.show_progress",
-    "generation.progress_seconds",
-    "generation.stall_seconds",
-    "generation.gpu_hour_price",
-    "generation.upload_artifact",
-    "generation.artifact_mode",
-    "generation.routing",
     "data.dataloader_num_workers",
     "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.rollout.max_num_seqs",
@@ -85,22 +59,6 @@ OPERATIONAL_KEYS = (
     "actor_rollout_ref.rollout.agent.num_workers",
     # A metrics label (verl fills it with the model path, whose content is an input already).
     "actor_rollout_ref.rollout.prometheus.served_model_name",
-    "actor_rollout_ref.rollout.engine_kwargs.hf.num_threads",
-    # Reuse skips recomputing a prefix's KV: the same tokens (as with more or fewer threads,
-    # float rounding may differ).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.prefix_cache_bytes",
-    # Which waiting request joins the batch first: scheduling, as max_num_seqs.
-    "actor_rollout_ref.rollout.engine_kwargs.hf.later_turns_first",
-    # Weight-first linear layers compute the same products in another call (float rounding).
-    "actor_rollout_ref.rollout.engine_kwargs.hf.weight_first_linear",
-    "actor_rollout_ref.rollout.engine_kwargs.instant.delay_seconds",
-    # Which servers and how to reach them. The model they serve is in the fingerprint (remote.model,
-    # or when it is null the name the servers report: preflight).
-    "actor_rollout_ref.rollout.engine_kwargs.remote.base_urls",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.api_key",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.connect_timeout",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.health_interval",
-    "actor_rollout_ref.rollout.engine_kwargs.remote.max_connections",
     "storage",
     # How to reach the input files (endpoint, credentials); their content is in the fingerprint.
     "data.storage_options",
@@ -108,6 +66,14 @@ OPERATIONAL_KEYS = (
     "data.task_cache_dir",
     "ray_kwargs",
 )
+
+
+def operational_keys() -> tuple[str, ...]:
+    """Every key left out of the fingerprint: OPERATIONAL_KEYS, and each declared key of genrun's
+    own sections that does not shape output."""
+    declared = (key for section, cls in DECLARED.items() for key in declared_operational_keys(section, cls))
+    return (*OPERATIONAL_KEYS, *declared)
+
 
 OUTPUT_FILES = {
     "data.train_files": "dataset",
@@ -278,7 +244,7 @@ def output_file_digests(cfg: DictConfig) -> dict[str, str]:
 
 
 def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None = None) -> str:
-    """Hash of everything that determines the output: the config minus OPERATIONAL_KEYS, the
+    """Hash of everything that determines the output: the config minus `operational_keys`, the
     dataset content, the digests of the other OUTPUT_FILES (by config key, as output_file_digests computes
     them, with the user code they reach), the versions of the code that produces it and genrun's
     output format (build.OUTPUT_FORMAT_VERSION). A file given by its digest enters by
@@ -287,7 +253,7 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
     files = dict(files or {})
     semantic = OmegaConf.to_container(cfg, resolve=True)
     by_content = [key for key, kind in OUTPUT_FILES.items() if kind == "dataset" or key in files]
-    for key in (*OPERATIONAL_KEYS, *by_content):
+    for key in (*operational_keys(), *by_content):
         parent, _, leaf = key.rpartition(".")
         node = semantic
         for part in parent.split(".") if parent else []:
