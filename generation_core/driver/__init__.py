@@ -1,1 +1,1 @@
-"""Driving a run: the run's sequence once, its dispatchers, progress, Ctrl-C, the console, `genrun bench`."""
+"""Driving a run: the run's sequence once, its dispatchers, the finished-run answer, progress, the stall alarm, Ctrl-C and the watchdog, publishing."""

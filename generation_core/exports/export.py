@@ -283,7 +283,7 @@ def _row(
         reward=record.reward_score,
         num_turns=record.num_turns,
         truncated=rebuilt.truncated,
-        # Where and how it was made, and where its time went (records.PROVENANCE_KEYS, TIMINGS);
+        # Where and how it was made, and where its time went (trajectory_record.PROVENANCE_KEYS, TIMINGS);
         # null for trajectories of genruns that did not keep them.
         provenance=None if record.provenance is None else to_json(record.provenance),
         timings=None if record.timings is None else dict(record.timings, storage=storage_seconds),

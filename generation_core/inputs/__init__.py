@@ -1,1 +1,1 @@
-"""What a run reads: the bundled defaults, dataset files, a shard's rows, agent loops and the user's code."""
+"""What a run reads: dataset files, a shard's rows, tasks, OpenAI batch files, the tokenizer, agent loops and the user's code."""

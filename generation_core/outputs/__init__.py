@@ -1,1 +1,1 @@
-"""What a finished run leaves: the merged DataProto, manifest.json, publishing, status."""
+"""What a finished run leaves: the merged DataProto, the capacity ledger, manifest.json and the run summary, status."""

@@ -108,7 +108,7 @@ def scan_run(folder: StorageFolder) -> MergeInput:
         )
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
-        # NaN is no score (records.score_or_none): rm_scores only when every trajectory is scored.
+        # NaN is no score (trajectory_record.score_or_none): rm_scores only when every trajectory is scored.
         scores_missing += pc.sum(pc.invert(scored_mask(table.column("reward_score")))).as_py() or 0
         for text, shared in zip(
             table.column("extra_fields").to_pylist(), table.column("raw_prompt_shared").to_pylist(), strict=True

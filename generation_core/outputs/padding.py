@@ -19,7 +19,7 @@ from verl.protocol import DataProto
 from generation_core.errors import GenrunError
 
 PROVENANCE_KEY = "genrun_provenance"
-"""The merged DataProto's non-tensor column of each trajectory's provenance (records.PROVENANCE_KEYS)."""
+"""The merged DataProto's non-tensor column of each trajectory's provenance (trajectory_record.PROVENANCE_KEYS)."""
 TIMINGS_KEY = "genrun_timings"
 """The merged DataProto's non-tensor column of each trajectory's time split (trajectory_record.TIMINGS and `storage`)."""
 RUN_DEPENDENT_KEYS = (PROVENANCE_KEY, TIMINGS_KEY)

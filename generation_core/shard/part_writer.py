@@ -10,7 +10,7 @@ record's number (a crash in between loses only the error text of samples that ar
 anyway); errors and tracebacks are capped at FAILURE_TEXT_CHARS.
 
 Parts are few and large. Records stream into the open part as row groups (a few MiB or
-ROW_GROUP_RECORDS records each, `records.part_parquet_writer`), counted and sha256-hashed as
+ROW_GROUP_RECORDS records each, `trajectory_record.part_parquet_writer`), counted and sha256-hashed as
 the bytes go out, so a shard worker holds at most one row group of records, never a whole part.
 A part is committed when its bytes reach `generation.part_target_bytes`, when its first record
 is `generation.part_max_seconds` old (what a crash can lose), when it holds

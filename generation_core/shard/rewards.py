@@ -42,7 +42,7 @@ class RewardFunctionError(RuntimeError):
 @dataclass
 class RewardResult:
     score: float | None
-    """None when the function returned NaN: a NaN score is no score (records.score_or_none)."""
+    """None when the function returned NaN: a NaN score is no score (trajectory_record.score_or_none)."""
     extra_info: dict[str, Any]
 
 

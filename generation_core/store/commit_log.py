@@ -177,7 +177,7 @@ def highest_recorded_lease(folder: StorageFolder) -> int:
 class ShardCheckpoint:
     """What a shard has committed, folded from its commit records: its parts (with checksums)
     and the samples they hold. Readers (merge, status, the job) use this view; writers add one
-    record at a time (`start_attempt`, `commit_part`, `drop_damaged_parts`)."""
+    record at a time (`start_attempt`, `commit_part`, `commit_repair`)."""
 
     parts: list[PartEntry] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
