@@ -137,3 +137,15 @@ def test_the_instant_engine_is_not_said_to_load_a_model(finished):
     assert boot_words(resolve_layout(plan.cfg)) == (
         "starting 1 instant replica(s) on the CPU (no model to load), then the first requests"
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["genrun_replica_3f2a9c1b_0", "http://10.0.0.5:8000/v1", "abcdefghijklmnopqrstuvwxyz0123456789"]
+)
+def test_the_busy_idle_plot_labels_each_replica_with_its_whole_name(name):
+    """Issue 51 item 3: the replica timeline cut each name at 24 characters."""
+    from generation_core.report.plots import replica_label
+
+    label = replica_label(name)
+    assert label.replace("\n", "") == name
+    assert max(len(line) for line in label.splitlines()) <= 20

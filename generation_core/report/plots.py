@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from dataclasses import dataclass
 from typing import cast
 
@@ -222,6 +223,23 @@ REPLICAS_DRAWN = 32
 """Replicas drawn in the timeline (the first, by id); a bigger pool's table has every one."""
 
 
+def replica_label(name: str, width: int = 20) -> str:
+    """A replica's whole name on lines of at most `width` characters, broken after `_ : / . -`
+    where it can be (a cut name told two replicas of one run apart by nothing)."""
+    lines = [""]
+    for piece in re.split(r"(?<=[_:/.-])", str(name)):
+        while piece:
+            room = width - len(lines[-1])
+            if len(piece) > room and lines[-1]:
+                lines.append("")
+                continue
+            lines[-1] += piece[:width]
+            piece = piece[width:]
+            if piece:
+                lines.append("")
+    return "\n".join(lines)
+
+
 def replica_timeline(data: ReportData) -> Plot | None:
     """Each replica's busy spans (a request running on it) over time, from the trajectories'
     per-turn provenance; the gaps are its idle time."""
@@ -243,7 +261,7 @@ def replica_timeline(data: ReportData) -> Plot | None:
             color=_COLORS[row % len(_COLORS)],
             label=f"{replica}: busy {100 * busy / span:.0f}%",
         )
-    axes.set_yticks(range(len(replicas)), [str(r)[:24] for r in replicas])
+    axes.set_yticks(range(len(replicas)), [replica_label(r) for r in replicas])
     axes.set(xlabel=f"{unit} since the first request", title="Replicas busy (bars) and idle (gaps)")
     return Plot("replica-timeline", "Replicas busy and idle over time", _png(figure))
 
