@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import sys
 import sysconfig
 import tokenize
 from pathlib import Path
@@ -236,6 +237,56 @@ def test_every_file_a_docstring_or_comment_names_exists():
         for name in FILE_NAME.findall(text)
         if not exists(name)
     ]
+    assert stale == []
+
+
+QUALIFIED_CONSTANT = re.compile(r"\b([a-z_][a-z0-9_]*)\.([A-Z][A-Z0-9_]{2,})\b")
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """Comments, docstrings and the strings that document an assignment."""
+    found = _comments_and_docstrings(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.append((node.lineno, node.value.value))
+    return found
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        for target in node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]:
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    return names
+
+
+def test_every_module_constant_a_docstring_or_comment_names_exists():
+    """Review 2026-11-28 §6.8: `records.PROVENANCE_KEYS` outlived the records module (now
+    store/trajectory_record.py) in two docstrings, which the file-name check cannot see: a
+    `module.CONSTANT` in the library's prose names a library module that defines it, or a module the
+    file imports (os.O_CREAT)."""
+    library = sorted((REPO / "generation_core").rglob("*.py"))
+    defined: dict[str, set[str]] = {}
+    for path in library:
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        defined.setdefault(stem, set()).update(_top_level_names(path))
+    stale = []
+    for path in library:
+        tree = ast.parse(path.read_text())
+        imported = {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        for line, text in _prose(path):
+            for module, name in QUALIFIED_CONSTANT.findall(text):
+                known = module in imported or module in sys.stdlib_module_names
+                if module in defined and name not in defined[module] or module not in defined and not known:
+                    stale.append(f"{path.relative_to(REPO)}:{line} names {module}.{name}")
     assert stale == []
 
 

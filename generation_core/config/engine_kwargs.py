@@ -188,4 +188,4 @@ ENGINE_KWARGS: dict[str, type] = {
     "instant": InstantEngineKwargs,
     "remote": RemoteEngineKwargs,
 }
-"""engine_kwargs.<engine> section -> its settings class (config.CLOSED_SECTIONS: exactly these keys)."""
+"""engine_kwargs.<engine> section -> its settings class (loading.CLOSED_SECTIONS: exactly these keys)."""
