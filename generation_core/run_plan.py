@@ -30,7 +30,7 @@ from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.secrets import SECRETS_ENV, from_environment, masked_paths, split_secrets, with_secrets
 from generation_core.store.folder import StorageFolder
-from generation_core.store.run_folder import FINGERPRINT_VERSION, claim_run_folder, config_without_secrets, shard_name
+from generation_core.store.run_folder import FOLDER_FORMAT, claim_run_folder, config_without_secrets, shard_name
 from generation_core.store.run_record import RunRecord, ShardRange
 
 
@@ -210,7 +210,7 @@ class RunPlan:
         return RunRecord(
             fingerprint=self.fingerprint,
             # Which recipe computed it: a later genrun tells this folder's owner what changed.
-            fingerprint_version=FINGERPRINT_VERSION,
+            fingerprint_version=FOLDER_FORMAT,
             versions=versions(),
             # The genrun that took the folder (build.py: each shard's attempt records its own too).
             build=genrun_build(),

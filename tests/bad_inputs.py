@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from generation_core.store.run_folder import FINGERPRINT_VERSION
+from generation_core.store.run_folder import FOLDER_FORMAT
 from tests.conftest import chat_rows, write_parquet
 
 OUTPUT_KEY = "trainer.default_local_dir="
@@ -68,7 +68,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         json.dumps(
             {
                 "fingerprint": "f" * 64,
-                "fingerprint_version": FINGERPRINT_VERSION,
+                "fingerprint_version": FOLDER_FORMAT,
                 "shards": [{"name": "shard-00000", "range": [0, 3]}],
             }
         )

@@ -26,7 +26,6 @@ from generation_core.store.commit_log import CheckpointConflict, ShardCheckpoint
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import LeaseFence, LeaseLost, RunLease
 from generation_core.store.run_folder import (
-    CHECKPOINT_FILE,
     COMMITS_DIR,
     RUN_FILE,
     PartEntry,
@@ -384,36 +383,36 @@ def _files(root) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(60)
-def test_a_folder_of_the_earlier_format_is_refused_with_what_to_do(tmp_path):
+def test_a_folder_of_another_format_is_refused_in_one_line_and_a_resume_lists_no_shard(tmp_path, monkeypatch):
+    """Issue 53 item 5: one format check (run.json's folder format) refuses every other format in
+    one line, changing nothing; a resume of this format reads run.json and lists no shard folder
+    (it used to list every shard looking for an earlier format's checkpoint.json)."""
     run_dir = tmp_path / "old-run"
     folder = StorageFolder(str(run_dir))
     folder.put_json(RUN_FILE, {"fingerprint": "a" * 64, "fingerprint_version": 2, "versions": {"genrun": "0.4.0"}})
-    folder.put_json(shard_file(SHARD.name, CHECKPOINT_FILE), {"parts": [], "completed": ["100:0"]})
+    folder.put_json(shard_file(SHARD.name, "checkpoint.json"), {"parts": [], "completed": ["100:0"]})
     before = _files(run_dir)
     with pytest.raises(GenrunError) as refused:
-        check_run_folder(folder, "b" * 64)
+        check_run_folder(folder, "a" * 64)
     message = str(refused.value)
     print(message)
-    assert str(run_dir) in message and "genrun 0.4.0" in message and "pip install genrun==0.4.0" in message
-    assert "To start fresh, set another trainer.default_local_dir" in message and "\n" not in message
+    assert message == (
+        f"output folder {run_dir} is in folder format 2 (written by genrun 0.4.0); this genrun reads format 3 only. "
+        "Nothing was changed there. Finish it with that genrun version (pip install genrun==0.4.0). To start fresh, "
+        "set another trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or "
+        "delete that folder"
+    )
     assert _files(run_dir) == before, "nothing written"
 
-
-@pytest.mark.timeout(60)
-def test_a_shard_with_a_checkpoint_json_and_no_commits_is_refused(tmp_path):
-    run_dir = tmp_path / "mixed"
-    folder = StorageFolder(str(run_dir))
-    folder.put_json(RUN_FILE, {"fingerprint": "a" * 64, "fingerprint_version": 3, "versions": {"genrun": "0.5.0"}})
-    folder.put_json(shard_file(SHARD.name, CHECKPOINT_FILE), {"parts": [], "completed": ["100:0"]})
-    before = _files(run_dir)
-    for read in (lambda: check_run_folder(folder, "a" * 64), lambda: ShardCheckpoint.load(folder, SHARD.name)):
-        with pytest.raises(
-            GenrunError,
-            match=rf"output folder {run_dir} holds shard progress in the earlier format .*checkpoint.json.*pip install genrun==0.5.0",
-        ) as refused:
-            read()
-        assert "\n" not in str(refused.value)
-    assert _files(run_dir) == before, "nothing written"
+    resumed = StorageFolder(str(tmp_path / "resumed"))
+    resumed.put_json(RUN_FILE, {"fingerprint": "a" * 64, "fingerprint_version": 3})
+    for shard in range(3):
+        ShardCheckpoint.start_attempt(resumed, f"shard-{shard:05d}")
+    listed = []
+    real_list = resumed.list
+    monkeypatch.setattr(resumed, "list", lambda relative="": listed.append(relative) or real_list(relative))
+    assert check_run_folder(resumed, "a" * 64).fingerprint == "a" * 64
+    assert listed == [], "a resume lists no shard"
 
 
 @pytest.mark.timeout(60)
@@ -493,29 +492,6 @@ def test_a_commit_in_flight_when_its_shard_is_cancelled_records_its_samples(tmp_
     assert [r.key for r in read_committed_records(folder)] == [(100 + p, 0) for p in range(6)], "each sample once"
 
 
-@pytest.mark.timeout(60)
-def test_a_part_record_whose_count_differs_from_its_samples_is_not_folded(tmp_path, caplog):
-    """A record listing a part with fewer sample keys than trajectories (what the race above
-    wrote): the fold leaves the part unread and its samples pending, and says so."""
-    folder = StorageFolder(str(tmp_path))
-    checkpoint = ShardCheckpoint.start_attempt(folder, SHARD.name)
-    checkpoint.commit_part(
-        folder, SHARD.name, _part(folder, "batch-00000-aaaaaaaa.parquet", [100, 101]), ["100:0", "101:0"]
-    )
-    # Hand-written: the part holds 102 and 103, the record names none of them.
-    checkpoint.commit_part(folder, SHARD.name, _part(folder, "batch-00001-bbbbbbbb.parquet", [102, 103]), [], ["104:0"])
-    with caplog.at_level("WARNING"):
-        folded = ShardCheckpoint.load(folder, SHARD.name)
-    assert [p.name for p in folded.parts] == ["batch-00000-aaaaaaaa.parquet"] and folded.completed == ["100:0", "101:0"]
-    assert folded.failed == ["104:0"] and folded.rejected_parts == ["batch-00001-bbbbbbbb.parquet"]
-    assert "lists part batch-00001-bbbbbbbb.parquet with 2 trajectories but 0 sample keys" in caplog.text
-    manifest = run_shard(
-        _cfg("generation.max_failed_fraction=0.5"), SHARD, folder, FakePrompts(SHARD), ScriptedWorker()
-    )
-    assert manifest.num_trajectories == 6
-    assert sorted(r.key for r in read_committed_records(folder)) == [(100 + p, 0) for p in range(6)], "each sample once"
-
-
 # --- the failure log (issue 31, item 12) -----------------------------------------------------------
 
 
@@ -544,7 +520,7 @@ def _failure_log_bytes_written(folder: StorageFolder, commits: int, monkeypatch)
 def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path, monkeypatch):
     """Each commit with failures writes its own lines once (S3 cannot append: a log rewritten
     whole at every commit writes O(k^2) bytes); errors and tracebacks are capped; status and the
-    report see every failure once, those of an earlier version's failures.jsonl included."""
+    report see every failure once."""
     small = _failure_log_bytes_written(StorageFolder(str(tmp_path / "k")), 20, monkeypatch)
     large = _failure_log_bytes_written(StorageFolder(str(tmp_path / "4k")), 80, monkeypatch)
     print(f"failure log bytes written: {small} for 20 commits, {large} for 80")
@@ -552,29 +528,23 @@ def test_the_failure_log_grows_linearly_and_every_failure_is_read_once(tmp_path,
 
     from generation_core.report.data import _failures
     from generation_core.store.commit_log import read_failure_log
-    from generation_core.store.run_folder import FAILURES_FILE
     from generation_core.store.trajectory_record import SampleFailure
 
     folder = StorageFolder(str(tmp_path / "4k"))
-    # An earlier version's log, kept beside the new files.
-    folder.put_atomic(
-        shard_file(SHARD.name, FAILURES_FILE),
-        b'{"sample":"999:0","index":999,"rollout_n":0,"error":"old","traceback":""}\n',
-    )
     writer = part_writer.PartWriter(folder, SHARD.name, 0, ShardCheckpoint.load(folder, SHARD.name))
     writer.add_failure(SampleFailure(500, 0, "E" * 50_000, "T" * 50_000 + "the raising frame"))
     writer.commit()
     logged = read_failure_log(folder, SHARD.name)
-    assert [entry["index"] for entry in logged] == [999, *range(80), 500], "every failure once, oldest first"
+    assert [entry["index"] for entry in logged] == [*range(80), 500], "every failure once, oldest first"
     huge = logged[-1]
     assert (
         len(huge["error"]) < 2100 and len(huge["traceback"]) < 2100 and huge["traceback"].endswith("the raising frame")
     )
     assert [(entry.index, entry.error) for entry in _failures(folder, SHARD.name, set())][:2] == [
-        (999, "old"),
         (0, "RuntimeError: boom"),
+        (1, "RuntimeError: boom"),
     ]
-    assert len(_failures(folder, SHARD.name, set())) == 82
+    assert len(_failures(folder, SHARD.name, set())) == 81
 
 
 # --- what a killed writer leaves (issue 31, item 14) -----------------------------------------------

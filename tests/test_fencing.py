@@ -15,10 +15,10 @@ import pytest
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.shard_rows import ShardSpec
-from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log, read_marker
+from generation_core.store.commit_log import ShardCheckpoint, read_failure_log, read_marker
 from generation_core.store.folder import StorageFolder, WriteConflict
 from generation_core.store.lease import LeaseLost, RunLease
-from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, commit_file, lease_file, shard_file
+from generation_core.store.run_folder import COMMITS_DIR, SUCCESS_FILE, lease_file, shard_file
 from tests.conftest import S3_ENV
 from tests.merge_oracles import read_committed_records
 from tests.shard_runs import run_shard
@@ -448,11 +448,10 @@ def test_a_marker_in_flight_when_another_run_takes_over_writes_no_done_record(ur
 
 
 @pytest.mark.timeout(120)
-def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_records_still_is(tmp_path):
+def test_a_stale_marker_is_not_read_as_finished(tmp_path):
     """A marker a run that lost the folder wrote after its checks (its done record landed before
     the new holder's claim) names a done record that is not the shard's last: ignored, and the
-    shard is finished again once. A folder of the version that wrote no done records keeps its
-    markers' meaning."""
+    shard is finished again once."""
     folder = StorageFolder(str(tmp_path / "run"))
     cfg = _cfg("generation.save_batch_size=2")
     run_shard(cfg, SHARD, folder, FakePrompts(SHARD), ScriptedWorker())
@@ -463,19 +462,6 @@ def test_a_stale_marker_is_not_read_as_finished_and_a_marker_without_done_record
     again = ScriptedWorker()
     manifest = run_shard(cfg, SHARD, folder, FakePrompts(SHARD), again)
     assert again.started == [] and manifest.num_trajectories == 6 and read_marker(folder, SHARD.name) is not None
-
-    # The layout today's main wrote: records without a done record, a marker without done_record.
-    legacy = StorageFolder(str(tmp_path / "legacy"))
-    run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), ScriptedWorker())
-    sequences, records = read_commit_records(legacy, SHARD.name)
-    legacy.remove(commit_file(SHARD.name, sequences[-1]))
-    assert records[-1]["kind"] == "done"
-    marker = legacy.read_json(shard_file(SHARD.name, SUCCESS_FILE))
-    legacy.put_json(
-        shard_file(SHARD.name, SUCCESS_FILE), {key: value for key, value in marker.items() if key != "done_record"}
-    )
-    untouched = ScriptedWorker()
-    assert run_shard(cfg, SHARD, legacy, FakePrompts(SHARD), untouched).last_attempt.skipped and untouched.started == []
 
 
 def _take_over(url_and_options, lease: RunLease, taken: list[RunLease]) -> None:

@@ -149,7 +149,8 @@ def test_a_folder_of_an_earlier_fingerprint_recipe_says_so(tmp_path, prompts_fil
     with pytest.raises(GenrunError) as refused:
         preflight(_args(prompts_file, out))
     message = str(refused.value)
-    assert "written by an earlier genrun whose fingerprint did not cover engine_kwargs" in message
+    assert f"output folder {out} is in folder format 1 (written by genrun " in message
+    assert "this genrun reads format 3 only" in message
     assert (
         "Finish it with that genrun version" in message
         and "To start fresh, set another trainer.default_local_dir" in message

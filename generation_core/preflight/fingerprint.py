@@ -9,7 +9,7 @@ loops with their classes' source, the user code `code_inputs.CodeWalk` finds), t
 the code that produces trajectories (plan.versions) and genrun's output format
 (build.OUTPUT_FORMAT_VERSION). `run_fingerprint` puts them together for preflight, once the
 inputs are checked. The recipe's version, which run.json records, is
-run_folder.FINGERPRINT_VERSION: bump it when this module's rules change.
+run_folder.FOLDER_FORMAT: bump it when this module's rules change.
 """
 
 from __future__ import annotations
@@ -260,11 +260,14 @@ def fingerprint(cfg: DictConfig, dataset_hash: str, files: dict[str, str] | None
             node = node.get(part) or {} if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(leaf, None)
-    inputs = {"config": semantic, "dataset": dataset_hash, "files": files, "versions": versions()}
-    if OUTPUT_FORMAT_VERSION > 1:
-        # genrun's own output format (build.py states the rule); format 1 is left out so that
-        # folders written before the constant existed keep their fingerprint and resume.
-        inputs["output_format"] = OUTPUT_FORMAT_VERSION
+    # output_format: genrun's own output format (build.py states the rule).
+    inputs = {
+        "config": semantic,
+        "dataset": dataset_hash,
+        "files": files,
+        "versions": versions(),
+        "output_format": OUTPUT_FORMAT_VERSION,
+    }
     payload = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 

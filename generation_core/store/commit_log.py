@@ -8,7 +8,8 @@ record created under a name that must be free (`StorageFolder.create_exclusive`:
 local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. Kinds:
 - `attempt`: an attempt starts (`attempt` number, `lease`, optional `rows_digest`, the genrun
   `build` that runs it); the failed list starts empty again;
-- `part`: one part (`part`: its PartEntry with size, sha256 and token counts; `samples`: its own
+- `part`: one part (`part`: its PartEntry with size, sha256, token counts and the capacity
+  ledger's counters of its trajectories (`PartActivity`); `samples`: its own
   sample keys as runs `[rollout_n, first_index, last_index]`; `failed`: sample keys that failed
   since the previous commit, kept across attempts for adaptive sampling; `part` is null when a
   commit holds only failures);
@@ -19,7 +20,8 @@ local disk, `If-None-Match: *` on S3), so neither append nor rename is needed. K
 Every record also holds its `seq`, `lease` (the writer's lease generation, null without one),
 `time` and a random `token` (a retried create recognises its own bytes). A record's size
 depends on its own part only (~400 bytes, plus ~20 per run of consecutive indices and per
-failed sample), never on the shard's size.
+failed sample, and ~150 per replica its turns went to, with at most BUSY_SPANS busy spans
+each), never on the shard's size.
 `ShardCheckpoint.load` lists the records and folds them in sequence order into one view; a part
 no record lists (a crash between the part and its record) is an orphan and is never read. The
 next attempt that holds the lease removes orphans and temporary files once its attempt record
@@ -69,10 +71,8 @@ from generation_core.errors import GenrunError, InputChanged
 from generation_core.store.fencing import Fence
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import (
-    CHECKPOINT_FILE,
     COMMITS_DIR,
     FAILURES_DIR,
-    FAILURES_FILE,
     LEASE_DIR,
     SHARDS_DIR,
     SUCCESS_FILE,
@@ -80,7 +80,6 @@ from generation_core.store.run_folder import (
     SuccessMarker,
     commit_file,
     failures_file,
-    legacy_checkpoint_error,
     record_from_dict,
     shard_file,
 )
@@ -202,15 +201,12 @@ class ShardCheckpoint:
         self.next_seq = 0
         self.part_samples: dict[str, list[str]] = {}
         self.ignored: list[int] = []
-        self.rejected_parts: list[str] = []
-        """Parts whose record's count differs from its sample keys (never read)."""
         self.failed_in_any_attempt: set[str] = set()
         """Every sample key a record counted as failed, in this attempt or an earlier one (`failed` starts
         empty each attempt): adaptive sampling keeps such a sample's prompt undecided (shard/adaptive.py)."""
         self.done_seq: int | None = None
         """The number of the `done` record that finished the shard, while no attempt or repair
-        followed it (None: not finished, or finished by a version that wrote no done record)."""
-        self.has_done_record = False
+        followed it (None: not finished)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,8 +217,6 @@ class ShardCheckpoint:
         none). With `fence`, a run checks that no later run has claimed the shard (LeaseLost)."""
         checkpoint = cls()
         sequences, records = read_commit_records(folder, shard)
-        if not sequences and folder.exists(shard_file(shard, CHECKPOINT_FILE)):
-            raise legacy_checkpoint_error(folder, shard)
         for seq, record in zip(sequences, records, strict=True):
             checkpoint._apply(seq, record)
         if sequences:
@@ -362,11 +356,11 @@ class ShardCheckpoint:
         # Work after the shard was finished makes its marker stale.
         self.done_seq = None
         if kind == "done":
-            self.done_seq, self.has_done_record = seq, True
+            self.done_seq = seq
         elif kind == "attempt":
             self._apply_attempt(record)
         elif kind == "part":
-            self._apply_part(seq, record)
+            self._apply_part(record)
         elif kind == "repair":
             self._apply_repair(record)
         else:
@@ -382,24 +376,9 @@ class ShardCheckpoint:
         if record.get("build") and record["build"] not in self.builds:
             self.builds.append(record["build"])
 
-    def _apply_part(self, seq: int, record: dict[str, Any]) -> None:
+    def _apply_part(self, record: dict[str, Any]) -> None:
         part = record_from_dict(PartEntry, record["part"]) if record.get("part") is not None else None
         samples = sample_keys(record.get("samples") or [])
-        if part is not None and part.count != len(samples):
-            # A record that does not say which samples its part holds (a commit that raced the
-            # attempt's discard in genrun 0.1.0 could list none): folding it would count
-            # trajectories no key names, or keys of trajectories that are not there. The part is
-            # left unread (an orphan) and its samples stay pending: nothing is lost or duplicated.
-            logger.warning(
-                "commit record %d lists part %s with %d trajectories but %d sample keys: the part is ignored, "
-                "its samples will be generated again",
-                seq,
-                part.name,
-                part.count,
-                len(samples),
-            )
-            self.rejected_parts.append(part.name)
-            part = None
         if part is not None:
             self.parts.append(part)
             self.part_samples[part.name] = samples
@@ -426,8 +405,7 @@ class ShardCheckpoint:
 def read_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint | None = None) -> SuccessMarker | None:
     """The shard's success marker while it stands for the shard's state, else None: it must
     belong to the `done` record that ends the shard's records (`checkpoint`: the shard's records,
-    folded, when the caller has them). A marker of a version that wrote no done records stands
-    while the shard has none (its folder is read as that version left it)."""
+    folded, when the caller has them)."""
     path = shard_file(shard, SUCCESS_FILE)
     if not folder.exists(path):
         return None
@@ -438,9 +416,7 @@ def read_marker(folder: StorageFolder, shard: str, checkpoint: ShardCheckpoint |
 
 def marker_stands(marker: SuccessMarker, checkpoint: ShardCheckpoint) -> bool:
     """Whether a success marker stands for the shard's records (`read_marker`): it names the done
-    record that ends them, or neither has one (a version that wrote no done records)."""
-    if not checkpoint.has_done_record:
-        return True
+    record that ends them."""
     return checkpoint.done_seq is not None and marker.done_record == checkpoint.done_seq
 
 
@@ -539,10 +515,8 @@ def write_failure_log(folder: StorageFolder, shard: str, seq: int, lines: str, f
 
 
 def read_failure_log(folder: StorageFolder, shard: str) -> list[dict[str, Any]]:
-    """Every failure the shard logged, oldest first: the earlier versions' failures.jsonl, then
-    one file per commit record that counted failures."""
-    paths = [shard_file(shard, FAILURES_FILE)] if folder.exists(shard_file(shard, FAILURES_FILE)) else []
-    paths += [
+    """Every failure the shard logged, oldest first: one file per commit record that counted failures."""
+    paths = [
         shard_file(shard, f"{FAILURES_DIR}/{name}")
         for name in folder.list(shard_file(shard, FAILURES_DIR))
         if name.endswith(".jsonl")

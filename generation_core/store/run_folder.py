@@ -9,7 +9,6 @@ shards/shard-00003/
   commits/0000000000.json     numbered commit records, each created exclusively (commit_log.py)
   failures/0000000004.jsonl   samples that failed after retries, with the error: one file per
                               commit record that counts failures, named by its number
-                              (failures.jsonl: one file rewritten at every commit, earlier versions)
   last_error.json             the last failed attempt's error (until the shard finishes)
   _SUCCESS.json               SuccessMarker, written last, after the `done` commit record it names
 trajectories.pkl              merged DataProto, or trajectories.json + trajectories-NNNNN.pkl chunks
@@ -21,9 +20,9 @@ Nothing else spells these names. What the commit records say, how they fold into
 state, how writes are fenced and damaged parts repaired is commit_log.py's; this module knows
 no record but the names and the shapes.
 
-A folder of the earlier format (run.json `fingerprint_version` < 3, or a shard with
-`checkpoint.json` and no commits) is refused (`check_run_folder`): finish it with the genrun
-that wrote it, or start a new output folder.
+A folder of any other format (run.json's `fingerprint_version` is not FOLDER_FORMAT) is
+refused in one line (`check_run_folder`): finish it with the genrun that wrote it, or start a
+new output folder. Nothing reads a format no released genrun wrote.
 """
 
 from __future__ import annotations
@@ -42,14 +41,10 @@ RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
 LEASE_DIR = "lease"
 SHARDS_DIR = "shards"
-CHECKPOINT_FILE = "checkpoint.json"
-"""A shard checkpoint of the earlier format (one file rewritten per commit): only to refuse it."""
 COMMITS_DIR = "commits"
 SUCCESS_FILE = "_SUCCESS.json"
 LAST_ERROR_FILE = "last_error.json"
 FAILURES_DIR = "failures"
-FAILURES_FILE = "failures.jsonl"
-"""The failure log of earlier versions (one file rewritten whole at every commit): read, never written."""
 MERGED_FILE = "trajectories.pkl"
 CHUNK_INDEX_FILE = "trajectories.json"
 CHUNK_FILE_PREFIX = "trajectories-"
@@ -255,8 +250,7 @@ class SuccessMarker:
     """Samples adaptive sampling (generation.adaptive) decided not to draw: prompts whose first
     round decided them owe adaptive_k samples, not n."""
     done_record: int | None = None
-    """The number of the shard's `done` commit record this marker belongs to (None: a marker of
-    a version that wrote none)."""
+    """The number of the shard's `done` commit record this marker belongs to (set as it is written)."""
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any]) -> SuccessMarker:
@@ -292,18 +286,11 @@ def read_last_error(folder: StorageFolder, shard: str) -> dict[str, Any] | None:
 # --- run.json ---------------------------------------------------------------------------------
 
 
-FINGERPRINT_VERSION = 3
-"""The recipe of the run fingerprint (generation_core/preflight/fingerprint.py) and the run-folder format that
-run.json's `fingerprint_version` names; a run.json without one was written by recipe 1. Bump
-it when either changes, and say in FINGERPRINT_ADDED what the new version covers."""
-FINGERPRINT_ADDED = {
-    2: "engine_kwargs (e.g. instant.response_tokens, hf.dtype, hf.ignore_eos, remote.model), the model's files, "
-    "the agent-loop YAML and its classes' source, the tool config",
-    3: "the dataset from its file metadata plus a sampled content hash, and shard progress kept as numbered "
-    f"commit records (shards/<shard>/{COMMITS_DIR}/) instead of one checkpoint.json",
-}
-FOLDER_FORMAT_SINCE = 3
-"""The first version whose run folders this genrun resumes (shard progress as commit records)."""
+FOLDER_FORMAT = 3
+"""The run-folder format and fingerprint recipe (generation_core/preflight/fingerprint.py) that
+run.json's `fingerprint_version` names: shard progress as numbered commit records, each finished
+shard's `done` record named by its marker. This genrun reads this format only; bump it when
+either changes."""
 
 
 def _genrun_that_wrote(folder: StorageFolder) -> str | None:
@@ -315,77 +302,37 @@ def _genrun_that_wrote(folder: StorageFolder) -> str | None:
     return version if isinstance(version, str) and version not in ("", "unknown") else None
 
 
-def _finish_or_start_fresh(folder: StorageFolder) -> str:
-    version = _genrun_that_wrote(folder)
-    install = f" (pip install genrun=={version})" if version else ""
-    return (
-        f"Nothing was changed there. Finish it with that genrun version{install}. To start fresh, set another "
-        "trainer.default_local_dir (or trainer.experiment_name, when that folder is derived from it) or delete that folder"
-    )
-
-
-def legacy_checkpoint_error(folder: StorageFolder, shard: str) -> GenrunError:
-    version = _genrun_that_wrote(folder)
-    return GenrunError(
-        f"output folder {folder.display()} holds shard progress in the earlier format ({shard_file(shard, CHECKPOINT_FILE)}, no "
-        f"{COMMITS_DIR}/; run.json names {'genrun ' + version if version else 'no genrun version'}): this genrun keeps numbered commit "
-        f"records and cannot resume it. {_finish_or_start_fresh(folder)}"
-    )
-
-
-def _legacy_shard(folder: StorageFolder) -> str | None:
-    """A shard holding a checkpoint.json and no commit records (the earlier format), or None."""
-    for shard in folder.list(SHARDS_DIR):
-        names = folder.list(shard_file(shard))
-        if CHECKPOINT_FILE in names and COMMITS_DIR not in names:
-            return shard
-    return None
-
-
 def check_run_folder(folder: StorageFolder, run_fingerprint: str) -> RunRecord | None:
     """The folder's run record when it already belongs to this run (a resume), None when it
-    holds no run; refuses a folder of another run or of an earlier folder format, changing nothing."""
+    holds no run; refuses a folder of another run or of another folder format, changing nothing."""
+    start_fresh = (
+        "To start fresh, set another trainer.default_local_dir (or trainer.experiment_name, when that folder is "
+        "derived from it) or delete that folder"
+    )
     if not folder.exists(RUN_FILE):
         if folder.list(SHARDS_DIR):
             # Shard progress without the run.json that says which run it belongs to (run.json is
             # written before any shard): adopting it could mix another run's trajectories in.
             raise GenrunError(
                 f"output folder {folder.display()} holds {folder.display(SHARDS_DIR)} but no {RUN_FILE}, so nothing says which run "
-                "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
-                "trainer.experiment_name, when that folder is derived from it), or delete that folder"
+                f"wrote it: this run will not adopt it. Nothing was changed there. {start_fresh}"
             )
         return None
     existing = RunRecord.from_json(folder.read_json(RUN_FILE))
-    written_by = existing.fingerprint_version
-    if isinstance(written_by, int) and written_by < FOLDER_FORMAT_SINCE:
-        uncovered = "; ".join(
-            FINGERPRINT_ADDED.get(v, f"recipe {v}'s inputs") for v in range(written_by + 1, FINGERPRINT_VERSION + 1)
-        )
+    if existing.fingerprint_version != FOLDER_FORMAT:
         version = _genrun_that_wrote(folder)
         raise GenrunError(
-            f"output folder {folder.display()} was written by an earlier genrun whose fingerprint did not cover {uncovered} "
-            f"({'genrun ' + version if version else 'its version is not recorded'}, fingerprint version {written_by}; this genrun's "
-            f"is {FINGERPRINT_VERSION}): this genrun cannot resume it. {_finish_or_start_fresh(folder)}"
+            f"output folder {folder.display()} is in folder format {existing.fingerprint_version} "
+            f"({'written by genrun ' + version if version else 'its genrun is not recorded'}); this genrun reads format "
+            f"{FOLDER_FORMAT} only. Nothing was changed there. Finish it with that genrun version"
+            f"{f' (pip install genrun=={version})' if version else ''}. {start_fresh}"
         )
     if existing.fingerprint == run_fingerprint:
-        legacy = _legacy_shard(folder)
-        if legacy is not None:
-            raise legacy_checkpoint_error(folder, legacy)
         return existing
-    if written_by == FINGERPRINT_VERSION:
-        what = (
-            f"holds a different run (fingerprint {str(existing.fingerprint)[:12]}, this one is {run_fingerprint[:12]}): "
-            f"the config, dataset, user code or versions changed (its config is in {folder.display(RUN_FILE)}){refusal_hint(existing.build)}. "
-            "Nothing was changed there."
-        )
-    else:
-        what = (
-            f"holds a different run or the same run written by a genrun with another fingerprint recipe (fingerprint version "
-            f"{written_by!r}, this genrun's is {FINGERPRINT_VERSION}). Nothing was changed there. Finish it with that genrun version."
-        )
     raise GenrunError(
-        f"output folder {folder.display()} {what} To start fresh, set another trainer.default_local_dir "
-        "(or trainer.experiment_name, when that folder is derived from it) or delete that folder"
+        f"output folder {folder.display()} holds a different run (fingerprint {str(existing.fingerprint)[:12]}, this one is "
+        f"{run_fingerprint[:12]}): the config, dataset, user code or versions changed (its config is in "
+        f"{folder.display(RUN_FILE)}){refusal_hint(existing.build)}. Nothing was changed there. {start_fresh}"
     )
 
 

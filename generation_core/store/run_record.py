@@ -46,7 +46,7 @@ class RunRecord:
     fingerprint: str | None
     """The run fingerprint (generation_core/preflight/fingerprint.py): which run the folder holds."""
     fingerprint_version: int = 1
-    """The recipe that computed it (run_folder.FINGERPRINT_VERSION); absent: recipe 1."""
+    """The folder format and fingerprint recipe that wrote it (run_folder.FOLDER_FORMAT); absent: 1."""
     versions: dict[str, Any] = field(default_factory=dict)
     """Package versions of the code that produces trajectories (plan.versions)."""
     build: dict[str, Any] | None = None
