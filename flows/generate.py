@@ -95,6 +95,9 @@ class ShardTasksOnRay:
         self.job: ShardJobArgs | None = None
         # future -> (its shard, retries left).
         self.futures: dict[PrefectFuture, tuple[ShardSpec, int]] = {}
+        # Crashed shards waiting out generation.retry_delay_seconds: (when, shard, retries left).
+        # next_ended submits them when due, so the driver's loop never sleeps the delay.
+        self.resubmit_at: list[tuple[float, ShardSpec, int]] = []
         self.finished: queue.Queue[PrefectFuture] = queue.Queue()
         # Shards whose result Prefect's cache stands in for: they did no work now.
         self.cached: set[int] = set()
@@ -172,13 +175,20 @@ class ShardTasksOnRay:
         future.add_done_callback(self.finished.put)
 
     def pending(self) -> int:
-        return len(self.futures)
+        return len(self.futures) + len(self.resubmit_at)
 
     def stop(self, started: set[int]) -> None:
         self.stopping = True
+        self.resubmit_at.clear()  # not started: nothing to cancel
         _cancel({f: s for f, s in self.futures.items() if s[0].shard_id not in started})
 
     def next_ended(self, timeout: float) -> ShardEnded | None:
+        now = time.monotonic()
+        for due in [entry for entry in self.resubmit_at if entry[0] <= now]:
+            self.resubmit_at.remove(due)
+            self._submit(due[1], due[2])
+        if self.resubmit_at:
+            timeout = max(0.0, min(timeout, min(when for when, _, _ in self.resubmit_at) - now))
         try:
             future = self.finished.get(timeout=timeout)
         except queue.Empty:
@@ -197,8 +207,9 @@ class ShardTasksOnRay:
                 state.message,
                 retries_left - 1,
             )
-            time.sleep(self.plan.settings.retry_delay_seconds)
-            self._submit(shard, retries_left - 1)
+            self.resubmit_at.append(
+                (time.monotonic() + self.plan.settings.retry_delay_seconds, shard, retries_left - 1)
+            )
             return None
         if state.is_failed() and state.name == REFUSED:
             # The shard's input changed under the run (tasks/run_shard.py): every shard reads the
