@@ -8,12 +8,18 @@ the output is, what it holds and what went wrong on the way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from generation_core.instrumentation import mark
+
+if TYPE_CHECKING:
+    from flows.prefect_api import TemporaryPrefectServer
+    from generation_core.preflight.preflight import CheckedInputs
+    from generation_core.run_plan import RunPlan
 
 logger = logging.getLogger("genrun")
 
@@ -107,46 +113,103 @@ def first_example(plan) -> str | None:
     return f"  [{record.index}:{record.rollout_n}] prompt:   {prompt!r}\n  [{record.index}:{record.rollout_n}] response: {response!r}"
 
 
+def starting_line() -> str:
+    """The run's first line, printed before anything heavy loads: what happens before the first
+    trajectory, which takes a while (and longer on a machine busier than its cores: it says so)."""
+    prefect = (
+        f"the Prefect API at {api}" if (api := os.environ.get("PREFECT_API_URL")) else "a temporary Prefect server"
+    )
+    line = f"starting: checking the inputs, then {prefect} and Ray, then loading the model; the first trajectory comes after these"
+    load, cpus = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), os.cpu_count() or 1
+    if load > cpus:
+        line += f" (this machine is busy, load {load:.1f} on {cpus} CPU(s): each takes longer)"
+    return line
+
+
 def generate_command(argv: list[str]) -> int:
     """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
     resumes); a second exits at once (generation_core/interrupt.py)."""
+    from generation_core.console import ProgressDisplay
     from generation_core.driver.finished_run import finished_run
+    from generation_core.preflight.preflight import check_inputs
+
+    with contextlib.ExitStack() as started:
+        with ProgressDisplay() as display:
+            # At once, before the engine stack loads; then a line that counts the seconds (in a
+            # terminal the live line, otherwise a log line every 30 s).
+            display.log(starting_line())
+            mark("first_line")
+            with display.while_waiting("starting: checking the inputs, then Prefect and Ray"):
+                # Every input check first, so a bad input is one line here, not a failed flow run; the
+                # light checks first of all, so a typo or a finished run answers before the engine stack loads.
+                inputs = check_inputs(argv)
+                finished = (
+                    finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files) if inputs.fingerprint else None
+                )
+                if finished is None:
+                    plan, server, api_url = _start(argv, inputs, started)
+        if finished is not None:
+            print_finished(finished)
+            return 0
+        return _run_flow(argv, plan, server, api_url)
+
+
+def _start(
+    argv: list[str], inputs: CheckedInputs, started: contextlib.ExitStack
+) -> tuple[RunPlan, TemporaryPrefectServer | None, str]:
+    """Past the light checks: the temporary Prefect server launches at once and boots in its own
+    process while the rest of the checks (tokenizer, the run's code, the folder), the engine
+    stack's imports and Ray's start run here. (plan, the server or None, the API URL); what starts
+    is stopped by `started`, also when a later check refuses."""
+    from flows.prefect_api import TemporaryPrefectServer
+    from generation_core.driver.watchdog import Watchdog
     from generation_core.interrupt import STOP
-    from generation_core.preflight.preflight import check_inputs, plan_run
+    from generation_core.preflight.preflight import plan_run
     from generation_core.secrets import overrides_without_secrets
     from generation_core.store.lease import check_lease_free
 
-    # Every input check first, so a bad input is one line here, not a failed flow run; the
-    # light checks first of all, so a typo or a finished run answers before the engine stack loads.
-    inputs = check_inputs(argv)
-    finished = finished_run(inputs.cfg, inputs.fingerprint, inputs.dataset.files) if inputs.fingerprint else None
-    if finished is not None:
-        print_finished(finished)
-        return 0
+    # The Prefect server and Ray that this run starts end with it, also after a kill -9.
+    started.callback(Watchdog.start().stop)
+    server = None if os.environ.get("PREFECT_API_URL") else TemporaryPrefectServer.launch()
+    if server is not None:
+        started.callback(server.stop)
     plan = plan_run(inputs)
     # What reads this process's command line (W&B keeps it with the run) sees no secret.
     sys.argv[1:] = overrides_without_secrets(sys.argv[1:])
-    # The flow takes the lease; refusing here spares the Prefect and Ray startup.
+    # The flow takes the lease; refusing here spares Ray's start.
     check_lease_free(plan.folder)
     mark("inputs_checked")
     import ray
+
+    from generation_core.serving.ray_setup import RAY_WORKER_ENV, start_ray
+
+    STOP.install()
+    started.callback(STOP.uninstall)
+    started.callback(ray.shutdown)
+    # The flow's task runner uses this Ray (it joins the one this process started).
+    start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)
+    # The flow's imports (Prefect's client, prefect_ray) before the wait for the server, not after.
+    import flows.generate  # noqa: F401
+
+    api_url = server.wait_ready() if server is not None else os.environ["PREFECT_API_URL"]
+    mark("prefect_api_ready")
+    return plan, server, api_url
+
+
+def _run_flow(argv: list[str], plan: RunPlan, server: TemporaryPrefectServer | None, api_url: str) -> int:
     from prefect.exceptions import CancelledRun
 
     from flows.generate import generate
     from flows.prefect_api import prefect_api
-    from generation_core.driver.watchdog import Watchdog
-    from generation_core.serving.ray_setup import RAY_WORKER_ENV, describe_ray, start_ray
+    from generation_core.interrupt import STOP
+    from generation_core.secrets import overrides_without_secrets
+    from generation_core.serving.ray_setup import describe_ray
 
-    # The Prefect server and Ray that this run starts end with it, also after a kill -9.
-    watchdog = Watchdog.start()
-    STOP.install()
+    temporary = " (a temporary server)" if server is not None else ""
+    logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
     summary = None
-    temporary = "" if os.environ.get("PREFECT_API_URL") else " (a temporary server)"
     try:
-        # Ray starts while the Prefect server does; the flow's task runner uses this Ray.
-        with prefect_api(alongside=lambda: start_ray(plan.cfg, plan.fingerprint, RAY_WORKER_ENV)) as api_url:
-            mark("prefect_api_ready")
-            logger.info("running on: Prefect API %s%s; %s", api_url, temporary, describe_ray())
+        with prefect_api(server):
             if not STOP.requested():
                 # The flow gets this plan: nothing is checked or planned twice. Both are flow-run
                 # parameters, which Prefect stores: secrets masked (generation_core.secrets).
@@ -154,10 +217,6 @@ def generate_command(argv: list[str]) -> int:
                 summary = cast(dict[str, Any], generate(overrides_without_secrets(argv), plan=plan.to_json()))
     except CancelledRun:
         pass  # the flow run stopped on a Ctrl-C; said below
-    finally:
-        ray.shutdown()
-        STOP.uninstall()
-        watchdog.stop()
     if summary is None:
         print_stopped(plan)
         return 130

@@ -204,6 +204,12 @@ class ProgressDisplay:
             else:
                 logger.info("%s", line)
 
+    def log(self, line: str) -> None:
+        """`line` as a log line that stays (in a terminal, above the live line); where the output is
+        a log, it counts as the display's last line: the next comes `interval` seconds later."""
+        logger.info("%s", line)
+        self.last = time.monotonic()
+
     def close(self, final: str | None = None) -> None:
         """Stop redrawing; `final` stays on the screen (or is logged) as the last state."""
         with self.lock:

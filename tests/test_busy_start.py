@@ -176,36 +176,3 @@ def test_a_ray_start_that_fails_twice_is_one_line_saying_what_to_do(monkeypatch)
         "Ray's local node did not start, twice (The current node timed out during startup. This could"
     )
     assert "run the same command again when the machine is less busy" in message
-
-
-def test_a_ray_start_that_fails_stops_the_temporary_prefect_server_started_alongside(monkeypatch):
-    """Issue 43 item 11: when Ray's start failed, the temporary Prefect server that started
-    alongside it ran on after genrun had exited (nothing stopped it: the watchdog is stopped on
-    the way out). Here the server's process is a stand-in (`sleep`)."""
-    import prefect.server.api.server as prefect_server
-
-    from flows.prefect_api import prefect_api
-
-    servers: list[subprocess.Popen] = []
-
-    def start(self, timeout=None):
-        self.server_process = subprocess.Popen(["sleep", "600"])
-        self.running = True
-        servers.append(self.server_process)
-
-    def ray_fails():
-        raise GenrunError("Ray's local node did not start, twice")
-
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "_instances", {})
-    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "start", start)
-    try:
-        with pytest.raises(GenrunError), prefect_api(alongside=ray_fails):
-            pytest.fail("the API was handed out although what started alongside failed")
-        (server,) = servers
-        assert server.poll() is not None, "the temporary server still runs"
-        assert "PREFECT_API_URL" not in os.environ
-    finally:
-        for server in servers:
-            server.kill()
-            server.wait()

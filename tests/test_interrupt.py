@@ -327,8 +327,10 @@ def _assert_quiet_default_output(result: subprocess.CompletedProcess) -> None:
     assert "inference: 1 instant replica(s)" in result.stderr
     assert f"trajectories {TOTAL}/{TOTAL} (100.0%)" in result.stderr
     assert "\r" not in output and "\x1b[" not in output
-    # Progress lines: the replicas starting, then the trajectories.
-    progress = r"\d\d:\d\d:\d\d (trajectories \d+/|starting \d+ instant replica\(s\) on the CPU)"
+    # Progress lines: the start (the first line, then one every 30 s), the replicas starting, the trajectories.
+    progress = (
+        r"\d\d:\d\d:\d\d (trajectories \d+/|starting: checking the inputs|starting \d+ instant replica\(s\) on the CPU)"
+    )
     others = [line for line in result.stderr.splitlines() if not re.match(progress, line)]
     assert len(others) <= 4, result.stderr
 

@@ -373,41 +373,30 @@ def test_ray_of_an_existing_cluster_is_left_as_configured(monkeypatch):
 
 
 def test_the_temporary_prefect_server_listens_on_loopback_only(monkeypatch):
-    """flows/prefect_api.py's server, started for real up to the process launch: the URL it
-    exports and the uvicorn command line both say 127.0.0.1."""
-    import prefect.server.api.server as prefect_server
+    """flows/prefect_api.py's server, launched for real up to the process start: the URL it
+    exports and the uvicorn command line (Prefect's own server process) both say 127.0.0.1."""
+    import subprocess
 
-    from flows.prefect_api import prefect_api
+    from flows import prefect_api
 
     launched = []
+    real_popen = subprocess.Popen
 
-    class NotStarted:
-        returncode = 0
-
-        def poll(self):
-            return 0
-
-        def terminate(self):
-            pass
-
-        def wait(self, timeout=None):
-            return 0
-
-    def start(self, timeout=None):
-        self.server_process = self._run_uvicorn_command()
-        self.running = True
+    def popen(command, **kwargs):
+        launched.append(command)
+        return real_popen(["sleep", "600"])
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "_instances", {})
-    monkeypatch.setattr(prefect_server.SubprocessASGIServer, "start", start)
-    monkeypatch.setattr(
-        prefect_server.subprocess, "Popen", lambda args, **kwargs: launched.append(args) or NotStarted()
-    )
-    monkeypatch.setattr("flows.prefect_api._drain_prefect_clients", lambda: None)
-    with prefect_api() as url:
-        assert url.startswith("http://127.0.0.1:")
-    command = launched[0]
+    monkeypatch.setattr(prefect_api.subprocess, "Popen", popen)
+    server = prefect_api.TemporaryPrefectServer.launch()
+    try:
+        assert server.api_url == os.environ["PREFECT_API_URL"] == f"http://127.0.0.1:{server.port}/api"
+    finally:
+        server.stop()
+    [command] = launched
+    assert command[1:5] == ["-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
     assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert "PREFECT_API_URL" not in os.environ
 
 
 _LISTENING_SOCKETS_OF_GENRUN_RAY = """

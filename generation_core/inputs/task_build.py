@@ -78,6 +78,7 @@ def _build_table(task: Task, first_index: int, storage_options: dict[str, Any] |
     log_hub_build(task.config.where, task.config.loading_params)
     dataset = task.load(storage_options)
     task.check_columns(list(dataset.column_names))
+    logger.info("building task %s: %d rows", task.config.data_source, len(dataset))
     rows = []
     for position, row in enumerate(dataset):
         try:
