@@ -736,3 +736,52 @@ def test_prompt_message_keys_the_layout_cannot_hold_are_named_not_dropped_silent
         line
     )
     assert [message.keys() for row in exported for message in row["messages"]] == [{"role", "content"}] * 6
+
+
+def test_openai_batch_input_gives_a_batch_runs_requests_back_as_they_were(tmp_path, model_dir):
+    """Issue 51 item 6: `--format openai-batch-input` of a run over a batch file turned `developer`
+    into `system` and added `"logprobs": true` to every line, a `/v1/completions` line too (where
+    the API takes an integer). Each request comes back with everything it set; the run's sampling
+    fills only what it left out. The run need not have started: the export reads its input."""
+    from generation_core.exports.export import export_batch_input
+    from generation_core.exports.export_options import ExportOptions
+
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    messages = [{"role": "developer", "content": "Answer in one word."}, {"role": "user", "content": "Say hi."}]
+    requests = [
+        ("req-1", chat, {"model": "gpt-x", "messages": messages, "max_tokens": 12}),
+        ("req-2", chat, {"model": "gpt-x", "messages": messages[1:], "max_completion_tokens": 8, "temperature": 0}),
+        ("req-3", chat, {"model": "gpt-x", "messages": messages[1:], "logprobs": True}),
+        ("req-4", completions, {"model": "gpt-x", "prompt": "Once upon a time", "max_tokens": 8}),
+    ]
+    lines = [{"custom_id": custom_id, "method": "POST", "url": url, "body": body} for custom_id, url, body in requests]
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plan = preflight(
+        [
+            f"data.train_files={batch}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+        ]
+    )
+    plan.claim_folder()
+    summary = export_batch_input(
+        str(tmp_path / "run"), str(tmp_path / "again.jsonl"), ExportOptions(format="openai-batch-input")
+    )
+    assert summary.line().endswith(
+        "(each as the run's batch file holds it; the run's sampling added where it set none)"
+    )
+    again = [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()]
+    run = {"n": 1, "temperature": 0.7, "top_p": 1.0}
+    assert again == [
+        dict(lines[0], body={**run, **lines[0]["body"]}),
+        dict(lines[1], body={**run, **lines[1]["body"]}),
+        dict(lines[2], body={**run, "max_tokens": 16, **lines[2]["body"]}),
+        dict(lines[3], body={**run, **lines[3]["body"]}),
+    ]
+    assert again[0]["body"]["messages"][0]["role"] == "developer" and "logprobs" not in again[3]["body"]
