@@ -82,7 +82,7 @@ class TaskConfig:
         extra = entry.get("extra_fields") or []
         if not isinstance(extra, list) or not all(isinstance(name, str) for name in extra):
             raise GenrunError(f"{where}.extra_fields must be a list of column names, got {extra!r}")
-        data_source = entry.get("data_source") or str(loading["path"])
+        data_source = entry.get("data_source") or default_data_source(loading)
         return cls(
             where,
             dict(loading),
@@ -100,6 +100,23 @@ class TaskConfig:
         payload["prompt_key"] = prompt_key
         payload["inputs"] = input_files(self.where, self.loading_params, storage_options)
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def default_data_source(loading: dict[str, Any]) -> str:
+    """A task's data_source when it names none: the hub dataset or folder its `path` names; for a
+    builder `datasets` ships (`json`, `parquet`, `csv`, ...), which names no dataset, the stem of
+    its first data file (`gsm8k.jsonl` -> `gsm8k`), or that file's folder for a glob."""
+    path = str(loading["path"])
+    files = loading.get("data_files")
+    first = next(iter(files.values()), None) if isinstance(files, dict) else files
+    while isinstance(first, list | tuple):
+        first = first[0] if first else None
+    if first is None or is_hub_dataset(path) or "://" in path or os.path.exists(os.path.expanduser(path)):
+        return path
+    folder, name = os.path.split(str(first).rstrip("/"))
+    if any(char in name for char in "*?["):
+        name = os.path.basename(folder)
+    return name.split(".", 1)[0] or path
 
 
 class BadRow(ValueError):
