@@ -15,7 +15,7 @@
                   [--tokenizer DIR] [--trust-remote-code] [storage.options.KEY=VALUE ...]
                                     committed trajectories as an SFT Parquet file (chat messages),
                                     sorted by (index, rollout_n); `genrun export --help` explains each option
-    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] [key=value ...]
+    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
                                     the engine's own offline benchmark and a genrun run on the
                                     same prompts and lengths, per sitting: tokens/s and genrun/engine
 
@@ -134,12 +134,10 @@ def subcommand_parsers() -> dict[str, CommandParser]:
     add_export_arguments(commands.add_parser("export", synopsis=SYNOPSIS, description=DESCRIPTION))
     commands.add_parser(
         "bench",
-        synopsis="genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] "
-        "[key=value ...]",
+        synopsis="genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]",
         description="The engine's own offline benchmark and a genrun run on the same prompts and lengths, per "
         "sitting: tokens/s, genrun/engine and genrun's own CPU per trajectory outside the engine. --keep keeps "
-        "the scratch folder, --report puts the figures into the last sitting's run report; key=value overrides as "
-        "for a run.",
+        "the scratch folder; key=value overrides as for a run.",
     )
     return commands.choices
 

@@ -4,7 +4,6 @@ lengths, per sitting (hf here; remote in test_remote_vllm.py; sglang and vllm ne
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -28,7 +27,6 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
             "5",
             "--json",
             str(out),
-            "--report",
             f"data.train_files={prompts_file}",
             "actor_rollout_ref.rollout.n=2",
         ],
@@ -56,12 +54,6 @@ def test_bench_runs_both_sides_on_the_same_tokens_and_reports_the_ratio(tmp_path
     assert line.endswith(f"; genrun's own CPU outside the engine: {cpu:.0f} us per trajectory")
     assert bench["genrun_own_cpu_us_per_trajectory"] == dict.fromkeys(("median", "min", "max"), round(cpu, 3))
     assert f"genrun's own CPU outside the engine: median {cpu:.0f} us per trajectory" in result.stdout
-    # --report: the figures beside the last sitting's run, and in its report.
-    scratch = result.stdout.split("scratch: ")[1].split()[0]
-    run_folder = os.path.join(scratch, "sitting-1")
-    assert json.loads(open(os.path.join(run_folder, "bench.json")).read()) == bench
-    report = open(os.path.join(run_folder, "report.html")).read()
-    assert '<section id="bench">' in report and f"genrun/engine median {bench['ratio']['median']}" in report
 
 
 def test_the_scratch_folder_goes_once_the_json_is_elsewhere_unless_kept(tmp_path):
@@ -148,14 +140,3 @@ def test_bad_bench_arguments_are_one_line_before_anything_starts(args, message, 
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("genrun: error:")
-
-
-@pytest.mark.parametrize("content", [b"not json {", b"[1, 2]", b'{"sittings": "many"}'])
-def test_a_report_leaves_out_a_bench_file_that_is_not_a_benchs_figures(tmp_path, content):
-    from generation_core.report.data import read_bench_figures
-    from generation_core.store.folder import StorageFolder
-
-    folder = StorageFolder(str(tmp_path))
-    assert read_bench_figures(folder) is None  # no bench.json: no section
-    (tmp_path / "bench.json").write_bytes(content)
-    assert read_bench_figures(folder) is None

@@ -125,6 +125,26 @@ def test_every_module_imports_only_its_own_room_or_rooms_below():
     assert {_room(name) for name in _module_imports() if name != "generation_core"} == set(ROOM_ORDER)
 
 
+def test_nothing_in_the_pipeline_imports_the_bench_or_reads_its_figures():
+    """Issue 53 item 5: `genrun bench` is a user command beside the pipeline. Its room is the top
+    one, so no other module of generation_core imports it, and none reads its figures (bench.json:
+    the report stopped showing them)."""
+    assert ROOM_ORDER[-1] == "benchmark"
+    importers = sorted(
+        name
+        for name, found in _module_imports().items()
+        if not name.startswith("generation_core.benchmark")
+        and any(module.startswith("generation_core.benchmark") for module in found)
+    )
+    assert importers == []
+    readers = sorted(
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if "benchmark" not in path.relative_to(PACKAGE).parts and "bench.json" in path.read_text()
+    )
+    assert readers == []
+
+
 # Size that hides more than one job: a function longer than this says why in its docstring (a
 # line starting "Long:"), and a module over MODULE_LINES is named here with the one thing it owns.
 FUNCTION_LINES = 60

@@ -1,6 +1,6 @@
 """`genrun bench`: how much of the engine's own throughput survives the pipeline, in one sitting.
 
-    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [--report] [key=value ...]
+    genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]
 
 Each sitting runs, on the same prompts, rollout.n and response length, the engine's own offline
 benchmark (engine_side.py) and then a whole `genrun` run (genrun_side.py), and prints tokens/s of
@@ -25,7 +25,7 @@ from generation_core.benchmark.workload import prompt_ids, write_prompts
 from generation_core.errors import GenrunError
 
 CPU_NOT_AVAILABLE = "not available (it is read from Linux's /proc)"
-USAGE = "usage: genrun bench [--sittings N] [--prompts N] [--tokens N] [--json OUT] [--keep] [--report] [key=value ...]"
+USAGE = "usage: genrun bench [--sittings N] [--prompts N] [--tokens N] [--json OUT] [--keep] [key=value ...]"
 
 
 @dataclass
@@ -84,11 +84,6 @@ def parse_bench_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the runs' folders and logs)")
-    parser.add_argument(
-        "--report",
-        action="store_true",
-        help="the figures into the last sitting's run report (keeps the scratch folder)",
-    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [item for item in overrides if item.startswith("-")]
     if unknown:
@@ -190,23 +185,14 @@ def _figures(work: Workload, args: argparse.Namespace, sittings: list[Sitting]) 
 
 
 def _write_figures(args: argparse.Namespace, result: dict[str, Any], scratch: Path) -> None:
-    """The figures as JSON (--json, else into the scratch folder); with --report also into the
-    last sitting's run folder, whose report.html then shows them; the scratch folder goes unless
-    it holds the only copy (no --json), or --keep or --report keep it."""
+    """The figures as JSON (--json, else into the scratch folder); the scratch folder goes unless
+    it holds the only copy (no --json) or --keep keeps it."""
     out = Path(args.json) if args.json else scratch / "bench.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"written: {out}")
-    if args.report:
-        from generation_core.report.html import write_report
-        from generation_core.store.folder import StorageFolder
-        from generation_core.store.run_folder import BENCH_FILE
-
-        run_folder = StorageFolder(str(scratch / f"sitting-{args.sittings}"))
-        run_folder.put_json(BENCH_FILE, result)
-        print(f"report: {write_report(run_folder).location} (the last sitting's run, with the bench's figures)")
-    if args.json and not (args.keep or args.report):
+    if args.json and not args.keep:
         import shutil
 
         shutil.rmtree(scratch, ignore_errors=True)
-    elif args.keep or args.report:
+    elif args.keep:
         print(f"kept: {scratch} (the runs' folders, logs and timelines)")

@@ -31,7 +31,7 @@ from generation_core.report.stop_reasons import Limits, stop_reasons
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
-from generation_core.store.run_folder import BENCH_FILE, shard_file
+from generation_core.store.run_folder import shard_file
 from generation_core.store.run_record import RunRecord, ShardRange
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
 
@@ -98,8 +98,6 @@ class ReportData:
     """The viewer's trajectories, in (index, rollout_n) order."""
     skipped_parts: list[str] = field(default_factory=list)
     """Committed parts that no longer match their checksum (left out, named in the report)."""
-    bench: dict[str, Any] | None = None
-    """`genrun bench --report`'s figures (bench.json in the folder), or None."""
     activity: ReplicaActivity = field(default_factory=ReplicaActivity)
     """Each replica's busy spans and the time split totals, from the trajectories' provenance."""
     ledger: dict[str, Any] | None = None
@@ -312,28 +310,7 @@ def collect_report_data(
         failure_kinds=failures.kinds,
         sample=collector.sample(),
         skipped_parts=skipped,
-        bench=read_bench_figures(folder),
         activity=collector.activity,
         ledger=read_ledger(folder),
         agent_loops=collector.agent_loops,
     )
-
-
-def read_bench_figures(folder: StorageFolder) -> dict[str, Any] | None:
-    """bench.json as `genrun bench --report` wrote it (plain JSON: nothing in it runs), or None
-    when the folder has none or it is not a bench's figures (then the report says nothing)."""
-    if not folder.exists(BENCH_FILE):
-        return None
-    try:
-        figures = json.loads(folder.read_bytes(BENCH_FILE))
-    except ValueError:
-        logger.warning("report: %s is not JSON (left out)", folder.display(BENCH_FILE))
-        return None
-    if (
-        not isinstance(figures, dict)
-        or not isinstance(figures.get("sittings"), list)
-        or not isinstance(figures.get("ratio"), dict)
-    ):
-        logger.warning("report: %s holds no bench sittings (left out)", folder.display(BENCH_FILE))
-        return None
-    return figures

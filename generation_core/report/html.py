@@ -247,35 +247,6 @@ def _viewer_section(payload: dict[str, Any], sample_size: int) -> str:
     )
 
 
-def _rounded(value: Any) -> Any:
-    return round(value, 1) if isinstance(value, int | float) else value
-
-
-def _bench_section(bench: dict[str, Any] | None) -> str:
-    """`genrun bench --report`: each sitting's engine and genrun tokens/s and their ratio."""
-    if bench is None:
-        return ""
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("sitting", "engine tokens/s", "genrun tokens/s", "genrun/engine", "genrun whole command s")
-    )
-    rows = "".join(
-        f"<tr><td>{number}</td><td>{_e(s.get('engine_tokens_per_s'))}</td><td>{_e(s.get('genrun_tokens_per_s'))}</td>"
-        f"<td>{_e(s.get('ratio'))}</td><td>{_e(_rounded(s.get('genrun_wall_seconds')))}</td></tr>"
-        for number, s in enumerate(bench["sittings"], 1)
-        if isinstance(s, dict)
-    )
-    ratio = bench["ratio"]
-    what = (
-        f"{_e(bench.get('engine'))} engine ({_e(bench.get('engine_side'))}), {_e(bench.get('requests'))} requests of "
-        f"{_e(bench.get('tokens'))} tokens; genrun/engine median {_e(ratio.get('median'))} (min {_e(ratio.get('min'))}, max {_e(ratio.get('max'))})"
-    )
-    return (
-        f'<section id="bench"><h2>Benchmark</h2><p>{what}</p>'
-        f'<table id="bench-table"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>'
-    )
-
-
 def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sample_size: int) -> str:
     facts = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in _facts(data))
     warnings = "".join(
@@ -288,10 +259,9 @@ def render_html(data: ReportData, plots: list[Plot], payload: dict[str, Any], sa
         f'<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>genrun report: {_e(data.location)}</title><style>{_asset('report.css')}</style></head><body>"
         f'<header><h1>Run report</h1><p class="where">{_e(data.location)} · written {generated}</p><dl class="facts">{facts}</dl>{warnings}</header>'
-        '<nav><a href="#plots">Plots</a><a href="#capacity">Capacity</a><a href="#shards">Shards</a><a href="#failures">Failures</a><a href="#viewer">Trajectories</a>'
-        f"{'<a href=#bench>Benchmark</a>' if data.bench else ''}</nav>"
+        '<nav><a href="#plots">Plots</a><a href="#capacity">Capacity</a><a href="#shards">Shards</a><a href="#failures">Failures</a><a href="#viewer">Trajectories</a></nav>'
         f"{_plots_section(data, plots)}{_capacity_section(data, plots)}{_shards_section(data)}{_failures_section(data)}{_viewer_section(payload, sample_size)}"
-        f"{_bench_section(data.bench)}</body></html>\n"
+        "</body></html>\n"
     )
 
 

@@ -50,8 +50,6 @@ CHUNK_INDEX_FILE = "trajectories.json"
 CHUNK_FILE_PREFIX = "trajectories-"
 ZIP_FILE = "trajectories.zip"
 REPORT_FILE = "report.html"
-BENCH_FILE = "bench.json"
-"""`genrun bench --report`: the sittings' figures, which the report shows."""
 
 
 def shard_name(shard_id: int) -> str:
