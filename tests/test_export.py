@@ -785,3 +785,42 @@ def test_openai_batch_input_gives_a_batch_runs_requests_back_as_they_were(tmp_pa
         dict(lines[3], body={**run, **lines[3]["body"]}),
     ]
     assert again[0]["body"]["messages"][0]["role"] == "developer" and "logprobs" not in again[3]["body"]
+
+
+def test_the_end_of_sequence_ids_are_the_models_not_the_tokenizer_folders(unscored_run, model_dir, tmp_path):
+    """Review 2026-11-28 §6.1, Llama-3 style: the model's generation_config.json lists the turn end
+    (here <|im_end|>, id 2) and the tokenizer's own eos is another token (<|endoftext|>), while
+    the tokenizer folder (`tokenizer_path`) has no generation_config.json. The export read the ids
+    from the tokenizer folder: the turn end stayed in the assistant text, flagged truncated. One
+    rule now (inputs.tokenizer.eos_token_ids) for the engine, the export and the viewer."""
+    tokenizer_folder = tmp_path / "tokenizer"
+    tokenizer_folder.mkdir()
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(model_dir / name, tokenizer_folder / name)
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    settings.update(eos_token="<|endoftext|>", eos_token_id=0)
+    (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    folder = tmp_path / "run"
+    shutil.copytree(unscored_run, folder)
+    record = json.loads((folder / "run.json").read_text())
+    record["config"]["actor_rollout_ref"]["model"]["tokenizer_path"] = str(tokenizer_folder)
+    (folder / "run.json").write_text(json.dumps(record))
+
+    rows = _export(folder, tmp_path / "sft.parquet")
+    assert len(rows) == 3
+    assert [row["truncated"] for row in rows] == [False] * 3
+    answers = [row["messages"][-1]["content"] for row in rows]
+    assert [answer for answer in answers if "<|im_end|>" in answer] == []
+    assert rows == _export(unscored_run, tmp_path / "own.parquet"), "as with the model's own tokenizer"
+
+
+def test_one_rule_gives_the_end_of_sequence_ids(tmp_path):
+    """inputs.tokenizer.eos_token_ids: generation_config.json's (an int or a list), then
+    config.json's and its text_config's, then the tokenizer's; each once, in that order."""
+    from generation_core.inputs.tokenizer import eos_token_ids
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 128001, "text_config": {"eos_token_id": 7}}))
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 3})()
+    assert eos_token_ids(str(tmp_path), tokenizer) == (128001, 128009, 7, 3)
+    assert eos_token_ids(str(tmp_path / "absent")) == ()

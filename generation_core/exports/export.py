@@ -48,8 +48,8 @@ from generation_core.exports.export_target import output_location
 from generation_core.exports.key_order import committed_parts_to_export, records_in_key_order
 from generation_core.exports.openai_batch_input import BatchInputSummary, export_openai_batch_input
 from generation_core.exports.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
-from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory, eos_token_ids_of
-from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
+from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory
+from generation_core.inputs.tokenizer import eos_token_ids, run_tokenizer, tokenizer_dir
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, read_verified_part
 from generation_core.store.run_folder import read_run_record
@@ -183,13 +183,9 @@ def export_batch_output(
         out_url, folder, storage_options, overwrite=options.overwrite, beside=(errors,)
     )
     data_options = config.get("data", {}).get("storage_options") or storage_options
+    tokenizer = _tokenizer(config, options)
     return export_openai_batch(
-        folder,
-        out_folder,
-        out_name,
-        _tokenizer(config, options),
-        _tokenizer_dir(config, options.tokenizer),
-        data_options,
+        folder, out_folder, out_name, tokenizer, _eos_ids(config, options.tokenizer, tokenizer), data_options
     )
 
 
@@ -387,5 +383,9 @@ def _tokenizer(config: dict[str, Any], options: ExportOptions):
         ) from None
 
 
-def _eos_ids(config: dict[str, Any], override: str | None) -> set[int]:
-    return eos_token_ids_of(_tokenizer_dir(config, override))
+def _eos_ids(config: dict[str, Any], override: str | None, tokenizer: Any = None) -> set[int]:
+    """The ids that end a response (inputs.tokenizer.eos_token_ids) of the run's model folder, not
+    its tokenizer folder, which may have no generation_config.json; with --tokenizer, that
+    folder's too (a copy of the model where the run's own folder is not at hand)."""
+    ids = set(eos_token_ids(str(config["actor_rollout_ref"]["model"]["path"]), tokenizer))
+    return ids | set(eos_token_ids(override)) if override else ids

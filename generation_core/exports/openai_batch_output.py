@@ -36,7 +36,6 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
-from generation_core.exports.sft_messages import eos_token_ids_of
 from generation_core.inputs.dataset_files import read_json_table
 from generation_core.inputs.openai_batch import CHAT_URL
 from generation_core.run_plan import DatasetFiles
@@ -106,7 +105,7 @@ def export_openai_batch(
     out_folder: StorageFolder,
     out_name: str,
     tokenizer,
-    tokenizer_dir: str,
+    eos_ids: set[int],
     data_options: dict[str, Any] | None,
 ) -> BatchExportSummary:
     """Write the output file and (when some request lacks samples) the error file; see the module docstring."""
@@ -117,9 +116,6 @@ def export_openai_batch(
         raise GenrunError(
             f"{folder.display()} has no committed trajectories yet (no shard has committed a part); run genrun first"
         )
-    eos_ids = eos_token_ids_of(tokenizer_dir) | (
-        {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    )
     requests = _input_requests(record.dataset, data_options)
     for part in parts:
         for trajectory in records_from_parquet(read_verified_part(folder, part)):

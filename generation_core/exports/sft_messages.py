@@ -23,7 +23,6 @@ joins turns (e.g. no newline after the `<|im_end|>` that ended an assistant turn
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,15 +210,3 @@ def prompt_chat_messages(prompt: Any) -> list[dict[str, str]]:
             )
         messages.append({"role": str(message.get("role")), "content": content})
     return messages
-
-
-def eos_token_ids_of(model_dir: str) -> set[int]:
-    """The end-of-sequence ids the model's generation_config.json declares (an int or a list)."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return set()
-    with open(path) as handle:
-        value = json.load(handle).get("eos_token_id")
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, list) else {int(value)}

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from generation_core.inputs.tokenizer import eos_token_ids as run_eos_token_ids
 from generation_core.inputs.tokenizer import tokenizer_dir
 from generation_core.report.data import ReportData, data_source_of, sample_hash
 from generation_core.report.stop_reasons import STOP_REASONS, stop_reasons
@@ -70,17 +70,8 @@ def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
 
 
 def eos_token_ids(run: RunRecord, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: the tokenizer's and the model's generation_config.json's."""
-    ids: set[int] = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    generation_config = (
-        Path(os.path.expanduser(str(run.config["actor_rollout_ref"]["model"]["path"]))) / "generation_config.json"
-    )
-    if generation_config.is_file():
-        value = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
-    return frozenset(ids)
+    """End-of-sequence ids of the run's model and tokenizer (inputs.tokenizer.eos_token_ids, the engine's and export's rule)."""
+    return frozenset(run_eos_token_ids(str(run.config["actor_rollout_ref"]["model"]["path"]), tokenizer))
 
 
 def within_budget(sample: list[TrajectoryRecord], token_budget: int) -> list[TrajectoryRecord]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 from generation_core.config.engine_kwargs import HF_PREFIX_CACHE_BYTES, HfEngineKwargs
@@ -53,6 +53,7 @@ from generation_core.engines.hf.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.hf.sampling import sample_next_tokens
 from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 from generation_core.engines.server import cpu_threads_per_replica
+from generation_core.inputs.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class HFEngine:
             # below, which then covers them too.
             use_weight_first_linears(self.model)
         self.config = AutoConfig.from_pretrained(str(path), trust_remote_code=settings.trust_remote_code)
-        self.eos_token_ids = _eos_token_ids(path, self.config)
+        self.eos_token_ids = _eos_token_ids(path)
         # Logits of the last position only: a prefill otherwise runs the vocabulary projection
         # (a fifth of a small model's weights) over every prompt token.
         accepts = inspect.signature(self.model.forward).parameters
@@ -602,19 +603,8 @@ def _resolve(seq: _Sequence, error: BaseException | None) -> None:
         pass
 
 
-def _eos_token_ids(path: Path, config) -> list[int]:
-    ids: list[int] = []
-    try:
-        generation_config = GenerationConfig.from_pretrained(str(path))
-        eos = generation_config.eos_token_id
-    except OSError:
-        eos = None
-    for value in (eos, getattr(config, "eos_token_id", None)):
-        if value is None:
-            continue
-        for token in value if isinstance(value, list) else [value]:
-            if int(token) not in ids:
-                ids.append(int(token))
+def _eos_token_ids(path: Path) -> list[int]:
+    ids = list(eos_token_ids(str(path)))
     if not ids:
         raise ValueError(f"{path}: neither generation_config.json nor config.json names an eos_token_id")
     return ids
