@@ -26,6 +26,9 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     rows = chat_rows(2)
     rows[0]["extra_info"] = {"split": "x"}
     no_index = write_parquet(tmp_path / "no_index.parquet", rows)
+    rows = chat_rows(3)
+    rows[1]["prompt"] = [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]
+    null_content = write_parquet(tmp_path / "null_content.parquet", rows)
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.Table.from_pylist(chat_rows(1)).slice(0, 0), empty)
     good = write_parquet(tmp_path / "good.parquet", chat_rows(3))
@@ -79,6 +82,12 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"data.train_files={no_column}"], "has no column 'prompt'"),
         ([f"data.train_files={not_chat}"], "not a list of chat messages"),
         ([f"data.train_files={empty}"], "dataset is empty"),
+        # Audit 2026-11-28 #1-#2: verl's filter dropped this row as overlong; [] read the demo prompts.
+        (
+            [f"data.train_files={null_content}"],
+            r"data file .*null_content.parquet row 1 \(extra_info.index 1\): prompt\[0\].content is null",
+        ),
+        (["data.train_tasks=[]"], r"data.train_tasks lists no tasks; list at least one task"),
         ([f"data.train_files={no_index}"], "extra_info.index is missing"),
         ([f"data.train_files={good}", "generation.max_inflght=2"], "did you mean 'generation.max_inflight'"),
         # A key added with + that nothing reads (these ran one shard and the bundled prompts, exit 0).

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from generation_core.config.loading import load_config
-from generation_core.errors import GenrunError
+from generation_core.errors import BadInputRow, GenrunError, InputChanged
+from generation_core.inputs.chat_rows import SAMPLE_ROWS
 from generation_core.inputs.dataset_files import inspect_dataset
 from generation_core.inputs.dataset_location import resolve_train_files
 from generation_core.inputs.shard_rows import (
@@ -176,6 +177,94 @@ def test_directories_globs_and_home_expand_in_sorted_order(tmp_path, monkeypatch
     inspection = inspect_dataset(_cfg(str(folder)))
     assert [f.rows for f in inspection.files.files] == [3, 3, 3] and inspection.files.num_rows == 9
     assert inspect_dataset(_cfg(str(folder), "data.train_max_samples=4")).files.num_rows == 4
+
+
+def test_a_file_name_with_glob_characters_is_read_as_it_is(tmp_path):
+    """Audit 2026-11-28 #5: `y[1].parquet` was read as the pattern that reads `y1.parquet`, and
+    `star*.parquet` also read `star-other.parquet`. A name that exists as it is names that file;
+    a pattern that names no file as it is still expands."""
+    names = ["y[1].parquet", "y1.parquet", "star*.parquet", "star-other.parquet", "q?.parquet", "qa.parquet"]
+    for position, name in enumerate(names):
+        _write(tmp_path / name, chat_rows(2, 10 * position), 2)
+    for name in ("y[1].parquet", "star*.parquet", "q?.parquet"):
+        assert resolve_train_files(_cfg(str(tmp_path / name))) == [str(tmp_path / name)]
+    assert resolve_train_files(_cfg(str(tmp_path / "y[0-9].parquet"))) == [str(tmp_path / "y1.parquet")]
+    assert resolve_train_files(_cfg(str(tmp_path / "q*.parquet"))) == [
+        str(tmp_path / n) for n in ("q?.parquet", "qa.parquet")
+    ]
+
+
+def _null_content(rows, row):
+    rows[row]["prompt"] = [{"role": "system", "content": None}, {"role": "user", "content": "hi there"}]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("rows", "refusal"),
+    [
+        (_null_content(chat_rows(40), 30), "row 30 (extra_info.index 30): prompt[0].content is null"),
+        (
+            [dict(row, prompt=None) if row["extra_info"]["index"] == 2 else row for row in chat_rows(4)],
+            "row 2 (extra_info.index 2): prompt is null",
+        ),
+        (
+            [dict(row, prompt=[{"role": "user", "content": 7}]) for row in chat_rows(4)],
+            "row 0 (extra_info.index 0): prompt[0].content is an int, not text or a list of text parts",
+        ),
+        (
+            [dict(row, prompt=[]) if row["extra_info"]["index"] == 1 else row for row in chat_rows(4)],
+            "row 1 (extra_info.index 1): prompt holds no messages",
+        ),
+        (
+            [
+                dict(row, prompt=[{"role": None, "content": "hi"}]) if row["extra_info"]["index"] == 3 else row
+                for row in chat_rows(4)
+            ],
+            "row 3 (extra_info.index 3): prompt[0] is not a message with a role",
+        ),
+    ],
+)
+def test_preflight_refuses_sampled_rows_whose_messages_are_not_text_naming_file_row_and_index(tmp_path, rows, refusal):
+    """Audit 2026-11-28 #1: a row with null (or int) content, or a null prompt, passed preflight,
+    and verl's overlong filter, whose doc2len counts any chat-template error as too long, dropped
+    it as "longer than max_prompt_length". The dataset's first rows are checked in preflight's light
+    half (no tokenizer), refused in one line naming the file, the row and its extra_info.index."""
+    path = _write(tmp_path / "bad.parquet", rows, 16)
+    with pytest.raises(BadInputRow) as refused:
+        inspect_dataset(_cfg(str(path)))
+    assert str(refused.value) == f"data file {path} {refusal}; fix the row or leave it out of the dataset"
+
+
+def test_a_shard_refuses_a_row_past_the_sample_and_a_template_error_is_never_counted_as_overlong(tmp_path, tokenizer):
+    """Audit 2026-11-28 #1: every row a shard reads is checked (a null content past preflight's
+    sample is refused by the shard, which is not retried: BadInputRow is an InputChanged), and a
+    row whose chat template raises (text parts this model's template cannot join) is refused with
+    the template's error, where verl's filter counted it as longer than max_prompt_length."""
+    first = _write(tmp_path / "a.parquet", chat_rows(SAMPLE_ROWS), 64)
+    second = _write(tmp_path / "b.parquet", _null_content(chat_rows(100, SAMPLE_ROWS), 90), 64)
+    cfg = _cfg([first, second])
+    dataset = inspect_dataset(cfg).files  # the bad row lies past the sample
+    assert len(DatasetPrompts(cfg, dataset, 0, SAMPLE_ROWS, tokenizer)) == SAMPLE_ROWS
+    with pytest.raises(BadInputRow) as refused:
+        DatasetPrompts(cfg, dataset, 200, SAMPLE_ROWS + 100, tokenizer)
+    assert isinstance(refused.value, InputChanged)
+    assert str(refused.value) == (
+        f"data file {second} row 90 (extra_info.index {SAMPLE_ROWS + 90}): prompt[0].content is null; "
+        "fix the row or leave it out of the dataset"
+    )
+
+    parts = [dict(row, prompt=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) for row in chat_rows(6)]
+    path = _write(tmp_path / "parts.parquet", parts, 6)
+    cfg = _cfg(str(path))
+    prompts = DatasetPrompts(cfg, inspect_dataset(cfg).files, 0, 6, tokenizer)
+    with pytest.raises(BadInputRow) as refused:
+        prompts.keeps(0)
+    assert str(refused.value) == (
+        f"data file {path} row 0 (extra_info.index 0): the chat template cannot render its prompt (TypeError: can only "
+        'concatenate str (not "list") to str); fix the row or leave it out of the dataset (verl would drop it as longer '
+        "than data.max_prompt_length)"
+    )
+    assert prompts.filtered_overlong == 0
 
 
 def test_the_fingerprint_reads_content_not_names_or_times(tmp_path):

@@ -150,6 +150,31 @@ def test_line_parameters_that_contradict_the_run_are_refused(body, message):
         )
 
 
+@pytest.mark.parametrize(
+    ("body", "refusal"),
+    [
+        ({"seed": 2**63}, "body.seed=9223372036854775808 is beyond a 64-bit integer's range"),
+        ({"seed": -(2**63) - 1}, "body.seed=-9223372036854775809 is beyond a 64-bit integer's range"),
+        ({"top_k": 2**70}, f"body.top_k={2**70} is beyond a 64-bit integer's range"),
+        ({"max_tokens": 2**64}, f"body.max_tokens={2**64} is beyond a 64-bit integer's range"),
+        ({"n": 0}, "body.n=0 must be >= 1"),
+        ({"n": "2"}, 'body.n="2" is not an integer'),
+        ({"top_k": -5}, "body.top_k=-5 must be >= -1"),
+    ],
+)
+def test_integers_beyond_int64_and_n_below_one_are_refused_by_line(body, refusal):
+    """Audit 2026-11-28 #13 and #18: a seed, top_k or max_tokens beyond int64 crashed preflight
+    with OverflowError (Arrow's int64 column), and `"n": 0` said "set rollout.n=0", which is itself
+    refused. Each is refused by line number; the range is int64's (-1 still seeds at random)."""
+    line = _chat("q1", "x", **body)
+    with pytest.raises(GenrunError) as refused:
+        batch_table("in.jsonl", _jsonl([_chat("a", "fine"), line]))
+    assert str(refused.value).startswith(
+        f"OpenAI batch file in.jsonl: 1 bad line(s): line 2 (custom_id 'q1'): {refusal}"
+    )
+    assert batch_table("in.jsonl", _jsonl([_chat("a", "x", seed=-1, top_k=0, n=1)])).num_rows == 1
+
+
 def test_a_bad_batch_file_stops_genrun_in_one_line_before_any_work(tmp_path, model_dir, capsys):
     from flows.cli import main
 

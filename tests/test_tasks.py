@@ -480,6 +480,74 @@ def test_a_template_with_a_positional_field_is_refused_at_check_time(tmp_path, t
     assert str(raised.value) == f"data.train_tasks[0].prompt_format.prompt_template: {refusal}"
 
 
+@pytest.mark.parametrize(
+    "template", ["Q: {question.upper}", "Q: {question[0]}", "Q: {meta[topic]}", "{question:{width.x}}"]
+)
+def test_a_template_field_with_attribute_or_index_access_is_refused_at_check_time(tmp_path, template):
+    """Audit 2026-11-28 #6: `{question.upper}` built a method's repr (with a memory address) into
+    the prompt and the cache, `{question[0]}` one character. A field names a column whole: such a
+    field is refused in one line when the tasks are read, as a positional field is."""
+    cfg = OmegaConf.create({"data": {"train_tasks": [_template_task(tmp_path / "absent.jsonl", template)]}})
+    field = template.split("{")[-1].split("}")[0]
+    column = field.split(".")[0].split("[")[0]
+    with pytest.raises(GenrunError) as raised:
+        task_configs(cfg)
+    assert str(raised.value) == (
+        f"data.train_tasks[0].prompt_format.prompt_template: the field {{{field}}} reads an attribute or an item of "
+        f"column {column!r}, which a prompt does not take; name the column alone, e.g. {{{column}}}, or build the text "
+        "in a custom_cls build_row"
+    )
+
+
+@pytest.mark.parametrize("listed", ["inline", "[]\n", "", "# - loading_params: {path: json}\n"])
+def test_a_task_list_with_no_task_is_refused(tmp_path, listed):
+    """Audit 2026-11-28 #2 and #18: `data.train_tasks=[]` or a file listing no task (`[]`, 0 bytes,
+    every entry commented out) generated the bundled demo prompts as if they were the tasks (the
+    0-byte file was refused for a missing loading_params.path). Refused: the file lists no tasks."""
+    from generation_core.config.bundled import BUNDLED_PROMPTS
+    from generation_core.inputs.task_build import resolve_train_tasks
+
+    if listed == "inline":
+        tasks, named = [], "data.train_tasks"
+    else:
+        (tmp_path / "tasks.yaml").write_text(listed)
+        tasks = str(tmp_path / "tasks.yaml")
+        named = f"data.train_tasks={tasks!r}"
+    cfg = OmegaConf.create(
+        {"data": {"train_tasks": tasks, "train_files": str(BUNDLED_PROMPTS), "prompt_key": "prompt"}}
+    )
+    with pytest.raises(GenrunError) as raised:
+        resolve_train_tasks(cfg, str(BUNDLED_PROMPTS))
+    assert (
+        str(raised.value)
+        == f"{named} lists no tasks; list at least one task, or unset data.train_tasks to read data.train_files"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_chat_messages_follow_the_batch_readers_role_rule_and_keep_name(tmp_path):
+    """Audit 2026-11-28 #7: tasks' chat_messages took any role (`banana`, a `tool` message with no
+    call before it) and dropped `name`, where the OpenAI batch reader refuses such roles and keeps
+    `name`. One rule now (chat_content.prompt_message): developer is read as system, name kept."""
+    rows = [
+        {"messages": [{"role": "developer", "content": "Be fair."}, {"role": "user", "content": "x", "name": "bob"}]},
+        {"messages": [{"role": "user", "content": "y"}]},
+    ]
+    [(built, _)] = _build(tmp_path, _chat_task(_jsonl(tmp_path / "named.jsonl", rows)))
+    assert [row["prompt"] for row in built] == [
+        [{"role": "system", "content": "Be fair.", "name": None}, {"role": "user", "content": "x", "name": "bob"}],
+        [{"role": "user", "content": "y", "name": None}],
+    ]
+    for role in ("banana", "tool"):
+        rows = [{"messages": [{"role": "user", "content": "x"}, {"role": role, "content": "y"}]}]
+        with pytest.raises(GenrunError) as raised:
+            _build(tmp_path, _chat_task(_jsonl(tmp_path / f"{role}.jsonl", rows)))
+        assert str(raised.value) == (
+            f"data.train_tasks[0] row 0: messages[1].role {role!r} is not one a chat template renders; use system, "
+            "developer, user or assistant"
+        )
+
+
 @pytest.mark.timeout(120)
 def test_a_null_template_field_is_refused_naming_task_and_row(tmp_path):
     """Issue 43 items 2-3 / audit #10: a null column a template reads is refused in one line, not

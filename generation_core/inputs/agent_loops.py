@@ -11,6 +11,7 @@ failing every shard after the inference replicas have booted.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -133,6 +134,11 @@ def check_tools(cfg: DictConfig, agent_names: Iterable[str]) -> int:
         if "tool_agent" in set(agent_names):
             logger.warning("tool_agent runs without tools: set actor_rollout_ref.rollout.multi_turn.tool_config_path")
         return 0
+    if resolved["tool_config_path"]:
+        _check_tool_modules(
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={paths['tool_config_path']!r}",
+            resolved["tool_config_path"],
+        )
     try:
         # verl's BaseTool prints every schema it builds; a preflight check should not.
         with contextlib.redirect_stdout(io.StringIO()):
@@ -145,3 +151,31 @@ def check_tools(cfg: DictConfig, agent_names: Iterable[str]) -> int:
             f"tool config actor_rollout_ref.rollout.multi_turn.{shown} does not load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
     return len(tools)
+
+
+def _check_tool_modules(shown: str, path: str) -> None:
+    """Refuse a tool whose `class_name` names a module that cannot be found, naming the class and
+    the file (verl's loader fails there with "'NoneType' object has no attribute 'loader'"). A
+    file that does not parse is left to verl's loader, whose error the caller reports."""
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # noqa: BLE001 - YAML and OmegaConf errors alike: verl's own load, next, reports them
+        return
+    tools = loaded.get("tools") if isinstance(loaded, dict) else None
+    for position, tool in enumerate(tools if isinstance(tools, list) else []):
+        class_name = tool.get("class_name") if isinstance(tool, dict) else None
+        if not isinstance(class_name, str):
+            continue
+        module = class_name.rpartition(".")[0]
+        try:
+            found = bool(module) and importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that does not exist, a bad name
+            found = False
+        if not found:
+            where = (
+                f"module {module!r} is not found (not installed, nor on PYTHONPATH)" if module else "it names no module"
+            )
+            raise GenrunError(
+                f"tool config {shown}: tools[{position}].class_name={class_name!r} does not load: {where}; "
+                "give the class as module.ClassName, its module importable"
+            )

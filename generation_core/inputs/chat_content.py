@@ -1,10 +1,14 @@
-"""A chat message's content as the text a chat template reads.
+"""Chat messages as a chat template reads them: the one rule every reader of chat messages shares.
 
 Datasets and API requests give content as a string or as OpenAI-style content parts
-(`[{"type": "text", "text": ...}, ...]`). Text parts are joined in order (tasks and the OpenAI batch
-reader alike); anything else (an image or audio part, null content, a number) has no text form a
-chat template would read the same way, so it is refused rather than written as its Python repr.
-A pure function, so every reader of chat messages can share it.
+(`[{"type": "text", "text": ...}, ...]`). `content_text` says which content shapes are accepted:
+text parts are joined in order; anything else (an image or audio part, null content, a number)
+has no text form a chat template would read the same way, so it is refused rather than written
+as its Python repr. `checked_message` adds the role (a string) and is what a dataset row's
+messages must pass as they are (inputs/chat_rows.py). `prompt_message` is the stricter rule of
+the prompts genrun builds itself (tasks' `chat_messages`, OpenAI batch lines): a role a chat
+template renders (`ROLES`), no tool calls, and the message's `name` kept.
+Pure functions: the callers place a refusal (file, row, line).
 """
 
 from __future__ import annotations
@@ -12,13 +16,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""The roles a prompt genrun builds may hold, as the chat template gets them: open models'
+templates know system, not OpenAI's newer developer role; tool (and the legacy function) messages
+answer tool calls, which such prompts do not carry."""
 
-class NotText(ValueError):
-    """Content that is not text: the message says what it is, for the caller to place (file, row)."""
+
+class BadMessage(ValueError):
+    """A message a chat template cannot read as it is. The text continues the message's place
+    (`messages[1]` + `.content is null`, ` is not a message with a role`) for the caller to give."""
+
+
+class NotText(BadMessage):
+    """Content that is not text: the message says what it is (`content is null`)."""
 
 
 def content_text(content: Any) -> str:
-    """`content` as one string: a string as it is, a list of text parts joined; NotText otherwise."""
+    """`content` as one string: a string as it is, a list of text parts joined; NotText otherwise.
+    The one statement of the content shapes genrun accepts."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -36,4 +51,35 @@ def content_text(content: Any) -> str:
                 )
             texts.append(part["text"])
         return "".join(texts)
-    raise NotText(f"content is a {type(content).__name__}, not text or a list of text parts")
+    kind = type(content).__name__
+    raise NotText(f"content is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not text or a list of text parts")
+
+
+def checked_message(message: Any) -> tuple[str, str]:
+    """(role, content as text) of a message: a mapping with a non-empty string role and content
+    `content_text` accepts; BadMessage otherwise."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not message["role"]:
+        raise BadMessage(" is not a message with a role")
+    try:
+        return message["role"], content_text(message.get("content"))
+    except NotText as not_text:
+        raise NotText(f".{not_text}") from None
+
+
+def prompt_message(message: Any) -> dict[str, str]:
+    """A message of a prompt genrun builds: its role as the template gets it (`ROLES`; others
+    refused), its content as text, its `name` when it has one; a message with tool calls is
+    refused (a prompt of text messages would drop them). BadMessage for what it cannot be."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise BadMessage(" is not a message with a role")
+    if message["role"] not in ROLES:
+        raise BadMessage(
+            f".role {message['role']!r} is not one a chat template renders; use system, developer, user or assistant"
+        )
+    if message.get("tool_calls"):
+        raise BadMessage(" has tool_calls, which a prompt of text messages would drop; give text messages")
+    role, text = checked_message(message)
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BadMessage(".name must be text")
+    return {"role": ROLES[role], "content": text, **({} if name is None else {"name": name})}

@@ -1,5 +1,6 @@
 """The input dataset as plain data: which files, how many rows, checked and fingerprinted from
-metadata, without reading the prompts.
+metadata, reading the prompts of the dataset's first rows only (chat_rows.SAMPLE_ROWS: their chat
+messages checked; each shard checks its own).
 
 Which files `data.train_files` names, and how they are opened: dataset_location.py.
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 
 from generation_core.config.loading import train_files
 from generation_core.errors import GenrunError, InputChanged
+from generation_core.inputs.chat_rows import SAMPLE_ROWS, check_chat_rows
 from generation_core.inputs.dataset_location import (
     HOW_TO_WRITE,
     data_storage_options,
@@ -266,13 +268,8 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                 with fs.open(path, "rb") as handle:
                     parquet = pq.ParquetFile(handle)
                     schema, rows = parquet.schema_arrow, parquet.metadata.num_rows
-                    _check_schema(url, schema, cfg.data.prompt_key, reference)
-                    check_text_only(cfg, url, schema, parquet)
                     take = rows if cap is None else max(min(rows, cap - used), 0)
-                    indices.append(_read_indices(url, parquet, take))
-                    names = _agent_names(
-                        parquet.read(columns=["agent_name"]) if take and "agent_name" in schema.names else None, take
-                    )
+                    names = _check_file(cfg, url, parquet, schema, reference, take, used, indices)
                     footer = footer_bytes(handle, size)
                     content = footer + _sampled_content(fs, path, size)
                     file_digest = planned_digest(footer)
@@ -282,11 +279,8 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
                     url, options, batch_limits=BatchLimits.of(cfg), first_row=first_row, custom_ids=custom_ids
                 )
                 schema, rows = table.schema, table.num_rows
-                _check_schema(url, schema, cfg.data.prompt_key, reference)
-                check_text_only(cfg, url, schema, table)
                 take = rows if cap is None else max(min(rows, cap - used), 0)
-                indices.append(_read_indices(url, table, take))
-                names = _agent_names(table if "agent_name" in schema.names else None, take)
+                names = _check_file(cfg, url, table, schema, reference, take, used, indices)
                 content = fs.cat_file(path)
                 file_digest = planned_digest(content)
         agent_names |= names
@@ -299,6 +293,41 @@ def inspect_dataset(cfg: DictConfig) -> DatasetInspection:
         raise GenrunError(f"the dataset is empty ({', '.join(f.url for f in files)} hold no rows)")
     check_unique_indices(files, indices)
     return DatasetInspection(DatasetFiles(tuple(files), used), digest.hexdigest(), agent_names, np.concatenate(indices))
+
+
+def _check_file(
+    cfg: DictConfig,
+    url: str,
+    source: pq.ParquetFile | pa.Table,
+    schema: pa.Schema,
+    reference: tuple[str, pa.Schema] | None,
+    take: int,
+    used: int,
+    indices: list[np.ndarray],
+) -> set[str | None]:
+    """The checks of one file (`source`: the open Parquet file, or a JSON file's table) whose first
+    `take` rows the run uses after `used` rows of earlier files: its schema, media columns, ids
+    (appended to `indices`) and the chat messages of the rows in the dataset's first SAMPLE_ROWS.
+    Returns its agent names."""
+    _check_schema(url, schema, cfg.data.prompt_key, reference)
+    check_text_only(cfg, url, schema, source)
+    indices.append(_read_indices(url, source, take))
+    _check_sample(url, cfg.data.prompt_key, source, indices[-1], max(min(take, SAMPLE_ROWS - used), 0))
+    if not take or "agent_name" not in schema.names:
+        return _agent_names(None, take)
+    return _agent_names(source.read(columns=["agent_name"]) if isinstance(source, pq.ParquetFile) else source, take)
+
+
+def _check_sample(url: str, prompt_key: str, source: pq.ParquetFile | pa.Table, indices: np.ndarray, rows: int) -> None:
+    """Check the chat messages of a file's first `rows` rows (those of the dataset's first
+    SAMPLE_ROWS that it holds), reading only the prompt column of those rows."""
+    if rows == 0:
+        return
+    if isinstance(source, pq.ParquetFile):
+        prompts = next(source.iter_batches(batch_size=rows, columns=[prompt_key])).column(0)
+    else:
+        prompts = source.column(prompt_key)
+    check_chat_rows(url, prompt_key, prompts.slice(0, rows), indices)
 
 
 def _agent_names(table: pa.Table | None, rows: int) -> set[str | None]:

@@ -2,9 +2,10 @@
 
 `data.train_files` entries are local paths (`~` expanded), fsspec URLs (`s3://bucket/key.parquet`),
 directories (every `*.parquet` directly inside) and globs (`s3://b/prompts/*.parquet`), each
-expanded in sorted order; the entries keep the order they are given in. Remote files are opened
-with `data.storage_options` (null: `storage.options`, the output's). A storage or format error of
-one file becomes the one line a user can act on (`storage_errors`).
+expanded in sorted order; the entries keep the order they are given in. An entry that exists as
+it is names that file or directory, even when its name holds glob characters (`y[1].parquet`).
+Remote files are opened with `data.storage_options` (null: `storage.options`, the output's). A
+storage or format error of one file becomes the one line a user can act on (`storage_errors`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _is_local(fs) -> bool:
 
 def resolve_train_files(cfg: DictConfig) -> list[str]:
     """Every input file URL, in order: each entry of data.train_files, directories and globs
-    expanded and sorted."""
+    expanded and sorted (an entry that exists as it is is no glob)."""
     options = data_storage_options(cfg)
     urls: list[str] = []
     for entry in train_files(cfg):
@@ -58,7 +59,9 @@ def resolve_train_files(cfg: DictConfig) -> list[str]:
             entry = os.path.expanduser(entry)
         with storage_errors(entry):
             fs, path = input_filesystem(entry, options)
-            if any(char in path for char in _GLOB_CHARS):
+            # A name that exists as it is is that file (or folder), glob characters or not:
+            # `y[1].parquet` is not the pattern that reads `y1.parquet`.
+            if any(char in path for char in _GLOB_CHARS) and not fs.exists(path):
                 matches = sorted(p for p in fs.glob(path) if not fs.isdir(p))
                 if not matches:
                     raise GenrunError(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ import pyarrow as pa
 
 from generation_core.config.validation import SEEDED_ENGINES
 from generation_core.errors import GenrunError
-from generation_core.inputs.chat_content import NotText, content_text
+from generation_core.inputs.chat_content import BadMessage, prompt_message
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -57,10 +58,6 @@ SAMPLING_TYPES = {
 }
 SAMPLING = pa.struct([pa.field(name, kind) for name, kind in SAMPLING_TYPES.items()])
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string()), pa.field("name", pa.string())])
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-"""The roles a prompt may hold, as the chat template gets them: open models' templates know system,
-not OpenAI's newer developer role; tool (and the legacy function) messages answer tool calls,
-which batch prompts do not carry."""
 SCHEMA = pa.schema(
     [
         pa.field("data_source", pa.string()),
@@ -255,27 +252,17 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
     converted = []
     for position, message in enumerate(messages):
         where = f"body.messages[{position}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _BadLine(f"{where} is not a message with a role")
-        if message["role"] not in ROLES:
-            role = message["role"]
-            raise _BadLine(
-                f"{where}.role {role!r} is not one a chat template renders; use system, developer, user or assistant"
-            )
-        if message.get("tool_calls"):
-            raise _BadLine(f"{where}: tool calls in batch prompts are not supported; give text messages")
         try:
-            # One rule with the tasks' chat_messages: text parts joined, anything else refused.
-            content = content_text(message.get("content"))
-        except NotText as not_text:
-            raise _BadLine(f"{where}.{not_text}") from None
-        name = message.get("name")
-        if name is not None and not isinstance(name, str):
-            raise _BadLine(f"{where}.name must be text")
+            # One rule with the tasks' chat_messages (inputs/chat_content.py): the roles a chat
+            # template renders, text content, `name` kept, no tool calls.
+            built = prompt_message(message)
+        except BadMessage as bad:
+            raise _BadLine(f"{where}{bad}") from None
+        name = built.get("name")
         converted.append(
             {
-                "role": ROLES[message["role"]],
-                "content": _text(content, f"{where}.content"),
+                "role": built["role"],
+                "content": _text(built["content"], f"{where}.content"),
                 "name": None if name is None else _text(name, f"{where}.name"),
             }
         )
@@ -302,6 +289,7 @@ def _sampling(body: dict[str, Any], limits: BatchLimits | None) -> dict[str, Any
         if value not in _NEUTRAL[key]:
             raise _BadLine(f"body.{key}={json.dumps(value)} is not applied by genrun's engines; remove it")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    _number(body, "n", int, 1, None)
     sampling = {
         "temperature": _number(body, "temperature", float, 0, 2),
         "top_p": _number(body, "top_p", float, 0, 1),
@@ -319,14 +307,30 @@ def _sampling(body: dict[str, Any], limits: BatchLimits | None) -> dict[str, Any
     return sampling
 
 
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""The range every integer parameter must lie in: the rows' Arrow type (int64), beyond which no
+engine takes it either."""
+
+
 def _number(body: dict[str, Any], key: str, kind: type, low: float | None, high: float | None) -> Any:
+    """body[key] (None when absent) checked to be a `kind` in [low, high] (None: no bound but an
+    int64's); a _BadLine saying which bound it misses."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not float(value).is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or math.isnan(value)
+        or (kind is int and not float(value).is_integer())
+    ):
         raise _BadLine(f"body.{key}={json.dumps(value)} is not {'an integer' if kind is int else 'a number'}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise _BadLine(f"body.{key}={value} is outside [{low}, {'any' if high is None else high}]")
+    if low is not None and high is not None and not low <= value <= high:
+        raise _BadLine(f"body.{key}={value} is outside [{low}, {high}]")
+    if low is not None and value < low:
+        raise _BadLine(f"body.{key}={value} must be >= {low}")
+    if kind is int and not INT64[0] <= value <= INT64[1]:
+        raise _BadLine(f"body.{key}={value} is beyond a 64-bit integer's range [{INT64[0]}, {INT64[1]}]")
     return kind(value)
 
 

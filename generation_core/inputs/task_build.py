@@ -52,9 +52,13 @@ def tasks_digest(built: list[BuiltTask]) -> str:
 
 
 def task_configs(cfg: DictConfig) -> list[TaskConfig]:
+    """The tasks of `data.train_tasks` (a list, or a YAML file listing them), each checked; none
+    when it is unset. Set to no task at all (`[]`, an empty file, every entry commented out) is
+    refused: the run would read `data.train_files`, by default the bundled demo prompts."""
     raw = OmegaConf.select(cfg, TASKS_KEY)
     if raw is None:
         return []
+    named = f"{TASKS_KEY}={raw!r}" if isinstance(raw, str) else TASKS_KEY
     if isinstance(raw, str):
         # A YAML file that lists the tasks (easier to write than one override).
         path = os.path.expanduser(raw)
@@ -67,6 +71,10 @@ def task_configs(cfg: DictConfig) -> list[TaskConfig]:
                 f"{TASKS_KEY}={raw!r} is not a YAML list of tasks: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
     entries = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, list | dict) else raw
+    if not entries:
+        raise GenrunError(
+            f"{named} lists no tasks; list at least one task, or unset {TASKS_KEY} to read data.train_files"
+        )
     if isinstance(entries, dict):
         entries = [entries]
     if not isinstance(entries, list):
@@ -156,7 +164,7 @@ def build_tasks(cfg: DictConfig) -> list[BuiltTask]:
 
 def resolve_train_tasks(cfg: DictConfig, default_train_files: str) -> list[BuiltTask]:
     """Build `data.train_tasks` and point `data.train_files` at the built files (nothing when
-    there are no tasks). Both set by the user is refused: which one would the run read?"""
+    `data.train_tasks` is unset). Both set by the user is refused: which one would the run read?"""
     if not task_configs(cfg):
         return []
     if cfg.data.train_files not in (None, default_train_files, []):

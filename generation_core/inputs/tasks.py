@@ -8,10 +8,11 @@ an optional `system_prompt`, or `chat_messages` read from a column), its `data_s
 `extra_fields` carried into `extra_info`, and optionally `custom_cls` (`path` + `name`): a
 subclass of `Task` that adds to each row (e.g. `reward_model.ground_truth`).
 
-A bad task (an unknown column in the template, a positional template field, a missing split, a
-class that does not load) is refused in one line before anything is built; a row the task cannot
-build (a null template field, content that is not text, an error in a custom `build_row`) is
-refused in one line naming the task and the row.
+A bad task (an unknown column in the template, a positional template field or one with attribute
+or index access, a missing split, a class that does not load) is refused in one line before
+anything is built; a row the task cannot build (a null template field, a message outside the
+rule of chat_content.prompt_message: a role no chat template renders, content that is not text,
+tool calls; an error in a custom `build_row`) is refused in one line naming the task and the row.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from generation_core.errors import GenrunError
-from generation_core.inputs.chat_content import NotText, content_text
+from generation_core.inputs.chat_content import BadMessage, NotText, prompt_message
 from generation_core.inputs.task_cache import input_files, is_hub_dataset
 
 PROMPT_FORMATS = ("template", "chat_messages")
@@ -170,7 +171,7 @@ class Task:
         fmt = self.config.prompt_format
         if fmt["type"] == "template":
             fields = template_fields(fmt["prompt_template"])
-            names = [(name.split(".")[0].split("[")[0], "prompt_format.prompt_template") for name in fields]
+            names = [(name, "prompt_format.prompt_template") for name in fields]
         else:
             names = [(fmt["chat_messages_field"], "prompt_format.chat_messages_field")]
         names += [(name, "extra_fields") for name in self.config.extra_fields]
@@ -205,9 +206,10 @@ class Task:
 
 @functools.cache
 def template_fields(template: str) -> tuple[str, ...]:
-    """The replacement fields of a prompt template (`{question}`, `{meta[topic]}`), those inside
-    format specs too; ValueError for a template Python cannot format or a positional field
-    (`{}`, `{0}`), which no column fills."""
+    """The replacement fields of a prompt template (`{question}`), those inside format specs
+    too; ValueError for a template Python cannot format, a positional field (`{}`, `{0}`), which
+    no column fills, or a field with attribute or index access (`{question.upper}`,
+    `{meta[topic]}`), which is no column's value."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -222,6 +224,13 @@ def template_fields(template: str) -> tuple[str, ...]:
         if not root or root.isdigit():
             raise ValueError(
                 f"the positional field {{{name}}} names no column; name a column instead, e.g. {{question}}"
+            )
+        if root != name:
+            # str.format would fill {question.upper} with a method's repr and {question[0]} with one
+            # character: a field is a column's value, whole.
+            raise ValueError(
+                f"the field {{{name}}} reads an attribute or an item of column {root!r}, which a prompt does not "
+                f"take; name the column alone, e.g. {{{root}}}, or build the text in a custom_cls build_row"
             )
         fields.append(name)
         if spec and "{" in spec:
@@ -245,17 +254,13 @@ def _formatted(template: str, row: dict[str, Any]) -> str:
 
 
 def _text_message(column: str, position: int, message: Any) -> dict[str, str]:
-    """One chat message with text content (content parts joined); BadRow for anything else."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise BadRow(f"{column}[{position}] is not a message with a role")
-    if message.get("tool_calls"):
-        raise BadRow(
-            f"{column}[{position}] has tool_calls, which a prompt of text messages would drop; give text messages"
-        )
+    """One chat message by the rule of the prompts genrun builds (chat_content.prompt_message,
+    the OpenAI batch reader's too); BadRow naming the message for anything else."""
     try:
-        return {"role": message["role"], "content": content_text(message.get("content"))}
-    except NotText as exc:
-        raise BadRow(f"{column}[{position}].{exc}; fix the row or leave it out of the dataset") from None
+        return prompt_message(message)
+    except BadMessage as bad:
+        advice = "; fix the row or leave it out of the dataset" if isinstance(bad, NotText) else ""
+        raise BadRow(f"{column}[{position}]{bad}{advice}") from None
 
 
 def load_task_class(config: TaskConfig) -> type[Task]:

@@ -65,9 +65,13 @@ def load_reward_function(cfg: DictConfig) -> Callable | None:
             f"reward.custom_reward_function.path={spec.path!r} has no function {spec.name!r}; set reward.custom_reward_function.name"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any error importing the user's file
-        raise GenrunError(
-            f"reward.custom_reward_function.path={spec.path!r} fails to import: {type(exc).__name__}: {exc}"
-        ) from None
+        # verl wraps it in RuntimeError("Error loading module from ..."): the user's own error is
+        # the one to show (a SyntaxError names its file and line).
+        cause: BaseException = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        reason = f"{type(cause).__name__}: {cause}".splitlines()[0]
+        raise GenrunError(f"reward.custom_reward_function.path={spec.path!r} fails to import: {reason}") from None
 
 
 # verl's default scorers that execute the model's answer as code (prime_code without a sandbox).
@@ -88,9 +92,10 @@ class RewardScorer:
         self.unscored_sources: set[Any] = set(VERL_CODE_DATA_SOURCES) if by_data_source else set()
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, tokenizer) -> RewardScorer:
+    def from_config(cls, cfg: DictConfig, tokenizer, settings: GenerationSettings | None = None) -> RewardScorer:
+        """`settings`: the run's (RunPlan.settings); None: decided from `cfg`."""
         function = load_reward_function(cfg)
-        workers = GenerationSettings.of(cfg).reward_workers
+        workers = (settings if settings is not None else GenerationSettings.of(cfg)).reward_workers
         if function is not None:
             return cls(function, tokenizer, workers)
         from verl.utils.reward_score import default_compute_score
