@@ -87,7 +87,7 @@ def print_finished(manifest: dict) -> None:
     if "artifact" in manifest:
         print(f"artifact:      {manifest['artifact']} ({manifest['merged_rows']} rows)")
     print(
-        f"trajectories:  {manifest['num_trajectories']} (every shard finished, merged output current: nothing to generate)"
+        f"trajectories:  {manifest['num_trajectories']} (every shard finished, {manifest['merged']}: nothing to generate)"
     )
     print(f"report:        {manifest['report']}")
     print("               to generate again, give another trainer.default_local_dir (or remove this folder)")

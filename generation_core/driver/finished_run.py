@@ -4,8 +4,11 @@ starts, nothing is rewritten (`genrun` asks before it starts anything).
 
 Read only: no lease is taken and nothing is repaired. Whatever is not plainly finished (a shard
 without its marker, one with failed samples, a part missing or of the wrong size, a manifest.json
-that counts other shards, a merged file, zip or report missing, a tracker to log to) goes the
-usual way, where the run's lease, repair and merge decide. Changed dataset rows under a finished
+that is unreadable or counts other shards, a merged file, chunk or zip missing or of another size
+than the merge wrote, a merged layout other than generation.merge_chunk_size /
+merge_max_file_bytes ask for, a report missing, a tracker to log to) goes the usual way, where
+the run's lease, repair and merge decide. The answer names the folder given, not the one
+manifest.json recorded (a copied run is the same run). Changed dataset rows under a finished
 shard are refused here as they would be there (FinishedRowsChanged), before anything starts.
 """
 
@@ -21,13 +24,13 @@ from generation_core.run_plan import DatasetFiles, RunPlan, plan_shards
 from generation_core.shard.finished import check_rows_unchanged, finished_marker, rows_digest_reader
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
+from generation_core.store.merged_output import merge_chunk_rows, merged_output_damage
 from generation_core.store.run_folder import (
     CHUNK_INDEX_FILE,
     MANIFEST_FILE,
     MERGED_FILE,
     REPORT_FILE,
     RUN_FILE,
-    ZIP_FILE,
     check_run_folder,
 )
 
@@ -66,21 +69,48 @@ def finished_run(cfg: DictConfig, fingerprint: str, dataset: DatasetFiles) -> di
             return None
         markers.append(marker)
         recorded_digests[shard.shard_id] = checkpoint.rows_digest
-    manifest = folder.read_json(MANIFEST_FILE)
-    if manifest.get("fingerprint") != fingerprint or manifest.get("num_trajectories") != sum(
-        m.num_trajectories for m in markers
-    ):
+    manifest = _read_manifest(folder)
+    if manifest is None or manifest.get("num_trajectories") != sum(m.num_trajectories for m in markers):
         return None
-    if not folder.exists(REPORT_FILE):
+    if manifest.get("fingerprint") != fingerprint or not folder.exists(REPORT_FILE):
         return None
-    if plan.settings.final_merge and not (
-        "artifact" in manifest
-        and (folder.exists(MERGED_FILE) or folder.exists(CHUNK_INDEX_FILE))
-        and folder.exists(ZIP_FILE)
-    ):
-        return None
+    # The folder given, not the one manifest.json recorded: a copied or moved run is the same run.
+    answer = dict(manifest, output=folder.display(), report=folder.display(REPORT_FILE))
+    answer.pop("artifact", None)
+    answer["merged"] = "not merged (generation.final_merge=false)"
+    if plan.settings.final_merge or "artifact" in manifest:
+        entry = _current_merged_output(folder, manifest, plan.settings)
+        if entry is None:
+            return None
+        answer.update(artifact=folder.display(entry), merged="merged output current")
     _check_rows_unchanged(plan, recorded_digests)
-    return dict(manifest, report=folder.display(REPORT_FILE))
+    return answer
+
+
+def _read_manifest(folder: StorageFolder) -> dict[str, Any] | None:
+    """manifest.json, or None when it does not hold a JSON object (cut, or overwritten): the run
+    is then not plainly finished, and the usual path writes it again."""
+    try:
+        manifest = folder.read_json(MANIFEST_FILE)
+    except ValueError as exc:  # invalid JSON or UTF-8
+        logger.debug("%s is unreadable: %s", folder.display(MANIFEST_FILE), exc)
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _current_merged_output(folder: StorageFolder, manifest: dict[str, Any], settings: GenerationSettings) -> str | None:
+    """The merged output's entry file (trajectories.pkl or trajectories.json) when the output and
+    zip manifest.json describes are on disk whole and in the layout the current settings ask for
+    (generation.merge_chunk_size, merge_max_file_bytes); else None."""
+    rows, row_bytes = manifest.get("merged_rows"), manifest.get("padded_row_bytes")
+    if "artifact" not in manifest or rows != manifest["num_trajectories"] or not isinstance(row_bytes, int):
+        return None
+    chunk_rows = merge_chunk_rows(rows, max(row_bytes, 1), settings.merge_chunk_size, settings.merge_max_file_bytes)
+    damage = merged_output_damage(folder, manifest, chunk_rows)
+    if damage is not None:
+        logger.info("merging again: %s", damage)
+        return None
+    return MERGED_FILE if chunk_rows is None else CHUNK_INDEX_FILE
 
 
 def _check_rows_unchanged(plan: RunPlan, recorded_digests: dict[int, str | None]) -> None:

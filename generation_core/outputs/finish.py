@@ -63,6 +63,9 @@ def finish_run(
         logger.info("merged %d trajectories into %s", merged.rows, folder.display(merged.entry_file))
         summary["artifact"] = folder.display(merged.entry_file)
         summary["merged_rows"] = merged.rows
+        # What a rerun checks the merged output against (driver/finished_run.py): without reading it.
+        summary["merged_bytes"] = merged.bytes
+        summary["padded_row_bytes"] = merged.padded_row_bytes
         summary["request_latency_s"] = latency_percentiles(merged.generate_seconds)
     summary["ledger"] = run_ledger(plan, summary, markers, elapsed)
     folder.put_json(MANIFEST_FILE, summary)

@@ -470,6 +470,15 @@ def _temporary_name(target: str) -> str:
     return f"{os.path.dirname(target)}/.tmp-{uuid.uuid4().hex}-{os.path.basename(target)}"
 
 
+def temporary_target(name: str) -> str | None:
+    """The file name a local write's temporary file `name` (`_temporary_name`) was written for, or
+    None when `name` is not one: what a writer killed before its rename left behind."""
+    prefix, hex_part, target = name[:5], name[5:37], name[38:]
+    if prefix != ".tmp-" or name[37:38] != "-" or not target:
+        return None
+    return target if all(c in "0123456789abcdef" for c in hex_part) else None
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
