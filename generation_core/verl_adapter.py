@@ -213,7 +213,9 @@ def server_manager_with_registry(start_registry: Callable[[dict[str, Any]], Any]
 # ---- RLHFDataset over rows genrun reads itself (verl/utils/dataset/rl_dataset.py) ----
 
 
-def rows_dataset(data_config: Any, tokenizer: Any) -> RLHFDataset:
+def rows_dataset(
+    data_config: Any, tokenizer: Any, processor: Any = None, read_images: Callable | None = None
+) -> RLHFDataset:
     """verl's RLHFDataset with its own settings (tool schemas, chat-template kwargs, filter
     switches, all as its __init__ reads them from data.*) but without loading files: rows are
     handed to it with `hand_rows`. The private hooks it overrides, `_download` and
@@ -221,7 +223,9 @@ def rows_dataset(data_config: Any, tokenizer: Any) -> RLHFDataset:
     ones verl's custom dataset classes override, so its filter and `__getitem__` stay verl's."""
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    class RowsDataset(RLHFDataset):
+    base = RLHFDataset if read_images is None else vision_dataset_class(read_images)
+
+    class RowsDataset(base):  # type: ignore[misc, valid-type]
         def _download(self, use_origin_parquet=False):
             pass
 
@@ -231,7 +235,7 @@ def rows_dataset(data_config: Any, tokenizer: Any) -> RLHFDataset:
     # Its __init__ loads the run's tools (data.tool_config_path), whose verl BaseTool prints every
     # schema it builds on stdout: the terminal shows a run's status lines, not tool schemas.
     with contextlib.redirect_stdout(io.StringIO()):
-        return RowsDataset([], tokenizer, data_config, processor=None, max_samples=-1)
+        return RowsDataset([], tokenizer, data_config, processor=processor, max_samples=-1)
 
 
 def hand_rows(dataset: RLHFDataset, rows: datasets.Dataset) -> None:
@@ -315,3 +319,57 @@ def dataproto_state(
     reads that tuple back (unless VERL_DATAPROTO_SERIALIZATION_METHOD=numpy, which genrun's
     files never use)."""
     return batch_bytes, non_tensor_batch, meta_info
+
+
+# ---- images (verl/utils/dataset/rl_dataset.py, verl/experimental/agent_loop/agent_loop.py) ----
+
+
+def vision_dataset_class(read_images: Callable, base: type | None = None) -> type:
+    """`base` (verl's RLHFDataset by default) with `read_images(messages, image_patch_size)` ->
+    (images, videos) (genrun's: inputs/images.vision_info) in
+    place of qwen_vl_utils, which imports torchvision: verl 0.9.1's agent loops call the dataset
+    class's `process_multi_modal_info`, which runs the private classmethod
+    `_process_multi_modal_info(messages, image_patch_size, config)` -> (images, videos, audios),
+    and so does its overlong filter's `doc2len` with a processor."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    base = base or RLHFDataset
+
+    class GenrunVisionDataset(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def _process_multi_modal_info(cls, messages, image_patch_size, config):
+            images, videos = read_images(messages, image_patch_size)
+            return images, videos, cls._extract_audio_info(messages)
+
+    return GenrunVisionDataset
+
+
+def equip_worker_for_images(worker: AgentLoopWorker, processor: Any, read_images: Callable) -> None:
+    """Give an AgentLoopWorker the run's processor (verl 0.9.1's `__init__` sets `processor` from
+    `HFModelConfig.processor`, None here for a VL folder) and genrun's image reader on its
+    `dataset_cls` (a user's `data.custom_cls` keeps its own `_process_multi_modal_info`)."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    worker.processor = processor
+    if worker.dataset_cls is RLHFDataset or "_process_multi_modal_info" not in vars(worker.dataset_cls):
+        worker.dataset_cls = vision_dataset_class(read_images, worker.dataset_cls)
+
+
+def multimodal_postprocess(
+    processor: Any, tokenizer: Any, input_ids: Any, attention_mask: Any, images: list[Any], data_config: Any = None
+) -> tuple[dict[str, Any], Any]:
+    """(multi_modal_inputs, position_ids) of one padded trajectory, by verl 0.9.1's own
+    `AgentLoopWorker._compute_multi_modal_inputs(output, input_ids)` and
+    `_compute_position_ids(input_ids, attention_mask, multi_modal_inputs, mm_processor_kwargs)`
+    (private), which read `processor`, `tokenizer` and `_get_mm_processor_kwargs` (from
+    `data.mm_processor_kwargs`) of the worker; `input_ids` and `attention_mask` are (1, seq)."""
+    from types import SimpleNamespace
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    kwargs = dict((data_config or {}).get("mm_processor_kwargs") or {})
+    worker = SimpleNamespace(processor=processor, tokenizer=tokenizer, _get_mm_processor_kwargs=lambda audios: kwargs)
+    output = SimpleNamespace(multi_modal_data={"images": images} if images else {}, mm_processor_kwargs=None)
+    inputs = AgentLoopWorker._compute_multi_modal_inputs(worker, output, input_ids)  # type: ignore[arg-type]
+    positions = AgentLoopWorker._compute_position_ids(worker, input_ids, attention_mask, inputs, None)  # type: ignore[arg-type]
+    return inputs, positions

@@ -49,3 +49,170 @@ def test_text_only_folder_has_no_processor(model_dir):
     from generation_core.inputs.tokenizer import run_processor
 
     assert run_processor({"path": str(model_dir)}) is None
+
+
+def _image_rows(count: int) -> list[dict]:
+    """verl's layout: `<image>` in the prompt text, the `images` column of {"bytes": ...} cells."""
+    return [
+        {
+            "data_source": "test/vl",
+            "prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}],
+            "images": [{"bytes": png_bytes(120 - 10 * i, 90, seed=i)}],
+            "ability": "vision",
+            "reward_model": {"style": "none", "ground_truth": ""},
+            "extra_info": {"split": "test", "index": i},
+        }
+        for i in range(count)
+    ]
+
+
+def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2):  # noqa: F811
+    from generation_core.engines.instant import InstantEngine, InstantSettings
+    from generation_core.inputs.shard_rows import DatasetPrompts
+    from generation_core.inputs.tokenizer import run_tokenizer
+    from generation_core.preflight.preflight import preflight
+    from generation_core.shard.streaming import StreamingWorker
+    from tests.conftest import write_parquet
+    from tests.shard_runs import run_shard
+
+    plan = preflight(
+        [
+            f"data.train_files={write_parquet(base / 'prompts.parquet', rows)}",
+            f"trainer.default_local_dir={base / 'run'}",
+            f"actor_rollout_ref.model.path={tiny_vl_dir}",
+            "actor_rollout_ref.rollout.name=instant",
+            f"actor_rollout_ref.rollout.n={n}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "generation.show_progress=false",
+        ]
+    )
+    tokenizer = run_tokenizer(plan.cfg.actor_rollout_ref.model)
+    plan.claim_folder()
+    [shard] = plan.shards
+    prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
+    worker = StreamingWorker(
+        plan.cfg,
+        InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
+    )
+    try:
+        assert run_shard(plan.cfg, shard, plan.folder, prompts, worker).num_trajectories == len(rows) * n
+    finally:
+        worker.shutdown()
+    return plan, tokenizer
+
+
+def test_image_prompts_merge_as_verls_postprocess(tmp_path, tiny_vl_dir):  # noqa: F811
+    """verl's layout through verl's agent loop on the instant engine: each merged row carries the
+    multi_modal_inputs and the (4, seq) position_ids verl's own `_agent_loop_postprocess` makes
+    from the same prompt, response and image; each image is stored once per prompt."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, AgentLoopWorker
+
+    from generation_core.inputs.images import fetch_image, open_png
+    from generation_core.inputs.tokenizer import run_processor
+    from generation_core.outputs.merge import merge_output
+    from generation_core.outputs.padding import Padding
+    from generation_core.store.part_repair import committed_parts, read_verified_part
+    from generation_core.store.trajectory_record import read_part_table
+
+    rows = _image_rows(3)
+    plan, tokenizer = _instant_image_run(tmp_path, tiny_vl_dir, rows)
+    parts = [read_part_table(read_verified_part(plan.folder, p)) for p in committed_parts(plan.folder)]
+    stored = [data for table in parts for cell in table.column("image_bytes").to_pylist() for data in cell or []]
+    assert len(stored) == 3  # 3 prompts x n=2 samples, one image each: stored once per prompt
+    merge_output(plan.folder, Padding(64, 16, tokenizer.pad_token_id))
+    from verl.protocol import DataProto
+
+    data = DataProto.load_from_disk(str(tmp_path / "run" / "trajectories.pkl"))
+    assert len(data) == 6 and data.batch["position_ids"].shape == (6, 4, 80)
+    processor = run_processor({"path": str(tiny_vl_dir)})
+    verl_worker = SimpleNamespace(
+        processor=processor,
+        tokenizer=tokenizer,
+        rollout_config=SimpleNamespace(prompt_length=64, response_length=16),
+        _get_mm_processor_kwargs=lambda audios: {},
+        reward_loop_worker_handles=None,
+    )
+    for name in ("_pad_token_ids", "_compute_multi_modal_inputs", "_compute_position_ids"):
+        setattr(verl_worker, name, getattr(AgentLoopWorker, name).__get__(verl_worker))
+
+    async def no_op(*_args, **_kwargs):
+        return None
+
+    verl_worker._compute_score = verl_worker._compute_teacher_logprobs = no_op
+    for row in (0, 5):
+        index = int(data.non_tensor_batch["index"][row]) if "index" in data.non_tensor_batch else row // 2
+        image = fetch_image({"image": open_png(rows[index]["images"][0]["bytes"])}, 14)
+        prompt = data.batch["prompts"][row][data.batch["attention_mask"][row][:64].bool()].tolist()
+        response = data.batch["responses"][row][data.batch["attention_mask"][row][64:].bool()].tolist()
+        output = AgentLoopOutput(
+            prompt_ids=prompt,
+            response_ids=response,
+            response_mask=[1] * len(response),
+            multi_modal_data={"images": [image]},
+            num_turns=2,
+            metrics={},
+        )
+        verls = asyncio.run(
+            AgentLoopWorker._agent_loop_postprocess(verl_worker, output, False, raw_prompt=[])  # type: ignore[arg-type]
+        )
+        assert torch.equal(data.batch["position_ids"][row], verls.position_ids[0])
+        ours = data.non_tensor_batch["multi_modal_inputs"][row]
+        assert sorted(ours) == sorted(verls.multi_modal_inputs)
+        for key, value in verls.multi_modal_inputs.items():
+            assert torch.equal(ours[key], value), key
+    assert data.non_tensor_batch["raw_prompt"][0][0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "What is in picture 0?"},
+    ]
+
+
+def _refusal(tmp_path, model, rows, column_overrides=()) -> str:
+    from generation_core.errors import GenrunError
+    from generation_core.preflight.preflight import preflight
+    from tests.conftest import write_parquet
+
+    with pytest.raises(GenrunError) as refused:
+        preflight(
+            [
+                f"data.train_files={write_parquet(tmp_path / 'prompts.parquet', rows)}",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+                f"actor_rollout_ref.model.path={model}",
+                "actor_rollout_ref.rollout.name=instant",
+                "data.max_prompt_length=64",
+                "data.max_response_length=16",
+                *column_overrides,
+            ]
+        )
+    assert not (tmp_path / "run").exists()
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_image_inputs_are_refused_in_one_line_before_anything_starts(tmp_path, tiny_vl_dir, model_dir):  # noqa: F811
+    rows = _image_rows(2)
+    assert "is a text-only llama model: images need a vision-language model" in _refusal(tmp_path, model_dir, rows)
+    corrupt = _image_rows(2)
+    corrupt[1]["images"] = [{"bytes": b"not an image"}]
+    assert "row 1: 'images'[0] is not an image PIL can read" in _refusal(tmp_path, tiny_vl_dir, corrupt).replace(
+        "images[0]", "'images'[0]"
+    )
+    missing = _image_rows(1)
+    missing[0]["images"] = [{"path": str(tmp_path / "gone.png")}]
+    assert f"names {str(tmp_path / 'gone.png')!r}, which does not exist" in _refusal(tmp_path, tiny_vl_dir, missing)
+    extra = _image_rows(1)
+    extra[0]["prompt"][0]["content"] = "<image><image>Compare them."
+    assert "has 2 image placeholder(s)" in _refusal(tmp_path, tiny_vl_dir, extra)
+    fewer = _image_rows(1)
+    fewer[0]["images"] = fewer[0]["images"] * 2
+    assert "has 1 image placeholder(s) (<image> in the text, or image parts) for 2 image(s)" in _refusal(
+        tmp_path, tiny_vl_dir, fewer
+    )
+    video = _image_rows(1)
+    video[0]["videos"] = [{"path": "clip.mp4"}]
+    assert "holds videos, and genrun generates from images only" in _refusal(tmp_path, tiny_vl_dir, video)

@@ -1,11 +1,11 @@
-"""Refuse multimodal prompts at preflight, until genrun supports them.
+"""Multimodal columns at preflight: images for a vision-language model, nothing else.
 
 verl's RLHFDataset turns a row's images, videos or audio (the columns `data.image_key`,
-`data.video_key`, `data.audio_key` name) into the prompt's content only with the model's
-processor, which genrun's shards do not load: such a row failed inside its shard, after every
-retry, with `AssertionError: processor is needed`. Preflight looks at the first FIRST_ROWS rows
-of those columns alone (a column absent or empty there costs nothing more), so a multimodal
-dataset is refused in one line before anything starts.
+`data.video_key`, `data.audio_key` name) into the prompt's content with the model's processor
+(inputs/tokenizer.run_processor). genrun generates from images with a vision-language model
+(docs/multimodal.md); an image column for a text-only model, and any video or audio column, are
+refused in one line before anything starts. Preflight looks at the first FIRST_ROWS rows of those
+columns alone (a column absent or empty there costs nothing more).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
+from generation_core.inputs.images import image_problem, image_slots
+from generation_core.inputs.tokenizer import model_type, tokenizer_dir
 
 MEDIA_KEYS = {"image_key": "images", "video_key": "videos", "audio_key": "audios"}
 """data.* key -> what its column holds (verl's default column has the same name)."""
@@ -32,20 +34,49 @@ def check_text_only(cfg: DictConfig, url: str, schema: pa.Schema, source: pq.Par
     }
     if not columns:
         return
+    prompt_key = cfg.data.prompt_key
+    wanted = [*columns, *([prompt_key] if "image_key" in columns.values() and prompt_key in schema.names else [])]
     if isinstance(source, pq.ParquetFile):
-        batch = next(source.iter_batches(batch_size=FIRST_ROWS, columns=list(columns)), None)
+        batch = next(source.iter_batches(batch_size=FIRST_ROWS, columns=wanted), None)
         if batch is None:
             return
         table = pa.Table.from_batches([batch])
     else:
-        table = source.select(list(columns))
+        table = source.select(wanted)
     for column, key in columns.items():
         row = _first_filled(table.column(column).slice(0, FIRST_ROWS))
-        if row is not None:
+        if row is None:
+            continue
+        place = f"data file {url} row {row}: column {column!r} (data.{key}) holds {MEDIA_KEYS[key]}"
+        if key != "image_key":
+            raise GenrunError(f"{place}, and genrun generates from images only (docs/multimodal.md); drop the column")
+        kind, vision = model_type(tokenizer_dir({"path": cfg.actor_rollout_ref.model.path}))
+        if not vision:
             raise GenrunError(
-                f"data file {url} row {row}: column {column!r} (data.{key}) holds {MEDIA_KEYS[key]}, and genrun "
-                "does not generate from multimodal prompts yet (its shards build prompts without the model's "
-                "processor); use text-only prompts, or drop the column"
+                f"{place}, and the model {cfg.actor_rollout_ref.model.path} is a text-only {kind} model: images need "
+                "a vision-language model (e.g. Qwen2.5-VL); set actor_rollout_ref.model.path to one, or drop the column"
+            )
+        if prompt_key in table.column_names:
+            check_image_rows(url, column, prompt_key, table.slice(0, FIRST_ROWS))
+
+
+def check_image_rows(url: str, column: str, prompt_key: str, table: pa.Table) -> None:
+    """Refuse the first row whose images a shard could not give the model: an image that does not
+    open (corrupt bytes, a path or URL that is not there), or a count of images other than the
+    prompt's `<image>` placeholders plus image parts (verl's RLHFDataset pairs them in order)."""
+    for row, (images, messages) in enumerate(
+        zip(table.column(column).to_pylist(), table.column(prompt_key).to_pylist(), strict=True)
+    ):
+        images = images or []
+        for position, cell in enumerate(images):
+            problem = image_problem(cell)
+            if problem is not None:
+                raise GenrunError(f"data file {url} row {row}: {column}[{position}] {problem}; fix or drop the row")
+        slots = image_slots(messages)
+        if images and slots != len(images):
+            raise GenrunError(
+                f"data file {url} row {row}: its {prompt_key} has {slots} image placeholder(s) (<image> in the text, "
+                f"or image parts) for {len(images)} image(s) in {column!r}; give one placeholder per image, in order"
             )
 
 

@@ -13,7 +13,6 @@ by `dump_dataproto` (dataproto_pickle.py) without the copies verl's `DataProto._
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -27,15 +26,15 @@ from verl.protocol import DataProto
 from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.outputs.dataproto_pickle import dump_dataproto
-from generation_core.outputs.padding import BatchLayout, PaddedBatchBuilder, Padding, padded_row_bytes
+from generation_core.outputs.padding import BatchLayout, ImageMerge, PaddedBatchBuilder, Padding, padded_row_bytes
 from generation_core.store.folder import StorageFolder
-from generation_core.store.merged_output import merge_chunk_rows, remove_leftover_temporaries
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import (
     CHUNK_INDEX_FILE,
     MERGED_FILE,
     SuccessMarker,
     chunk_file_name,
+    read_run_record,
     remove_stale_merge_output,
 )
 from generation_core.store.trajectory_record import (
@@ -43,6 +42,7 @@ from generation_core.store.trajectory_record import (
     SHARED_RAW_PROMPT,
     TOKEN_COLUMNS,
     decode_fields,
+    decode_images,
     decode_provenance,
     read_part_table,
     scored_mask,
@@ -92,6 +92,8 @@ class MergeInput:
     parts: list[CommittedPart]
     rows: int
     layout: BatchLayout
+    images: ImageMerge | None = None
+    """The run's processor, for a run with images (`image_merge`)."""
 
 
 def scan_run(folder: StorageFolder) -> MergeInput:
@@ -103,11 +105,13 @@ def scan_run(folder: StorageFolder) -> MergeInput:
     extra_keys: set[str] = set()
     reward_key_sets: dict[tuple[str, ...], int] = {}
     reward_codes = []
+    with_images = False
     for part in parts:
         table = read_part_table(
             read_verified_part(folder, part),
-            ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared"],
+            ["index", "rollout_n", "reward_score", "extra_fields", "raw_prompt_shared", "image_digests"],
         )
+        with_images = with_images or table.column("image_digests").null_count < table.num_rows
         keys_index.append(table.column("index").to_numpy())
         keys_n.append(table.column("rollout_n").to_numpy().astype(np.int64))
         # NaN is no score (trajectory_record.score_or_none): rm_scores only when every trajectory is scored.
@@ -149,6 +153,7 @@ def scan_run(folder: StorageFolder) -> MergeInput:
         reward_extra_keys=list(dict.fromkeys(key for keys in seen_sets for key in keys)),
         complete_reward_keys=set.intersection(*(set(keys) for keys in seen_sets)),
         extra_keys=sorted(extra_keys | _DEFAULT_EXTRA_KEYS),
+        with_images=with_images,
     )
     return MergeInput(committed, len(order), layout)
 
@@ -171,6 +176,7 @@ def build_rows(
         prompt_length=prompt_length,
         response_length=response_length,
         pad_token_id=pad_token_id,
+        images=merge_input.images,
     )
     for part in merge_input.parts:
         wanted = (part.positions >= start) & (part.positions < stop)
@@ -187,10 +193,15 @@ def build_rows(
                 *sorted(OPTIONAL_COLUMNS),
             ],
         )
+        # Before the filter: a row's images may be stored with another row of the part.
+        images = decode_images(table) if merge_input.layout.with_images else None
         if not wanted.all():
             table = table.filter(pa.array(wanted))
+            images = (
+                None if images is None else [row for row, keep in zip(images, wanted.tolist(), strict=True) if keep]
+            )
         positions = part.positions[wanted] - start
-        builder.add(table, positions, *decode_fields(table))
+        builder.add(table, positions, *decode_fields(table), images=images)
         builder.add_provenance(positions, *decode_provenance(table), storage_seconds=part.ref.storage_seconds_per_row)
     return builder.finish()
 
@@ -204,11 +215,6 @@ class MergedOutput:
     rows: int
     generate_seconds: np.ndarray
     """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
-    bytes: int | None = None
-    """trajectories.pkl's size (None for chunks: trajectories.json lists theirs)."""
-    padded_row_bytes: int | None = None
-    """The estimate of a row's padded bytes that decides whether the merge writes chunks
-    (merged_output.merge_chunk_rows): recorded so that a rerun can tell the layout it would write."""
 
 
 def merge_run(
@@ -231,17 +237,11 @@ def merge_run(
         response_length=response_length,
         pad_token_id=pad_token_id,
     )
-    _write_merged(folder, data)
-    return data
-
-
-def _write_merged(folder: StorageFolder, data: DataProto) -> int:
-    """`data` as trajectories.pkl, the other layout's files removed; returns the file's bytes."""
     with folder.open_write(MERGED_FILE) as handle:
-        size, _ = dump_dataproto(data, handle)
+        dump_dataproto(data, handle)
     remove_stale_merge_output(folder, keep={MERGED_FILE})
     logger.debug("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
-    return size
+    return data
 
 
 def merge_run_chunked(
@@ -309,26 +309,40 @@ def merge_output(
     lengths = dict(
         prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id
     )
-    # The caller holds the run's lease: what a merge or zip killed before its rename left goes.
-    remove_leftover_temporaries(folder)
     merge_input = scan_run(folder)
-    row_bytes = padded_row_bytes(merge_input.layout, padding)
-    chunk_rows = merge_chunk_rows(
-        merge_input.rows, row_bytes, chunk_size, max_file_bytes or GenerationSettings.merge_max_file_bytes
-    )
-    if chunk_rows and not chunk_size:
-        logger.info(
-            "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
-            merge_input.rows,
-            merge_input.rows * row_bytes / (1 << 30),
-            chunk_rows,
+    if merge_input.layout.with_images:
+        merge_input.images = image_merge(folder)
+    if not chunk_size:
+        row_bytes = padded_row_bytes(merge_input.layout, padding)
+        rows_per_file = max(1, (max_file_bytes or GenerationSettings.merge_max_file_bytes) // row_bytes)
+        if merge_input.rows > rows_per_file:
+            logger.info(
+                "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
+                merge_input.rows,
+                merge_input.rows * row_bytes / (1 << 30),
+                rows_per_file,
+            )
+            chunk_size = rows_per_file
+    if chunk_size:
+        return merge_run_chunked(folder, chunk_size=chunk_size, merge_input=merge_input, **lengths)
+    data = merge_run(folder, merge_input=merge_input, **lengths)
+    return MergedOutput(MERGED_FILE, len(data), _generate_seconds(data))
+
+
+def image_merge(folder: StorageFolder) -> ImageMerge:
+    """The processor, tokenizer and data config of the run in `folder` (its run.json): what
+    rebuilds its images' multi_modal_inputs and position_ids."""
+    from generation_core.inputs.tokenizer import run_processor, run_tokenizer
+
+    config = read_run_record(folder).config
+    model = config["actor_rollout_ref"]["model"]
+    processor = run_processor(model)
+    if processor is None:
+        raise GenrunError(
+            f"{folder.display()} holds trajectories with images, and the run's model {model['path']} has no "
+            "multimodal processor to rebuild their multi_modal_inputs"
         )
-    if chunk_rows:
-        chunked = merge_run_chunked(folder, chunk_size=chunk_rows, merge_input=merge_input, **lengths)
-        return dataclasses.replace(chunked, padded_row_bytes=row_bytes)
-    data = build_rows(folder, merge_input, 0, merge_input.rows, **lengths)
-    size = _write_merged(folder, data)
-    return MergedOutput(MERGED_FILE, len(data), _generate_seconds(data), size, row_bytes)
+    return ImageMerge(processor, run_tokenizer(model), config.get("data"))
 
 
 def _generate_seconds(data: DataProto) -> np.ndarray:

@@ -53,14 +53,37 @@ class BatchLayout:
     """Those every trajectory has: a plain numpy array like verl's; the others are object arrays with None gaps."""
     extra_keys: list[str]
     """Sorted union of the agent loops' extra_fields keys and the ones verl always emits."""
+    with_images: bool = False
+    """Some trajectory has images: multi_modal_inputs and position_ids are the processor's (`ImageMerge`)."""
+
+
+@dataclass(frozen=True)
+class ImageMerge:
+    """What rebuilds a multimodal run's rows as verl's postprocess builds them: the run's processor
+    and tokenizer and its `data` config (mm_processor_kwargs)."""
+
+    processor: Any
+    tokenizer: Any
+    data_config: Any = None
 
 
 class PaddedBatchBuilder:
     """Fills one DataProto's padded tensors from Arrow token columns, a part at a time, with
     vectorized scatters: prompts left-padded, responses right-padded, as verl pads them."""
 
-    def __init__(self, rows: int, layout: BatchLayout, *, prompt_length: int, response_length: int, pad_token_id: int):
+    def __init__(
+        self,
+        rows: int,
+        layout: BatchLayout,
+        *,
+        prompt_length: int,
+        response_length: int,
+        pad_token_id: int,
+        images: ImageMerge | None = None,
+    ):
         self.rows, self.layout = rows, layout
+        self.image_merge = images
+        self.images: list[list[bytes] | None] = [None] * rows
         self.prompt_length, self.response_length = prompt_length, response_length
         width = prompt_length + response_length
         # prompts and responses are cut from input_ids at the end: one fill instead of three.
@@ -79,9 +102,18 @@ class PaddedBatchBuilder:
         self.filled = 0
 
     def add(
-        self, tokens: pa.Table, positions: np.ndarray, inputs: list[dict], extras: list[dict], metrics: list[dict]
+        self,
+        tokens: pa.Table,
+        positions: np.ndarray,
+        inputs: list[dict],
+        extras: list[dict],
+        metrics: list[dict],
+        images: list[list[bytes] | None] | None = None,
     ) -> None:
-        """Place the rows of `tokens` (columns as in a part) at `positions` of the batch."""
+        """Place the rows of `tokens` (columns as in a part) at `positions` of the batch; `images`:
+        each row's PNG images (store/trajectory_record.decode_images)."""
+        for position, row_images in zip(positions.tolist(), images or [], strict=False):
+            self.images[position] = row_images
         prompt_values, prompt_lengths = _flat_lists(tokens.column("prompt_ids"))
         response_values, response_lengths = _flat_lists(tokens.column("response_ids"))
         mask_values, mask_lengths = _flat_lists(tokens.column("response_mask"))
@@ -146,10 +178,14 @@ class PaddedBatchBuilder:
         if self.filled != self.rows:
             raise AssertionError(f"batch of {self.rows} rows got {self.filled}")
         P = self.prompt_length
-        # verl's compute_position_id_with_mask (clip(cumsum(mask) - 1, 0)) without its temporaries.
-        position_ids = torch.empty_like(self.attention_mask)
-        torch.cumsum(self.attention_mask, dim=1, out=position_ids)
-        position_ids.sub_(1).clamp_(min=0)
+        multi_modal_inputs = None
+        if self.image_merge is not None:
+            position_ids, multi_modal_inputs = self._image_rows(self.image_merge)
+        else:
+            # verl's compute_position_id_with_mask (clip(cumsum(mask) - 1, 0)) without its temporaries.
+            position_ids = torch.empty_like(self.attention_mask)
+            torch.cumsum(self.attention_mask, dim=1, out=position_ids)
+            position_ids.sub_(1).clamp_(min=0)
         tensors = {
             "prompts": self.input_ids[:, :P].clone(),
             "responses": self.input_ids[:, P:].clone(),
@@ -172,7 +208,9 @@ class PaddedBatchBuilder:
             values = self.reward_objects[key]
             non_tensor[key] = np.array(values.tolist()) if key in layout.complete_reward_keys else values
         # Text models: verl records an empty multi-modal input dict per sample.
-        non_tensor["multi_modal_inputs"] = object_array([{} for _ in range(self.rows)])
+        non_tensor["multi_modal_inputs"] = (
+            object_array([{} for _ in range(self.rows)]) if multi_modal_inputs is None else multi_modal_inputs
+        )
         for key in layout.extra_keys:
             non_tensor[key] = self.objects[key]
         # genrun's own: where each trajectory was made and where its time went (store/trajectory_record.py).
@@ -183,6 +221,32 @@ class PaddedBatchBuilder:
         if self.rm_scores is not None:
             meta_info["reward_extra_keys"] = list(layout.reward_extra_keys)
         return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+    def _image_rows(self, merge: ImageMerge) -> tuple[torch.Tensor, np.ndarray]:
+        """(position_ids (rows, 4, width), multi_modal_inputs per row) from each row's padded ids
+        and its images, by verl's own per-sample postprocess (verl_adapter.multimodal_postprocess).
+        The images are decoded once per distinct PNG of this batch (a prompt's n samples share them)."""
+        from generation_core.inputs.images import open_png
+        from generation_core.verl_adapter import multimodal_postprocess
+
+        opened: dict[bytes, Any] = {}
+        positions, inputs = [], []
+        for row in range(self.rows):
+            for data in self.images[row] or []:
+                if data not in opened:
+                    opened[data] = open_png(data)
+            images = [opened[data] for data in self.images[row] or []]
+            row_inputs, row_positions = multimodal_postprocess(
+                merge.processor,
+                merge.tokenizer,
+                self.input_ids[row : row + 1],
+                self.attention_mask[row : row + 1],
+                images,
+                merge.data_config,
+            )
+            positions.append(row_positions)
+            inputs.append(row_inputs)
+        return torch.cat(positions, dim=0), object_array(inputs)
 
 
 def _flat_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

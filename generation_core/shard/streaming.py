@@ -34,7 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop import AgentLoopWorker
 
 from generation_core.config.settings import GenerationSettings
+from generation_core.inputs.images import png_bytes, stored_messages, vision_info
 from generation_core.inputs.openai_batch import line_sampling_params
+from generation_core.inputs.tokenizer import run_processor
 from generation_core.serving.request_retry import RetryingClient
 from generation_core.serving.routing import RoutingClient
 from generation_core.serving.turn_log import start_trajectory
@@ -45,6 +47,7 @@ from generation_core.store.trajectory_record import SampleFailure, TrajectoryRec
 from generation_core.verl_adapter import (
     agent_loop_arguments,
     agent_loop_entry,
+    equip_worker_for_images,
     keeps_no_sample_state,
     rebind_worker_client,
     share_continuous_token_builders,
@@ -73,8 +76,13 @@ def _agent_loop_worker(cfg: DictConfig, client) -> AgentLoopWorker:
     share_continuous_token_builders()
     key = OmegaConf.to_yaml(cfg, resolve=True)
     if _cached_worker is None or _cached_worker[0] != key:
-        _cached_worker = (key, AgentLoopWorker(cfg, client))
-        return _cached_worker[1]
+        worker = AgentLoopWorker(cfg, client)
+        processor = run_processor(cfg.actor_rollout_ref.model)
+        if processor is not None:
+            # verl's own processor is None for a VL folder here (no torchvision): genrun's, and its image reader.
+            equip_worker_for_images(worker, processor, vision_info)
+        _cached_worker = (key, worker)
+        return worker
     worker = _cached_worker[1]
     rebind_worker_client(worker, client)
     return worker
@@ -86,9 +94,17 @@ class StreamingWorker:
     postprocess_seconds: float = 0.0
     """Seconds spent turning agent-loop outputs into records (the shard's stage breakdown)."""
 
-    def __init__(self, cfg: DictConfig, llm_client, reward_scorer: RewardScorer | None = None):
-        # A config load_config did not build gets its derived defaults here, the same ones.
-        gen = GenerationSettings.of(cfg)
+    def __init__(
+        self,
+        cfg: DictConfig,
+        llm_client,
+        reward_scorer: RewardScorer | None = None,
+        *,
+        settings: GenerationSettings | None = None,
+    ):
+        """`settings`: the run's, as its plan carries them (RunPlan.settings); None (a caller
+        without a plan): decided from `cfg` here, the same way."""
+        gen = settings if settings is not None else GenerationSettings.of(cfg)
         # Agent loops reach the engine only through this client: every model turn gets retries.
         self.client = RetryingClient(
             llm_client,
@@ -235,8 +251,14 @@ class StreamingWorker:
     def record_from_output(key: SampleKey, output, kwargs: dict[str, Any]) -> TrajectoryRecord:
         """The unpadded record of one AgentLoopOutput; `kwargs` are the sample's dataset fields."""
         extra_fields = dict(output.extra_fields)
+        images = (output.multi_modal_data or {}).get("images")
+        inputs = dict(kwargs)
+        if images:
+            # The images apart, once per prompt in a part; image parts of the messages (raw_prompt,
+            # and the prompt column verl's dataset filled in place) as {"type": "image"}.
+            inputs = {key: stored_messages(value) for key, value in kwargs.items()}
         # verl's per-sample postprocessing adds the chat messages to extra_fields.
-        extra_fields["raw_prompt"] = kwargs["raw_prompt"]
+        extra_fields["raw_prompt"] = inputs["raw_prompt"]
         return TrajectoryRecord(
             index=key[0],
             rollout_n=key[1],
@@ -248,9 +270,10 @@ class StreamingWorker:
             else [float(v) for v in output.response_logprobs],
             reward_score=None if output.reward_score is None else float(output.reward_score),
             num_turns=int(output.num_turns),
-            input_fields=dict(kwargs),
+            input_fields=inputs,
             extra_fields=extra_fields,
             metrics=output.metrics.model_dump(),
+            images=[png_bytes(image) for image in images] if images else None,
         )
 
 

@@ -13,6 +13,7 @@ import base64
 import copy
 import datetime
 import decimal
+import hashlib
 import io
 import json
 import traceback
@@ -48,6 +49,10 @@ PART_SCHEMA = pa.schema(
             pa.field(f"seconds_{name}", pa.float32(), nullable=True)
             for name in ("slot_wait", "prefill", "decode", "tools", "reward")
         ),
+        # The images (docs/multimodal.md): each one's sha256, and the PNG of those no earlier row of
+        # the same write holds (a prompt's n samples store it once). Null: text, or an older part.
+        pa.field("image_digests", pa.list_(pa.string()), nullable=True),
+        pa.field("image_bytes", pa.list_(pa.binary()), nullable=True),
     ]
 )
 SHARED_RAW_PROMPT = "raw_prompt"
@@ -108,6 +113,8 @@ class TrajectoryRecord:
     """Where and how it was made (PROVENANCE_KEYS); None in parts written before genrun kept it."""
     timings: dict[str, float | None] | None = None
     """Its time split (TIMINGS), seconds; None in parts written before genrun kept it."""
+    images: list[bytes] | None = None
+    """The prompt's images as the model got them (resized), PNG; None: text only."""
 
     def __post_init__(self) -> None:
         # Every record, built by an agent loop or read from a part (older parts may hold NaN).
@@ -248,7 +255,32 @@ def records_to_table(records: list[TrajectoryRecord]) -> pa.Table:
     }
     for name in TIMINGS:
         columns[f"seconds_{name}"] = [None if r.timings is None else r.timings.get(name) for r in records]
+    columns["image_digests"], columns["image_bytes"] = _image_columns(records)
     return pa.table(columns, schema=PART_SCHEMA)
+
+
+def _image_columns(records: list[TrajectoryRecord]) -> tuple[list, list]:
+    """Per record: the digests of its images, and the bytes of those no earlier record here holds."""
+    digests: list[list[str] | None] = []
+    payloads: list[list[bytes] | None] = []
+    seen: set[str] = set()
+    for record in records:
+        names = None if record.images is None else [hashlib.sha256(data).hexdigest() for data in record.images]
+        digests.append(names)
+        payloads.append(None if names is None else [])
+        for name, data in zip(names or [], record.images or [], strict=True):
+            if name not in seen:
+                seen.add(name)
+                payloads[-1].append(data)  # type: ignore[union-attr]  # a list when names is one
+    return digests, payloads
+
+
+def decode_images(table: pa.Table) -> list[list[bytes] | None]:
+    """Each row's images (None: text only), resolved within the table (a part read whole)."""
+    names = table.column("image_digests").to_pylist()
+    rows = table.column("image_bytes").to_pylist()
+    store = {hashlib.sha256(data).hexdigest(): data for row in rows for data in row or []}
+    return [None if row is None else [store[name] for name in row] for row in names]
 
 
 def _shares_raw_prompt(record: TrajectoryRecord) -> bool:
@@ -296,7 +328,7 @@ def read_part_table(data: bytes, columns: list[str] | None = None) -> pa.Table:
     return pa.Table.from_arrays(arrays, names=wanted)
 
 
-OPTIONAL_COLUMNS = frozenset(["provenance", *(f"seconds_{name}" for name in TIMINGS)])
+OPTIONAL_COLUMNS = frozenset(["provenance", *(f"seconds_{name}" for name in TIMINGS), "image_digests", "image_bytes"])
 """Columns later genruns added: a part without them reads them as null."""
 
 
@@ -346,7 +378,7 @@ def records_of_table(table: pa.Table) -> list[TrajectoryRecord]:
     """The records of a part table read with every column (`read_part_table(data)`)."""
     inputs, extras, metrics = decode_fields(table)
     provenance, timings = decode_provenance(table)
-    columns = {name: table.column(name).to_pylist() for name in TOKEN_COLUMNS}
+    columns, images = {name: table.column(name).to_pylist() for name in TOKEN_COLUMNS}, decode_images(table)
     return [
         TrajectoryRecord(
             index=columns["index"][row],
@@ -362,6 +394,7 @@ def records_of_table(table: pa.Table) -> list[TrajectoryRecord]:
             metrics=metrics[row],
             provenance=provenance[row],
             timings=timings[row],
+            images=images[row],
         )
         for row in range(table.num_rows)
     ]
