@@ -2,8 +2,10 @@
 
 Shards are ranges of raw dataset rows, planned from row counts alone (run_plan.plan_shards); each
 shard job reads only its rows (`DatasetPrompts`: the row groups overlapping its range, through
-fsspec), applies verl's overlong filter to them and hands verl's agent loops the same keyword
-arguments verl's `RLHFDataset` would give for those rows.
+fsspec), checks their chat messages (inputs/chat_rows.py), applies verl's overlong filter to
+them and hands verl's agent loops the same keyword arguments verl's `RLHFDataset` would give for
+those rows. A row whose chat template raises is refused by name (`BadInputRow`): verl's filter
+would count it as longer than data.max_prompt_length.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
-from generation_core.errors import GenrunError
+from generation_core.errors import BadInputRow, GenrunError
+from generation_core.inputs.chat_rows import check_chat_rows, row_place
 from generation_core.inputs.dataset_files import (
     check_planned,
     footer_bytes,
@@ -170,6 +173,9 @@ class DatasetPrompts:
 
         self._tensor_type = torch.Tensor
         table = read_rows(dataset, start, end, data_storage_options(cfg))
+        self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
+        prompt_key = cfg.data.prompt_key
+        self._pieces = _check_messages(dataset, start, end, prompt_key, table.column(prompt_key), self._indices)
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
         """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
@@ -180,7 +186,7 @@ class DatasetPrompts:
         self._rows = datasets.Dataset(datasets.table.InMemoryTable(table))
         hand_rows(self._dataset, self._rows)
         self._length_rule = overlong_prompt_rule(self._dataset)
-        length_settings = prompt_length_settings(self._dataset)
+        length_settings = self._length_settings = prompt_length_settings(self._dataset)
         self._batched_lengths = (
             _BatchedLengths(length_settings, tokenizer)
             if self._length_rule is not None and not length_settings.has_processor
@@ -192,7 +198,6 @@ class DatasetPrompts:
         self._decided = np.full(self.num_rows, -1 if self._length_rule is not None else 1, dtype=np.int8)
         self._kept_positions: np.ndarray | None = None
         self.default_agent_loop = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
-        self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
         self._names = (
             pc.unique(table.column("agent_name")).to_pylist() if "agent_name" in table.column_names else [None]
         )
@@ -223,6 +228,11 @@ class DatasetPrompts:
         assert length_rule is not None, "a row is undecided only while verl's overlong filter is on"
         docs = self._rows.select(rows).to_list() if len(rows) > 1 else [self._rows[rows[0]]]
         decided = self._batched_lengths.keeps(docs) if self._batched_lengths is not None else None
+        if decided is None:
+            # No batched count (its call failed, or it is off): verl's rule decides each row, and
+            # its doc2len counts a template that raises as too long. Such a row is refused by
+            # name first (a batched call that succeeded rendered every row already).
+            self._refuse_template_errors(rows, docs)
         if decided is not None and not self._batched_checked:
             # The batched count must be verl's: checked against its own predicate on this window.
             verls = [bool(length_rule(doc)) for doc in docs]
@@ -236,6 +246,31 @@ class DatasetPrompts:
         if decided is None:
             decided = [bool(length_rule(doc)) for doc in docs]
         self._decided[rows] = decided
+
+    def _refuse_template_errors(self, rows: list[int], docs: list[dict]) -> None:
+        """Refuse the first of these rows whose chat template raises (called as verl's doc2len
+        calls it, less the tokenizing), naming the row and the template's error."""
+        settings = self._length_settings
+        if settings.has_processor:
+            return  # verl measures these with the processor, over messages it builds: not checked here
+        for row, doc in zip(rows, docs, strict=True):
+            try:
+                self.tokenizer.apply_chat_template(
+                    doc[settings.prompt_key], add_generation_prompt=True, tokenize=False, **settings.template_kwargs
+                )
+            except Exception as exc:  # noqa: BLE001 - a template (the model's, user code) may raise anything
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                raise BadInputRow(
+                    f"{self._place(row)}: the chat template cannot render its {settings.prompt_key} ({reason}); "
+                    "fix the row or leave it out of the dataset (verl would drop it as longer than data.max_prompt_length)"
+                ) from None
+
+    def _place(self, row: int) -> str:
+        """Raw row `row` as a refusal names it (chat_rows.row_place)."""
+        for url, first_row, offset, count in self._pieces:
+            if row < offset + count:
+                return row_place(url, first_row + row - offset, self.row_index(row))
+        raise IndexError(row)
 
     def row_kwargs(self, row: int) -> dict[str, Any]:
         """Raw row `row`'s non-tensor fields, as verl's generate_sequences passes them to an agent loop."""
@@ -273,6 +308,20 @@ class DatasetPrompts:
     def agent_kwargs(self, position: int) -> dict[str, Any]:
         """The `position`-th kept row's agent-loop keyword arguments."""
         return self.row_kwargs(int(self._kept()[position]))
+
+
+def _check_messages(
+    dataset: DatasetFiles, start: int, end: int, prompt_key: str, prompts: pa.ChunkedArray, indices: np.ndarray
+) -> list[tuple[str, int, int, int]]:
+    """Check every row's chat messages (chat_rows.check_chat_rows), file by file; returns the
+    pieces read, (url, first file row, first table row, rows), to name a row later."""
+    pieces, offset = [], 0
+    for data_file, lo, hi in dataset.pieces(start, end):
+        rows = hi - lo
+        check_chat_rows(data_file.url, prompt_key, prompts.slice(offset, rows), indices[offset : offset + rows], lo)
+        pieces.append((data_file.url, lo, offset, rows))
+        offset += rows
+    return pieces
 
 
 def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> None:

@@ -13,6 +13,7 @@ by `dump_dataproto` (dataproto_pickle.py) without the copies verl's `DataProto._
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from generation_core.errors import GenrunError
 from generation_core.outputs.dataproto_pickle import dump_dataproto
 from generation_core.outputs.padding import BatchLayout, ImageMerge, PaddedBatchBuilder, Padding, padded_row_bytes
 from generation_core.store.folder import StorageFolder
+from generation_core.store.merged_output import merge_chunk_rows, remove_leftover_temporaries
 from generation_core.store.part_repair import CommittedPartRef, committed_parts, read_verified_part
 from generation_core.store.run_folder import (
     CHUNK_INDEX_FILE,
@@ -215,6 +217,11 @@ class MergedOutput:
     rows: int
     generate_seconds: np.ndarray
     """Each trajectory's time waiting on the engine (verl's `generate_sequences` metric)."""
+    bytes: int | None = None
+    """trajectories.pkl's size (None for chunks: trajectories.json lists theirs)."""
+    padded_row_bytes: int | None = None
+    """The estimate of a row's padded bytes that decides whether the merge writes chunks
+    (merged_output.merge_chunk_rows): recorded so that a rerun can tell the layout it would write."""
 
 
 def merge_run(
@@ -237,11 +244,17 @@ def merge_run(
         response_length=response_length,
         pad_token_id=pad_token_id,
     )
+    _write_merged(folder, data)
+    return data
+
+
+def _write_merged(folder: StorageFolder, data: DataProto) -> int:
+    """`data` as trajectories.pkl, the other layout's files removed; returns the file's bytes."""
     with folder.open_write(MERGED_FILE) as handle:
-        dump_dataproto(data, handle)
+        size, _ = dump_dataproto(data, handle)
     remove_stale_merge_output(folder, keep={MERGED_FILE})
     logger.debug("merged %d trajectories into %s", len(data), folder.display(MERGED_FILE))
-    return data
+    return size
 
 
 def merge_run_chunked(
@@ -309,24 +322,28 @@ def merge_output(
     lengths = dict(
         prompt_length=padding.prompt_length, response_length=padding.response_length, pad_token_id=padding.pad_token_id
     )
+    # The caller holds the run's lease: what a merge or zip killed before its rename left goes.
+    remove_leftover_temporaries(folder)
     merge_input = scan_run(folder)
     if merge_input.layout.with_images:
         merge_input.images = image_merge(folder)
-    if not chunk_size:
-        row_bytes = padded_row_bytes(merge_input.layout, padding)
-        rows_per_file = max(1, (max_file_bytes or GenerationSettings.merge_max_file_bytes) // row_bytes)
-        if merge_input.rows > rows_per_file:
-            logger.info(
-                "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
-                merge_input.rows,
-                merge_input.rows * row_bytes / (1 << 30),
-                rows_per_file,
-            )
-            chunk_size = rows_per_file
-    if chunk_size:
-        return merge_run_chunked(folder, chunk_size=chunk_size, merge_input=merge_input, **lengths)
-    data = merge_run(folder, merge_input=merge_input, **lengths)
-    return MergedOutput(MERGED_FILE, len(data), _generate_seconds(data))
+    row_bytes = padded_row_bytes(merge_input.layout, padding)
+    chunk_rows = merge_chunk_rows(
+        merge_input.rows, row_bytes, chunk_size, max_file_bytes or GenerationSettings.merge_max_file_bytes
+    )
+    if chunk_rows and not chunk_size:
+        logger.info(
+            "%d trajectories take about %.1f GiB padded: merging into chunks of %d (generation.merge_max_file_bytes)",
+            merge_input.rows,
+            merge_input.rows * row_bytes / (1 << 30),
+            chunk_rows,
+        )
+    if chunk_rows:
+        chunked = merge_run_chunked(folder, chunk_size=chunk_rows, merge_input=merge_input, **lengths)
+        return dataclasses.replace(chunked, padded_row_bytes=row_bytes)
+    data = build_rows(folder, merge_input, 0, merge_input.rows, **lengths)
+    size = _write_merged(folder, data)
+    return MergedOutput(MERGED_FILE, len(data), _generate_seconds(data), size, row_bytes)
 
 
 def image_merge(folder: StorageFolder) -> ImageMerge:
