@@ -36,6 +36,7 @@ import sys
 import threading
 from typing import Any, NoReturn, cast
 
+from generation_core.benchmark.command import add_bench_arguments
 from generation_core.config.bundled import cache_root
 from generation_core.console import setup_logging
 from generation_core.errors import GenrunError
@@ -132,13 +133,16 @@ def subcommand_parsers() -> dict[str, CommandParser]:
         "--trust-remote-code", action="store_true", help="run the code of a tokenizer the run folder names"
     )
     add_export_arguments(commands.add_parser("export", synopsis=SYNOPSIS, description=DESCRIPTION))
-    commands.add_parser(
+    bench = commands.add_parser(
         "bench",
         synopsis="genrun bench [--sittings 3] [--prompts 64] [--tokens 32] [--json OUT] [--keep] [key=value ...]",
         description="The engine's own offline benchmark and a genrun run on the same prompts and lengths, per "
-        "sitting: tokens/s, genrun/engine and genrun's own CPU per trajectory outside the engine. --keep keeps "
-        "the scratch folder; key=value overrides as for a run.",
+        "sitting: tokens/s, genrun/engine and genrun's own CPU per trajectory outside the engine. A sitting whose "
+        "engine side is slower than genrun's, or that ran at a load average above the cores, is marked NOT TRUSTED "
+        "and left out of the answer (docs/engines.md).",
     )
+    add_bench_arguments(bench)
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="overrides as for a run (the engine too)")
     return commands.choices
 
 

@@ -6,16 +6,20 @@ Each sitting runs, on the same prompts, rollout.n and response length, the engin
 benchmark (engine_side.py) and then a whole `genrun` run (genrun_side.py), and prints tokens/s of
 each, genrun/engine and genrun's own CPU per trajectory outside the engine (process_cpu.py).
 Machines are noisy (bench/RESULTS.md), so the answer is the median and the spread over sittings,
-not one number. The engine comes from the overrides (`actor_rollout_ref.rollout.name`).
+not one number. A line says when each side starts and ends. A sitting whose engine side was slower
+than genrun's over the same engine, or that ran at a load average above the machine's cores, is
+marked NOT TRUSTED and left out of the answer (`sitting_doubts`): a busy machine decided its
+figures. The engine comes from the overrides (`actor_rollout_ref.rollout.name`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,8 @@ class Sitting:
     genrun_wall_seconds: float
     genrun_trajectories: int
     genrun_own_cpu_us_per_trajectory: float | None
+    doubts: list[str] = field(default_factory=list)
+    """Why its figures cannot be trusted (sitting_doubts); empty when nothing says so."""
 
     @property
     def engine_rate(self) -> float:
@@ -58,7 +64,23 @@ class Sitting:
             f"{self.genrun_generation_seconds:.1f} s generation phase, {self.genrun_wall_seconds:.1f} s whole command); "
             f"genrun/engine {self.ratio:.2f}; genrun's own CPU outside the engine: "
             + (CPU_NOT_AVAILABLE if cpu is None else f"{cpu:.0f} us per trajectory")
+            + (f"\n    NOT TRUSTED: {'; '.join(self.doubts)}" if self.doubts else "")
         )
+
+
+def sitting_doubts(sitting: Sitting, load: float, cores: int) -> list[str]:
+    """Why a sitting's figures cannot be trusted: an engine side slower than genrun's over the same
+    engine (genrun adds work to the engine's, so something else took the engine side's CPU), or a
+    load average above the machine's cores while it ran (`load`: the highest seen)."""
+    doubts = []
+    if sitting.engine_rate < sitting.genrun_rate:
+        doubts.append(
+            f"the engine side ({sitting.engine_rate:.1f} tokens/s) was slower than genrun's over the same engine "
+            f"({sitting.genrun_rate:.1f}): the machine's other work decided both"
+        )
+    if load > cores:
+        doubts.append(f"load average {load:.1f} above the {cores} core(s) while it ran")
+    return doubts
 
 
 @dataclass
@@ -77,13 +99,37 @@ class _Arguments(argparse.ArgumentParser):
         raise GenrunError(f"{message}; {USAGE}")
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The bench's options, declared once: for its own parsing and for `genrun bench --help`."""
+    parser.add_argument(
+        "--sittings",
+        type=int,
+        default=3,
+        metavar="N",
+        help="how many times both sides run, one after the other (default 3); the answer is the median and the "
+        "spread over the sittings whose figures can be trusted",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=64, metavar="N", help="prompts taken from data.train_files (default 64)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="tokens every response runs to, on both sides (default 32; sets data.max_response_length)",
+    )
+    parser.add_argument(
+        "--json", metavar="OUT", help="write the figures there (default: bench.json in the scratch folder, kept)"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the scratch folder (the runs' folders, logs and timelines)"
+    )
+    return parser
+
+
 def parse_bench_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = _Arguments(prog="genrun bench", add_help=False)
-    parser.add_argument("--sittings", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--json")
-    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the runs' folders and logs)")
+    parser = add_bench_arguments(_Arguments(prog="genrun bench", add_help=False))
     args, overrides = parser.parse_known_args(argv)
     unknown = [item for item in overrides if item.startswith("-")]
     if unknown:
@@ -113,21 +159,47 @@ def bench_command(argv: list[str]) -> int:
         f"scratch: {work.scratch}",
         flush=True,
     )
-    sittings = []
-    for number in range(1, args.sittings + 1):
-        engine_tokens, engine_seconds = ENGINE_BENCHMARKS[work.engine](work.cfg, work.requests, args.tokens)
-        run = genrun_run(overrides, work.prompts_file, args.tokens, work.scratch / f"sitting-{number}")
-        sittings.append(Sitting(engine_tokens, engine_seconds, *run))
-        print(sittings[-1].line(number), flush=True)
+    sittings = [_sitting(work, args, overrides, number) for number in range(1, args.sittings + 1)]
     result = _figures(work, args, sittings)
-    ratio = result["ratio"]
-    print(
-        f"genrun/engine: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}) "
-        f"over {len(sittings)} sitting(s)"
-    )
+    print(ratio_line(sittings))
     print(cpu_summary(result["genrun_own_cpu_us_per_trajectory"]))
     _write_figures(args, result, work.scratch)
     return 0
+
+
+def _sitting(work: Workload, args: argparse.Namespace, overrides: list[str], number: int) -> Sitting:
+    """Both sides of one sitting, a line as each starts and ends (a side takes minutes on a busy machine)."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    print(f"  sitting {number}: the engine side ({ENGINE_SIDE[work.engine]}) ...", flush=True)
+    engine_tokens, engine_seconds = ENGINE_BENCHMARKS[work.engine](work.cfg, work.requests, args.tokens)
+    load = max(load, os.getloadavg()[0])
+    print(
+        f"  sitting {number}: engine {engine_tokens / engine_seconds:.1f} tokens/s ({engine_tokens} tokens in "
+        f"{engine_seconds:.1f} s); now a whole genrun run ...",
+        flush=True,
+    )
+    run = genrun_run(overrides, work.prompts_file, args.tokens, work.scratch / f"sitting-{number}")
+    sitting = Sitting(engine_tokens, engine_seconds, *run)
+    sitting.doubts = sitting_doubts(sitting, max(load, os.getloadavg()[0]), cores)
+    print(sitting.line(number), flush=True)
+    return sitting
+
+
+def ratio_line(sittings: list[Sitting]) -> str:
+    """genrun/engine over the sittings whose figures can be trusted, and what was left out."""
+    trusted = [s.ratio for s in sittings if not s.doubts]
+    left_out = len(sittings) - len(trusted)
+    if not trusted:
+        return (
+            f"genrun/engine: no figure: none of the {len(sittings)} sitting(s) can be trusted (see NOT TRUSTED above); "
+            "run it again on a quiet machine (a load average below its cores)"
+        )
+    ratio = spread(trusted)
+    return (
+        f"genrun/engine: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}) "
+        f"over {len(trusted)} sitting(s)" + (f"; {left_out} not trusted, left out" if left_out else "")
+    )
 
 
 def cpu_summary(cpu: dict[str, float] | None) -> str:
@@ -178,6 +250,8 @@ def _figures(work: Workload, args: argparse.Namespace, sittings: list[Sitting]) 
             for s in sittings
         ],
         "ratio": spread([s.ratio for s in sittings]),
+        # Over the sittings nothing casts doubt on (None: every one is in doubt; each sitting's `doubts` say why).
+        "trusted_ratio": spread(trusted) if (trusted := [s.ratio for s in sittings if not s.doubts]) else None,
         "engine_tokens_per_s": spread([s.engine_rate for s in sittings]),
         "genrun_tokens_per_s": spread([s.genrun_rate for s in sittings]),
         "genrun_own_cpu_us_per_trajectory": spread(cpu) if len(cpu) == len(sittings) else None,
