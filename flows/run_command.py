@@ -130,16 +130,17 @@ def generate_command(argv: list[str]) -> int:
     """Run (or resume) generation. A first Ctrl-C stops it cleanly (exit 130, the same command
     resumes); a second exits at once (generation_core/interrupt.py)."""
     from generation_core.console import ProgressDisplay
-    from generation_core.driver.finished_run import finished_run
-    from generation_core.preflight.preflight import check_inputs
 
     with contextlib.ExitStack() as started:
         with ProgressDisplay() as display:
-            # At once, before the engine stack loads; then a line that counts the seconds (in a
-            # terminal the live line, otherwise a log line every 30 s).
+            # At once, before anything is imported for the checks; then a line that counts the
+            # seconds (in a terminal the live line, otherwise a log line every 30 s).
             display.log(starting_line())
             mark("first_line")
             with display.while_waiting("starting: checking the inputs, then Prefect and Ray"):
+                from generation_core.driver.finished_run import finished_run
+                from generation_core.preflight.preflight import check_inputs
+
                 # Every input check first, so a bad input is one line here, not a failed flow run; the
                 # light checks first of all, so a typo or a finished run answers before the engine stack loads.
                 inputs = check_inputs(argv)
