@@ -52,7 +52,10 @@ def test_a_sitting_disturbed_by_the_machine_is_not_trusted():
     assert sitting_doubts(_sitting(20.0, 18.0), load=1.5, cores=2) == []
     broken.doubts = sitting_doubts(broken, 1.0, 2)
     assert "\n    NOT TRUSTED: the engine side (0.7 tokens/s)" in broken.line(1)
-    assert ratio_line([broken]).startswith("genrun/engine: no figure: none of the 1 sitting(s) can be trusted")
+    assert ratio_line([broken]) == (
+        "genrun/engine: median 26.00 (min 26.00, max 26.00) over 1 sitting(s): NOT TRUSTED, no sitting's figures can "
+        "be (see above); run it again on a quiet machine (a load average below its cores)"
+    )
     fine = [_sitting(20.0, 18.0), _sitting(20.0, 16.0)]
     assert ratio_line([*fine, broken]) == (
         "genrun/engine: median 0.85 (min 0.80, max 0.90) over 2 sitting(s); 1 not trusted, left out"
@@ -89,7 +92,10 @@ def test_each_side_says_when_it_starts_and_ends(monkeypatch, tmp_path, capsys):
     assert command.bench_command(["--sittings", "2", "--prompts", "8", "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert said[0].endswith("  sitting 1: the engine side (" + command.ENGINE_SIDE["hf"] + ") ...\n")
-    assert said[1] == "  sitting 1: engine 16.0 tokens/s (160 tokens in 10.0 s); now a whole genrun run ...\n"
+    assert (
+        said[1]
+        == "  sitting 1: the engine side gave 16.0 tokens/s (160 tokens in 10.0 s); now a whole genrun run ...\n"
+    )
     assert said[2].startswith("  sitting 1: engine 16.0 tokens/s") and "NOT TRUSTED: load average 30.0" in said[2]
     assert "genrun/engine: median 0.94 (min 0.94, max 0.94) over 1 sitting(s); 1 not trusted, left out" in out
     figures = json.loads((tmp_path / "b.json").read_text())

@@ -175,8 +175,8 @@ def _sitting(work: Workload, args: argparse.Namespace, overrides: list[str], num
     engine_tokens, engine_seconds = ENGINE_BENCHMARKS[work.engine](work.cfg, work.requests, args.tokens)
     load = max(load, os.getloadavg()[0])
     print(
-        f"  sitting {number}: engine {engine_tokens / engine_seconds:.1f} tokens/s ({engine_tokens} tokens in "
-        f"{engine_seconds:.1f} s); now a whole genrun run ...",
+        f"  sitting {number}: the engine side gave {engine_tokens / engine_seconds:.1f} tokens/s ({engine_tokens} "
+        f"tokens in {engine_seconds:.1f} s); now a whole genrun run ...",
         flush=True,
     )
     run = genrun_run(overrides, work.prompts_file, args.tokens, work.scratch / f"sitting-{number}")
@@ -187,19 +187,21 @@ def _sitting(work: Workload, args: argparse.Namespace, overrides: list[str], num
 
 
 def ratio_line(sittings: list[Sitting]) -> str:
-    """genrun/engine over the sittings whose figures can be trusted, and what was left out."""
+    """genrun/engine over the sittings whose figures can be trusted, and what was left out; when
+    none can be, over all of them, marked NOT TRUSTED."""
     trusted = [s.ratio for s in sittings if not s.doubts]
-    left_out = len(sittings) - len(trusted)
+    ratio = spread(trusted or [s.ratio for s in sittings])
+    figure = (
+        f"genrun/engine: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}) "
+        f"over {len(trusted or sittings)} sitting(s)"
+    )
     if not trusted:
         return (
-            f"genrun/engine: no figure: none of the {len(sittings)} sitting(s) can be trusted (see NOT TRUSTED above); "
+            f"{figure}: NOT TRUSTED, no sitting's figures can be (see above); "
             "run it again on a quiet machine (a load average below its cores)"
         )
-    ratio = spread(trusted)
-    return (
-        f"genrun/engine: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}) "
-        f"over {len(trusted)} sitting(s)" + (f"; {left_out} not trusted, left out" if left_out else "")
-    )
+    left_out = len(sittings) - len(trusted)
+    return figure + (f"; {left_out} not trusted, left out" if left_out else "")
 
 
 def cpu_summary(cpu: dict[str, float] | None) -> str:
