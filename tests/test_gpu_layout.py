@@ -253,3 +253,58 @@ def test_boot_on_logical_gpus_places_replicas_on_their_own_gpus_and_shards_on_no
     assert result["bundles"] == [{k: float(v) for k, v in b.items()} for b in result["layout"]["placement_groups"][0]]
     assert len(result["tokens"]) > 0
     assert result["shard_task"]["gpu_ids"] == []
+
+
+def test_a_gpu_engine_that_this_machine_cannot_hold_is_refused_in_preflight(tmp_path, monkeypatch):
+    """Audit 2026-11-28 #14: `hf.device=cuda` where the run starts Ray on this machine (no
+    ray_init.address) and the machine has no GPU was refused only after Prefect and Ray started and
+    run.json and a lease were written, so the corrected command met "a different run". The local
+    machine's resources, counted by Ray's own rule (here ray_init.num_gpus=0), refuse it in the
+    preflight, before the engine stack plans anything and with the output folder never made."""
+    import ray
+
+    from generation_core.preflight.preflight import check_inputs, plan_run
+    from tests.conftest import chat_rows, write_parquet
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # another test's Ray is not this run's
+    prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
+    out = tmp_path / "out"
+    overrides = [f"data.train_files={prompts}", f"trainer.default_local_dir={out}", "trainer.device=cuda"]
+    inputs = check_inputs([*overrides, "+ray_kwargs.ray_init.num_gpus=0"])
+    with pytest.raises(GenrunError) as refused:
+        plan_run(inputs)
+    assert str(refused.value).startswith(
+        "1 hf replica(s) x 1 GPU(s) (tp=1 dp=1 pp=1, 1 node(s) each) need 1 GPU(s) but this machine "
+        "(ray_kwargs.ray_init.address is unset: the run starts Ray here) has 0; "
+        "set actor_rollout_ref.rollout.engine_kwargs.hf.device=cpu, "
+    ), refused.value
+    assert not out.exists(), "a refused run leaves no output folder"
+    # A Ray started separately is asked at its boot (the driver's check below), not here.
+    plan_run(check_inputs([*overrides, "ray_kwargs.ray_init.address=127.0.0.1:1"]))
+
+
+def test_the_driver_checks_the_joined_rays_gpus_before_it_writes_run_json_or_a_lease(tmp_path, monkeypatch):
+    """Audit 2026-11-28 #14, on a Ray cluster: the GPUs are checked against the Ray the run joined
+    before the lease and run.json are written, so the corrected command finds the folder as it was."""
+    import ray
+
+    from generation_core.driver.run_driver import drive_run
+    from generation_core.preflight.preflight import preflight
+    from tests.conftest import chat_rows, write_parquet
+
+    prompts = write_parquet(tmp_path / "p.parquet", chat_rows(2))
+    out = tmp_path / "out"
+    plan = preflight(
+        [
+            f"data.train_files={prompts}",
+            f"trainer.default_local_dir={out}",
+            "trainer.device=cuda",
+            "ray_kwargs.ray_init.address=127.0.0.1:1",
+        ]
+    )
+    # The Ray the CLI joined beside the Prefect server, before the flow drives the run: no GPU.
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    with pytest.raises(GenrunError, match=r"need 1 GPU\(s\) but the Ray cluster has 0"):
+        drive_run(plan, submitter=None, started=0.0)  # type: ignore[arg-type]  # refused before it is used
+    assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))

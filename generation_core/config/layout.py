@@ -37,6 +37,11 @@ CPU_CAPABLE_ENGINES = {"hf", "instant"}
 """Engines served by one actor per replica, on the CPU; engines/replicas.py `register_engine` adds to it."""
 REMOTE_ENGINE = "remote"
 
+NOT_GENRUN_ENGINES = {
+    "trtllm": "verl's TensorRT-LLM replica, which genrun does not run (it has no TensorRT-LLM engine)"
+}
+"""Rollout names verl knows that genrun does not run, with why (verl registers them all the same)."""
+
 # A shard task runs agent loops, tokenization and storage I/O: one CPU, never a GPU, so that
 # it can run on any node (a CPU-only head included) without taking a GPU from the replicas.
 SHARD_TASK_RESOURCES = {"num_cpus": 1, "num_gpus": 0}
@@ -102,10 +107,28 @@ class ReplicaLayout:
         return "" if self.gpu_memory_utilization is None else f", gpu_memory_utilization={self.gpu_memory_utilization}"
 
 
+def engine_names() -> list[str]:
+    """Every `actor_rollout_ref.rollout.name` genrun runs, the one list of them: verl's GPU replicas,
+    genrun's own engines with those registered in this process (`register_engine`), and remote.
+    Light: a wrong name is refused before the engine stack imports."""
+    return sorted({*GPU_ENGINES, *CPU_CAPABLE_ENGINES, REMOTE_ENGINE})
+
+
+def check_engine_name(name: Any) -> None:
+    """Refuse a rollout name genrun does not run (one line, the known names), before anything starts."""
+    if name in engine_names():
+        return
+    why = f" is {NOT_GENRUN_ENGINES[name]}" if isinstance(name, str) and name in NOT_GENRUN_ENGINES else ""
+    raise GenrunError(
+        f"{'' if why else 'unknown '}actor_rollout_ref.rollout.name={name!r}{why}; known engines: {', '.join(engine_names())}"
+    )
+
+
 def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
     """The replica layout `cfg` asks for, or a GenrunError naming the key to change."""
     rollout = cfg.actor_rollout_ref.rollout
     engine = rollout.name
+    check_engine_name(engine)
     # Integers >= 1: config.validate_values checked them.
     gpus_per_node, nnodes = cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes
     tp, dp, pp = rollout.tensor_model_parallel_size, rollout.data_parallel_size, rollout.pipeline_model_parallel_size
@@ -125,9 +148,6 @@ def resolve_layout(cfg: DictConfig) -> ReplicaLayout:
             )
         on_gpu = engine == "hf" and checked_hf_device(cfg).startswith("cuda")
         return ReplicaLayout(engine, slots, int(on_gpu), int(on_gpu), int(on_gpu), 1, 1, 1, None)
-
-    if engine not in GPU_ENGINES:
-        return ReplicaLayout(engine, slots // world or 1, world, 1, world, tp, dp, pp, None)
 
     _check_with_verl(rollout)
     if rollout.get("load_format") == "dummy":
@@ -226,15 +246,19 @@ def check_engine_installed(engine: str) -> None:
         )
 
 
-def check_cluster_resources(layout: ReplicaLayout, cluster_resources: dict[str, float]) -> None:
+def check_cluster_resources(
+    layout: ReplicaLayout, cluster_resources: dict[str, float], where: str = "the Ray cluster"
+) -> None:
     """Refuse a layout the Ray cluster cannot place: verl waits on its placement groups with no
-    timeout, so a missing GPU (or CPU: verl's bundles hold 2 CPUs per GPU) would hang the run."""
+    timeout, so a missing GPU (or CPU: verl's bundles hold 2 CPUs per GPU) would hang the run.
+    `where`: whose resources these are, for the message (this machine, where the run starts Ray)."""
     if not layout.total_gpus:
         return
     have_gpus = int(cluster_resources.get("GPU", 0))
     if have_gpus < layout.total_gpus:
+        on_cpu = "set actor_rollout_ref.rollout.engine_kwargs.hf.device=cpu, " if layout.engine == "hf" else ""
         raise GenrunError(
-            f"{layout.describe()} need {layout.total_gpus} GPU(s) but the Ray cluster has {have_gpus}; start GPU workers "
+            f"{layout.describe()} need {layout.total_gpus} GPU(s) but {where} has {have_gpus}; {on_cpu}start GPU workers "
             "(docs/clusters.md: Running on a Ray cluster), connect with ray_kwargs.ray_init.address=HEAD:6379, or lower "
             "trainer.n_gpus_per_node / trainer.nnodes"
         )
@@ -244,6 +268,6 @@ def check_cluster_resources(layout: ReplicaLayout, cluster_resources: dict[str, 
     if have_cpus < needed:
         raise GenrunError(
             f"{layout.describe()} hold {replica_cpus:g} Ray CPUs (verl reserves {VERL_COLOCATE_COUNT} per GPU) and each "
-            f"shard task needs {SHARD_TASK_RESOURCES['num_cpus']}, but the Ray cluster has {have_cpus} CPUs; give the "
+            f"shard task needs {SHARD_TASK_RESOURCES['num_cpus']}, but {where} has {have_cpus} CPUs; give the "
             f"nodes more CPUs (ray start --num-cpus, or ray_kwargs.ray_init.num_cpus on one machine) or add a CPU worker node"
         )

@@ -30,7 +30,7 @@ from generation_core.instrumentation import failpoint, mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
 from generation_core.run_plan import RunPlan, ShardSpec
-from generation_core.serving.pool import ReplicaPool, new_registry_name
+from generation_core.serving.pool import ReplicaPool, check_replicas_fit, new_registry_name
 from generation_core.store.lease import LeaseFence, RunLease
 from generation_core.store.run_folder import SuccessMarker
 
@@ -109,7 +109,7 @@ def publish_summary(
     plan: RunPlan, summary: dict[str, Any], markers: list[SuccessMarker], fence: LeaseFence
 ) -> dict[str, Any]:
     """The library's publish (no Prefect UI to fill): zip, report, metrics, W&B artifact."""
-    return dict(summary, published=publish_run(plan.cfg, plan.folder, summary, fence=fence))
+    return dict(summary, published=publish_run(plan.cfg, plan.folder, summary, fence=fence, settings=plan.settings))
 
 
 def stopped_message(plan: RunPlan) -> str:
@@ -164,6 +164,9 @@ def drive_run(
     run began (time.perf_counter()), for the summary's elapsed time. `on_progress`: the progress
     numbers every few seconds (the Prefect progress artifact); `on_stall`: the stall alarm, once
     per stall (stall_alarm.py; the terminal line is the driver's own)."""
+    # Replicas the run's Ray cannot hold are refused before the lease and run.json are written:
+    # the corrected command then finds the folder as it was.
+    check_replicas_fit(plan.cfg)
     try:
         # One run per output folder: a second run on it is refused here, before any model loads.
         with RunLease.acquire(plan.folder, plan.settings.lease_seconds) as lease:

@@ -299,20 +299,21 @@ async def check_servers(cfg: DictConfig) -> dict[str, str]:
     answering = {
         url: models for url, models in zip(servers, results, strict=True) if not isinstance(models, BaseException)
     }
+    # Each server's failure in one text naming its URL once (RemoteServerUnavailable names it already).
     down = {
-        url: without_url_credentials(str(err))
+        url: without_url_credentials(str(err) if isinstance(err, RemoteServerUnavailable) else f"{url}: {err}")
         for url, err in zip(servers, results, strict=True)
         if isinstance(err, BaseException)
     }
     if not answering:
         raise GenrunError(
             f"none of the {len(servers)} remote inference server(s) answered: "
-            + "; ".join(f"{url}: {why}" for url, why in down.items())
+            + "; ".join(down.values())
             + "; start them (docs/engines.md: External inference servers) or fix actor_rollout_ref.rollout.engine_kwargs.remote.base_urls"
         )
-    for url, why in down.items():
+    for why in down.values():
         logger.warning(
-            "remote inference server %s does not answer (%s); it joins the rotation when its /health answers", url, why
+            "a remote inference server does not answer (%s); it joins the rotation when its /health answers", why
         )
     wanted = remote_settings(cfg).model
     chosen = {}

@@ -16,17 +16,19 @@ checked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.build import other_build_warning
 from generation_core.config import bundled
-from generation_core.config.layout import REMOTE_ENGINE
+from generation_core.config.layout import REMOTE_ENGINE, check_engine_installed
 from generation_core.config.loading import finalize_run_location, load_config
 from generation_core.config.settings import GenerationSettings
 from generation_core.engines.remote import check_servers
@@ -39,6 +41,7 @@ from generation_core.preflight.fingerprint import fingerprint_and_model
 from generation_core.run_plan import RunPlan, plan_shards
 from generation_core.secrets import keep_in_environment, split_secrets
 from generation_core.shard.rewards import load_reward_function
+from generation_core.store.folder import StorageFolder
 from generation_core.store.run_folder import check_run_folder
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,11 @@ def check_model_dir(cfg: DictConfig) -> Path:
     if path == bundled.bundled_model_dir() and not bundled.is_prepared(path):
         logger.info("preparing the bundled model into %s (once)", path)
         bundled.prepare_bundled_model(path)
+    if path.exists() and not path.is_dir():
+        raise GenrunError(
+            f"model path {path} is a file, not a model directory; set actor_rollout_ref.model.path to the Hugging Face "
+            "model directory (the folder holding config.json, the weights and the tokenizer files)"
+        )
     if not path.is_dir():
         raise GenrunError(
             f"model path {path} does not exist; set actor_rollout_ref.model.path to a Hugging Face model directory"
@@ -142,12 +150,18 @@ def check_inputs(overrides: list[str]) -> CheckedInputs:
 
 
 def plan_run(inputs: CheckedInputs) -> RunPlan:
-    """The checks that load the engine registry, the tokenizer and the user's code, then the plan."""
-    from generation_core.inputs.shard_rows import check_overlong_sample
-    from generation_core.serving.pool import check_rollout_name
-
+    """The checks that load the engine stack, the tokenizer and the user's code, then the plan. The
+    output folder is checked first, while the engine stack is not imported yet (seconds of CPU)."""
     cfg, dataset = inputs.cfg, inputs.dataset
-    check_rollout_name(cfg)
+    check_engine_installed(cfg.actor_rollout_ref.rollout.name)
+    if inputs.fingerprint is not None:
+        _check_output_folder(cfg, inputs.fingerprint)
+
+    from generation_core.inputs.shard_rows import check_overlong_sample
+    from generation_core.serving.pool import check_replicas_fit
+
+    # Where this run starts Ray on this machine: its GPUs and CPUs hold the replicas.
+    check_replicas_fit(cfg)
     # verl's loader and folder, as AgentLoopWorker uses them: same pad token fallback, so the merge pads like verl.
     tokenizer = run_tokenizer(cfg.actor_rollout_ref.model)
     check_overlong_sample(cfg, dataset.files, tokenizer)
@@ -158,14 +172,35 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     if fingerprint is None:
         fingerprint, model_digest = fingerprint_and_model(cfg, dataset.digest, inputs.served_model, inputs.tasks)
         finalize_run_location(cfg, fingerprint)
+        _check_output_folder(cfg, fingerprint)
     plan = RunPlan(cfg, fingerprint, shards, tokenizer.pad_token_id, dataset.files, model_digest=model_digest)
     # Before Ray starts: its runtime env carries them to the run's workers, nothing stores them.
     keep_in_environment(split_secrets(OmegaConf.to_container(cfg, resolve=True))[1])
-    plan.folder.check_writable()
-    # Refused here when the folder holds another run; run.json itself is written under the lease.
-    existing = check_run_folder(plan.folder, fingerprint)
+    return plan
+
+
+def _check_output_folder(cfg: DictConfig, fingerprint: str) -> None:
+    """The run's folder (RunPlan.folder) can be written (a missing bucket, a file in the way) and
+    holds no other run; run.json itself is written under the lease."""
+    folder = StorageFolder(
+        cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(cfg.storage.options))
+    )
+    # The write probe creates a local folder and its parents: a run refused by a later check
+    # leaves none of them behind (the lease creates the folder when the run starts).
+    created = []
+    if folder.is_local:
+        missing = Path(folder.root)
+        while not missing.exists() and missing.parent != missing:
+            created.append(missing)
+            missing = missing.parent
+    try:
+        folder.check_writable()
+    finally:
+        for path in created:  # the deepest first; only empty folders go
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    existing = check_run_folder(folder, fingerprint)
     if existing is not None:
-        warning = other_build_warning(plan.folder.display(), existing.build)
+        warning = other_build_warning(folder.display(), existing.build)
         if warning:
             logger.warning(warning)
-    return plan

@@ -24,15 +24,22 @@ import ray
 from omegaconf import DictConfig
 from verl.workers.rollout.llm_server import LLMServerManager
 
-from generation_core.config.layout import REMOTE_ENGINE, check_cluster_resources, check_engine_installed, resolve_layout
+from generation_core.config.layout import (
+    REMOTE_ENGINE,
+    check_cluster_resources,
+    check_engine_installed,
+    check_engine_name,
+    resolve_layout,
+)
 from generation_core.engines.base import prefix_hit_rate
 from generation_core.engines.remote import CompletionsServers, check_servers
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
 from generation_core.serving.backends import BackendSource, RayReplicaBackend
+from generation_core.serving.ray_setup import ray_resources_before_start
 from generation_core.serving.routing import RoutingClient
 from generation_core.serving.server_registry import fetch_server_handles, start_server_registry
-from generation_core.verl_adapter import registered_engine_names, server_manager_with_registry
+from generation_core.verl_adapter import server_manager_with_registry
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +84,26 @@ def _backend_source(cfg: DictConfig, *, registry: Any = None, registry_name: str
 
 
 def check_rollout_name(cfg: DictConfig) -> None:
-    """The engine exists and its package is installed (before anything starts)."""
+    """The engine is one genrun runs (config/layout.py's list, which config loading checked already)
+    and its package is installed (before anything starts)."""
     name = cfg.actor_rollout_ref.rollout.name
-    engines = registered_engine_names()
-    if name != REMOTE_ENGINE and name not in engines:
-        known = ", ".join(sorted([*engines, REMOTE_ENGINE]))
-        raise GenrunError(f"unknown actor_rollout_ref.rollout.name={name!r}; known engines: {known}")
+    check_engine_name(name)
     check_engine_installed(name)
+
+
+def check_replicas_fit(cfg: DictConfig) -> None:
+    """Refuse a layout the run's Ray cannot place, where that Ray is known before it is joined
+    (ray_setup.ray_resources_before_start: the Ray already joined, or the one the run starts on
+    this machine): before Prefect, Ray or a lease start and before run.json is written, so the
+    corrected command finds the folder as it was."""
+    layout = resolve_layout(cfg)
+    if not layout.total_gpus:
+        return  # CPU replicas (num_cpus=0) and remote servers fit any Ray
+    resources = ray_resources_before_start(cfg)
+    if resources is None:
+        return  # a Ray started separately, not joined yet: ReplicaPool.boot checks its resources
+    here = "this machine (ray_kwargs.ray_init.address is unset: the run starts Ray here)"
+    check_cluster_resources(layout, resources, "the Ray cluster" if ray.is_initialized() else here)
 
 
 @dataclass
@@ -164,7 +184,8 @@ def new_registry_name() -> str:
     return f"{REGISTRY_NAME_PREFIX}_{uuid.uuid4().hex[:8]}"
 
 
-def attach_client(cfg: DictConfig, registry_name: str) -> RoutingClient:
+def attach_client(cfg: DictConfig, registry_name: str, *, routing: str | None = None) -> RoutingClient:
     """A client for the pool that another process of this Ray job boots or has booted; it
-    finds the pool at `connect()` (or its first request). Remote servers need no pool."""
-    return RoutingClient(cfg, _backend_source(cfg, registry_name=registry_name))
+    finds the pool at `connect()` (or its first request). Remote servers need no pool.
+    `routing`: the run's generation.routing as its plan carries it."""
+    return RoutingClient(cfg, _backend_source(cfg, registry_name=registry_name), routing=routing)

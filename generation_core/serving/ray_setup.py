@@ -61,6 +61,31 @@ def ray_init_kwargs(cfg: DictConfig, run_fingerprint: str, forward_env: tuple[st
     return init_kwargs
 
 
+def ray_resources_before_start(cfg: DictConfig) -> dict[str, float] | None:
+    """The Ray resources (CPU, GPU, ...) the run's replicas will be placed in, known before anything
+    starts: this process's Ray when it has joined one already, else the local node the run would
+    start, counted by Ray's own rule (`ray_kwargs.ray_init.num_cpus` / `num_gpus` / `resources`,
+    else what Ray detects on this machine); None when the run joins a Ray started separately
+    (`ray_init.address`, RAY_ADDRESS), whose nodes only a connection tells."""
+    if ray.is_initialized():
+        return cast(dict[str, float], ray.cluster_resources())
+    init = {
+        k: v for k, v in cast(dict[str, Any], OmegaConf.to_container(cfg.ray_kwargs.ray_init)).items() if v is not None
+    }
+    if init.get("address") not in (None, "local") or os.environ.get("RAY_ADDRESS"):
+        return None
+    from ray._private.resource_and_label_spec import ResourceAndLabelSpec
+
+    try:
+        spec = ResourceAndLabelSpec(
+            num_cpus=init.get("num_cpus"), num_gpus=init.get("num_gpus"), resources=dict(init.get("resources") or {})
+        )
+        return cast(dict[str, float], spec.resolve(is_head=True, node_ip_address="127.0.0.1").to_resource_dict())
+    except Exception as exc:  # noqa: BLE001 - ray.init says the same at the start, in its words
+        logger.debug("could not count this machine's Ray resources: %s: %s", type(exc).__name__, exc)
+        return None
+
+
 def _keep_ray_on_loopback() -> None:
     """On Linux, Ray replaces _node_ip_address=127.0.0.1 with the host's routable IP and its
     GCS, raylet and workers listen on every interface. Its single-machine mode (the default on
