@@ -262,6 +262,20 @@ def overrides_without_secrets(overrides: list[str]) -> list[str]:
     return [_override_without_secrets(parser, override) for override in overrides]
 
 
+def unreadable_override_holds_secret(override: str) -> bool:
+    """Whether an override Hydra's grammar cannot read may hold a secret, by the rule above: its
+    key names one (at any step of its dotted path, an `env_vars` mapping included), a key written
+    in its value does (`storage.options={secret: ...`), or a URL in it carries credentials. Its
+    value is then shown nowhere, not even in the parse error."""
+    key, _, value = override.lstrip("~+").partition("=")
+    path = tuple(key.partition("@")[0].split("."))
+    if any(_is_secret_key(path[:depth]) for depth in range(1, len(path) + 1)):
+        return True
+    if any(is_secret_name(name) for name in re.findall(r"([A-Za-z_][\w-]*)\s*:", value)):
+        return True
+    return without_url_credentials(value) != value
+
+
 def _override_without_secrets(parser: Any, override: str) -> str:
     from hydra.core.override_parser.types import ChoiceSweep, ValueType
     from hydra.errors import HydraException

@@ -41,7 +41,8 @@ def test_overrides_use_hydra_syntax():
     [
         ("+generation.num_shard=4", "'generation.num_shards'"),
         ("+train_tasks=[a.parquet,b.parquet]", "'data.train_tasks'"),
-        ("+generation.note=hello", "'generation'"),
+        # Newcomer 2026-11-28 item 6: not "did you mean 'generation'?" (nor a key of another section).
+        ("+generation.note=hello", None),
         (
             "+actor_rollout_ref.rollout.engine_kwargs.hf.num_thread=2",
             "'actor_rollout_ref.rollout.engine_kwargs.hf.num_threads'",
@@ -52,7 +53,8 @@ def test_a_key_added_where_nothing_reads_it_is_refused_naming_the_closest_key(ov
     """`+generation.num_shard=4` ran one shard and `+train_tasks=[...]` the bundled prompts, exit 0."""
     with pytest.raises(GenrunError, match="no such config key, and nothing would read it") as refused:
         load_config([override])
-    assert closest in str(refused.value) and "\n" not in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert closest in str(refused.value) if closest else "did you mean" not in str(refused.value), refused.value
 
 
 def test_keys_added_in_free_form_sections_are_accepted():
@@ -97,6 +99,69 @@ def test_keys_added_in_free_form_sections_are_accepted():
 def test_unknown_key_names_the_closest_valid_key(override, expected):
     with pytest.raises(GenrunError, match=expected):
         load_config([override])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        # Newcomer 2026-11-28 item 6: "did you mean 'generation'?" named the section itself.
+        ("+generation.foo=1", None),
+        ("generation.foo=1", None),
+        ("+generation.retry=1", "generation.retries"),
+        ("+generation.num_shard=2", "generation.num_shards"),
+        # A key of another section is still found by its name.
+        ("data.num_shards=2", "generation.num_shards"),
+    ],
+)
+def test_a_new_key_in_a_section_is_matched_against_that_sections_keys(override, expected):
+    with pytest.raises(GenrunError) as refused:
+        load_config([override])
+    suggestion = str(refused.value).partition("; did you mean ")[2]
+    assert suggestion.startswith(f"'{expected}'?") if expected else suggestion == "", str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "override, shown",
+    [
+        # Audit 2026-11-28 #10: Hydra's reason quoted the secret ("no viable alternative at input '[sk-AUDIT5X'").
+        ("actor_rollout_ref.rollout.engine_kwargs.remote.api_key=[sk-AUDIT5X", "remote.api_key"),
+        ("actor_rollout_ref.rollout.engine_kwargs.remote.api_key={a: sk-AUDIT5X", "remote.api_key"),
+        ("+storage.options.client_kwargs={aws_secret_access_key: sk-AUDIT5X", "storage.options.client_kwargs"),
+        ("data.train_files=[https://user:sk-AUDIT5X@host/p.parquet", "data.train_files"),
+    ],
+)
+def test_an_override_hydra_cannot_read_never_shows_a_secret(override, shown):
+    with pytest.raises(GenrunError) as refused:
+        load_config([override])
+    message = str(refused.value)
+    assert "AUDIT5X" not in message, message
+    assert message.startswith(f"cannot parse override {override.partition('=')[0]}=<redacted> "), message
+    assert shown in message
+
+
+def test_an_override_hydra_cannot_read_is_named_with_hydras_reason():
+    with pytest.raises(GenrunError) as refused:
+        load_config(["generation.num_shards=2", "data.train_files=[a.parquet"])
+    assert str(refused.value).startswith(
+        "cannot parse override 'data.train_files=[a.parquet': no viable alternative at input '[a.parquet'; "
+    ), refused.value
+
+
+def test_the_engine_names_are_verls_replicas_genrun_runs_and_remote():
+    """Audit 2026-11-28 #14/#15: one static list (config/layout.py) names the engines, checked as the
+    config loads; it is what the engine stack boots, less verl's TensorRT-LLM, plus remote."""
+    from generation_core.config.layout import NOT_GENRUN_ENGINES, REMOTE_ENGINE, engine_names
+    from generation_core.engines import replicas
+    from generation_core.verl_adapter import registered_engine_names
+
+    assert set(replicas.GENRUN_ENGINES) <= set(engine_names())
+    assert set(engine_names()) == (set(registered_engine_names()) - set(NOT_GENRUN_ENGINES)) | {REMOTE_ENGINE}
+    with pytest.raises(GenrunError) as refused:
+        load_config(["actor_rollout_ref.rollout.name=trtllm"])
+    assert str(refused.value) == (
+        "actor_rollout_ref.rollout.name='trtllm' is verl's TensorRT-LLM replica, which genrun does not run (it has "
+        f"no TensorRT-LLM engine); known engines: {', '.join(engine_names())}"
+    )
 
 
 @pytest.mark.parametrize(

@@ -331,3 +331,20 @@ def test_a_refusal_that_quotes_a_url_masks_its_credentials(tmp_path, capsys):
         # Refused before anything stores the URL (run.json, the plan Prefect keeps), naming it masked.
         assert code == 2 and "s3cr3tpw" not in error and "data.train_files holds a URL with credentials" in error, error
         assert "<redacted>" in error and not (tmp_path / "run").exists()
+
+
+def test_an_unreadable_override_is_judged_by_the_one_secrets_rule():
+    """Audit 2026-11-28 #10: an override Hydra cannot read is shown in its refusal only when
+    nothing in it may be a secret (config/loading.py names it by its key otherwise)."""
+    from generation_core.secrets import unreadable_override_holds_secret
+
+    for override in (
+        "actor_rollout_ref.rollout.engine_kwargs.remote.api_key=[sk-1",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.OPENAI_API_BASE=[x",
+        "storage.options.credentials.x=[y",
+        "storage.options={aws_secret_access_key: y",
+        "data.train_files=[https://u:p@host/a.parquet",
+    ):
+        assert unreadable_override_holds_secret(override), override
+    for override in ("data.prompt_key=[x", "data.train_files=[a.parquet", "generation.num_shards=[2"):
+        assert not unreadable_override_holds_secret(override), override

@@ -26,7 +26,7 @@ from generation_core.config.engine_kwargs import hf_device
 from generation_core.config.settings import declared_defaults
 from generation_core.config.validation import check_verl_keys, validate_values, verl_key_values
 from generation_core.errors import GenrunError
-from generation_core.secrets import PLACEHOLDER, masked_paths
+from generation_core.secrets import PLACEHOLDER, masked_paths, unreadable_override_holds_secret, without_url_credentials
 from generation_core.verl_adapter import base_trainer_config_file
 
 VERL_BASE_CONFIG = base_trainer_config_file()
@@ -184,10 +184,23 @@ def _parse_overrides(overrides: list[str]):
     for text in overrides:
         if "=" not in text and not text.startswith("~"):
             raise GenrunError(f"cannot read override {text!r}: write key=value, e.g. generation.num_shards=4")
-    try:
-        return OverridesParser.create().parse_overrides(overrides)
-    except HydraException as exc:
-        raise GenrunError(f"cannot parse overrides: {str(exc).splitlines()[0]}") from None
+    parser, parsed = OverridesParser.create(), []
+    for text in overrides:  # one at a time: a refusal names the override it is about
+        try:
+            parsed.append(parser.parse_override(text))
+        except HydraException as exc:
+            raise GenrunError(_unparsed(text, str(exc).splitlines()[0])) from None
+    return parsed
+
+
+def _unparsed(text: str, reason: str) -> str:
+    """The refusal of an override Hydra cannot read. Hydra's reason quotes the input around the
+    error: where that may hold a secret (secrets.py's rule), the override is named by its key alone."""
+    how = "close its brackets and braces, or quote a value holding them (or commas, = or spaces): key='value'"
+    if unreadable_override_holds_secret(text):
+        key = text.partition("=")[0]
+        return f"cannot parse override {key}={PLACEHOLDER} (a secret: its value is not shown); {how}"
+    return without_url_credentials(f"cannot parse override {text!r}: {reason}; {how}")
 
 
 def _apply_override(cfg: DictConfig, override, known_keys: list[str]) -> None:
@@ -269,9 +282,17 @@ def _user_rank(key: str) -> tuple[int, int]:
 
 
 def _suggest(key: str, known_keys: list[str], leaf_cutoff: float = 0.75, alternatives: int = 1) -> str:
-    close = difflib.get_close_matches(key, known_keys, n=1, cutoff=0.6)
+    parent, _, leaf = key.rpartition(".")
+    if parent in known_keys:
+        # A new name in a section that exists: the closest of that section's keys, by name (the
+        # whole key would match the section itself, or any sibling by their shared prefix).
+        siblings = [known.rpartition(".")[2] for known in known_keys if known.rpartition(".")[0] == parent]
+        close = [f"{parent}.{name}" for name in difflib.get_close_matches(leaf, siblings, n=alternatives, cutoff=0.6)]
+        # Another section's key only by (nearly) its own name: the key was put in the wrong section.
+        leaf_cutoff = max(leaf_cutoff, 0.85)
+    else:
+        close = difflib.get_close_matches(key, known_keys, n=1, cutoff=0.6)
     if not close:
-        leaf = key.rsplit(".", 1)[-1]
         by_leaf: dict[str, str] = {}
         for known in sorted(known_keys, key=_user_rank, reverse=True):
             by_leaf[known.rsplit(".", 1)[-1]] = known
