@@ -80,7 +80,7 @@ def finished(tmp_path_factory, model_dir):
     finally:
         worker.shutdown()
     summary = finish_run(plan, [marker], 2.0)
-    summary = dict(summary, published=publish_run(plan.cfg, plan.folder, summary))
+    summary = dict(summary, published=publish_run(plan.cfg, plan.folder, summary, settings=plan.settings))
     return plan, summary
 
 
@@ -103,6 +103,9 @@ def test_the_summary_says_the_rewards_and_what_the_time_split_adds_up(finished, 
     out = capsys.readouterr().out
     assert "\nrewards:       6 scored, mean 0.333, 2 at 1.0 (the highest)\n" in out, out
     assert re.search(r"\ntime split: .* \(summed over 6 trajectories\)\n", out), out
+    # Issue 51 item 4: the terminal says when the W&B artifact was logged.
+    print_summary(dict(summary, published=dict(summary["published"], wandb_artifact="trajectories-x")), plan)
+    assert "\nW&B artifact:  trajectories-x logged (trainer.project_name=genrun)\n" in capsys.readouterr().out
 
 
 def test_reward_figures_count_the_scored_ones_only():
