@@ -219,10 +219,11 @@ def test_a_dataset_with_images_is_refused_at_preflight_naming_file_row_and_colum
     err = capsys.readouterr().err
     assert code == 2, err
     # The refusal is the last line (the run's first line comes before it).
+    # Images need a vision-language model (docs/multimodal.md); the bundled model is a text-only one.
     assert err.strip().splitlines()[-1] == (
-        f"genrun: error: data file {images} row 2: column 'images' (data.image_key) holds images, and genrun does not "
-        "generate from multimodal prompts yet (its shards build prompts without the model's processor); use text-only "
-        "prompts, or drop the column"
+        f"genrun: error: data file {images} row 2: column 'images' (data.image_key) holds images, and the model "
+        f"{model_dir} is a text-only llama model: images need a vision-language model (e.g. Qwen2.5-VL); set "
+        "actor_rollout_ref.model.path to one, or drop the column"
     )
     assert not out.exists()
 

@@ -47,8 +47,8 @@ SGLANG_VLLM = honoured_by("sglang", "vllm")
 VLLM = honoured_by("vllm")
 
 _MULTIMODAL = (
-    "multimodal prompts (images, videos, audio) are not supported yet: genrun's shards build prompts without the "
-    "model's processor; use text-only prompts"
+    "genrun reads images from verl's default `images` column for a vision-language model (docs/multimodal.md); "
+    "other multimodal columns and settings are not supported yet"
 )
 _TRAINER_BATCHES = "a training step's batch; genrun generates every row once, in generation.num_shards shards"
 _VALIDATION = (
@@ -118,7 +118,7 @@ VERL_KEYS: dict[str, tuple[str, str]] = {
     "data.audio_key": (REFUSED, _MULTIMODAL),
     "data.image_patch_size": (REFUSED, _MULTIMODAL),
     "data.mm_processor_kwargs": (REFUSED, _MULTIMODAL),
-    "data.return_multi_modal_inputs": (IRRELEVANT, f"{_UNREAD} (and multimodal prompts are refused)"),
+    "data.return_multi_modal_inputs": (IRRELEVANT, _UNREAD),
     "data.seed": (IRRELEVANT, "verl uses it only to shuffle (data.shuffle, refused)"),
     "data.tokenizer": (
         IRRELEVANT,
