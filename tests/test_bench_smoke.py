@@ -40,6 +40,7 @@ LIGHT = {
     "startup.py": ["--smoke"],
     "cpu_per_trajectory.py": ["--smoke"],
     "status_many_shards.py": ["--smoke"],
+    "ledger_memory.py": ["--smoke"],
     "gpu/sglang_offline.py": ["--make-prompts", "{tmp}/prompts.parquet", "--repeat", "2"],
     "gpu/build_model.py": ["--help"],
     "gpu/kit/prepare.py": ["--help"],
