@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from dataclasses import InitVar, asdict, dataclass, field
 from importlib import metadata
 from typing import Any, cast
 
@@ -157,16 +156,18 @@ class RunPlan:
     """The model's identity as the fingerprint took it (preflight.fingerprint.model_identity, or the
     model a remote server serves); every trajectory's provenance names it."""
     folder: StorageFolder = field(init=False, repr=False, compare=False)
+    settings: GenerationSettings = field(init=False, repr=False, compare=False)
+    """The run's `generation:` settings, decided once on the driver (GenerationSettings.of: max_inflight
+    and the deadlines filled in) and carried in the plan's JSON; every shard job, worker, scorer,
+    router and the publish step takes them from here."""
+    decided: InitVar[GenerationSettings | None] = None
+    """The settings as the driver decided them (from_json); None: decided here, from cfg."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, decided: GenerationSettings | None) -> None:
         self.folder = StorageFolder(
             self.cfg.trainer.default_local_dir, cast(dict[str, Any], OmegaConf.to_container(self.cfg.storage.options))
         )
-
-    @cached_property
-    def settings(self) -> GenerationSettings:
-        """The run's `generation:` settings, decided (GenerationSettings.of), read once per plan."""
-        return GenerationSettings.of(self.cfg)
+        self.settings = decided if decided is not None else GenerationSettings.of(self.cfg)
 
     def to_json(self) -> str:
         """The whole plan as JSON text, secrets masked: the one shape every Prefect task takes (a
@@ -179,6 +180,7 @@ class RunPlan:
                 "pad_token_id": self.pad_token_id,
                 "dataset": self.dataset.to_dict(),
                 "model_digest": self.model_digest,
+                "settings": asdict(self.settings),
             }
         )
 
@@ -203,6 +205,7 @@ class RunPlan:
             pad_token_id=int(payload["pad_token_id"]),
             dataset=DatasetFiles.from_dict(payload["dataset"]),
             model_digest=payload.get("model_digest"),
+            decided=GenerationSettings(**payload["settings"]),
         )
 
     def run_record(self) -> RunRecord:
@@ -219,6 +222,7 @@ class RunPlan:
             dataset=self.dataset.to_dict(),
             rollout_n=self.cfg.actor_rollout_ref.rollout.n,
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            settings=asdict(self.settings),
             # storage.options can hold credentials: never written.
             config=config_without_secrets(cast(dict[str, Any], OmegaConf.to_container(self.cfg, resolve=True))),
         )

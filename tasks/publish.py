@@ -33,6 +33,7 @@ def publish(
         summary,
         on_report=lambda report: report_artifacts(report, artifact_key),
         fence=fence,
+        settings=run_plan.settings,
     )
     create_table_artifact(
         key=f"{artifact_key}-shards", table=[shard_stats(m) for m in markers], description="Per-shard statistics"

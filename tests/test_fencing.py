@@ -521,7 +521,7 @@ def test_a_merge_or_publish_in_flight_when_another_run_takes_over_publishes_noth
         monkeypatch.setattr(publish, "Tracking", lambda **kwargs: tracked.append(kwargs))
         before = _snapshot(folder)
         with pytest.raises(LeaseLost):
-            publish.publish_run(cfg, folder, summary, fence=holder.fence())
+            publish.publish_run(cfg, folder, summary, fence=holder.fence(), settings=GenerationSettings.of(cfg))
         assert taken and not folder.exists(ZIP_FILE) and _snapshot(folder) == before and not tracked
     finally:
         for lease in taken:

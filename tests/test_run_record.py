@@ -25,6 +25,7 @@ FULL = {
     "rollout_n": 4,
     "created": "2026-11-26T12:00:00Z",
     "config": {"actor_rollout_ref": {"rollout": {"n": 4, "prompt_length": 8}}, "generation": {"num_shards": 2}},
+    "settings": {"num_shards": 2, "max_inflight": 128},
 }
 
 
@@ -47,7 +48,13 @@ def test_an_earlier_run_json_reads_with_its_absent_keys_as_none(tmp_path):
     )
     record = read_run_record(folder)
     assert record.fingerprint_version == 1, "no fingerprint_version: recipe 1"
-    assert (record.build, record.created, record.rollout_n, record.versions) == (None, None, None, {})
+    assert (record.build, record.created, record.rollout_n, record.versions, record.settings) == (
+        None,
+        None,
+        None,
+        {},
+        None,
+    )
     assert record.samples_per_prompt == 2, "rollout_n absent: the config's rollout.n"
 
 

@@ -65,16 +65,17 @@ def publish_run(
     summary: dict[str, Any],
     on_report: Callable[[Report], None] | None = None,
     fence: Fence | None = None,
+    *,
+    settings: GenerationSettings,
 ) -> dict[str, Any]:
     """Zip (when merged), write the run report, log metrics (and the report's plots) on every
     configured backend, upload the W&B artifact. `on_report` is handed the report (the flow
     shows its plots as Prefect artifacts). `fence`: the run's lease, checked immediately before
     each step publishes (the zip and the report as their files appear): a run that lost the
-    folder publishes nothing more (LeaseLost)."""
+    folder publishes nothing more (LeaseLost). `settings`: the run's, as its plan carries them."""
     folder = fenced(folder, fence)
     check = (lambda: fence.check(folder)) if fence is not None else (lambda: None)
     check()
-    gen = GenerationSettings.of(cfg)
     # The terminal summary (flows/run_command.py) is where a run's figures are read: verl's console
     # backend would print them again as one raw `step:0 - generation/...` line.
     backends = [backend for backend in cfg.trainer.logger if backend != "console"]
@@ -95,18 +96,18 @@ def publish_run(
         project_name=cfg.trainer.project_name,
         experiment_name=cfg.trainer.experiment_name,
         default_backend=backends,
-        config=_config_for_tracking(cfg),
+        config=_config_for_tracking(cfg, settings),
     )
     try:
         check()
         tracking.log(data=published["metrics"], step=0)
         if report is not None and "wandb" in backends:
             _log_wandb_plots(report)
-        if gen.upload_artifact and "wandb" in backends:
+        if settings.upload_artifact and "wandb" in backends:
             if "zip" not in published:
                 raise GenrunError("generation.upload_artifact needs the merged output: set generation.final_merge=true")
             check()
-            published["wandb_artifact"] = _log_wandb_artifact(cfg, folder, summary)
+            published["wandb_artifact"] = _log_wandb_artifact(cfg, folder, summary, settings.artifact_mode)
     finally:
         tracking.finish()
     return published
@@ -135,7 +136,7 @@ def _log_wandb_plots(report: Report) -> None:
     )
 
 
-def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
+def _config_for_tracking(cfg: DictConfig, settings: GenerationSettings) -> dict[str, Any]:
     """What decides the output, not verl's whole trainer config (optimizers, critics...)."""
     rollout = cast(dict[str, Any], OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))
     keep = (
@@ -155,7 +156,7 @@ def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
             "rollout": {key: rollout[key] for key in keep},
             "agent_loop": rollout["agent"]["default_agent_loop"],
             "data": OmegaConf.to_container(cfg.data, resolve=True),
-            "generation": dataclasses.asdict(GenerationSettings.of(cfg)),
+            "generation": dataclasses.asdict(settings),
             "storage_options": OmegaConf.to_container(cfg.storage.options, resolve=True),
             "output": cfg.trainer.default_local_dir,
             # verl's Tracking reads trainer.wandb_proxy from here.
@@ -168,10 +169,9 @@ def _config_for_tracking(cfg: DictConfig) -> dict[str, Any]:
     )
 
 
-def _log_wandb_artifact(cfg: DictConfig, folder: StorageFolder, summary: dict[str, Any]) -> str:
+def _log_wandb_artifact(cfg: DictConfig, folder: StorageFolder, summary: dict[str, Any], mode: str) -> str:
     import wandb
 
-    mode = GenerationSettings.of(cfg).artifact_mode
     name = f"trajectories-{cfg.trainer.experiment_name}"
     metadata = {
         "fingerprint": summary["fingerprint"],

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from omegaconf import OmegaConf
-
+from generation_core.config.settings import GenerationSettings
 from generation_core.errors import GenrunError
 from generation_core.inputs.dataset_files import read_json_table
 from generation_core.inputs.openai_batch import CHAT_URL
@@ -281,7 +280,7 @@ def _error_line(request: _Request, request_id: str, index: int, owed: int, state
 
 def _run_state(folder: StorageFolder, record: RunRecord) -> _RunState:
     config = record.config
-    rule = AdaptiveRule.of(OmegaConf.create(config))
+    rule = AdaptiveRule.of(GenerationSettings.of(config), record.samples_per_prompt)
     decided: set[int] = set()
     unfinished = []
     for shard in record.shards:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from generation_core.config.settings import GenerationSettings
 from generation_core.store.commit_log import ShardCheckpoint
 from generation_core.store.folder import StorageFolder
@@ -40,12 +38,11 @@ class AdaptiveRule:
     threshold: float
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> AdaptiveRule | None:
-        """The run's rule, None when adaptive sampling is off."""
-        gen = GenerationSettings.of(cfg)
-        if not gen.adaptive:
+    def of(cls, settings: GenerationSettings, n: int) -> AdaptiveRule | None:
+        """The run's rule (`n`: actor_rollout_ref.rollout.n), None when adaptive sampling is off."""
+        if not settings.adaptive:
             return None
-        return cls(int(cfg.actor_rollout_ref.rollout.n), gen.adaptive_k, float(gen.adaptive_pass_threshold))
+        return cls(int(n), settings.adaptive_k, float(settings.adaptive_pass_threshold))
 
     def decided(self, rewards: dict[int, float | None]) -> bool:
         """Whether a prompt's committed rewards (by rollout_n) decide it after round 1."""

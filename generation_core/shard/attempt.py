@@ -19,11 +19,9 @@ import resource
 import time
 from collections.abc import Callable, Iterator
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
-from generation_core.config.settings import GenerationSettings
-from generation_core.run_plan import ShardSpec
+from generation_core.run_plan import RunPlan, ShardSpec
 from generation_core.shard.adaptive import AdaptiveRule, decided_prompts
 from generation_core.shard.call_slots import SampleKey
 from generation_core.shard.part_writer import PartWriter
@@ -71,7 +69,7 @@ def allowed_failures(owed: int, max_failed_fraction: float) -> int:
 
 
 async def generate_shard(
-    cfg: DictConfig,
+    plan: RunPlan,
     shard: ShardSpec,
     folder: StorageFolder,
     checkpoint: ShardCheckpoint,
@@ -85,7 +83,7 @@ async def generate_shard(
     follows (the attempt's view: `checkpoint`, unless another writer made the attempt read them
     again). With a `reporter` attached to the run's progress board: counters go there, and a stop
     request commits what has finished and raises ShardStopped."""
-    generation = ShardGeneration(cfg, shard, folder, checkpoint, prompts, worker, fence, reporter)
+    generation = ShardGeneration(plan, shard, folder, checkpoint, prompts, worker, fence, reporter)
     try:
         await generation.stream_and_commit()
         await generation.second_round()
@@ -104,7 +102,7 @@ class ShardGeneration:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        plan: RunPlan,
         shard: ShardSpec,
         folder: StorageFolder,
         checkpoint: ShardCheckpoint,
@@ -113,8 +111,8 @@ class ShardGeneration:
         fence: LeaseFence | None,
         reporter: ShardReporter,
     ):
-        self.cfg, self.shard, self.folder, self.prompts, self.worker = cfg, shard, folder, prompts, worker
-        self.gen = gen = GenerationSettings.of(cfg)
+        self.cfg, self.shard, self.folder, self.prompts, self.worker = plan.cfg, shard, folder, prompts, worker
+        self.gen = gen = plan.settings  # decided on the driver, not again here
         self.reporter = reporter
         # The attempt's commit record (under a lease, the run's claim on the shard), with the digest
         # of the shard's rows, on the records the job folded; failed samples of earlier attempts
@@ -125,8 +123,8 @@ class ShardGeneration:
         self.done = set(self.checkpoint.completed)
         # Every trajectory of this attempt names it.
         worker.provenance["attempt"] = self.checkpoint.attempts
-        self.n = cfg.actor_rollout_ref.rollout.n
-        self.adaptive = AdaptiveRule.of(cfg)
+        self.n = plan.cfg.actor_rollout_ref.rollout.n
+        self.adaptive = AdaptiveRule.of(gen, self.n)
         self.rollouts = self.adaptive.first_round if self.adaptive else None
         self.not_owed = 0
         """Samples the adaptive rule decided not to draw (known once round 1 is committed)."""

@@ -94,7 +94,7 @@ def run_shard_job(
     async def attempt() -> tuple[SuccessMarker, ShardCheckpoint]:
         async with worker_factory.worker(plan, shard) as worker:
             worker.provenance["model_digest"] = plan.model_digest
-            return await generate_shard(plan.cfg, shard, folder, checkpoint, prompts, worker, fence, reporter)
+            return await generate_shard(plan, shard, folder, checkpoint, prompts, worker, fence, reporter)
 
     marker, attempted = asyncio.run(attempt())
     marker.last_attempt.worker = _where_this_runs()
@@ -116,9 +116,10 @@ class PoolWorkers:
 
     @asynccontextmanager
     async def worker(self, plan: RunPlan, shard: ShardSpec) -> AsyncIterator[StreamingWorker]:
-        cfg = plan.cfg
-        client = attach_client(cfg, self.registry_name)
-        worker = StreamingWorker(cfg, client, RewardScorer.from_config(cfg, run_tokenizer(cfg.actor_rollout_ref.model)))
+        cfg, settings = plan.cfg, plan.settings
+        client = attach_client(cfg, self.registry_name, routing=settings.routing)
+        scorer = RewardScorer.from_config(cfg, run_tokenizer(cfg.actor_rollout_ref.model), settings)
+        worker = StreamingWorker(cfg, client, scorer, settings=settings)
         mark(f"shard_worker_ready {shard.shard_id}")
         try:
             # The driver may still be loading the model: shard jobs start beside it.

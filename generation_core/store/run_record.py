@@ -61,6 +61,9 @@ class RunRecord:
     """When the run took the folder (UTC, ISO 8601)."""
     config: dict[str, Any] = field(default_factory=dict)
     """The resolved config, secrets masked."""
+    settings: dict[str, Any] | None = None
+    """The `generation:` settings as the run that took the folder decided them (max_inflight, the
+    deadlines filled in: config.generation keeps what the user wrote); None in a run.json written before it was recorded."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,7 @@ class RunRecord:
             "rollout_n": self.rollout_n,
             "created": self.created,
             "config": self.config,
+            "settings": self.settings,
         }
 
     @classmethod
@@ -89,6 +93,7 @@ class RunRecord:
             rollout_n=payload.get("rollout_n"),
             created=payload.get("created"),
             config=payload.get("config") or {},
+            settings=payload.get("settings"),
         )
 
     @property
