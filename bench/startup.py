@@ -24,10 +24,11 @@ from genrun_process import GENRUN, REPO, check_command, genrun_env
 
 from generation_core.instrumentation import read_timeline
 
-TARGET = 60.0
+TARGET = 45.0  # issue 51: the first part of `make demo` on a quiet machine
 STAGES = [
-    ("inputs_checked", "python start, imports, input checks (config, data, model files)"),
-    ("prefect_api_ready", "temporary Prefect server"),
+    ("first_line", "python start, genrun's first line (before the checks' imports)"),
+    ("inputs_checked", "imports, input checks (config, data, model files, tokenizer, the run's code)"),
+    ("prefect_api_ready", "Ray's start; the temporary Prefect server, launched after the light checks, answers"),
     ("ray_ready", "flow run created, Ray started"),
     ("engine_ready", "engine replica: actor start + model load"),
     ("shard_worker_ready", "shard task on a Ray worker: imports, tokenizer, prompts, agent loop setup"),
@@ -78,6 +79,8 @@ def time_refusals(refusals: list[tuple[str, list[str]]], scratch: Path) -> None:
 def print_run(result: dict[str, float]) -> None:
     previous = 0.0
     for name, label in STAGES:
+        if name not in result:
+            continue  # a genrun from before the stage was marked (first_line: issue 51)
         print(f"  {result[name]:6.1f} s  (+{result[name] - previous:5.1f})  {label}")
         previous = result[name]
     print(f"  {result['done']:6.1f} s            whole demo finished (merge, zip included)")
