@@ -66,7 +66,7 @@ def _image_rows(count: int) -> list[dict]:
     ]
 
 
-def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2):  # noqa: F811
+def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2, engine=None):  # noqa: F811
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.inputs.tokenizer import run_tokenizer
@@ -93,7 +93,8 @@ def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2):  # noqa: F811
     prompts = DatasetPrompts.for_shard(plan.cfg, plan.dataset, shard, tokenizer)
     worker = StreamingWorker(
         plan.cfg,
-        InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
+        engine
+        or InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
     )
     try:
         assert run_shard(plan.cfg, shard, plan.folder, prompts, worker).num_trajectories == len(rows) * n
@@ -216,3 +217,26 @@ def test_bad_image_inputs_are_refused_in_one_line_before_anything_starts(tmp_pat
     video = _image_rows(1)
     video[0]["videos"] = [{"path": "clip.mp4"}]
     assert "holds videos, and genrun generates from images only" in _refusal(tmp_path, tiny_vl_dir, video)
+
+
+def test_a_tiny_vl_model_generates_from_images_on_the_cpu(tmp_path, tiny_vl_dir):  # noqa: F811
+    """The `hf` engine's VL path (engines/hf/vl.py): verl's agent loop sends the images, the model's
+    forward takes their pixel_values and image_grid_thw, and the run merges with 4-row positions."""
+    from verl.protocol import DataProto
+
+    from generation_core.engines.hf.engine import EngineSettings, engine_on_this_node
+    from generation_core.engines.hf.vl import VisionLanguageEngine
+    from generation_core.outputs.merge import merge_output
+    from generation_core.outputs.padding import Padding
+
+    engine = engine_on_this_node(EngineSettings(str(tiny_vl_dir), prompt_length=64, response_length=16), 1)
+    assert isinstance(engine, VisionLanguageEngine)
+    plan, tokenizer = _instant_image_run(tmp_path, tiny_vl_dir, _image_rows(3), engine=engine)
+    assert engine.stats["requests"] == 6
+    merge_output(plan.folder, Padding(64, 16, tokenizer.pad_token_id))
+    data = DataProto.load_from_disk(str(tmp_path / "run" / "trajectories.pkl"))
+    assert data.batch["position_ids"].shape == (6, 4, 80)
+    assert all(int(length) > 0 for length in data.batch["response_mask"].sum(dim=1))
+    assert [tuple(inputs["image_grid_thw"].shape) for inputs in data.non_tensor_batch["multi_modal_inputs"]] == [
+        (1, 3)
+    ] * 6

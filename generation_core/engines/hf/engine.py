@@ -565,13 +565,16 @@ class HFEngine:
         return finished
 
 
-def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> HFEngine:
+def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> Any:
     """The engine as its replica's server actor builds it (replicas.HFReplica): unless the
     settings name a thread count, it takes its share of the CPUs of the node it runs on, which
-    need not be the driver's."""
-    return HFEngine(
-        dataclasses.replace(settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node))
+    need not be the driver's. A vision-language model gets the plainer engine of vl.py."""
+    settings = dataclasses.replace(
+        settings, num_threads=settings.num_threads or cpu_threads_per_replica(replicas_on_node)
     )
+    from generation_core.engines.hf.vl import VisionLanguageEngine, is_vision_language
+
+    return VisionLanguageEngine(settings) if is_vision_language(settings) else HFEngine(settings)
 
 
 def _cache_kv(cache: DynamicCache) -> KV:
