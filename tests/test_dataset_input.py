@@ -186,12 +186,16 @@ def test_a_file_name_with_glob_characters_is_read_as_it_is(tmp_path):
     names = ["y[1].parquet", "y1.parquet", "star*.parquet", "star-other.parquet", "q?.parquet", "qa.parquet"]
     for position, name in enumerate(names):
         _write(tmp_path / name, chat_rows(2, 10 * position), 2)
+    cfg = _cfg(str(tmp_path / names[0]))
+
+    def resolved(name):
+        cfg.data.train_files = str(tmp_path / name)
+        return resolve_train_files(cfg)
+
     for name in ("y[1].parquet", "star*.parquet", "q?.parquet"):
-        assert resolve_train_files(_cfg(str(tmp_path / name))) == [str(tmp_path / name)]
-    assert resolve_train_files(_cfg(str(tmp_path / "y[0-9].parquet"))) == [str(tmp_path / "y1.parquet")]
-    assert resolve_train_files(_cfg(str(tmp_path / "q*.parquet"))) == [
-        str(tmp_path / n) for n in ("q?.parquet", "qa.parquet")
-    ]
+        assert resolved(name) == [str(tmp_path / name)]
+    assert resolved("y[0-9].parquet") == [str(tmp_path / "y1.parquet")]
+    assert resolved("q*.parquet") == [str(tmp_path / n) for n in ("q?.parquet", "qa.parquet")]
 
 
 def _null_content(rows, row):
