@@ -240,3 +240,20 @@ def test_a_tiny_vl_model_generates_from_images_on_the_cpu(tmp_path, tiny_vl_dir)
     assert [tuple(inputs["image_grid_thw"].shape) for inputs in data.non_tensor_batch["multi_modal_inputs"]] == [
         (1, 3)
     ] * 6
+
+
+def test_an_image_named_by_path_is_part_of_the_rows_digest(tmp_path):
+    """A shard's rows digest (what a resume checks its rows against) covers the content of images
+    named by path, as it covers bytes in the file: a changed image is a changed row, never reused."""
+    import pyarrow as pa
+
+    from generation_core.inputs.shard_rows import rows_digest
+
+    image = tmp_path / "cat.png"
+    image.write_bytes(png_bytes(64, 64, seed=1))
+    table = pa.table({"images": [[{"path": str(image)}], None]})
+    before = rows_digest(table)
+    assert rows_digest(table) == before
+    image.write_bytes(png_bytes(64, 64, seed=2))
+    assert rows_digest(table) != before
+    assert rows_digest(pa.table({"prompt": ["x"]})) == rows_digest(pa.table({"prompt": ["x"]}))

@@ -19,6 +19,7 @@ image part reduced to `{"type": "image"}` (JSON has no image type).
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import math
 from collections.abc import Mapping
@@ -205,3 +206,24 @@ def image_problem(cell: Any) -> str | None:
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         return f"is not an image PIL can read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     return None
+
+
+IMAGE_COLUMN = "images"
+"""verl's `data.image_key` default: the only image column genrun reads (docs/multimodal.md)."""
+
+
+def referenced_images_digest(cells: list[Any]) -> bytes:
+    """sha256 over the content of every image the cells name by path or URL (in order), so that a
+    digest of the rows covers them as it covers bytes held in the file; b"" when none is named."""
+    digest = hashlib.sha256()
+    named = False
+    for images in cells:
+        for cell in images or []:
+            if isinstance(cell, Mapping):
+                if cell.get("bytes") is not None:
+                    continue
+                cell = cell.get("path") or cell.get("image") or cell.get("image_url")
+            if isinstance(cell, str):
+                named = True
+                digest.update(hashlib.sha256(read_image_source(cell)).digest())
+    return digest.digest() if named else b""

@@ -31,7 +31,7 @@ from generation_core.inputs.dataset_files import (
     read_json_table,
 )
 from generation_core.inputs.dataset_location import data_storage_options, open_input, storage_errors
-from generation_core.inputs.images import vision_info
+from generation_core.inputs.images import IMAGE_COLUMN, referenced_images_digest, vision_info
 from generation_core.inputs.tokenizer import run_processor
 from generation_core.run_plan import DataFile, DatasetFiles, ShardSpec
 from generation_core.verl_adapter import (
@@ -119,6 +119,9 @@ def rows_digest(table: pa.Table) -> str:
         window = table.slice(offset, DIGEST_WINDOW_ROWS).combine_chunks()
         for batch in window.to_batches():
             digest.update(batch.serialize().to_pybytes())
+    if IMAGE_COLUMN in table.column_names:
+        # Images named by path or URL: their content, so a changed image is a changed row.
+        digest.update(referenced_images_digest(table.column(IMAGE_COLUMN).to_pylist()))
     return digest.hexdigest()
 
 
