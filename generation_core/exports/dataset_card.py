@@ -29,6 +29,7 @@ from typing import Any
 
 from generation_core.build import describe_build
 from generation_core.config.settings import GenerationSettings
+from generation_core.outputs.status import shard_states
 from generation_core.outputs.summary import agent_loops_text
 from generation_core.store.folder import StorageFolder
 from generation_core.store.run_record import RunRecord
@@ -85,6 +86,39 @@ def write_dataset_card(
     sections[out_name] = render_section(out_name, record, counts, filters, layout, stats, loops)
     out_folder.put_atomic(name, render_card(sections).encode())
     return name
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    """How far a run that is not finished got, when it was exported: its export holds part of
+    the run, which the export's line (str) and its card's counts say."""
+
+    committed: int
+    planned: int
+    shards_done: int
+    shards: int
+
+    def __str__(self) -> str:
+        return (
+            f"run not finished: {self.committed} of {self.planned} planned trajectories committed "
+            f"({self.shards_done} of {self.shards} shards finished)"
+        )
+
+    def card_counts(self) -> dict[str, int]:
+        return {
+            "planned trajectories (run not finished)": self.planned,
+            "finished shards (run not finished)": self.shards_done,
+            "shards": self.shards,
+        }
+
+
+def unfinished_run(run_folder: StorageFolder, record: RunRecord) -> RunProgress | None:
+    """The run's progress when a shard of it is not finished (outputs/status.py's shard states), else None."""
+    states = shard_states(run_folder, record)
+    done = sum(state["state"] == "done" for state in states)
+    if done == len(states):
+        return None
+    return RunProgress(sum(s["committed"] for s in states), sum(s["expected"] for s in states), done, len(states))
 
 
 def card_sections(card: str) -> dict[str, str]:

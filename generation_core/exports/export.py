@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from generation_core.errors import GenrunError
-from generation_core.exports import export_tools, rl_prompts
-from generation_core.exports.dataset_card import RowStats, write_dataset_card
+from generation_core.exports import export_tools, openai_batch_output, rl_prompts
+from generation_core.exports.dataset_card import RowStats, RunProgress, unfinished_run, write_dataset_card
 from generation_core.exports.export_options import (
     OPENAI_BATCH,
     OPENAI_BATCH_INPUT,
@@ -51,7 +51,7 @@ from generation_core.exports.openai_batch_output import BatchExportSummary, erro
 from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory
 from generation_core.inputs.tokenizer import eos_token_ids, run_tokenizer, tokenizer_dir
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import CommittedPartRef, read_verified_part
+from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part, repair_advice
 from generation_core.store.run_folder import read_run_record
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, score_or_none, to_json
 
@@ -85,6 +85,8 @@ class ExportSummary:
     stats: RowStats = field(default_factory=RowStats)
     """Lengths and rewards of the exported rows, for the dataset card."""
     card: str | None = None
+    unfinished: RunProgress | None = None
+    """How far the run got, when it is not finished (dataset_card.unfinished_run)."""
 
     def kept(self, record: TrajectoryRecord, keep: dict[int, int] | None) -> bool:
         """Whether the filters keep `record`, counting it (committed, scored) and what dropped it."""
@@ -123,6 +125,7 @@ class ExportSummary:
         text += f" ({'; '.join(dropped)})" if dropped else ""
         text += f"; {self.truncated} cut at the length limit (truncated=true)"
         text += f"; dataset card {self.card}" if self.card else ""
+        text += f"; partial: {self.unfinished}" if self.unfinished else ""
         if self.unmatched_turns:
             text += (
                 f"; {self.unmatched_turns} tool/user turn(s) the chat template does not explain, "
@@ -139,6 +142,7 @@ class ExportSummary:
             "exported rows": self.rows,
             "scored trajectories (of the committed)": self.scored,
             "exported rows cut at the length limit (truncated)": self.truncated,
+            **(self.unfinished.card_counts() if self.unfinished else {}),
         }
 
     def card_filters(self) -> list[str]:
@@ -168,7 +172,11 @@ def export_command(
         export = {OPENAI_BATCH: export_batch_output, OPENAI_BATCH_INPUT: export_batch_input}.get(
             options.format, export_run
         )
-    print(export(run_url, out_url, options, storage_options).line())
+    try:
+        summary = export(run_url, out_url, options, storage_options)
+    except DamagedPart as damaged:
+        raise GenrunError(f"{damaged}; {repair_advice(StorageFolder(run_url, storage_options))}") from None
+    print(summary.line())
     return 0
 
 
@@ -177,11 +185,11 @@ def export_batch_output(
 ) -> BatchExportSummary:
     """The run in the OpenAI batch output layout (exports/openai_batch_output.py)."""
     folder = StorageFolder(run_url, storage_options)
-    config = read_run_record(folder).config
+    record = read_run_record(folder)
+    openai_batch_output.check_batch_run(folder, record)
+    config = record.config
     errors = errors_name(str(out_url).rstrip("/").rpartition("/")[2])
-    out_folder, out_name = output_location(
-        out_url, folder, storage_options, overwrite=options.overwrite, beside=(errors,)
-    )
+    out_folder, out_name = output_location(out_url, folder, storage_options, options, beside=(errors,))
     data_options = config.get("data", {}).get("storage_options") or storage_options
     tokenizer = _tokenizer(config, options)
     return export_openai_batch(
@@ -194,7 +202,7 @@ def export_batch_input(
 ) -> BatchInputSummary:
     """The run's prompts in the OpenAI batch input layout (exports/openai_batch_input.py)."""
     folder = StorageFolder(run_url, storage_options)
-    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
+    out_folder, out_name = output_location(out_url, folder, storage_options, options)
     return export_openai_batch_input(folder, out_folder, out_name, options.trust_remote_code)
 
 
@@ -205,7 +213,7 @@ def export_run(
     folder = StorageFolder(run_url, storage_options)
     record = read_run_record(folder)
     parts = committed_parts_to_export(folder)
-    out_folder, out_name = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
+    out_folder, out_name = output_location(out_url, folder, storage_options, options)
     tools = export_tools.run_tool_schemas(record.config, options.trust_remote_code)
     rebuilder = MessageRebuilder(
         _tokenizer(record.config, options),
@@ -214,7 +222,7 @@ def export_run(
         _eos_ids(record.config, options.tokenizer),
     )
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
-    summary = ExportSummary(out_folder.display(out_name), options)
+    summary = ExportSummary(out_folder.display(out_name), options, unfinished=unfinished_run(folder, record))
     with out_folder.open_write(out_name) as sink:
         rows = _sft_rows(folder, parts, summary, keep, rebuilder, tools)
         write_parquet(sink, export_schema(options.layout, tools), rows)

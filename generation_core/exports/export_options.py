@@ -20,6 +20,9 @@ LAYOUT_ALIASES = {"prompt-response": "prompt-completion"}
 OPENAI_BATCH = "openai-batch"
 OPENAI_BATCH_INPUT = "openai-batch-input"
 FORMATS = ("parquet", OPENAI_BATCH, OPENAI_BATCH_INPUT)
+OUTPUT_SUFFIXES = {"parquet": ".parquet", OPENAI_BATCH: ".jsonl", OPENAI_BATCH_INPUT: ".jsonl"}
+"""The name each --format's output file must end in: readers (pandas, datasets, verl) pick the
+format by it, so `out.csv` holding Parquet would be read wrong (export_target refuses it)."""
 SYNOPSIS = "genrun export RUN_DIR OUT [options] [storage.options.KEY=VALUE ...]"
 DESCRIPTION = (
     "A run's committed trajectories as a file (local or s3://), sorted by (index, rollout_n), with a "

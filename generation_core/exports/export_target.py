@@ -5,8 +5,8 @@ An export never writes into the run folder it reads (a file there could be one g
 as trajectories.pkl or run.json, and the card would land in it too), and never replaces a file
 without `--overwrite`: the output file and the files written beside it under names derived from
 it (the OpenAI batch error file). The dataset card is not among them: it is merged
-(dataset_card.py). Every refusal is one line, before the run's tokenizer loads, with nothing
-written."""
+(dataset_card.py). The name must end as the format's files do (`.parquet`, `.jsonl`). Every refusal
+is one line, before the run's tokenizer loads, with nothing written."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from generation_core.errors import GenrunError
+from generation_core.exports.export_options import OUTPUT_SUFFIXES, ExportOptions
 from generation_core.store.folder import StorageFolder
 
 
@@ -21,12 +22,13 @@ def output_location(
     out_url: str,
     run_folder: StorageFolder,
     storage_options: dict[str, Any] | None,
-    *,
-    overwrite: bool = False,
+    options: ExportOptions,
     beside: tuple[str, ...] = (),
 ) -> tuple[StorageFolder, str]:
-    """The folder the output goes to (checked writable) and the file name in it. `beside`: the
-    names of other files the export writes there, refused like the output when they exist."""
+    """The folder the output goes to (checked writable) and the file name in it, which must end as
+    `options.format` writes (OUTPUT_SUFFIXES); an existing file is replaced only with
+    `options.overwrite`. `beside`: the names of other files the export writes there, refused like
+    the output when they exist."""
     url = str(out_url)
     parent, _, name = url.rstrip("/").rpartition("/")
     if not name or url.endswith("/"):
@@ -43,12 +45,20 @@ def output_location(
             f"output {out_url!r} is inside the run folder {run_folder.display()}, whose files genrun owns; "
             "give a path outside it, e.g. beside it"
         )
+    file_format = options.format
+    suffix = OUTPUT_SUFFIXES[file_format]
+    if not name.endswith(suffix) or name == suffix:
+        kind = "Parquet" if suffix == ".parquet" else "JSON lines"
+        raise GenrunError(
+            f"output {out_url!r} does not end in {suffix}, and --format {file_format} writes {kind} there "
+            f"(a reader goes by the name): name it e.g. {name.rpartition('.')[0] or name}{suffix}"
+        )
     existing = [candidate for candidate in (name, *beside) if out_folder.exists(candidate)]
-    if existing and not overwrite:
+    if existing and not options.overwrite:
         raise GenrunError(
             f"{out_folder.display(existing[0])} exists; add --overwrite to replace it, or give another output name"
         )
-    out_folder.check_writable()
+    out_folder.check_writable("OUT")
     return out_folder, name
 
 

@@ -94,6 +94,20 @@ class _RunState:
         return self.adaptive_k if self.adaptive_k is not None and index in self.decided else self.n
 
 
+NOT_A_BATCH_RUN = (
+    "--format openai-batch needs a run over an OpenAI batch file; use the default layout or --format openai-batch-input"
+)
+
+
+def check_batch_run(folder: StorageFolder, record: RunRecord) -> None:
+    """Refuse, before anything is read, a run over Parquet input: it has no batch requests to answer
+    (a run over JSON that is not a batch file is refused by its first trajectory, `_add_choice`)."""
+    files = DatasetFiles.from_dict(record.dataset).files if record.dataset else ()
+    parquet = [data_file.url for data_file in files if data_file.is_parquet]
+    if parquet:
+        raise GenrunError(f"{folder.display()} was generated from {parquet[0]}, a Parquet file: {NOT_A_BATCH_RUN}")
+
+
 def errors_name(out_name: str) -> str:
     stem = out_name[: -len(".jsonl")] if out_name.endswith(".jsonl") else out_name
     return f"{stem}_errors.jsonl"
@@ -179,8 +193,8 @@ def _add_choice(
     info = trajectory.input_fields.get("extra_info") or {}
     if info.get("custom_id") is None:
         raise GenrunError(
-            f"{folder.display()} was not generated from an OpenAI batch file (trajectory {trajectory.index}:{trajectory.rollout_n} has no extra_info.custom_id); "
-            "use --format parquet for it"
+            f"{folder.display()} was not generated from an OpenAI batch file (trajectory {trajectory.index}:{trajectory.rollout_n} has no "
+            f"extra_info.custom_id): {NOT_A_BATCH_RUN}"
         )
     request = requests.setdefault(trajectory.index, _Request(str(info["custom_id"]), str(info.get("url") or CHAT_URL)))
     positions = [position for position, mask in enumerate(trajectory.response_mask) if mask]

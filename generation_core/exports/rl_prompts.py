@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from generation_core.errors import GenrunError
-from generation_core.exports.dataset_card import pass_rate_lines, write_dataset_card
+from generation_core.exports.dataset_card import RunProgress, pass_rate_lines, unfinished_run, write_dataset_card
 from generation_core.exports.export_options import RL_PROMPTS, ExportOptions
 from generation_core.exports.export_target import output_location
 from generation_core.exports.key_order import committed_parts_to_export
@@ -83,6 +83,8 @@ class RlPromptsSummary:
     unscored: int = 0
     outside_band: int = 0
     card: str | None = None
+    unfinished: RunProgress | None = None
+    """How far the run got, when it is not finished (dataset_card.unfinished_run)."""
 
     def line(self) -> str:
         text = f"exported {self.rows} of {self.prompts} prompts to {self.output} (layout {LAYOUT})"
@@ -93,13 +95,15 @@ class RlPromptsSummary:
         if self.unscored:
             dropped.append(f"{self.unscored} with no scored sample")
         text += f"; left out: {', '.join(dropped)}" if dropped else ""
-        return text + (f"; dataset card {self.card}" if self.card else "")
+        text += f"; dataset card {self.card}" if self.card else ""
+        return text + (f"; partial: {self.unfinished}" if self.unfinished else "")
 
     def card_counts(self) -> dict[str, int]:
         return {
             "prompts with committed samples": self.prompts,
             "exported prompts (rows)": self.rows,
             "prompts with no scored sample": self.unscored,
+            **(self.unfinished.card_counts() if self.unfinished else {}),
         }
 
     def card_filters(self) -> list[str]:
@@ -121,7 +125,7 @@ def export_prompts(
     folder = StorageFolder(run_url, storage_options)
     config = read_run_record(folder).config
     parts = committed_parts_to_export(folder)
-    out = output_location(out_url, folder, storage_options, overwrite=options.overwrite)
+    out = output_location(out_url, folder, storage_options, options)
     threshold = 0.0 if options.pass_threshold is None else options.pass_threshold
     return export_rl_prompts(folder, config, parts, out, threshold, options.pass_rate)
 
@@ -208,10 +212,12 @@ def export_rl_prompts(
         pq.write_table(pa.Table.from_pylist(rows), sink, compression="zstd")
     pass_rates = [row["extra_info"]["pass_rate"] for row in rows]
     described = pass_rate_lines(pass_rates, [row["extra_info"]["num_samples"] for row in rows])
+    record = read_run_record(folder)
+    summary.unfinished = unfinished_run(folder, record)
     card = write_dataset_card(
         out_folder,
         out_name,
-        read_run_record(folder),
+        record,
         summary.card_counts(),
         summary.card_filters(),
         LAYOUT,

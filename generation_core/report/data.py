@@ -30,7 +30,7 @@ from generation_core.outputs.status import shard_states
 from generation_core.report.stop_reasons import Limits, stop_reasons
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_failure_log
 from generation_core.store.folder import StorageFolder
-from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part
+from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part, repair_advice
 from generation_core.store.run_folder import shard_file
 from generation_core.store.run_record import RunRecord, ShardRange
 from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
@@ -152,7 +152,7 @@ class _Collector:
             try:
                 data = read_verified_part(folder, CommittedPartRef(shard_file(shard, part.name), part.sha256))
             except DamagedPart as damaged:
-                logger.warning("report: %s (left out)", damaged)
+                logger.warning("report: %s (left out); %s", damaged, repair_advice(folder))
                 skipped.append(damaged.path)
                 continue
             self.add_part(read_part_table(data))
@@ -292,6 +292,11 @@ def collect_report_data(
         failures.add(_failures(folder, spec.name, set(checkpoint.completed)))
         shards.append(_shard_row(states.get(spec.name, {"shard": spec.name}), spec, checkpoint))
     stats = collector.stats()
+    if not len(stats) and skipped:
+        raise GenrunError(
+            f"every committed part of {folder.display()} ({len(skipped)}, e.g. {skipped[0]}) no longer matches the "
+            f"checksum its checkpoint recorded: nothing to report; {repair_advice(folder)}"
+        )
     if not len(stats):
         raise GenrunError(
             f"{folder.display()} has no committed trajectories yet: nothing to report "

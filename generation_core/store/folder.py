@@ -335,22 +335,23 @@ class StorageFolder:
         except FileNotFoundError:
             pass
 
-    def check_writable(self) -> None:
-        """Fail early, with the folder named, when the run cannot write its output."""
+    def check_writable(self, setting: str = "trainer.default_local_dir") -> None:
+        """Fail early, with the folder named, when the run cannot write its output. `setting`: what
+        the user gave the folder as, which the refusal says to fix (an export's `OUT`)."""
         probe = f".genrun-write-probe-{uuid.uuid4().hex}"
         try:
             self.put_atomic(probe, b"ok")
             self.remove(probe)
         except Exception as exc:  # noqa: BLE001 - every cause becomes one line naming the folder
-            raise GenrunError(self._explain_write_failure(exc)) from None
+            raise GenrunError(self._explain_write_failure(exc, setting)) from None
 
-    def _explain_write_failure(self, exc: Exception) -> str:
+    def _explain_write_failure(self, exc: Exception, setting: str) -> str:
         name, text = type(exc).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.is_local:
             blocker = _file_in_the_way(self.root)
             if blocker:
-                return f"cannot create output folder {self.display()}: {blocker} is a file, not a folder; choose another trainer.default_local_dir"
-            return f"cannot write to output folder {self.display()}: {name}: {text}; choose a writable trainer.default_local_dir"
+                return f"cannot create output folder {self.display()}: {blocker} is a file, not a folder; choose another {setting}"
+            return f"cannot write to output folder {self.display()}: {name}: {text}; choose a writable {setting}"
         bucket = self.root.split("/", 1)[0]
         if name == "NoCredentialsError":
             return (
@@ -358,7 +359,7 @@ class StorageFolder:
                 "or storage.options.key/secret"
             )
         if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
-            return f"bucket {bucket!r} does not exist (output {self.url}); create it or fix trainer.default_local_dir"
+            return f"bucket {bucket!r} does not exist (output {self.url}); create it or fix {setting}"
         if isinstance(exc, PermissionError):
             return (
                 f"bucket {bucket!r} refused the write to {self.url} ({text}): check the credentials "

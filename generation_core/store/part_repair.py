@@ -135,6 +135,12 @@ def repair_damaged_parts(
     return checkpoint.repaired_parts[before:]
 
 
+def repair_advice(folder: StorageFolder) -> str:
+    """What a reader that found a damaged part (export, report) tells the user: the merge drops it
+    from its shard's checkpoint (mark_for_repair), then the run's own command regenerates it."""
+    return f"run `genrun merge {folder.display()}` (it drops the damaged part), then the same command to regenerate its samples"
+
+
 def mark_for_repair(folder: StorageFolder, damaged: DamagedPart, fence: Fence | None = None) -> None:
     """After the merge found `damaged`: drop it so the next run regenerates its samples."""
     _, shard, part_name = damaged.path.split("/", 2)
