@@ -2,7 +2,8 @@
 2026-11-28 item 6): an unknown engine name, verl's TensorRT-LLM engine, a model path that is a
 file, an output folder under a file and a missing S3 bucket are refused by `check_inputs` and the
 start of `plan_run` while torch, verl and Ray are not imported (about 10 s of CPU each refusal
-used to spend importing them), and the output folder is never made."""
+used to spend importing them), GPUs this machine lacks with Ray's import only, and the output
+folder is never made."""
 
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ def test_cheap_refusals_come_before_the_engine_stack_imports(tmp_path, model_dir
             [*base, "trainer.default_local_dir=s3://no-such-bucket-genrun/run"],
             "bucket 'no-such-bucket-genrun' does not exist",
         ),
+        # Audit #14: GPUs this machine lacks, where the run would start Ray: Ray's count, not the engine stack.
+        (
+            [*base[:1], "trainer.device=cuda", "+ray_kwargs.ray_init.num_gpus=0", out],
+            "need 1 GPU(s) but this machine (ray_kwargs.ray_init.address is unset: the run starts Ray here) has 0",
+        ),
     ]
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, json.dumps([overrides for overrides, _ in cases])],
@@ -71,7 +77,7 @@ def test_cheap_refusals_come_before_the_engine_stack_imports(tmp_path, model_dir
     assert len(results) == len(cases), done.stdout[-2000:] + done.stderr[-3000:]
     for (overrides, message), result in zip(cases, results, strict=True):
         assert result["refusal"] is not None and message in result["refusal"], (overrides, result)
-        assert result["heavy"] == [], (overrides, result)
+        assert result["heavy"] == (["ray"] if "trainer.device=cuda" in overrides else []), (overrides, result)
     # The engine list genrun offers never names an engine it does not run.
     assert (
         "trtllm" not in results[0]["refusal"]

@@ -30,7 +30,8 @@ from generation_core.instrumentation import failpoint, mark
 from generation_core.interrupt import STOP, Stopped
 from generation_core.outputs.finish import finish_run
 from generation_core.run_plan import RunPlan, ShardSpec
-from generation_core.serving.pool import ReplicaPool, check_replicas_fit, new_registry_name
+from generation_core.serving.pool import ReplicaPool, new_registry_name
+from generation_core.serving.ray_setup import check_replicas_fit
 from generation_core.store.lease import LeaseFence, RunLease
 from generation_core.store.run_folder import SuccessMarker
 

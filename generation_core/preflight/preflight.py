@@ -157,11 +157,14 @@ def plan_run(inputs: CheckedInputs) -> RunPlan:
     if inputs.fingerprint is not None:
         _check_output_folder(cfg, inputs.fingerprint)
 
-    from generation_core.inputs.shard_rows import check_overlong_sample
-    from generation_core.serving.pool import check_replicas_fit
+    # Where this run starts Ray on this machine: its GPUs and CPUs hold the replicas (Ray's
+    # import only, before the engine stack's).
+    from generation_core.serving.ray_setup import check_replicas_fit
 
-    # Where this run starts Ray on this machine: its GPUs and CPUs hold the replicas.
     check_replicas_fit(cfg)
+
+    from generation_core.inputs.shard_rows import check_overlong_sample
+
     # verl's loader and folder, as AgentLoopWorker uses them: same pad token fallback, so the merge pads like verl.
     tokenizer = run_tokenizer(cfg.actor_rollout_ref.model)
     check_overlong_sample(cfg, dataset.files, tokenizer)

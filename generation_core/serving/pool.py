@@ -36,7 +36,6 @@ from generation_core.engines.remote import CompletionsServers, check_servers
 from generation_core.engines.replicas import GENRUN_ENGINES  # importing registers hf and instant with verl
 from generation_core.errors import GenrunError
 from generation_core.serving.backends import BackendSource, RayReplicaBackend
-from generation_core.serving.ray_setup import ray_resources_before_start
 from generation_core.serving.routing import RoutingClient
 from generation_core.serving.server_registry import fetch_server_handles, start_server_registry
 from generation_core.verl_adapter import server_manager_with_registry
@@ -89,21 +88,6 @@ def check_rollout_name(cfg: DictConfig) -> None:
     name = cfg.actor_rollout_ref.rollout.name
     check_engine_name(name)
     check_engine_installed(name)
-
-
-def check_replicas_fit(cfg: DictConfig) -> None:
-    """Refuse a layout the run's Ray cannot place, where that Ray is known before it is joined
-    (ray_setup.ray_resources_before_start: the Ray already joined, or the one the run starts on
-    this machine): before Prefect, Ray or a lease start and before run.json is written, so the
-    corrected command finds the folder as it was."""
-    layout = resolve_layout(cfg)
-    if not layout.total_gpus:
-        return  # CPU replicas (num_cpus=0) and remote servers fit any Ray
-    resources = ray_resources_before_start(cfg)
-    if resources is None:
-        return  # a Ray started separately, not joined yet: ReplicaPool.boot checks its resources
-    here = "this machine (ray_kwargs.ray_init.address is unset: the run starts Ray here)"
-    check_cluster_resources(layout, resources, "the Ray cluster" if ray.is_initialized() else here)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, cast
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from generation_core.config.layout import check_cluster_resources, resolve_layout
 from generation_core.console import debug_output
 from generation_core.errors import GenrunError
 from generation_core.processes import command_line, descendants, kill_and_wait, left_in_group, process_table
@@ -84,6 +85,21 @@ def ray_resources_before_start(cfg: DictConfig) -> dict[str, float] | None:
     except Exception as exc:  # noqa: BLE001 - ray.init says the same at the start, in its words
         logger.debug("could not count this machine's Ray resources: %s: %s", type(exc).__name__, exc)
         return None
+
+
+def check_replicas_fit(cfg: DictConfig) -> None:
+    """Refuse a layout the run's Ray cannot place, where that Ray is known before it is joined
+    (`ray_resources_before_start`: the Ray already joined, or the one the run starts on
+    this machine): before Prefect, Ray or a lease start and before run.json is written, so the
+    corrected command finds the folder as it was."""
+    layout = resolve_layout(cfg)
+    if not layout.total_gpus:
+        return  # CPU replicas (num_cpus=0) and remote servers fit any Ray
+    resources = ray_resources_before_start(cfg)
+    if resources is None:
+        return  # a Ray started separately, not joined yet: ReplicaPool.boot checks its resources
+    here = "this machine (ray_kwargs.ray_init.address is unset: the run starts Ray here)"
+    check_cluster_resources(layout, resources, "the Ray cluster" if ray.is_initialized() else here)
 
 
 def _keep_ray_on_loopback() -> None:
