@@ -792,7 +792,7 @@ def test_the_end_of_sequence_ids_are_the_models_not_the_tokenizer_folders(unscor
     (here <|im_end|>, id 2) and the tokenizer's own eos is another token (<|endoftext|>), while
     the tokenizer folder (`tokenizer_path`) has no generation_config.json. The export read the ids
     from the tokenizer folder: the turn end stayed in the assistant text, flagged truncated. One
-    rule now (inputs.tokenizer.eos_token_ids) for the engine, the export and the viewer."""
+    rule now (engines.base.eos_token_ids) for the engine, the export and the viewer."""
     tokenizer_folder = tmp_path / "tokenizer"
     tokenizer_folder.mkdir()
     for name in ("tokenizer.json", "chat_template.jinja"):
@@ -815,9 +815,9 @@ def test_the_end_of_sequence_ids_are_the_models_not_the_tokenizer_folders(unscor
 
 
 def test_one_rule_gives_the_end_of_sequence_ids(tmp_path):
-    """inputs.tokenizer.eos_token_ids: generation_config.json's (an int or a list), then
+    """engines.base.eos_token_ids: generation_config.json's (an int or a list), then
     config.json's and its text_config's, then the tokenizer's; each once, in that order."""
-    from generation_core.inputs.tokenizer import eos_token_ids
+    from generation_core.engines.base import eos_token_ids
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 128001, "text_config": {"eos_token_id": 7}}))

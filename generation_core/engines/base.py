@@ -21,6 +21,8 @@ request may succeed when sent again (request_retry.is_transient).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,6 +45,30 @@ class EngineStepFailed(RuntimeError):
 class EngineStopped(ConnectionError):
     """The engine shut down (or its decode loop ended) before it answered the request; another
     replica, or this one restarted, may answer it."""
+
+
+def eos_token_ids(model_path: str, tokenizer: Any = None) -> tuple[int, ...]:
+    """The ids that end a response, one rule for the transformers engine, the export and the
+    report's viewer (light: this module imports no verl or torch): the `eos_token_id` of the model folder's generation_config.json (an int or a
+    list: Llama-3-Instruct lists its turn end `<|eot_id|>` only there), then config.json's (and
+    its text_config's), then the tokenizer's when one is given (verl's SGLang and vLLM servers stop
+    on it too). Read from the model's `path`, never the tokenizer folder, which may have no
+    generation_config.json. In that order, each once; reads JSON only (no transformers)."""
+    folder = os.path.expanduser(str(model_path))
+    found: list[Any] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                declared = json.load(handle)
+            found += [declared.get("eos_token_id"), (declared.get("text_config") or {}).get("eos_token_id")]
+    found.append(None if tokenizer is None else tokenizer.eos_token_id)
+    ids: list[int] = []
+    for value in found:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any, NoReturn, TypeGuard
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from generation_core.engines.base import eos_token_ids
 from generation_core.errors import GenrunError
 from generation_core.exports import export_tools, openai_batch_output, rl_prompts
 from generation_core.exports.dataset_card import RowStats, RunProgress, unfinished_run, write_dataset_card
@@ -49,7 +50,7 @@ from generation_core.exports.key_order import committed_parts_to_export, records
 from generation_core.exports.openai_batch_input import BatchInputSummary, export_openai_batch_input
 from generation_core.exports.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
 from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory
-from generation_core.inputs.tokenizer import eos_token_ids, run_tokenizer, tokenizer_dir
+from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part, repair_advice
 from generation_core.store.run_folder import read_run_record
@@ -392,7 +393,7 @@ def _tokenizer(config: dict[str, Any], options: ExportOptions):
 
 
 def _eos_ids(config: dict[str, Any], override: str | None, tokenizer: Any = None) -> set[int]:
-    """The ids that end a response (inputs.tokenizer.eos_token_ids) of the run's model folder, not
+    """The ids that end a response (engines.base.eos_token_ids) of the run's model folder, not
     its tokenizer folder, which may have no generation_config.json; with --tokenizer, that
     folder's too (a copy of the model where the run's own folder is not at hand)."""
     ids = set(eos_token_ids(str(config["actor_rollout_ref"]["model"]["path"]), tokenizer))

@@ -5,8 +5,7 @@ verl's agent loops tokenize the prompts with `HFModelConfig.tokenizer`: the fold
 `custom_chat_template` in place of the folder's when one is set. genrun's own readers (the
 preflight's overlong-prompt check and pad id, a shard's prompt filter and reward decoding, the
 first example shown at the end, bench, export, the report's viewer) follow the same rule here,
-so a prompt is measured, filtered and decoded by the tokenizer that made its ids; and the ids that
-end a response (`eos_token_ids`) are decided here for the engine, the export and the viewer.
+so a prompt is measured, filtered and decoded by the tokenizer that made its ids.
 
 Light to import: verl (and with it torch) loads only when a tokenizer is loaded.
 """
@@ -14,7 +13,6 @@ Light to import: verl (and with it torch) loads only when a tokenizer is loaded.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -24,30 +22,6 @@ def tokenizer_dir(model: Mapping[str, Any]) -> str:
     """The folder of the run's tokenizer: `tokenizer_path`, else the model's `path` (`~` expanded).
     `model`: the run's `actor_rollout_ref.model` (a DictConfig, or run.json's dict)."""
     return os.path.expanduser(str(model.get("tokenizer_path") or model["path"]))
-
-
-def eos_token_ids(model_path: str, tokenizer: Any = None) -> tuple[int, ...]:
-    """The ids that end a response, one rule for the transformers engine, the export and the
-    report's viewer: the `eos_token_id` of the model folder's generation_config.json (an int or a
-    list: Llama-3-Instruct lists its turn end `<|eot_id|>` only there), then config.json's (and
-    its text_config's), then the tokenizer's when one is given (verl's SGLang and vLLM servers stop
-    on it too). Read from the model's `path`, never the tokenizer folder, which may have no
-    generation_config.json. In that order, each once; reads JSON only (no transformers)."""
-    folder = os.path.expanduser(str(model_path))
-    found: list[Any] = []
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path) as handle:
-                declared = json.load(handle)
-            found += [declared.get("eos_token_id"), (declared.get("text_config") or {}).get("eos_token_id")]
-    found.append(None if tokenizer is None else tokenizer.eos_token_id)
-    ids: list[int] = []
-    for value in found:
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
-    return tuple(ids)
 
 
 def run_tokenizer(model: Mapping[str, Any], *, trust_remote_code: bool | None = None):

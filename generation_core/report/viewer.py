@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from generation_core.inputs.tokenizer import eos_token_ids as run_eos_token_ids
+from generation_core.engines.base import eos_token_ids as run_eos_token_ids
 from generation_core.inputs.tokenizer import tokenizer_dir
 from generation_core.report.data import ReportData, data_source_of, sample_hash
 from generation_core.report.stop_reasons import STOP_REASONS, stop_reasons
@@ -70,7 +70,7 @@ def load_tokenizer(run: RunRecord, trust_remote_code: bool = False):
 
 
 def eos_token_ids(run: RunRecord, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids of the run's model and tokenizer (inputs.tokenizer.eos_token_ids, the engine's and export's rule)."""
+    """End-of-sequence ids of the run's model and tokenizer (engines.base.eos_token_ids, the engine's and export's rule)."""
     return frozenset(run_eos_token_ids(str(run.config["actor_rollout_ref"]["model"]["path"]), tokenizer))
 
 

@@ -102,8 +102,7 @@ class StreamingWorker:
         *,
         settings: GenerationSettings | None = None,
     ):
-        """`settings`: the run's, as its plan carries them (RunPlan.settings); None (a caller
-        without a plan): decided from `cfg` here, the same way."""
+        """`settings`: the run's (RunPlan.settings); None, for a caller without a plan: from `cfg`."""
         gen = settings if settings is not None else GenerationSettings.of(cfg)
         # Agent loops reach the engine only through this client: every model turn gets retries.
         self.client = RetryingClient(

@@ -43,6 +43,7 @@ from generation_core.engines.base import (
     EngineStepFailed,
     EngineStopped,
     SamplingParams,
+    eos_token_ids,
     response_budget,
 )
 from generation_core.engines.hf import packed_step
@@ -53,7 +54,6 @@ from generation_core.engines.hf.prefix_cache import KV, PrefixCache, PrefixHit
 from generation_core.engines.hf.sampling import sample_next_tokens
 from generation_core.engines.hf.slot_batch import KVShape, SlotBatch
 from generation_core.engines.server import cpu_threads_per_replica
-from generation_core.inputs.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -574,7 +574,9 @@ def engine_on_this_node(settings: EngineSettings, replicas_on_node: int) -> Any:
     )
     from generation_core.engines.hf.vl import VisionLanguageEngine, is_vision_language
 
-    return VisionLanguageEngine(settings) if is_vision_language(settings) else HFEngine(settings)
+    if is_vision_language(settings):
+        return VisionLanguageEngine(settings, _eos_token_ids(Path(settings.model_path)))
+    return HFEngine(settings)
 
 
 def _cache_kv(cache: DynamicCache) -> KV:
