@@ -24,8 +24,12 @@ from typing import Any
 import torch
 
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, SamplingParams, response_budget
-from generation_core.engines.hf.engine import EngineSettings
-from generation_core.inputs.tokenizer import eos_token_ids, model_type, run_processor
+from generation_core.inputs.tokenizer import model_type, run_processor
+
+EngineSettings = Any
+"""engine.py's EngineSettings (model_path, prompt_length, response_length, num_threads, dtype,
+device, trust_remote_code): engine.py builds this engine (engine_on_this_node), so this module
+does not import it back."""
 
 
 def is_vision_language(settings: EngineSettings) -> bool:
@@ -36,7 +40,8 @@ def is_vision_language(settings: EngineSettings) -> bool:
 class VisionLanguageEngine:
     """The engine contract (engines/base.py) over a VL model's `generate`, one request at a time."""
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, eos_token_ids: list[int]):
+        """`eos_token_ids`: the ids that end a response, by the transformers engine's rule."""
         from transformers import AutoModelForImageTextToText
 
         if settings.num_threads:
@@ -45,10 +50,10 @@ class VisionLanguageEngine:
         path = str(Path(settings.model_path).expanduser())
         self.model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=getattr(torch, settings.dtype), trust_remote_code=settings.trust_remote_code
-        ).to(settings.device)  # type: ignore[arg-type]  # transformers types `to` as nn.Module.to
+        ).to(settings.device)
         self.model.eval()
         self.processor = run_processor({"path": path, "trust_remote_code": settings.trust_remote_code})
-        self.eos_token_ids = list(eos_token_ids(path))
+        self.eos_token_ids = list(eos_token_ids)
         self.name = f"transformers VL engine ({Path(path).name} on {settings.device})"
         self.stats: dict[str, Any] = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0}
         self._lock = threading.Lock()
