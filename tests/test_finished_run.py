@@ -95,6 +95,20 @@ def test_a_damaged_merged_output_or_manifest_takes_the_usual_path(finished, tmp_
     assert _answer(finished, copy) is None
 
 
+def test_status_says_a_cut_merged_output_is_damaged(finished, tmp_path, capsys):
+    """#3: `genrun status` said `merged: yes (trajectories.pkl)` of a 100-byte trajectories.pkl."""
+    from generation_core.outputs.status import print_status
+
+    copy = _copy(finished, tmp_path)
+    print_status(str(copy))
+    assert "merged: yes (trajectories.pkl)" in capsys.readouterr().out.splitlines()
+    _cut(copy / "trajectories.pkl", 100)
+    print_status(str(copy))
+    merged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("merged:")]
+    assert len(merged) == 1 and merged[0].startswith("merged: damaged, trajectories.pkl is 100 bytes, the merge wrote ")
+    assert merged[0].endswith(f": the run's command (or `genrun merge {copy}`) merges again")
+
+
 def test_a_changed_merge_layout_or_a_missing_chunk_takes_the_usual_path(finished, tmp_path):
     """#3, #4: a generation.merge_chunk_size other than the merged layout on disk is merged again
     (so is a merge_max_file_bytes the run does not fit in: the merge's own rule decides); so is a

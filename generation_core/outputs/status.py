@@ -26,6 +26,7 @@ from generation_core.shard.eta import ShardPace, estimate_eta, format_seconds
 from generation_core.store.commit_log import ShardCheckpoint, read_commit_records, read_marker
 from generation_core.store.folder import StorageFolder
 from generation_core.store.lease import describe_holder, newest_lease
+from generation_core.store.merged_output import damage_as_merged
 from generation_core.store.run_folder import (
     FAILURES_DIR,
     merged_files,
@@ -109,7 +110,11 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
         f"{counts['pending']} pending; trajectories {total}/{expected}{drawn}; failed samples {failed_samples}"
     )
     output = merged_files(folder)
-    print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
+    damage = damage_as_merged(folder) if output else None
+    if damage:
+        print(f"merged: damaged, {damage}: the run's command (or `genrun merge {folder.display()}`) merges again")
+    else:
+        print(f"merged: {'yes (' + output[0] + ')' if output else 'no'}")
     ledger = read_ledger(folder)
     if ledger:
         print("\n".join(ledger_lines(ledger, total)))

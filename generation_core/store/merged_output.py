@@ -59,6 +59,24 @@ def merged_output_damage(folder: StorageFolder, manifest: dict[str, Any], chunk_
     return _zip_damage(folder, sizes, outputs)
 
 
+def damage_as_merged(folder: StorageFolder) -> str | None:
+    """merged_output_damage against the layout on disk (one file, or trajectories.json's chunk
+    size), as a reader without the command's settings (`genrun status`) can tell it; None also when
+    manifest.json records no merge or predates `merged_bytes`."""
+    try:
+        manifest = folder.read_json(MANIFEST_FILE)
+        index = folder.read_json(CHUNK_INDEX_FILE) if folder.exists(CHUNK_INDEX_FILE) else None
+    except (FileNotFoundError, ValueError) as exc:
+        return f"{type(exc).__name__} reading {MANIFEST_FILE} or {CHUNK_INDEX_FILE}"
+    if (
+        not isinstance(manifest, dict)
+        or "artifact" not in manifest
+        or (index is None and "merged_bytes" not in manifest)
+    ):
+        return None
+    return merged_output_damage(folder, manifest, index.get("chunk_size") if isinstance(index, dict) else None)
+
+
 def _zip_damage(folder: StorageFolder, sizes: dict[str, int], outputs: set[str]) -> str | None:
     """Why trajectories.zip does not hold `outputs` and its other members at their sizes in the
     folder (`sizes`), from the zip's directory (a cut zip has none); None when it does."""
