@@ -21,7 +21,8 @@ def test_processor_of_a_vl_folder_without_torchvision(tiny_vl_dir):  # noqa: F81
     from PIL import Image
     from verl.utils import hf_processor
 
-    from generation_core.inputs.tokenizer import VideoNeedsTorchvision, run_processor
+    from generation_core.inputs.tokenizer import run_processor
+    from generation_core.inputs.vl_processor import VideoNeedsTorchvision
 
     assert hf_processor(str(tiny_vl_dir)) is None
     processor = run_processor({"path": str(tiny_vl_dir)})

@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from generation_core.inputs.tokenizer import VideoNeedsTorchvision
+from generation_core.inputs.vl_processor import VideoNeedsTorchvision
 
 SPATIAL_MERGE_SIZE = 2
 IMAGE_MIN_TOKEN_NUM = 4

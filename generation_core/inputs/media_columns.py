@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
 from generation_core.inputs.images import image_problem, image_slots
-from generation_core.inputs.tokenizer import model_type, tokenizer_dir
+from generation_core.inputs.tokenizer import tokenizer_dir
+from generation_core.inputs.vl_processor import model_type
 
 MEDIA_KEYS = {"image_key": "images", "video_key": "videos", "audio_key": "audios"}
 """data.* key -> what its column holds (verl's default column has the same name)."""

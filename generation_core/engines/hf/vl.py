@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from generation_core.engines.base import STOP_EOS, STOP_LENGTH, EngineOutput, SamplingParams, response_budget
-from generation_core.inputs.tokenizer import model_type, run_processor
+from generation_core.inputs.vl_processor import model_type, pil_image_processor
 
 EngineSettings = Any
 """engine.py's EngineSettings (model_path, prompt_length, response_length, num_threads, dtype,
@@ -52,7 +52,8 @@ class VisionLanguageEngine:
             path, dtype=getattr(torch, settings.dtype), trust_remote_code=settings.trust_remote_code
         ).to(settings.device)
         self.model.eval()
-        self.processor = run_processor({"path": path, "trust_remote_code": settings.trust_remote_code})
+        # The image processor alone (the prompt ids come rendered): transformers' PIL one, no verl here.
+        self.image_processor = pil_image_processor(path, model_type(path, settings.trust_remote_code)[0])
         self.eos_token_ids = list(eos_token_ids)
         self.name = f"transformers VL engine ({Path(path).name} on {settings.device})"
         self.stats: dict[str, Any] = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0}
@@ -82,7 +83,7 @@ class VisionLanguageEngine:
         inputs: dict[str, Any] = {"input_ids": torch.tensor([prompt_ids], device=device)}
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         if images:
-            vision = self.processor.image_processor(images=images, return_tensors="pt")
+            vision = self.image_processor(images=images, return_tensors="pt")
             inputs["pixel_values"] = vision["pixel_values"].to(device, self.model.dtype)
             inputs["image_grid_thw"] = vision["image_grid_thw"].to(device)
         sampling: dict[str, Any] = {"do_sample": False}
