@@ -258,3 +258,35 @@ def test_an_image_named_by_path_is_part_of_the_rows_digest(tmp_path):
     image.write_bytes(png_bytes(64, 64, seed=2))
     assert rows_digest(table) != before
     assert rows_digest(pa.table({"prompt": ["x"]})) == rows_digest(pa.table({"prompt": ["x"]}))
+
+
+def test_the_verl_internals_the_image_path_relies_on_are_there():
+    """verl_adapter's image functions name verl 0.9.1's private methods; an upgrade that renames
+    or reshapes them fails here (the text path's pins are in tests/test_verl_adapter.py)."""
+    import inspect
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorker
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    assert list(inspect.signature(RLHFDataset._process_multi_modal_info).parameters) == [
+        "messages",
+        "image_patch_size",
+        "config",
+    ]
+    assert "cls._process_multi_modal_info" in inspect.getsource(RLHFDataset.process_multi_modal_info)
+    assert "self.dataset_cls.process_multi_modal_info" in inspect.getsource(AgentLoopBase.process_multi_modal_info)
+    assert list(inspect.signature(AgentLoopWorker._compute_multi_modal_inputs).parameters) == [
+        "self",
+        "output",
+        "input_ids",
+    ]
+    assert list(inspect.signature(AgentLoopWorker._compute_position_ids).parameters) == [
+        "self",
+        "input_ids",
+        "attention_mask",
+        "multi_modal_inputs",
+        "mm_processor_kwargs",
+    ]
+    source = inspect.getsource(AgentLoopWorker._compute_multi_modal_inputs)
+    assert "self.processor" in source and "self.tokenizer" in source and "self._get_mm_processor_kwargs" in source
+    assert "self.processor = self.model_config.processor" in inspect.getsource(AgentLoopWorker.__init__)
