@@ -313,7 +313,8 @@ def check_run_folder(folder: StorageFolder, run_fingerprint: str) -> RunRecord |
             # written before any shard): adopting it could mix another run's trajectories in.
             raise GenrunError(
                 f"output folder {folder.display()} holds {folder.display(SHARDS_DIR)} but no {RUN_FILE}, so nothing says which run "
-                f"wrote it: this run will not adopt it. Nothing was changed there. {start_fresh}"
+                "wrote it: this run will not adopt it. Nothing was changed there. Set another trainer.default_local_dir (or "
+                "trainer.experiment_name, when that folder is derived from it), or delete that folder"
             )
         return None
     existing = RunRecord.from_json(folder.read_json(RUN_FILE))
