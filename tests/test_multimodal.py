@@ -114,6 +114,7 @@ def test_image_prompts_merge_as_verls_postprocess(tmp_path, tiny_vl_dir):  # noq
     import torch
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, AgentLoopWorker
 
+    from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.inputs.images import fetch_image, open_png
     from generation_core.inputs.tokenizer import run_processor
     from generation_core.outputs.merge import merge_output
@@ -121,8 +122,21 @@ def test_image_prompts_merge_as_verls_postprocess(tmp_path, tiny_vl_dir):  # noq
     from generation_core.store.part_repair import committed_parts, read_verified_part
     from generation_core.store.trajectory_record import read_part_table
 
+    class RecordingEngine(InstantEngine):
+        """The instant engine, noting the images each request carries (what verl's sglang and
+        vllm servers get as `image_data`)."""
+
+        sent: list = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+            self.sent.append(kwargs.get("image_data"))
+            return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
     rows = _image_rows(3)
-    plan, tokenizer = _instant_image_run(tmp_path, tiny_vl_dir, rows)
+    engine = RecordingEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=2))
+    plan, tokenizer = _instant_image_run(tmp_path, tiny_vl_dir, rows, engine=engine)
+    # Every request carries its prompt's one image, resized to the 28-pixel grid (120, 110 and 100 x 90 -> 112x84).
+    assert [[image.size for image in images] for images in engine.sent] == [[(112, 84)]] * 6
     parts = [read_part_table(read_verified_part(plan.folder, p)) for p in committed_parts(plan.folder)]
     stored = [data for table in parts for cell in table.column("image_bytes").to_pylist() for data in cell or []]
     assert len(stored) == 3  # 3 prompts x n=2 samples, one image each: stored once per prompt
