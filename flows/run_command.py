@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from flows.prefect_api import TemporaryPrefectServer
     from generation_core.preflight.preflight import CheckedInputs
     from generation_core.run_plan import RunPlan
+    from generation_core.store.part_repair import CommittedPartRef
 
 logger = logging.getLogger("genrun")
 
@@ -75,7 +76,7 @@ def print_summary(summary: dict, plan) -> None:
             f"failed:        {summary['failed_samples']} samples (within generation.max_failed_fraction; `genrun status` lists them,"
         )
         print("               running the same command again retries them)")
-    example = first_example(plan)
+    example = first_example(plan, summary)
     if example:
         print("example:")
         print(example)
@@ -93,15 +94,29 @@ def print_finished(manifest: dict) -> None:
     print("               to generate again, give another trainer.default_local_dir (or remove this folder)")
 
 
-def first_example(plan) -> str | None:
-    """The lowest sample of the first committed part, decoded (one part read, whatever the run's size)."""
-    from generation_core.store.part_repair import committed_parts, read_verified_part
+def example_part(folder, summary: dict) -> CommittedPartRef | None:
+    """The first committed part of the run `summary` (the flow's answer) describes: the first part
+    of the first of its shards with trajectories, from that shard's marker (one read; no commit log)."""
+    from generation_core.store.part_repair import CommittedPartRef
+    from generation_core.store.run_folder import SUCCESS_FILE, SuccessMarker, shard_file
+
+    shard = next((row["shard"] for row in summary.get("shards", []) if row["samples"]), None)
+    if shard is None:
+        return None
+    parts = SuccessMarker.from_dict(folder.read_json(shard_file(shard, SUCCESS_FILE))).parts
+    return CommittedPartRef(shard_file(shard, parts[0].name), parts[0].sha256) if parts else None
+
+
+def first_example(plan, summary: dict) -> str | None:
+    """The lowest sample of the run's first committed part, decoded: one marker and one part read,
+    whatever the run's size (`example_part`)."""
+    from generation_core.store.part_repair import read_verified_part
     from generation_core.store.trajectory_record import records_from_parquet
 
-    parts = committed_parts(plan.folder)
-    if not parts:
+    part = example_part(plan.folder, summary)
+    if part is None:
         return None
-    records = records_from_parquet(read_verified_part(plan.folder, parts[0]))
+    records = records_from_parquet(read_verified_part(plan.folder, part))
     if not records:
         return None
     from generation_core.inputs.tokenizer import run_tokenizer

@@ -173,11 +173,12 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
         )
         ShardCheckpoint.start_attempt(folder, shard_name(1), fence)
         run = read_run_record(folder)
-        states = shard_states(folder, run)
+        records: dict = {}
+        states = shard_states(folder, run, records)
         # 10 s after shard 0 started: 6 committed in 10 s (0.6/s) -> its 4 left take 6.7 s; the
         # run's 24 left at its 0.6/s take 40 s: the later bound.
         now = started + 10.0
-        lines = pace_lines(folder, run, states, now=now)
+        lines = pace_lines(folder, run, states, records, now=now)
         assert lines[0] == "ETA 40s for 24 trajectories left (from the commits of this run)"
         assert (
             len(lines) == 2
@@ -185,12 +186,14 @@ def test_status_on_a_running_run_gives_the_eta_from_its_commits_and_the_quiet_sh
             and lines[1].endswith("without a commit): shard-00000, shard-00001")
         )
         # Within stall_seconds of their commits: an ETA, no stall line.
-        assert [line for line in pace_lines(folder, run, states, now=started + 3.0) if line.startswith("stalled")] == []
+        assert [
+            line for line in pace_lines(folder, run, states, records, now=started + 3.0) if line.startswith("stalled")
+        ] == []
         # Issue 44 item 3: a GPU-hour price adds no cost to go (the ledger gives the run's cost once it finished).
         run.config["generation"]["gpu_hour_price"] = 2.0
-        assert pace_lines(folder, run, states, now=now)[0] == lines[0]
+        assert pace_lines(folder, run, states, records, now=now)[0] == lines[0]
     # No genrun holds the folder: an interrupted run is not a stalled one.
-    assert pace_lines(folder, run, states, now=time.time()) == []
+    assert pace_lines(folder, run, states, records, now=time.time()) == []
 
 
 def test_the_flow_puts_the_alarm_in_the_flow_runs_log_and_an_artifact(monkeypatch):

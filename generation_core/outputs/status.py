@@ -37,12 +37,19 @@ from generation_core.store.run_folder import (
 from generation_core.store.run_record import RunRecord
 
 
-def shard_states(folder: StorageFolder, run: RunRecord) -> list[dict[str, Any]]:
+def shard_states(
+    folder: StorageFolder, run: RunRecord, records: dict[str, list[dict[str, Any]]] | None = None
+) -> list[dict[str, Any]]:
+    """Each shard's state, from one listing and one fold of its commit records. `records`, when
+    given, receives each shard's records as read (`pace_lines` takes them: read once per command)."""
     states = []
     for shard in run.shards:
         name = shard.name
         expected = shard.rows * run.samples_per_prompt
-        checkpoint = ShardCheckpoint.load(folder, name)
+        sequences, shard_records = read_commit_records(folder, name)
+        checkpoint = ShardCheckpoint.fold(sequences, shard_records)
+        if records is not None:
+            records[name] = shard_records
         marker = read_marker(folder, name, checkpoint)
         not_needed = 0
         if marker is not None:
@@ -74,7 +81,8 @@ def shard_states(folder: StorageFolder, run: RunRecord) -> list[dict[str, Any]]:
 def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int:
     folder = StorageFolder(url, storage_options)
     run = read_run_record(folder)
-    states = shard_states(folder, run)
+    records: dict[str, list[dict[str, Any]]] = {}
+    states = shard_states(folder, run, records)
     print(f"run {str(run.fingerprint)[:12]} at {folder.display()}")
     # Builds of unfinished shards' attempts (a finished shard's are in its commit records: the report reads them).
     later = [b for s in states for b in s["builds"] if not same_build(b, run.build)]
@@ -88,7 +96,7 @@ def print_status(url: str, storage_options: dict[str, Any] | None = None) -> int
     holder = describe_holder(folder)
     if holder:
         print(f"in use by a running genrun: {holder}")
-        for line in pace_lines(folder, run, states):
+        for line in pace_lines(folder, run, states, records):
             print(line)
     for s in states:
         detail = (
@@ -140,12 +148,14 @@ class StartedShard:
     remaining: int
 
 
-def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: int) -> list[StartedShard]:
-    """The shards the run of lease generation `lease` has started, from their commit records."""
+def started_shards(
+    states: list[dict[str, Any]], records: dict[str, list[dict[str, Any]]], lease: int
+) -> list[StartedShard]:
+    """The shards the run of lease generation `lease` has started, from their commit records as
+    `shard_states` read them (`records`)."""
     started = []
     for state in states:
-        _, records = read_commit_records(folder, state["shard"])
-        own = [record for record in records if record.get("lease") == lease]
+        own = [record for record in records.get(state["shard"], []) if record.get("lease") == lease]
         attempts = [float(record.get("time") or 0.0) for record in own if record.get("kind") == "attempt"]
         if not attempts:
             continue  # waiting for a worker, or finished by an earlier run
@@ -168,14 +178,19 @@ def started_shards(folder: StorageFolder, states: list[dict[str, Any]], lease: i
 
 
 def pace_lines(
-    folder: StorageFolder, run: RunRecord, states: list[dict[str, Any]], now: float | None = None
+    folder: StorageFolder,
+    run: RunRecord,
+    states: list[dict[str, Any]],
+    records: dict[str, list[dict[str, Any]]],
+    now: float | None = None,
 ) -> list[str]:
-    """The ETA line and, when stalled, the stall line; none when no running genrun holds the folder."""
+    """The ETA line and, when stalled, the stall line; none when no running genrun holds the folder.
+    `states` and `records`: `shard_states`'s answer and the commit records it read."""
     now = time.time() if now is None else now
     holder = newest_lease(folder)
     if holder is None or holder.state(now) is not None:
         return []
-    shards = started_shards(folder, states, holder.generation)
+    shards = started_shards(states, records, holder.generation)
     remaining = sum(
         max(s["expected"] - s["committed"] - s["failed_samples"], 0) for s in states if s["state"] != "done"
     )

@@ -215,12 +215,7 @@ class ShardCheckpoint:
     def load(cls, folder: StorageFolder, shard: str, fence: Fence | None = None) -> ShardCheckpoint:
         """The shard's committed state, folded from its commit records (empty when it has
         none). With `fence`, a run checks that no later run has claimed the shard (LeaseLost)."""
-        checkpoint = cls()
-        sequences, records = read_commit_records(folder, shard)
-        for seq, record in zip(sequences, records, strict=True):
-            checkpoint._apply(seq, record)
-        if sequences:
-            checkpoint.next_seq = sequences[-1] + 1
+        checkpoint = cls.fold(*read_commit_records(folder, shard))
         if fence is not None and checkpoint.lease is not None and checkpoint.lease > fence.generation:
             fence.check(folder)
             # No later lease file, yet a later lease wrote here: lease/ lost its newest files.
@@ -230,6 +225,17 @@ class ShardCheckpoint:
                 f"lease {fence.generation}, but {folder.display(LEASE_DIR)} has no such lease file; this run stops. Remove all of "
                 f"{folder.display(LEASE_DIR)} (only if no run is writing there) and run the same command again"
             )
+        return checkpoint
+
+    @classmethod
+    def fold(cls, sequences: list[int], records: list[dict[str, Any]]) -> ShardCheckpoint:
+        """The shard's committed state from its records as `read_commit_records` gave them (`load`
+        without a fence, for a reader that also needs the records themselves: `genrun status`)."""
+        checkpoint = cls()
+        for seq, record in zip(sequences, records, strict=True):
+            checkpoint._apply(seq, record)
+        if sequences:
+            checkpoint.next_seq = sequences[-1] + 1
         return checkpoint
 
     @classmethod
