@@ -67,11 +67,12 @@ def _image_rows(count: int) -> list[dict]:
     ]
 
 
-def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2, engine=None):  # noqa: F811
+def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2, engine=None, overrides=(), scored=False):  # noqa: F811
     from generation_core.engines.instant import InstantEngine, InstantSettings
     from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.inputs.tokenizer import run_tokenizer
     from generation_core.preflight.preflight import preflight
+    from generation_core.shard.rewards import RewardScorer
     from generation_core.shard.streaming import StreamingWorker
     from tests.conftest import write_parquet
     from tests.shard_runs import run_shard
@@ -86,6 +87,7 @@ def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2, engine=None):  # noq
             "data.max_prompt_length=64",
             "data.max_response_length=16",
             "generation.show_progress=false",
+            *overrides,
         ]
     )
     tokenizer = run_tokenizer(plan.cfg.actor_rollout_ref.model)
@@ -96,6 +98,7 @@ def _instant_image_run(base, tiny_vl_dir, rows, n: int = 2, engine=None):  # noq
         plan.cfg,
         engine
         or InstantEngine(InstantSettings(prompt_length=64, response_length=16, eos_token_id=tokenizer.eos_token_id)),
+        RewardScorer.from_config(plan.cfg, tokenizer) if scored else None,
     )
     try:
         assert run_shard(plan.cfg, shard, plan.folder, prompts, worker).num_trajectories == len(rows) * n

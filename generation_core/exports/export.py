@@ -8,7 +8,8 @@ many at once), with the chat messages rebuilt from its tokens by sft_messages.py
 - layout `prompt-completion` (earlier name `prompt-response`, still accepted): `prompt` (the
   prompt's messages) and `completion` (the turns after it), TRL's conversational
   prompt-completion layout (both layouts load into TRL's SFTTrainer);
-and in both: `index`, `rollout_n`, `data_source`, `reward` (null where the trajectory has no
+and in both: `images` where the run's prompts had images (TRL's vision-language layout:
+sft_images.py), `index`, `rollout_n`, `data_source`, `reward` (null where the trajectory has no
 score), `num_turns`, `truncated` (the last turn was cut at the length limit: it has no
 end-of-sequence token, which rendering the messages adds) and, when the run had tools, `tools`
 (their schemas, as the agent loop rendered them into the prompt; verl's `data.tools_key`).
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 
 from generation_core.engines.base import eos_token_ids
 from generation_core.errors import GenrunError
-from generation_core.exports import export_tools, openai_batch_output, rl_prompts
+from generation_core.exports import export_tools, openai_batch_output, rl_prompts, sft_images
 from generation_core.exports.dataset_card import RowStats, RunProgress, unfinished_run, write_dataset_card
 from generation_core.exports.export_options import (
     OPENAI_BATCH,
@@ -46,10 +47,10 @@ from generation_core.exports.export_options import (
     check_combination,
 )
 from generation_core.exports.export_target import output_location
-from generation_core.exports.key_order import committed_parts_to_export, records_in_key_order
+from generation_core.exports.key_order import PartKeys, committed_parts_to_export, part_keys, records_in_key_order
 from generation_core.exports.openai_batch_input import BatchInputSummary, export_openai_batch_input
 from generation_core.exports.openai_batch_output import BatchExportSummary, errors_name, export_openai_batch
-from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory
+from generation_core.exports.sft_messages import MessageRebuilder, RebuiltTrajectory, prompt_of
 from generation_core.inputs.tokenizer import run_tokenizer, tokenizer_dir
 from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part, repair_advice
@@ -224,9 +225,13 @@ def export_run(
     )
     keep = best_samples(folder, parts, options.min_reward) if options.best_of_n else None
     summary = ExportSummary(out_folder.display(out_name), options, unfinished=unfinished_run(folder, record))
+    keyed = part_keys(folder, parts)
+    # TRL's vision-language layout where a row has images (exports/sft_images.py).
+    rebuilder.keep_parts = sft_images.run_has_images(keyed)
+    schema = export_schema(options.layout, tools)
     with out_folder.open_write(out_name) as sink:
-        rows = _sft_rows(folder, parts, summary, keep, rebuilder, tools)
-        write_parquet(sink, export_schema(options.layout, tools), rows)
+        rows = _sft_rows(folder, keyed, summary, keep, rebuilder, tools)
+        write_parquet(sink, sft_images.with_image_fields(schema) if rebuilder.keep_parts else schema, rows)
         if not summary.rows:
             # Raised inside the block: nothing is published.
             _refuse_empty(folder, summary)
@@ -239,18 +244,19 @@ def export_run(
 
 def _sft_rows(
     folder: StorageFolder,
-    parts: list[CommittedPartRef],
+    keyed: list[PartKeys],
     summary: ExportSummary,
     keep: dict[int, int] | None,
     rebuilder: MessageRebuilder,
     tools: list[dict[str, Any]] | None,
 ) -> Iterator[dict[str, Any]]:
     """The trajectories the filters keep, as export rows in key order, counted in `summary`."""
-    for trajectory, part in records_in_key_order(folder, parts):
+    for trajectory, part in records_in_key_order(folder, [k.part for k in keyed], keyed):
         if summary.kept(trajectory, keep):
-            rebuilt = rebuilder.rebuild(_prompt_of(trajectory), trajectory.response_ids, trajectory.response_mask)
+            rebuilt = rebuilder.rebuild(prompt_of(trajectory), trajectory.response_ids, trajectory.response_mask)
             summary.add(trajectory, rebuilt)
-            yield _row(trajectory, rebuilt, summary.options.layout, tools, part.storage_seconds_per_row)
+            row = _row(trajectory, rebuilt, summary.options.layout, tools, part.storage_seconds_per_row)
+            yield sft_images.image_row(row, trajectory.images) if rebuilder.keep_parts else row
 
 
 def write_parquet(sink: Any, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -> None:
@@ -350,17 +356,6 @@ def _scored_at_least(reward: float | None, minimum: float | None) -> TypeGuard[f
     if reward is None:
         return False
     return minimum is None or reward >= minimum
-
-
-def _prompt_of(record: TrajectoryRecord) -> Any:
-    # verl's RLHFDataset hands the agent loop the chat messages as raw_prompt.
-    fields = record.input_fields
-    prompt = fields.get("raw_prompt", record.extra_fields.get("raw_prompt"))
-    if prompt is None:
-        raise GenrunError(
-            f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages"
-        )
-    return prompt
 
 
 def _tokenizer_dir(config: dict[str, Any], override: str | None) -> str:

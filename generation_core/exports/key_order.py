@@ -33,28 +33,30 @@ def committed_parts_to_export(folder: StorageFolder) -> list[CommittedPartRef]:
 
 @dataclass(frozen=True)
 class PartKeys:
-    """One part and the first key of its rows."""
+    """One part, the first key of its rows, and whether a row of it has images."""
 
     part: CommittedPartRef
     first: tuple[int, int]
+    with_images: bool = False
 
 
 def part_keys(folder: StorageFolder, parts: list[CommittedPartRef]) -> list[PartKeys]:
     """The parts that hold rows, by their first key (the key columns of each part, read once)."""
     keyed = []
     for part in parts:
-        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n"])
+        table = read_part_table(read_verified_part(folder, part), ["index", "rollout_n", "image_digests"])
         keys = list(zip(table.column("index").to_pylist(), table.column("rollout_n").to_pylist(), strict=True))
         if keys:
-            keyed.append(PartKeys(part, min(keys)))
+            keyed.append(PartKeys(part, min(keys), table.column("image_digests").null_count < table.num_rows))
     return sorted(keyed, key=lambda keyed_part: (keyed_part.first, keyed_part.part.path))
 
 
 def records_in_key_order(
-    folder: StorageFolder, parts: list[CommittedPartRef]
+    folder: StorageFolder, parts: list[CommittedPartRef], keyed: list[PartKeys] | None = None
 ) -> Iterator[tuple[TrajectoryRecord, CommittedPartRef]]:
-    """Every committed record with its part, in (index, rollout_n) order (see the module docstring)."""
-    pending = part_keys(folder, parts)
+    """Every committed record with its part, in (index, rollout_n) order (see the module docstring);
+    `keyed`: `part_keys` of the parts, where the caller has read them already."""
+    pending = part_keys(folder, parts) if keyed is None else keyed
     heap: list[tuple[tuple[int, int], int, int, list[TrajectoryRecord], CommittedPartRef]] = []
     opened = 0
     while opened < len(pending) or heap:

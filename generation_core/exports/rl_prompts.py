@@ -13,12 +13,18 @@ run read them: `data.train_files` in run.json, tasks already built into files), 
 prompt with no scored sample has no pass rate and is left out, counted apart). Rows are sorted by
 `extra_info.index`, as every export's rows are by their key. The output is what
 verl's `RLHFDataset` reads for training (`data.train_files=out.parquet`).
+
+A row's images stay in verl's layout (`<image>` placeholders in its prompt, the `images` column),
+each cell as `{"bytes": ...}` of the original image (not the resized one: verl resizes with the
+run's processor, as genrun did): a cell that named a path or URL is read into the file, so the
+export trains where those paths do not exist.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ from generation_core.inputs.dataset_location import (
     resolve_train_files,
     storage_errors,
 )
+from generation_core.inputs.images import IMAGE_COLUMN, read_image_source
 from generation_core.inputs.shard_rows import planned_rows
 from generation_core.run_plan import DatasetFiles
 from generation_core.store.folder import StorageFolder
@@ -168,6 +175,16 @@ def _whole_file(url: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+def image_cell_bytes(cell: Any) -> dict[str, bytes]:
+    """An `images` cell of an input row as `{"bytes": ...}` (verl reads such a cell wherever the
+    file goes): its own bytes, or those of the path or URL it names (inputs/images.py)."""
+    if isinstance(cell, Mapping):
+        if cell.get("bytes") is not None:
+            return {"bytes": cell["bytes"]}
+        cell = cell.get("path") or cell.get("image") or cell.get("image_url")
+    return {"bytes": read_image_source(cell)}
+
+
 def export_rl_prompts(
     folder: StorageFolder,
     config: dict[str, Any],
@@ -196,6 +213,8 @@ def export_rl_prompts(
     rows = []
     for row in _input_rows(folder, config, set(statistics)):
         row["extra_info"] = {**row["extra_info"], **statistics[row["extra_info"]["index"]]}
+        if row.get(IMAGE_COLUMN) is not None:
+            row[IMAGE_COLUMN] = [image_cell_bytes(cell) for cell in row[IMAGE_COLUMN]]
         rows.append(row)
     # The input files' order need not be the index order (several files, a task's rows).
     rows.sort(key=lambda row: row["extra_info"]["index"])

@@ -104,6 +104,8 @@ class MessageRebuilder:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
         self.shapes = [shape for role in CONTEXT_ROLES if (shape := self._probe(role)) is not None]
+        self.keep_parts = False
+        """Keep a prompt message's content list (a run with images: exports/sft_images.py)."""
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -172,7 +174,7 @@ class MessageRebuilder:
                 messages, matched = self.context_messages(self.decode(ids))
                 turns.extend(messages)
                 unmatched += not matched
-        prompt_messages = prompt_chat_messages(prompt)
+        prompt_messages = prompt_chat_messages(prompt, self.keep_parts)
         return RebuiltTrajectory(
             [*prompt_messages, *turns], len(prompt_messages), truncated, unmatched, extra_message_keys(prompt)
         )
@@ -196,17 +198,32 @@ def extra_message_keys(prompt: Any) -> frozenset[str]:
     )
 
 
-def prompt_chat_messages(prompt: Any) -> list[dict[str, str]]:
+def prompt_chat_messages(prompt: Any, keep_parts: bool = False) -> list[dict[str, Any]]:
     """The prompt's messages as {"role", "content"} strings (other keys are not exported: the
-    export's summary names them, `extra_message_keys`)."""
+    export's summary names them, `extra_message_keys`); with `keep_parts`, a content list of
+    text and image parts is kept as it is stored (an image part is `{"type": "image"}`)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    messages = []
+    messages: list[dict[str, Any]] = []
     for message in prompt or []:
         content = message.get("content")
+        if keep_parts and isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            messages.append({"role": str(message.get("role")), "content": content})
+            continue
         if not isinstance(content, str):
             raise GenrunError(
                 f"a prompt message's content is {type(content).__name__}, not text (multimodal prompts cannot be exported): {json.dumps(message, default=str)[:200]}"
             )
         messages.append({"role": str(message.get("role")), "content": content})
     return messages
+
+
+def prompt_of(record: Any) -> Any:
+    """A trajectory record's prompt messages: verl's RLHFDataset hands the agent loop them as raw_prompt."""
+    fields = record.input_fields
+    prompt = fields.get("raw_prompt", record.extra_fields.get("raw_prompt"))
+    if prompt is None:
+        raise GenrunError(
+            f"trajectory {record.index}:{record.rollout_n} has no raw_prompt (the chat messages verl gives the agent loop); it cannot be exported as messages"
+        )
+    return prompt

@@ -33,7 +33,13 @@ from generation_core.store.folder import StorageFolder
 from generation_core.store.part_repair import CommittedPartRef, DamagedPart, read_verified_part, repair_advice
 from generation_core.store.run_folder import shard_file
 from generation_core.store.run_record import RunRecord, ShardRange
-from generation_core.store.trajectory_record import TIMINGS, TrajectoryRecord, read_part_table, records_of_table
+from generation_core.store.trajectory_record import (
+    TIMINGS,
+    TrajectoryRecord,
+    decode_images,
+    read_part_table,
+    records_of_table,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +204,13 @@ class _Collector:
         rows = rows[np.argsort(hashes[rows], kind="stable")[: self.sample_size]]
         if not len(rows):
             return
-        for row, record in zip(rows, records_of(table.take(pa.array(rows))), strict=True):
+        sampled = table.take(pa.array(rows))
+        if sampled.column("image_digests").null_count < sampled.num_rows:
+            # A row's image may be stored with a row of the part not sampled: give each its own.
+            images = decode_images(table)
+            cells = pa.array([images[row] for row in rows], sampled.schema.field("image_bytes").type)
+            sampled = sampled.set_column(sampled.schema.get_field_index("image_bytes"), "image_bytes", cells)
+        for row, record in zip(rows, records_of(sampled), strict=True):
             entry = (-int(hashes[row]), record.index, record.rollout_n, record)
             if len(self.heap) < self.sample_size:
                 heapq.heappush(self.heap, entry)

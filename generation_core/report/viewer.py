@@ -8,10 +8,18 @@ together and its text given to its first token (`fix`), so the page reads as the
 The page embeds this as JSON. Its size is bounded by the sample (report_data) and by
 `token_budget`: trajectories are dropped, largest hash of sample id first, until the sample's
 tokens fit, so a run of long responses still gives a page a browser opens quickly.
+
+A trajectory's images (a run with images, docs/multimodal.md) are shown as small JPEG thumbnails
+(at most THUMBNAIL_PIXELS on a side), each distinct image once in the page, at most
+IMAGES_PER_TRAJECTORY per trajectory and IMAGE_BUDGET bytes in all; the viewer says how many of
+a trajectory's images it does not show.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import logging
 from pathlib import Path
@@ -32,6 +40,10 @@ logger = logging.getLogger(__name__)
 TOKEN_BUDGET = 250_000
 """Prompt and response tokens embedded in the viewer at most (about 20 bytes of page each with
 logprobs: about 5 MB)."""
+THUMBNAIL_PIXELS = 128
+IMAGES_PER_TRAJECTORY = 4
+IMAGE_BUDGET = 1_000_000
+"""Bytes of image data URLs in the page at most (about 200 thumbnails of a photograph)."""
 _REPLACEMENT = "\ufffd"
 _JOIN_AT_MOST = 4
 
@@ -139,6 +151,41 @@ class TokenTexts:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(f"⟨{i}⟩" for i in ids)
 
 
+class Thumbnails:
+    """The page's image thumbnails, as data URLs by sha256 of the stored PNG, within IMAGE_BUDGET."""
+
+    def __init__(self, budget: int = IMAGE_BUDGET):
+        self.budget = budget
+        self.urls: dict[str, str] = {}
+        self.used = 0
+
+    def add(self, images: list[bytes] | None) -> dict[str, Any]:
+        """A trajectory's `images` (the digests of those shown) and `images_hidden` (how many not)."""
+        shown = []
+        for data in (images or [])[:IMAGES_PER_TRAJECTORY]:
+            digest = hashlib.sha256(data).hexdigest()
+            if digest not in self.urls:
+                url = _thumbnail_url(data)
+                if self.used + len(url) > self.budget:
+                    continue
+                self.urls[digest] = url
+                self.used += len(url)
+            shown.append(digest)
+        return {"images": shown, "images_hidden": len(images or []) - len(shown)}
+
+
+def _thumbnail_url(data: bytes) -> str:
+    """A stored PNG as a `data:image/jpeg;base64,` URL of at most THUMBNAIL_PIXELS on a side."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        thumbnail = image.convert("RGB")
+    thumbnail.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    buffer = io.BytesIO()
+    thumbnail.save(buffer, format="JPEG", quality=80)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def _trajectory(record: TrajectoryRecord, texts: TokenTexts, stop: str) -> dict[str, Any]:
     logprobs = record.response_logprobs
     return {
@@ -184,11 +231,16 @@ def viewer_payload(data: ReportData, tokenizer, token_budget: int = TOKEN_BUDGET
     shown = within_budget(data.sample, token_budget)
     stops = stop_reasons(records_to_table(shown), data.limits)[0].tolist() if shown else []
     names = list(STOP_REASONS)
-    texts = TokenTexts(tokenizer)
-    trajectories = [_trajectory(record, texts, names[code]) for record, code in zip(shown, stops, strict=True)]
+    texts, thumbnails = TokenTexts(tokenizer), Thumbnails()
+    trajectories = [
+        {**_trajectory(record, texts, names[code]), **thumbnails.add(record.images)}
+        for record, code in zip(shown, stops, strict=True)
+    ]
     return {
         "total": len(data.stats),
         "trajectories": trajectories,
+        "images": thumbnails.urls,
+        "image_limit": f"at most {IMAGES_PER_TRAJECTORY} images per trajectory and {IMAGE_BUDGET // 1000} kB of thumbnails",
         "pieces": {str(token): text for token, text in texts.pieces.items()},
         "stop_reasons": STOP_REASONS,
         "decoded": tokenizer is not None,

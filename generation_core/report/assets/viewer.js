@@ -137,7 +137,14 @@
     legend.append(tool, "tool/user token (response_mask 0) · hover a token for its id and logprob");
     detail.appendChild(legend);
     const prompt = el("div", "turn prompt");
-    prompt.append(el("div", "turn-head", "prompt (as sent to the engine)"), el("pre", "", t.prompt));
+    prompt.append(el("div", "turn-head", "prompt (as sent to the engine)"));
+    if ((t.images || []).length || t.images_hidden) {
+      const pictures = el("div", "images");
+      for (const digest of t.images || []) { const img = el("img"); img.src = data.images[digest]; img.alt = "prompt image"; pictures.appendChild(img); }
+      if (t.images_hidden) pictures.append(` ${t.images_hidden} image(s) not shown (the page keeps ${data.image_limit})`);
+      prompt.appendChild(pictures);
+    }
+    prompt.appendChild(el("pre", "", t.prompt));
     detail.appendChild(prompt);
     let position = 0, modelTurn = 0;
     for (const [mask, length] of t.runs) {
