@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from generation_core.config.loading import train_files
 from generation_core.errors import GenrunError, InputChanged
-from generation_core.inputs.chat_rows import SAMPLE_ROWS, check_chat_rows
+from generation_core.inputs.chat_rows import SAMPLE_ROWS, check_chat_rows, image_counts
 from generation_core.inputs.dataset_location import (
     HOW_TO_WRITE,
     data_storage_options,
@@ -36,8 +36,11 @@ from generation_core.inputs.dataset_location import (
     resolve_train_files,
     storage_errors,
 )
+from generation_core.inputs.images import IMAGE_COLUMN
 from generation_core.inputs.media_columns import check_text_only
 from generation_core.inputs.openai_batch import BatchLimits, FirstSeen, batch_table, is_batch_file
+from generation_core.inputs.tokenizer import tokenizer_dir
+from generation_core.inputs.vl_processor import model_type
 from generation_core.run_plan import DataFile, DatasetFiles
 from generation_core.secrets import url_credentials, without_url_credentials
 
@@ -312,22 +315,47 @@ def _check_file(
     _check_schema(url, schema, cfg.data.prompt_key, reference)
     check_text_only(cfg, url, schema, source)
     indices.append(_read_indices(url, source, take))
-    _check_sample(url, cfg.data.prompt_key, source, indices[-1], max(min(take, SAMPLE_ROWS - used), 0))
+    _check_sample(cfg, url, source, schema, indices[-1], max(min(take, SAMPLE_ROWS - used), 0))
     if not take or "agent_name" not in schema.names:
         return _agent_names(None, take)
     return _agent_names(source.read(columns=["agent_name"]) if isinstance(source, pq.ParquetFile) else source, take)
 
 
-def _check_sample(url: str, prompt_key: str, source: pq.ParquetFile | pa.Table, indices: np.ndarray, rows: int) -> None:
+def _check_sample(
+    cfg: DictConfig, url: str, source: pq.ParquetFile | pa.Table, schema: pa.Schema, indices: np.ndarray, rows: int
+) -> None:
     """Check the chat messages of a file's first `rows` rows (those of the dataset's first
-    SAMPLE_ROWS that it holds), reading only the prompt column of those rows."""
+    SAMPLE_ROWS that it holds), reading only the prompt column of those rows (and their image
+    column, for a vision-language model: `_may_hold_images`)."""
     if rows == 0:
         return
+    prompt_key = cfg.data.prompt_key
+    images = _may_hold_images(cfg, schema)
+    columns = [prompt_key, *([IMAGE_COLUMN] if images and IMAGE_COLUMN in schema.names else [])]
     if isinstance(source, pq.ParquetFile):
-        prompts = next(source.iter_batches(batch_size=rows, columns=[prompt_key])).column(0)
+        table = pa.Table.from_batches([next(source.iter_batches(batch_size=rows, columns=columns))])
     else:
-        prompts = source.column(prompt_key)
-    check_chat_rows(url, prompt_key, prompts.slice(0, rows), indices)
+        table = source.select(columns)
+    table = table.slice(0, rows)
+    counts = None
+    if images:
+        counts = image_counts(table.column(IMAGE_COLUMN) if IMAGE_COLUMN in columns else None, table.num_rows)
+    check_chat_rows(url, prompt_key, table.column(prompt_key), indices, images=counts)
+
+
+def _may_hold_images(cfg: DictConfig, schema: pa.Schema) -> bool:
+    """Whether the rows may give images (an image column, or content lists that may hold image
+    parts) to a vision-language model: the model's config is read only then."""
+    kind = schema.field(cfg.data.prompt_key).type
+    value = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
+    content = (
+        value.field("content").type
+        if value is not None and pa.types.is_struct(value) and value.get_field_index("content") >= 0
+        else None
+    )
+    if IMAGE_COLUMN not in schema.names and (content is None or pa.types.is_string(content)):
+        return False
+    return model_type(tokenizer_dir({"path": cfg.actor_rollout_ref.model.path}))[1]
 
 
 def _agent_names(table: pa.Table | None, rows: int) -> set[str | None]:

@@ -181,6 +181,15 @@ def image_slots(messages: Any) -> int:
     return count
 
 
+def slots_problem(slots: int, images: int, column: str = "images") -> str:
+    """How a prompt whose image slots (`image_slots`) do not match its row's images is refused,
+    as the end of a sentence naming the prompt (verl's RLHFDataset pairs them in order)."""
+    return (
+        f" has {slots} image placeholder(s) (<image> in the text, or image parts) for {images} image(s) in "
+        f"{column!r}; give one placeholder per image, in order"
+    )
+
+
 def image_problem(cell: Any) -> str | None:
     """What keeps an image cell of a dataset row (`{"bytes": ...}`, `{"path": ...}`, `{"image": ...}`
     or a path/URL string) from opening, as the end of a sentence; None when it opens."""

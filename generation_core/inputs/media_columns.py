@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from generation_core.errors import GenrunError
-from generation_core.inputs.images import image_problem, image_slots
+from generation_core.inputs.images import image_problem, image_slots, slots_problem
 from generation_core.inputs.tokenizer import tokenizer_dir
 from generation_core.inputs.vl_processor import model_type
 
@@ -75,10 +75,7 @@ def check_image_rows(url: str, column: str, prompt_key: str, table: pa.Table) ->
                 raise GenrunError(f"data file {url} row {row}: {column}[{position}] {problem}; fix or drop the row")
         slots = image_slots(messages)
         if images and slots != len(images):
-            raise GenrunError(
-                f"data file {url} row {row}: its {prompt_key} has {slots} image placeholder(s) (<image> in the text, "
-                f"or image parts) for {len(images)} image(s) in {column!r}; give one placeholder per image, in order"
-            )
+            raise GenrunError(f"data file {url} row {row}: its {prompt_key}{slots_problem(slots, len(images), column)}")
 
 
 def _first_filled(values: pa.ChunkedArray) -> int | None:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from generation_core.errors import BadInputRow, GenrunError
-from generation_core.inputs.chat_rows import check_chat_rows, row_place
+from generation_core.inputs.chat_rows import check_chat_rows, image_counts, placeholder_prompts, row_place
 from generation_core.inputs.dataset_files import (
     check_planned,
     footer_bytes,
@@ -178,13 +178,21 @@ class DatasetPrompts:
         table = read_rows(dataset, start, end, data_storage_options(cfg))
         self._indices = pc.struct_field(table.column("extra_info"), "index").to_numpy()
         prompt_key = cfg.data.prompt_key
-        self._pieces = _check_messages(dataset, start, end, prompt_key, table.column(prompt_key), self._indices)
+        processor = run_processor(cfg.actor_rollout_ref.model)
+        images = None
+        if processor is not None:
+            column = table.column(IMAGE_COLUMN) if IMAGE_COLUMN in table.column_names else None
+            images = image_counts(column, table.num_rows)
+        self._pieces = _check_messages(dataset, start, end, prompt_key, table.column(prompt_key), self._indices, images)
         self.tokenizer = tokenizer
         self.rows_digest = rows_digest(table)
         """sha256 of the shard's raw rows (before filtering): a resume over changed rows is refused with it."""
+        if processor is not None:
+            # Image parts in content lists (verl reads only `<image>` in string content): as the
+            # `<image>` layout, so verl's RLHFDataset builds the same messages from the row's images.
+            table = _placeholder_layout(table, prompt_key)
         # verl's RLHFDataset over the shard's rows: its overlong filter and __getitem__ stay verl's.
         # A VL model's processor builds image parts from the row's images (inputs/images.py reads them).
-        processor = run_processor(cfg.actor_rollout_ref.model)
         self._dataset = rows_dataset(cfg.data, tokenizer, processor, None if processor is None else vision_info)
         self._rows = datasets.Dataset(datasets.table.InMemoryTable(table))
         hand_rows(self._dataset, self._rows)
@@ -314,17 +322,44 @@ class DatasetPrompts:
 
 
 def _check_messages(
-    dataset: DatasetFiles, start: int, end: int, prompt_key: str, prompts: pa.ChunkedArray, indices: np.ndarray
+    dataset: DatasetFiles,
+    start: int,
+    end: int,
+    prompt_key: str,
+    prompts: pa.ChunkedArray,
+    indices: np.ndarray,
+    images: np.ndarray | None,
 ) -> list[tuple[str, int, int, int]]:
-    """Check every row's chat messages (chat_rows.check_chat_rows), file by file; returns the
-    pieces read, (url, first file row, first table row, rows), to name a row later."""
+    """Check every row's chat messages (chat_rows.check_chat_rows; `images`: each row's image
+    count for a vision-language model), file by file; returns the pieces read, (url, first file
+    row, first table row, rows), to name a row later."""
     pieces, offset = [], 0
     for data_file, lo, hi in dataset.pieces(start, end):
         rows = hi - lo
-        check_chat_rows(data_file.url, prompt_key, prompts.slice(offset, rows), indices[offset : offset + rows], lo)
+        check_chat_rows(
+            data_file.url,
+            prompt_key,
+            prompts.slice(offset, rows),
+            indices[offset : offset + rows],
+            lo,
+            None if images is None else images[offset : offset + rows],
+        )
         pieces.append((data_file.url, lo, offset, rows))
         offset += rows
     return pieces
+
+
+def _placeholder_layout(table: pa.Table, prompt_key: str) -> pa.Table:
+    """The table with its prompt column in verl's `<image>` layout (chat_rows.placeholder_prompts)
+    when its messages' content is a list of parts; as it is otherwise."""
+    kind = table.schema.field(prompt_key).type
+    value = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
+    if value is None or not pa.types.is_struct(value) or value.get_field_index("content") < 0:
+        return table
+    if pa.types.is_string(value.field("content").type):
+        return table
+    prompts = placeholder_prompts(table.column(prompt_key).to_pylist())
+    return table.set_column(table.schema.get_field_index(prompt_key), prompt_key, pa.array(prompts))
 
 
 def check_overlong_sample(cfg: DictConfig, dataset: DatasetFiles, tokenizer) -> None:
