@@ -73,17 +73,28 @@ def test_the_sft_export_of_an_image_run_is_trls_vision_layout(image_run, tmp_pat
     assert pc["images"] == first["images"]
 
 
-def test_the_sft_image_export_loads_as_pil_images_for_trl(image_run, tmp_path):
-    """`datasets` (what TRL's SFTTrainer reads) gives the `images` cells as PIL images."""
+def test_the_sft_image_export_loads_as_pil_images_for_trl(image_run, tmp_path, tiny_vl_dir):  # noqa: F811
+    """`datasets` (what TRL's SFTTrainer reads) gives the `images` cells as PIL images, and TRL's
+    vision-language collator turns the rows into the model's inputs with the run's processor."""
     datasets = pytest.importorskip("datasets")
+    collators = pytest.importorskip("trl.trainer.sft_trainer")
     from generation_core.exports.export import ExportOptions, export_run
+    from generation_core.inputs.tokenizer import run_processor
 
     run, _, _ = image_run
-    export_run(str(run), str(tmp_path / "sft.parquet"), ExportOptions())
-    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "sft.parquet"), split="train")
-    image = loaded[0]["images"][0]
-    assert type(image).__name__ == "PngImageFile" and image.size == (112, 84)
-    assert loaded[0]["messages"][0]["content"][0]["type"] == "image"
+    processor = run_processor({"path": str(tiny_vl_dir)})
+    for layout in ("messages", "prompt-completion"):
+        export_run(str(run), str(tmp_path / f"{layout}.parquet"), ExportOptions(layout=layout))
+        loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / f"{layout}.parquet"), split="train")
+        image = loaded[0]["images"][0]
+        assert type(image).__name__ == "PngImageFile" and image.size == (112, 84)
+        collator = collators.DataCollatorForVisionLanguageModeling(
+            processor, completion_only_loss=layout == "prompt-completion"
+        )
+        batch = collator([loaded[0], loaded[2]])
+        # 112x84: a 6x8 patch grid, 12 image tokens after the 2x2 merge, one image per row.
+        assert batch["image_grid_thw"].tolist() == [[1, 6, 8]] * 2
+        assert (batch["input_ids"] == processor.image_token_id).sum(dim=1).tolist() == [12, 12]
 
 
 def test_the_rl_prompts_export_of_an_image_run_reads_back_as_genruns_input(image_run, tmp_path, tiny_vl_dir):  # noqa: F811
