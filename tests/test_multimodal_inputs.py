@@ -50,14 +50,20 @@ def test_image_parts_pass_the_row_rule_only_with_as_many_images():
 
 
 def _shard_prompts(tmp_path, tiny_vl_dir, rows):  # noqa: F811
+    from tests.conftest import write_parquet
+
+    return _shard_prompts_of(tmp_path, tiny_vl_dir, write_parquet(tmp_path / "prompts.parquet", rows))
+
+
+def _shard_prompts_of(tmp_path, tiny_vl_dir, data_file):  # noqa: F811
+    """The one shard's prompts of a preflight over `data_file` with the tiny VL model."""
     from generation_core.inputs.shard_rows import DatasetPrompts
     from generation_core.inputs.tokenizer import run_tokenizer
     from generation_core.preflight.preflight import preflight
-    from tests.conftest import write_parquet
 
     plan = preflight(
         [
-            f"data.train_files={write_parquet(tmp_path / 'prompts.parquet', rows)}",
+            f"data.train_files={data_file}",
             f"trainer.default_local_dir={tmp_path / 'run'}",
             f"actor_rollout_ref.model.path={tiny_vl_dir}",
             "actor_rollout_ref.rollout.name=instant",
@@ -106,3 +112,122 @@ def test_content_list_image_rows_are_refused_in_one_line(tmp_path, tiny_vl_dir, 
     assert "row 66 (extra_info.index 66): prompt has 3 image placeholder(s) (<image> in the text, or image parts) " in (
         _refusal(tmp_path, tiny_vl_dir, late)
     )
+
+
+def _image_line(custom_id: str, *urls: str, text: str = "What is in it?") -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]},
+    }
+
+
+def _text_line(custom_id: str) -> dict:
+    return {**_image_line(custom_id), "body": {"messages": [{"role": "user", "content": "No picture."}]}}
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    import json
+
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def test_batch_image_url_parts_become_the_rows_images(tmp_path, tiny_vl_dir):  # noqa: F811
+    import base64
+
+    from generation_core.inputs.batch_images import IMAGES
+    from generation_core.inputs.openai_batch import SCHEMA, BatchLimits, batch_table
+
+    first, second = png_bytes(120, 90, seed=1), png_bytes(100, 90, seed=2)
+    (tmp_path / "second.png").write_bytes(second)
+    data_url = "data:image/png;base64," + base64.b64encode(first).decode()
+    content = _jsonl(
+        [
+            _image_line("a", data_url),
+            _image_line("b", f"file://{tmp_path / 'second.png'}", str(tmp_path / "second.png"), text="Compare."),
+            _text_line("c"),
+        ]
+    )
+    limits = BatchLimits(n=1, response_length=16, calculate_log_probs=False, model=str(tiny_vl_dir))
+    table = batch_table(str(tmp_path / "in.jsonl"), content, limits)
+    assert table.schema.field("images").type == IMAGES
+    rows = table.to_pylist()
+    assert [row["prompt"][0]["content"] for row in rows] == [
+        "<image>What is in it?",
+        "<image><image>Compare.",
+        "No picture.",
+    ]
+    assert [row["images"] for row in rows] == [[{"bytes": first}], [{"bytes": second}] * 2, []]
+    # A file without image parts keeps the schema of before (its fingerprint does not move).
+    assert batch_table("t.jsonl", _jsonl([_text_line("c")]), limits).schema == SCHEMA
+
+
+def test_batch_image_url_parts_are_refused_by_line(tmp_path, tiny_vl_dir, model_dir):  # noqa: F811
+    import base64
+
+    from generation_core.errors import GenrunError
+    from generation_core.inputs.openai_batch import BatchLimits, batch_table
+
+    good = "data:image/png;base64," + base64.b64encode(png_bytes(120, 90)).decode()
+    text_only = BatchLimits(n=1, response_length=16, calculate_log_probs=False, model=str(model_dir))
+    with pytest.raises(GenrunError) as refused:
+        batch_table("in.jsonl", _jsonl([_image_line("a", good)]), text_only)
+    assert str(refused.value) == (
+        "OpenAI batch file in.jsonl: 1 bad line(s): line 1 (custom_id 'a'): body.messages[0].content has image_url "
+        f"parts, and the model {model_dir} is a text-only llama model: images need a vision-language model "
+        "(e.g. Qwen2.5-VL); set actor_rollout_ref.model.path to one, or remove them; fix or remove them"
+    )
+    vision = BatchLimits(n=1, response_length=16, calculate_log_probs=False, model=str(tiny_vl_dir))
+    lines = [
+        _image_line("fine", good),
+        _image_line("junk", "data:image/png;base64," + base64.b64encode(b"not an image").decode()),
+        _image_line("plain", "data:image/png,rawbytes"),
+        _image_line("gone", f"file://{tmp_path / 'gone.png'}"),
+        _image_line("extra", good, text="and <image>"),
+        {
+            **_image_line("split", good),
+            "body": {
+                "messages": [{"role": "system", "content": "<image>"}, _image_line("", good)["body"]["messages"][0]]
+            },
+        },
+    ]
+    with pytest.raises(GenrunError) as refused:
+        batch_table("in.jsonl", _jsonl(lines), vision)
+    message = str(refused.value)
+    assert "\n" not in message and "base64,iVBOR" not in message
+    assert message.startswith("OpenAI batch file in.jsonl: 5 bad line(s): line 2 (custom_id 'junk'): ")
+    assert (
+        "line 2 (custom_id 'junk'): body.messages[0].content[0].image_url: its data URL is not an image PIL" in message
+    )
+    assert (
+        "line 3 (custom_id 'plain'): body.messages[0].content[0].image_url: its data URL does not read "
+        "(ValueError: a data: image URL must be base64" in message
+    )
+    assert (
+        f"line 4 (custom_id 'gone'): body.messages[0].content[0].image_url: 'file://{tmp_path / 'gone.png'}' does not read (FileNotFoundError"
+        in message
+    )
+    assert (
+        "line 5 (custom_id 'extra'): body.messages[0].content[1] holds '<image>' in its text beside image parts"
+        in message
+    )
+    assert (
+        "line 6 (custom_id 'split'): body.messages hold 1 '<image>' in their text beside 1 image_url part(s), which "
+        "verl would read as more images; remove it from the text; fix or remove them"
+    ) in message
+
+
+def test_batch_image_rows_reach_verls_agent_loop_with_their_images(tmp_path, tiny_vl_dir):  # noqa: F811
+    import base64
+
+    from generation_core.inputs.images import open_png
+
+    image = png_bytes(120, 90, seed=3)
+    batch = tmp_path / "in.jsonl"
+    batch.write_bytes(_jsonl([_image_line("a", "data:image/png;base64," + base64.b64encode(image).decode())]))
+    prompts = _shard_prompts_of(tmp_path, tiny_vl_dir, batch)
+    [message] = prompts.agent_kwargs(0)["raw_prompt"]
+    assert [part["type"] for part in message["content"]] == ["image", "text"]
+    assert message["content"][0]["image"].convert("RGB").tobytes() == open_png(image).convert("RGB").tobytes()

@@ -7,6 +7,11 @@ a `custom_id` or a `body` (`is_batch_file`); it is then converted whole (`batch_
 - `prompt`: the chat messages (`/v1/chat/completions`: `body.messages`, text parts joined, each
   message's `name` kept (null where it has none); `/v1/completions`: `body.prompt` as one user
   message, so the run's chat template applies);
+- `images`, only in a file with `image_url` parts (`{"type": "image_url", "image_url": {"url":
+  ...}}`: a `data:image/...;base64,` URL, a local path, `file://` or a URL fsspec reads), for a
+  vision-language model: each line's images read into `{"bytes": ...}` cells, in order, each part
+  an `<image>` in its message's text (verl's layout, docs/multimodal.md); a text-only model, an
+  image that does not read or open, or `<image>` in a line's own text beside its parts is refused;
 - `data_source` `openai-batch`;
 - `extra_info`: `index` (the sample id: the file's first dataset row, `first_row`, plus the
   0-based position among its request lines, so the files of one run number their requests one
@@ -39,7 +44,9 @@ import pyarrow as pa
 
 from generation_core.config.validation import SEEDED_ENGINES
 from generation_core.errors import GenrunError
+from generation_core.inputs.batch_images import IMAGES, BadImage, message_images, placeholder_problem
 from generation_core.inputs.chat_content import BadMessage, prompt_message
+from generation_core.inputs.images import IMAGE_COLUMN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -120,11 +127,19 @@ class BatchLimits:
     calculate_log_probs: bool
     engine: str = "hf"
     """actor_rollout_ref.rollout.name: a line's seed needs an engine that honours seeds."""
+    model: str | None = None
+    """actor_rollout_ref.model.path: image parts need a vision-language model (`text_only_kind`)."""
 
     @classmethod
     def of(cls, cfg) -> BatchLimits:
         rollout = cfg.actor_rollout_ref.rollout
-        return cls(int(rollout.n), int(rollout.response_length), bool(rollout.calculate_log_probs), str(rollout.name))
+        return cls(
+            int(rollout.n),
+            int(rollout.response_length),
+            bool(rollout.calculate_log_probs),
+            str(rollout.name),
+            str(cfg.actor_rollout_ref.model.path),
+        )
 
 
 def is_batch_file(content: bytes) -> bool:
@@ -177,7 +192,11 @@ def batch_table(
         # A key or value quoted from the line may hold a lone surrogate: escaped, so the line prints.
         shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")
         raise GenrunError(f"OpenAI batch file {url}: {len(problems)} bad line(s): {shown}; fix or remove them")
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    with_images = any(row["images"] for row in rows)
+    for row in rows:
+        if not with_images:
+            del row["images"]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA.append(pa.field(IMAGE_COLUMN, IMAGES)) if with_images else SCHEMA)
     _last = (digest, first_row, table)
     return table
 
@@ -239,13 +258,20 @@ def _request_row(line: dict[str, Any], custom_id: str, index: int, limits: Batch
     body = line.get("body")
     if not isinstance(body, dict):
         raise _BadLine("no body object")
-    prompt = _chat_messages(body) if url == CHAT_URL else _completion_prompt(body)
+    images: list[dict[str, bytes]] = []
+    prompt = _chat_messages(body, images, limits) if url == CHAT_URL else _completion_prompt(body)
+    problem = placeholder_problem(prompt, len(images))
+    if problem is not None:
+        raise _BadLine(problem)
     sampling = _sampling(body, limits)
     info = {"index": index, "custom_id": custom_id, "url": url, "sampling_params": sampling}
-    return {"data_source": DATA_SOURCE, "prompt": prompt, "extra_info": info}
+    return {"data_source": DATA_SOURCE, "prompt": prompt, "extra_info": info, "images": images}
 
 
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
+def _chat_messages(
+    body: dict[str, Any], images: list[dict[str, bytes]], limits: BatchLimits | None
+) -> list[dict[str, str | None]]:
+    """The line's messages in verl's layout; its `image_url` parts' images appended to `images`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadLine("body.messages must be a non-empty list of chat messages")
@@ -254,10 +280,15 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str | None]]:
         where = f"body.messages[{position}]"
         try:
             # One rule with the tasks' chat_messages (inputs/chat_content.py): the roles a chat
-            # template renders, text content, `name` kept, no tool calls.
-            built = prompt_message(message)
+            # template renders, text content (image_url parts as verl's `<image>`), `name` kept,
+            # no tool calls.
+            built = prompt_message(message, ("image_url",))
         except BadMessage as bad:
             raise _BadLine(f"{where}{bad}") from None
+        try:
+            images.extend(message_images(message, where, None if limits is None else limits.model))
+        except BadImage as bad:
+            raise _BadLine(str(bad)) from None
         name = built.get("name")
         converted.append(
             {
