@@ -3,6 +3,7 @@ tasks/ or infra/ (not even inside a function), and its modules import each other
 cycle. Read from the source, so a hidden import counts too."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,22 @@ def test_no_module_is_long_unless_it_owns_one_thing():
     }
     assert sorted(long - set(ONE_JOB_THOUGH_LONG)) == []
     assert sorted(set(ONE_JOB_THOUGH_LONG) - long) == [], "no longer long: drop it from ONE_JOB_THOUGH_LONG"
+
+
+def _room_lines(path: str) -> int:
+    """Lines of a room's modules: a folder's own modules (not its sub-rooms), or the top-level modules."""
+    root = PACKAGE.parent / path.rstrip("/").removesuffix("/*.py")
+    files = root.glob("*.py")
+    return sum(len(file.read_text().splitlines()) for file in files)
+
+
+def test_every_room_is_within_its_budget():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| [\w/]+ \| `([^`]+)` \| [\d,]+ \| [\d,]+ \| ([\d,]+) \|", page, flags=re.MULTILINE)
+    assert len(rows) >= 14, "docs/architecture.md lost its room budgets"
+    over = {
+        path: (_room_lines(path), int(budget.replace(",", "")))
+        for path, budget in rows
+        if _room_lines(path) > int(budget.replace(",", ""))
+    }
+    assert over == {}, "a room grew past its budget: raise it in docs/architecture.md and say why, or cut"
