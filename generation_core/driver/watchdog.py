@@ -55,6 +55,9 @@ def watch(watched: int, mark: str) -> None:
     me, watched_entry, own_entry = os.getpid(), read_process(watched), read_process(os.getpid())
     if watched_entry is None or own_entry is None or os.getppid() != watched:
         return
+    # Watching now: `Watchdog.start` waits for this line, so nothing the run starts comes before it.
+    sys.stdout.write("watching\n")
+    sys.stdout.flush()
     noted: dict[int, int] = {}
     next_note = 0.0
     while os.getppid() == watched:
@@ -112,10 +115,15 @@ class Watchdog:
             [sys.executable, "-c", WATCH, str(os.getpid()), mark],
             env=environment,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        # Wait until it watches: a kill -9 right after this (the temporary Prefect server launches
+        # next) must find a watchdog already watching, not one still importing.
+        assert process.stdout is not None
+        process.stdout.readline()
+        process.stdout.close()
         previous = os.environ.get(RUN_MARK)
         os.environ[RUN_MARK] = mark
         return cls(process, previous)
