@@ -101,7 +101,8 @@ def example_part(folder, summary: dict) -> CommittedPartRef | None:
     from generation_core.store.run_folder import SUCCESS_FILE, SuccessMarker, shard_file
 
     shard = next((row["shard"] for row in summary.get("shards", []) if row["samples"]), None)
-    if shard is None:
+    # A summary whose shard has no marker (a run stopped before its done record) shows no example.
+    if shard is None or not folder.exists(shard_file(shard, SUCCESS_FILE)):
         return None
     parts = SuccessMarker.from_dict(folder.read_json(shard_file(shard, SUCCESS_FILE))).parts
     return CommittedPartRef(shard_file(shard, parts[0].name), parts[0].sha256) if parts else None
