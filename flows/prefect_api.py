@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from generation_core.console import machine_load
 from generation_core.errors import GenrunError
 from generation_core.interrupt import STOP, sigint_blocked
 
@@ -142,9 +143,9 @@ def _exited(code: int, port: int) -> str:
 
 
 def _not_answering(timeout: float) -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load, cpus = machine_load()
     return (
-        f"the temporary Prefect server did not answer within {timeout:.0f} s (load {load:.1f} on {os.cpu_count()} "
+        f"the temporary Prefect server did not answer within {timeout:.0f} s (load {load:.1f} on {cpus} "
         "CPU(s)); run the command again when the machine is less busy, or start a server (infra/prefect_server.sh) "
         "and set PREFECT_API_URL (docs/prefect.md)"
     )

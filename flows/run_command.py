@@ -136,7 +136,9 @@ def starting_line() -> str:
         f"the Prefect API at {api}" if (api := os.environ.get("PREFECT_API_URL")) else "a temporary Prefect server"
     )
     line = f"starting: checking the inputs, then {prefect} and Ray, then loading the model; the first trajectory comes after these"
-    load, cpus = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), os.cpu_count() or 1
+    from generation_core.console import machine_load
+
+    load, cpus = machine_load()
     if load > cpus:
         line += f" (this machine is busy, load {load:.1f} on {cpus} CPU(s): each takes longer)"
     return line

@@ -38,6 +38,12 @@ CHATTY_LIBRARIES = ("httpx", "httpcore", "datasets", "filelock", "urllib3", "fss
 """Libraries whose DEBUG lines would drown genrun's own even at GENRUN_LOG_LEVEL=DEBUG."""
 
 
+def machine_load() -> tuple[float, int]:
+    """(1-minute load average, CPUs): what the start-up lines and refusals name when a machine is busy
+    (the load is nan where the platform has no load average)."""
+    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")), os.cpu_count() or 1
+
+
 def log_level() -> int:
     name = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     level = logging.getLevelName(name)

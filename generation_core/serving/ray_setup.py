@@ -20,7 +20,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from generation_core.config.layout import check_cluster_resources, resolve_layout
-from generation_core.console import debug_output
+from generation_core.console import debug_output, machine_load
 from generation_core.errors import GenrunError
 from generation_core.processes import command_line, descendants, kill_and_wait, left_in_group, process_table
 from generation_core.secrets import SECRETS_ENV
@@ -162,9 +162,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _did_not_start(failure: str) -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load, cpus = machine_load()
     return (
-        f"Ray's local node did not start, twice ({failure}) at a load of {load:.1f} on {os.cpu_count()} CPU(s): "
+        f"Ray's local node did not start, twice ({failure}) at a load of {load:.1f} on {cpus} CPU(s): "
         "Ray 2.60 gives its agents 15 s and its node 30 s to start, and has no setting for either; "
         "run the same command again when the machine is less busy, "
         "or start Ray separately and pass ray_kwargs.ray_init.address (docs/clusters.md)"
